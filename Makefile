@@ -1,0 +1,56 @@
+# All set-up happens here: `make demo` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck pytest bench docs docs-serve sysdeps clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python >= 3.10 is required")'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt torch
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	@$(MAKE) --no-print-directory sysdeps
+	touch $(STAMP)
+
+# Graphviz's `dot` renders execution graphs to SVG/PNG. Installed from the system's
+# packages where possible; without it DOT and JSON export still work.
+sysdeps:
+	@if command -v dot >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing graphviz (dot) from the system's packages"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null) \
+			|| echo "warning: could not install graphviz; rendering to SVG/PNG will be unavailable"; \
+	else \
+		echo "note: graphviz 'dot' not found; install it (e.g. 'apt-get install graphviz') to render graphs"; \
+	fi
+
+demo: $(STAMP)
+	$(PY) examples/tensorboard_stats.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check lightning_recorder tests examples benchmarks
+	$(PY) -m ruff format --check lightning_recorder tests examples benchmarks
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(PY) -m mkdocs serve
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache
