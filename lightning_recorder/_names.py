@@ -181,3 +181,25 @@ def check_option(name: str, value: object, allowed: Iterable[object]) -> None:
             f"Expected `{name}` to be one of {', '.join(repr(a) for a in allowed)} "
             f"but got {value!r}."
         )
+
+
+def as_module_type(source: object) -> type | tuple[type, ...] | None:
+    """The module type(s) a source names, or ``None`` when it names modules by name/pattern.
+
+    Accepts a class, a tuple of classes, ``"torch.nn.Conv2d"``, or a bare ``torch.nn`` class
+    name such as ``"Conv2d"`` (module attribute names are not capitalised, class names are).
+    """
+    if isinstance(source, type):
+        return source
+    if isinstance(source, tuple) and source and all(isinstance(t, type) for t in source):
+        return source
+    if not isinstance(source, str) or not source or is_pattern(source):
+        return None
+    last = source.rsplit(".", 1)[-1]
+    if not last[:1].isupper():
+        return None
+    try:
+        found = resolve_type(source)
+    except RecorderConfigError:
+        return None
+    return found if issubclass(found, nn.Module) else None

@@ -1,0 +1,426 @@
+"""`BaseRecorder`: the lifecycle, options and buffers every recorder shares.
+
+A recorder names a *source* (a module, a function, a parameter …), is *initialized* once (hooks or
+patches installed, gated by a flag), and *records* only while its context is active::
+
+    recorder.initialize(model)
+    with recorder:          # a fresh buffer; the flag is on
+        model(x)            # every call of the source appends one record
+    recorder.data_buffer    # still readable
+    recorder.release()      # hooks removed, patches restored
+"""
+
+from __future__ import annotations
+
+import abc
+import weakref
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType, TracebackType
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from ._hooks import HookSet
+from ._structures import (
+    Path,
+    PathKey,
+    Versions,
+    follow_path,
+    make_transform,
+    modified,
+    parse_path,
+    snapshot,
+)
+from .errors import (
+    NoRecordError,
+    NotInitializedError,
+    RecorderConfigError,
+    RecorderStateError,
+    RecordModifiedError,
+)
+
+Keep = Literal["all", "first", "last"] | int
+
+try:  # Set while the autograd engine runs a backward node (e.g. checkpoint recomputation).
+    _current_autograd_node = torch._C._current_autograd_node
+except AttributeError:  # pragma: no cover - very old torch
+
+    def _current_autograd_node() -> Any:
+        return None
+
+
+class RecordStream:
+    """The records of one source, in call order.
+
+    A recorder with an exact source has one stream; a pattern or type source has one stream per
+    matched module or parameter, each named after it.
+    """
+
+    __slots__ = ("_label", "_owner", "_records", "_versions", "name", "num_calls")
+
+    def __init__(self, name: str, owner: BaseRecorder) -> None:
+        self.name = name
+        # A weak proxy: hooks hold streams, and must not keep their recorder alive.
+        self._owner = weakref.proxy(owner)
+        self._label = repr(owner)
+        self._records: list[Any] = []
+        self._versions: list[Versions] = []
+        self.num_calls = 0
+
+    def _reset(self) -> None:
+        self._records = []
+        self._versions = []
+        self.num_calls = 0
+
+    def _check(self) -> None:
+        for idx, (record, versions) in enumerate(zip(self._records, self._versions, strict=True)):
+            if modified(record, versions):
+                raise RecordModifiedError(
+                    f"Record {idx} of {self._label} (source {self.name!r}) was modified in place "
+                    "after it was recorded, so it no longer holds what the source produced; an "
+                    "in-place operation such as ReLU(inplace=True) after the recorded module is the "
+                    "usual cause. Pass clone=True to record a copy."
+                )
+
+    @property
+    def data_buffer(self) -> list[Any]:
+        """The records, oldest first (checked for in-place modification)."""
+        self._check()
+        return self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get_record_data(self, record_idx: int = 0, data_idx: int | str | None = None) -> Any:
+        """One record; ``data_idx`` indexes into a tuple, list or arguments record."""
+        records = self._records
+        if not records:
+            raise NoRecordError(self._owner._why_empty(self.name))
+        if not -len(records) <= record_idx < len(records):
+            raise NoRecordError(
+                f"Expected `record_idx` in [-{len(records)}, {len(records) - 1}] but got "
+                f"{record_idx}: {self._label} holds {len(records)} record(s) for {self.name!r}."
+            )
+        if modified(records[record_idx], self._versions[record_idx]):
+            self._check()
+        record = records[record_idx]
+        if data_idx is None:
+            return record
+        try:
+            return record[data_idx]
+        except (IndexError, KeyError, TypeError):
+            size = f" of length {len(record)}" if hasattr(record, "__len__") else ""
+            raise NoRecordError(
+                f"Expected `data_idx` to index record {record_idx} of {self._label}, a "
+                f"{type(record).__name__}{size}, but got {data_idx!r}."
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"RecordStream({self.name!r}, records={len(self._records)})"
+
+
+def _parse_keep(keep: Keep) -> tuple[int | None, bool]:
+    """(maximum number of calls kept, whether only the latest call is kept)."""
+    if keep == "all":
+        return None, False
+    if keep == "first":
+        return 1, False
+    if keep == "last":
+        return None, True
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1:
+        return keep, False
+    raise RecorderConfigError(
+        f"Expected `keep` to be 'all', 'first', 'last' or a positive int but got {keep!r}."
+    )
+
+
+def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.removeprefix("torch.")
+    value = getattr(torch, name, None)
+    if isinstance(value, torch.dtype):
+        return value
+    raise RecorderConfigError(
+        f"Expected `dtype` to be a torch.dtype or its name (e.g. 'float16') but got {dtype!r}."
+    )
+
+
+def _parse_device(device: torch.device | str | None) -> torch.device | None:
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise RecorderConfigError(
+            f"Expected `device` to be a torch.device or a device string such as 'cpu' but got "
+            f"{device!r}."
+        ) from err
+
+
+class BaseRecorder(abc.ABC):
+    """Base class of every recorder.
+
+    A subclass implements :meth:`_prepare` (find the source, create one stream per recorded
+    name with :meth:`_add_stream`, install hooks through ``self._hooks``) and calls
+    :meth:`_capture` from its hooks.
+
+    Args:
+        source: what to record; its meaning depends on the recorder.
+        detach: record ``tensor.detach()`` (no autograd graph kept alive by the record).
+            Default ``False``: records stay attached so a loss can back-propagate through them.
+        clone: record a copy, immune to later in-place changes of the original.
+        device: move recorded tensors to this device (e.g. ``"cpu"``).
+        dtype: cast recorded floating-point tensors to this dtype (e.g. ``"float16"``).
+        keep: ``"all"`` calls (default), only the ``"first"``, only the ``"last"``, or at most
+            ``N`` calls (the first N; later calls are counted in ``num_calls`` but not kept).
+        path: a path into a structured value: a tuple index, a dict key, a dataclass or
+            ``ModelOutput`` field, an argument name, or a dotted chain such as
+            ``"hidden_states.2"``.
+    """
+
+    #: Short type name used in config dicts; set by subclasses (e.g. ``"ModuleOutputs"``).
+    short_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        detach: bool = False,
+        clone: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        keep: Keep = "all",
+        path: PathKey | Sequence[PathKey] | None = None,
+    ) -> None:
+        for flag_name, flag in (("detach", detach), ("clone", clone)):
+            if not isinstance(flag, bool):
+                raise RecorderConfigError(
+                    f"Expected `{flag_name}` to be a bool but got {type(flag).__name__} {flag!r}."
+                )
+        self.source = source
+        self.detach = detach
+        self.clone = clone
+        self.device = _parse_device(device)
+        self.dtype = _parse_dtype(dtype)
+        self.keep = keep
+        self.path: Path | None = parse_path(path)
+        self._limit, self._last = _parse_keep(keep)
+        self._transform = make_transform(detach, clone, self.device, self.dtype)
+        self._track = not clone
+        self._hooks = HookSet(repr(self))
+        self._streams: dict[str, RecordStream] = {}
+        self._recording = False
+        self._initialized = False
+        self._entered = 0
+        self._session = 0
+        self._model: torch.nn.Module | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def initialize(self, model: torch.nn.Module | None = None) -> BaseRecorder:
+        """Find the source and install what records it (inactive until the context is entered).
+
+        Initializing again for the same model does nothing; for another model, the recorder
+        moves to it. If preparing fails, nothing is left installed.
+
+        Returns:
+            The recorder itself.
+        """
+        if self._initialized and model is self._model:
+            return self
+        if self._initialized:
+            self.release()
+        self._streams = {}
+        try:
+            self._prepare(model)
+        except BaseException:
+            self._teardown()
+            self._streams = {}
+            raise
+        self._model = model
+        self._initialized = True
+        self._after_initialize()
+        return self
+
+    @abc.abstractmethod
+    def _prepare(self, model: torch.nn.Module | None) -> None:
+        """Locate the source, create streams with :meth:`_add_stream`, install hooks."""
+
+    def _add_stream(self, name: str) -> RecordStream:
+        stream = RecordStream(name, self)
+        self._streams[name] = stream
+        return stream
+
+    def _after_initialize(self) -> None:
+        """Called once streams exist (ParameterRecorder records here)."""
+
+    def _teardown(self) -> None:
+        """Remove everything installed by :meth:`_prepare`."""
+        self._hooks.remove_all()
+
+    def release(self) -> None:
+        """Stop recording, remove every hook and restore every patch. Records stay readable.
+
+        Safe to call any number of times; :meth:`initialize` may be called again afterwards.
+        """
+        self._recording = False
+        self._teardown()
+        self._initialized = False
+        self._model = None
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the recorder is initialized (hooks or patches installed)."""
+        return self._initialized
+
+    @property
+    def recording(self) -> bool:
+        """Whether the recorder is recording now (inside its context)."""
+        return self._recording
+
+    def start(self) -> None:
+        """Start recording into fresh buffers. Does nothing if already recording."""
+        if not self._initialized:
+            raise NotInitializedError(
+                f"{self!r} is not initialized: call `initialize(model)` before recording."
+            )
+        if self._recording:
+            return
+        self._session += 1
+        self._entered += 1
+        for stream in self._streams.values():
+            stream._reset()
+        self._recording = True
+        self._on_start()
+
+    def _on_start(self) -> None:
+        """Called when recording starts (ParameterRecorder records here)."""
+
+    def stop(self) -> None:
+        """Stop recording; records stay readable. Does nothing if not recording."""
+        self._recording = False
+
+    def __enter__(self) -> BaseRecorder:
+        if self._recording:
+            raise RecorderStateError(
+                f"{self!r} is already recording: recorder contexts do not nest."
+            )
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ records
+    def _capture(self, stream: RecordStream, value: Any) -> None:
+        """Store one record (hot path: called from hooks while recording)."""
+        calls = stream.num_calls
+        stream.num_calls = calls + 1
+        if self._limit is not None and calls >= self._limit:
+            return
+        if self._transform is not None:
+            value = self._transform(value)
+        versions = snapshot(value) if self._track else None
+        if self._last:
+            stream._records = [value]
+            stream._versions = [versions]
+        else:
+            stream._records.append(value)
+            stream._versions.append(versions)
+
+    def _select(self, value: Any) -> Any:
+        """Apply the ``path`` option to a raw value."""
+        path = self.path
+        return value if path is None else follow_path(value, path, repr(self))
+
+    @property
+    def streams(self) -> Mapping[str, RecordStream]:
+        """One :class:`RecordStream` per recorded source name (read-only mapping)."""
+        self._require_initialized_once()
+        return MappingProxyType(self._streams)
+
+    @property
+    def is_group(self) -> bool:
+        """Whether the source is a pattern or a type (one stream per match)."""
+        return False
+
+    def _require_initialized_once(self) -> None:
+        if not self._initialized and not self._streams:
+            raise NotInitializedError(
+                f"{self!r} has not been initialized: call `initialize(model)` first, then record "
+                "inside `with recorder:`."
+            )
+
+    def _single_stream(self, source: str | None = None) -> RecordStream:
+        self._require_initialized_once()
+        if source is not None:
+            try:
+                return self._streams[source]
+            except KeyError:
+                from ._names import suggestion
+
+                raise RecorderConfigError(
+                    f"{self!r} has no stream {source!r}. "
+                    f"{suggestion(source, self._streams, 'streams')}"
+                ) from None
+        if len(self._streams) == 1 and not self.is_group:
+            return next(iter(self._streams.values()))
+        names = ", ".join(repr(n) for n in self._streams)
+        raise RecorderStateError(
+            f"{self!r} records {len(self._streams)} sources ({names}); read one with "
+            "`recorder.streams[name]` or `get_record_data(..., source=name)`."
+        )
+
+    @property
+    def data_buffer(self) -> list[Any]:
+        """The records of the (single) source, oldest first."""
+        return self._single_stream().data_buffer
+
+    def reset_data_buffer(self) -> None:
+        """Forget every record (the recorder stays initialized)."""
+        for stream in self._streams.values():
+            stream._reset()
+
+    def get_record_data(
+        self, record_idx: int = 0, data_idx: int | str | None = None, *, source: str | None = None
+    ) -> Any:
+        """One record of the source.
+
+        Args:
+            record_idx: which call (``0`` the first, ``-1`` the latest).
+            data_idx: an index (or argument name) into a tuple, list or arguments record.
+            source: the stream to read when the recorder's source is a pattern or type.
+
+        Raises:
+            NotInitializedError: the recorder was never initialized.
+            NoRecordError: nothing was recorded, or an index is out of range.
+            RecordModifiedError: the record was modified in place after it was taken.
+        """
+        return self._single_stream(source).get_record_data(record_idx, data_idx)
+
+    def _why_empty(self, name: str) -> str:
+        if self._entered == 0:
+            return (
+                f"{self!r} has recorded nothing for {name!r} yet: records are taken only inside "
+                "`with recorder:` (or between `start()` and `stop()`)."
+            )
+        return f"{self!r} recorded nothing for {name!r} in its last context. {self._empty_hint()}"
+
+    def _empty_hint(self) -> str:
+        return "The source was never reached inside the context."
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.source!r})"
+
+    def __del__(self) -> None:
+        # A recorder dropped without release() must not leave hooks on a live model.
+        try:
+            if self._initialized:
+                self._teardown()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass

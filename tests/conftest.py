@@ -1,0 +1,29 @@
+"""Shared fixtures. Every test must leave no hook and no patch behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lightning_recorder._hooks import live_hooks
+from lightning_recorder._patching import active_patches
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:  # test helper modules (e.g. toy modules to patch)
+    sys.path.insert(0, str(TESTS))
+
+os.environ.setdefault("PL_DISABLE_FORK", "1")
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_hooks_or_patches() -> Iterator[None]:
+    """Fail any test that leaves a hook or a patch installed by this package."""
+    hooks_before, patches_before = live_hooks(), active_patches()
+    yield
+    hooks_after, patches_after = live_hooks(), active_patches()
+    assert hooks_after == hooks_before, f"hooks left behind: {hooks_after}"
+    assert patches_after == patches_before, f"patches left behind: {patches_after}"
