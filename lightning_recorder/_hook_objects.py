@@ -27,7 +27,7 @@ class RecorderHook:
         stream: the stream this hook writes to.
     """
 
-    __slots__ = ("_ref", "_stream", "__weakref__")
+    __slots__ = ("__weakref__", "_ref", "_stream")
 
     def __init__(self, recorder: BaseRecorder, stream: RecordStream) -> None:
         self._ref = weakref.ref(recorder)

@@ -17,7 +17,8 @@ class HookSet:
     """A list of removable handles, removed in reverse order, idempotently.
 
     Args:
-        owner: a short description used by :func:`live_hooks` (e.g. ``"ModuleOutputsRecorder(conv1)"``).
+        owner: a short description used by :func:`live_hooks`, such as
+            ``"ModuleOutputsRecorder(conv1)"``.
     """
 
     __slots__ = ("_handles", "owner")

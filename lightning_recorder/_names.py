@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import importlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -48,9 +48,7 @@ def named_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """``model.named_parameters()`` keyed by canonical names."""
-    return {
-        canonical_name(n): p for n, p in model.named_parameters(remove_duplicate=True)
-    }
+    return {canonical_name(n): p for n, p in model.named_parameters(remove_duplicate=True)}
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
@@ -119,7 +117,7 @@ def resolve_type(spec: str | type) -> type:
 
 
 def select(
-    items: dict[str, object],
+    items: Mapping[str, object],
     source: str | type | tuple[type, ...],
     what: str,
     *,

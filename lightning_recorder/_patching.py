@@ -71,7 +71,9 @@ def _import_prefix(path: str) -> tuple[types.ModuleType, list[str]]:
                 ) from err
             last_error = err
         except Exception as err:  # an error raised by the module's own import code
-            raise InvalidSourceError(f"Importing {name!r} for source {path!r} failed: {err}") from err
+            raise InvalidSourceError(
+                f"Importing {name!r} for source {path!r} failed: {err}"
+            ) from err
     raise InvalidSourceError(
         f"Expected `source` {path!r} to start with an importable module (as in "
         f"'pkg.module.func'), but no prefix of it imports: {last_error}"
@@ -113,10 +115,9 @@ def resolve(path: Any, want: Literal["function", "method"]) -> Target:
                 f"{module.__name__!r} (as in {example}).{hint}"
             )
         raw = _get(module, rest[0], path, "function")
-        if isinstance(raw, type) or isinstance(raw, types.ModuleType) or not callable(raw):
+        if isinstance(raw, (type, types.ModuleType)) or not callable(raw):
             hint = (
-                f" To record a method of the class use 'MethodOutputs' with "
-                f"'{path}.<method>'."
+                f" To record a method of the class use 'MethodOutputs' with '{path}.<method>'."
                 if isinstance(raw, type)
                 else ""
             )

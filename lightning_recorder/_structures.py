@@ -20,7 +20,7 @@ PathKey = int | str
 Path = tuple[PathKey, ...]
 
 
-class Arguments(tuple):  # type: ignore[type-arg]
+class Arguments(tuple):
     """The arguments of one call, in the callee's signature order.
 
     A tuple (so ``data_idx`` indexes it as in MMRazor) whose items also have names:
@@ -137,7 +137,9 @@ def parse_path(path: PathKey | Sequence[PathKey] | None) -> Path | None:
     if path is None:
         return None
     if isinstance(path, bool):
-        raise RecorderConfigError(f"Expected `path` to be an int, a str or a sequence but got {path!r}.")
+        raise RecorderConfigError(
+            f"Expected `path` to be an int, a str or a sequence but got {path!r}."
+        )
     if isinstance(path, int):
         return (path,)
     if isinstance(path, str):
@@ -165,14 +167,16 @@ def _describe(obj: Any) -> str:
     if isinstance(obj, (tuple, list)):
         return f"{type(obj).__name__} of length {len(obj)}"
     if dataclasses.is_dataclass(obj):
-        return f"{type(obj).__name__} with fields {', '.join(f.name for f in dataclasses.fields(obj))}"
+        return (
+            f"{type(obj).__name__} with fields {', '.join(f.name for f in dataclasses.fields(obj))}"
+        )
     if isinstance(obj, torch.Tensor):
         return f"Tensor of shape {tuple(obj.shape)}"
     return type(obj).__name__
 
 
 def follow_path(value: Any, path: Path, where: str) -> Any:
-    """Follow ``path`` into ``value``: tuple/list index, mapping key, dataclass field, argument name.
+    """Follow ``path`` into ``value``: an index, a mapping key, a field or an argument name.
 
     Raises:
         RecorderConfigError: a key does not exist; the message shows what does.
@@ -180,12 +184,13 @@ def follow_path(value: Any, path: Path, where: str) -> Any:
     current = value
     for depth, key in enumerate(path):
         try:
-            if isinstance(current, Arguments) or (
-                isinstance(current, Mapping) and not isinstance(key, int)
+            if (
+                isinstance(current, Arguments)
+                or (isinstance(current, Mapping) and not isinstance(key, int))
+                or (isinstance(current, (tuple, list)) and isinstance(key, int))
             ):
-                current = current[key]
-            elif isinstance(current, (tuple, list)) and isinstance(key, int):
-                current = current[key]
+                container: Any = current
+                current = container[key]
             elif isinstance(key, str) and (
                 dataclasses.is_dataclass(current) or hasattr(type(current), key)
             ):
@@ -214,8 +219,9 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return type(value)(_map_tensors(v, fn) for v in value)
     if isinstance(value, Mapping):
         items = {k: _map_tensors(v, fn) for k, v in value.items()}
+        factory: Any = type(value)
         try:
-            return type(value)(**items) if dataclasses.is_dataclass(value) else type(value)(items)
+            return factory(**items) if dataclasses.is_dataclass(value) else factory(items)
         except TypeError:
             return items
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

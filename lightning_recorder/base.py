@@ -78,8 +78,8 @@ class RecordStream:
                 raise RecordModifiedError(
                     f"Record {idx} of {self._label} (source {self.name!r}) was modified in place "
                     "after it was recorded, so it no longer holds what the source produced; an "
-                    "in-place operation such as ReLU(inplace=True) after the recorded module is the "
-                    "usual cause. Pass clone=True to record a copy."
+                    "in-place operation such as ReLU(inplace=True) after the recorded module is "
+                    "the usual cause. Pass clone=True to record a copy."
                 )
 
     @property

@@ -17,9 +17,9 @@ import torch
 
 from . import _patching
 from ._structures import Binder
-from .manager import register_recorder
 from .base import BaseRecorder, _current_autograd_node
 from .errors import RecorderConfigError
+from .manager import register_recorder
 
 __all__ = [
     "FunctionInputsRecorder",

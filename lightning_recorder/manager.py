@@ -114,9 +114,9 @@ def _option_names(cls: type[BaseRecorder]) -> list[str]:
         if init is None or klass is object:
             continue
         for p in inspect.signature(init).parameters.values():
-            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self":
-                if p.name not in names:
-                    names.append(p.name)
+            keyword = p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            if keyword and p.name != "self" and p.name not in names:
+                names.append(p.name)
     return names
 
 

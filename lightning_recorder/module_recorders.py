@@ -16,9 +16,9 @@ from torch import nn
 from ._hook_objects import RecorderHook
 from ._names import as_module_type, canonical_name, iter_tensors, named_modules, select
 from ._structures import Binder
-from .manager import register_recorder
 from .base import BaseRecorder, RecordStream, _current_autograd_node
 from .errors import RecorderConfigError
+from .manager import register_recorder
 
 __all__ = [
     "ModuleInputGradsRecorder",
@@ -240,7 +240,7 @@ class _InputGradHook(RecorderHook):
         view = tensor.view_as(tensor)
         view.register_hook(_GradSink(self, rec._session))
         if isinstance(key, int):
-            args = args[:key] + (view,) + args[key + 1 :]
+            args = (*args[:key], view, *args[key + 1 :])
         else:
             kwargs = {**kwargs, key: view}
         return args, kwargs

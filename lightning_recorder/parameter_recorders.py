@@ -13,9 +13,9 @@ from torch import nn
 
 from ._hook_objects import RecorderHook
 from ._names import named_parameters, select
-from .manager import register_recorder
 from .base import BaseRecorder, RecordStream
 from .errors import RecorderConfigError
+from .manager import register_recorder
 
 __all__ = ["ParameterGradRecorder", "ParameterRecorder"]
 
@@ -40,7 +40,7 @@ class _ParameterSource(BaseRecorder):
                 f"got {type(model).__name__}."
             )
         params = named_parameters(model)
-        names = select(params, self.source, "parameter")  # type: ignore[arg-type]
+        names = select(params, self.source, "parameter")
         return {name: params[name] for name in names}
 
     def _teardown(self) -> None:
@@ -137,4 +137,3 @@ class ParameterGradRecorder(_ParameterSource):
             "No backward reached the parameter inside the context: run `loss.backward()` inside "
             "`with recorder:`, and check that the parameter requires grad and is used."
         )
-

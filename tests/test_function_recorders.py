@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import toy_module
 import torch
+import toy_module
 
 from lightning_recorder import (
     FunctionInputsRecorder,

@@ -68,9 +68,8 @@ def test_mmrazor_parameter_example() -> None:
     assert torch.equal(r1.data_buffer[0], model.toy_conv.weight)
     assert r1.data_buffer[0] is model.toy_conv.weight
     snap = ParameterRecorder("toy_conv.weight", clone=True).initialize(model)
-    with snap:
-        with torch.no_grad():
-            model.toy_conv.weight.add_(1.0)
+    with snap, torch.no_grad():
+        model.toy_conv.weight.add_(1.0)
     assert torch.equal(snap.get_record_data() + 1.0, model.toy_conv.weight)
     r1.release()
     snap.release()
@@ -148,7 +147,10 @@ def test_release_after_exception_in_forward() -> None:
 
     model = Boom()
     manager = RecorderManager(
-        {"o": {"type": "ModuleOutputs", "source": "lin"}, "i": {"type": "ModuleInputs", "source": "lin"}}
+        {
+            "o": {"type": "ModuleOutputs", "source": "lin"},
+            "i": {"type": "ModuleInputs", "source": "lin"},
+        }
     )
     manager.initialize(model)
     with pytest.raises(RuntimeError, match="boom"), manager:
@@ -246,9 +248,11 @@ def test_path_into_dataclass_outputs(path: object, expect: object) -> None:
 def test_path_errors_name_what_exists() -> None:
     model = Holder()
     rec = ModuleOutputsRecorder("block", path="hiden").initialize(model)
-    with pytest.raises(RecorderConfigError, match=r"'hiden' does not exist.*fields logits, hidden"):
-        with rec:
-            model(torch.randn(2, 3))
+    with (
+        pytest.raises(RecorderConfigError, match=r"'hiden' does not exist.*fields logits, hidden"),
+        rec,
+    ):
+        model(torch.randn(2, 3))
     rec.release()
 
 
@@ -461,9 +465,8 @@ def test_gradients_need_backward_inside_context() -> None:
 def test_grad_of_structured_output_requires_path() -> None:
     model = Holder()
     rec = ModuleOutputGradsRecorder("block").initialize(model)
-    with pytest.raises(RecorderConfigError, match=r"holds 3 tensors; choose one with `path`"):
-        with rec:
-            model(torch.randn(2, 3))
+    with pytest.raises(RecorderConfigError, match=r"holds 3 tensors; choose one with `path`"), rec:
+        model(torch.randn(2, 3))
     rec.release()
 
 
@@ -516,7 +519,9 @@ def test_initialize_needs_a_model_and_reading_needs_initialize() -> None:
     rec = ModuleOutputsRecorder("conv1")
     with pytest.raises(NotInitializedError, match="has not been initialized"):
         _ = rec.data_buffer
-    with pytest.raises(RecorderConfigError, match=r"expected `initialize\(model\)` with an nn.Module"):
+    with pytest.raises(
+        RecorderConfigError, match=r"expected `initialize\(model\)` with an nn.Module"
+    ):
         rec.initialize()
     rec.initialize(ToyModel())
     with pytest.raises(NoRecordError, match=r"recorded nothing for 'conv1' yet.*only inside"):
