@@ -47,10 +47,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 docs-serve: $(STAMP)
-	$(PY) -m mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache
