@@ -1,0 +1,484 @@
+"""Tests of lightning_recorder.stats against direct torch computations on concatenated data."""
+
+from __future__ import annotations
+
+import doctest
+import math
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lightning_recorder.stats as stats_module
+from lightning_recorder.errors import RecorderConfigError
+from lightning_recorder.stats import (
+    STAT_NAMES,
+    FeatureStats,
+    feature_stats,
+    global_norm,
+    histogram,
+    histogram_raw_kwargs,
+    tensor_norm,
+    update_ratio,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+F64 = torch.float64
+NAN = math.nan
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([torch.zeros(0, dtype=F64), *(t.reshape(-1).to(F64) for t in tensors)])
+
+
+def reference(tensors: list[torch.Tensor], correction: int = 1) -> dict[str, torch.Tensor]:
+    """The statistics computed directly by torch on the concatenation of ``tensors``."""
+    values = _flat(tensors)
+    finite = values[torch.isfinite(values)]
+    nan = torch.tensor(NAN, dtype=F64)
+    seen = finite.numel() > 0
+    return {
+        "mean": finite.mean() if seen else nan,
+        "std": torch.std(finite, correction=correction) if finite.numel() > correction else nan,
+        "min": finite.min() if seen else nan,
+        "max": finite.max() if seen else nan,
+        "abs_mean": finite.abs().mean() if seen else nan,
+        "zero_fraction": (values == 0).sum(dtype=F64) / values.numel() if values.numel() else nan,
+        "nonfinite": (~torch.isfinite(values)).sum().to(F64),
+        "numel": torch.tensor(values.numel(), dtype=F64),
+    }
+
+
+def assert_stats(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert tuple(actual) == STAT_NAMES
+    for name in STAT_NAMES:
+        assert actual[name].dtype == F64 and actual[name].shape == (), name
+        torch.testing.assert_close(
+            actual[name], expected[name].to(F64), rtol=1e-9, atol=1e-9, equal_nan=True, msg=name
+        )
+
+
+def streamed(batches: list[torch.Tensor], correction: int = 1) -> dict[str, torch.Tensor]:
+    metric = FeatureStats(correction=correction)
+    for batch in batches:
+        metric.update(batch)
+    return metric.compute()
+
+
+def with_specials(x: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = x.clone().reshape(-1)
+    idx = torch.randperm(x.numel(), generator=g)
+    x[idx[:3]] = 0.0
+    x[idx[3:5]] = NAN
+    x[idx[5:6]] = math.inf
+    x[idx[6:7]] = -math.inf
+    return x
+
+
+# --- FeatureStats ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_shapes_match_torch(dtype: torch.dtype, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for i in range(5):
+        shape = tuple(
+            int(s)
+            for s in torch.randint(
+                1, 6, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g
+            )
+        )
+        x = torch.randn(shape, generator=g, dtype=dtype) * 100 + 1e4 * seed
+        batches.append(with_specials(x, seed * 10 + i) if x.numel() > 7 else x)
+    for correction in (0, 1):
+        assert_stats(streamed(batches, correction), reference(batches, correction))
+
+
+finite_floats = st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False)
+elements = st.one_of(finite_floats, st.sampled_from([0.0, NAN, math.inf, -math.inf]))
+batch_lists = st.lists(st.lists(elements, max_size=25), max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch_lists, st.sampled_from([0, 1, 2]))
+def test_property_streamed_equals_torch(lists: list[list[float]], correction: int) -> None:
+    batches = [torch.tensor(b, dtype=F64) for b in lists]
+    assert_stats(streamed(batches, correction), reference(batches, correction))
+    # One update of the concatenation gives the same result as the stream.
+    assert_stats(feature_stats(_flat(batches), correction), reference(batches, correction))
+
+
+def test_chunked_updates_equal_single_update() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 7 + 1e5
+    sizes = [1, 0, 13, 250, 36, 700]
+    assert_stats(streamed(list(torch.split(x, sizes))), streamed([x]))
+
+
+def test_naive_sum_of_squares_would_fail() -> None:
+    # Large offset, small spread: sum(x^2) - sum(x)^2/n cancels catastrophically in float64.
+    x = 1e9 + torch.arange(1000, dtype=F64) * 1e-3
+    out = streamed(list(torch.split(x, 7)))
+    torch.testing.assert_close(out["std"], torch.std(x), rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_is_upcast(dtype: torch.dtype) -> None:
+    x = torch.full((4000,), 60000.0).to(dtype)  # its sum overflows float16
+    x[:10] = -1.5
+    out = streamed([x, x[:7]])
+    assert_stats(out, reference([x, x[:7]]))
+    assert math.isfinite(out["mean"].item()) and math.isfinite(out["std"].item())
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.tensor([[1, 0, -3], [7, 0, 2]]),
+        torch.tensor([3, 250, 0], dtype=torch.uint8),
+        torch.tensor([True, False, True, True]),
+    ],
+    ids=["int64", "uint8", "bool"],
+)
+def test_integer_and_bool_input(x: torch.Tensor) -> None:
+    assert_stats(streamed([x, x]), reference([x, x]))
+
+
+def test_empty_and_no_data() -> None:
+    empty = reference([])
+    assert empty["numel"].item() == 0 and math.isnan(empty["zero_fraction"].item())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even torchmetrics' "compute before update" warning
+        assert_stats(FeatureStats().compute(), empty)
+        assert_stats(streamed([torch.empty(0, 3)]), empty)
+        no_finite = streamed([torch.tensor([NAN, math.inf, -math.inf])])
+    for name in ("mean", "std", "min", "max", "abs_mean"):
+        assert math.isnan(no_finite[name].item()), name
+    assert no_finite["nonfinite"].item() == no_finite["numel"].item() == 3
+    assert no_finite["zero_fraction"].item() == 0.0
+    assert math.isnan(streamed([torch.tensor([5.0])])["std"].item())
+    assert streamed([torch.tensor([5.0])], correction=0)["std"].item() == 0.0
+
+
+def test_reset_and_fixed_size_state() -> None:
+    metric = FeatureStats()
+    for _ in range(20):
+        metric.update(torch.randn(64, 3))
+    assert list(metric.metric_state) == ["packed"]
+    assert metric.packed.shape == (9,) and metric.packed.dtype == F64
+    metric.reset()
+    assert_stats(metric.compute(), reference([]))
+    y = torch.tensor([1.0, -2.0, 0.0])
+    metric.update(y)
+    assert_stats(metric.compute(), reference([y]))
+
+
+def test_update_never_reads_values_on_host() -> None:
+    # Meta tensors have no values: any .item()/.tolist() or data-dependent shape would raise.
+    metric = FeatureStats().to("meta")
+    metric.update(torch.empty(4, 5, device="meta"))
+    metric.update(torch.empty(3, dtype=torch.float16, device="meta"))
+    assert metric.packed.device.type == "meta"
+    assert metric.compute()["mean"].device.type == "meta"
+    counts, edges = histogram(torch.empty(10, device="meta"), bins=8)
+    assert counts.shape == (8,) and edges.shape == (9,) and counts.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_host_sync_on_cuda() -> None:
+    metric = FeatureStats().to("cuda")
+    x = with_specials(torch.randn(1000), 9).to("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in (x, x.half(), x[:0], x.to(torch.int32)):
+            metric.update(batch)
+        out = metric.compute()
+        counts, edges = histogram(x, bins=32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_stats(
+        {k: v.cpu() for k, v in out.items()},
+        streamed([t.cpu() for t in (x, x.half(), x[:0], x.to(torch.int32))]),
+    )
+    assert counts.sum().item() == torch.isfinite(x).sum().item() and edges.is_cuda
+
+
+def test_inference_mode_state_updated_later_in_training() -> None:
+    x, y = torch.randn(10), torch.randn(7)
+    with torch.inference_mode():
+        metric = FeatureStats()
+        metric.update(x)
+        assert_stats(metric.compute(), reference([x]))
+        metric.reset()
+        metric.update(x)
+        assert metric.packed.is_inference()
+    metric.update(y)  # used to raise "Inplace update to inference tensor outside InferenceMode"
+    assert_stats(metric.compute(), reference([x, y]))
+    metric.reset()
+    metric.update(y)
+    assert_stats(metric.compute(), reference([y]))
+
+    created_outside = FeatureStats()
+    created_outside.update(x)
+    with torch.inference_mode():
+        created_outside.update(y)
+        created_outside.compute()
+    created_outside.update(x)
+    assert_stats(created_outside.compute(), reference([x, y, x]))
+
+
+def test_forward_and_merge_state() -> None:
+    a, b = torch.randn(30), torch.randn(12) * 3 + 2
+    metric = FeatureStats()
+    assert_stats(metric(a), reference([a]))  # forward: statistics of the batch
+    assert_stats(metric(b), reference([b]))
+    assert_stats(metric.compute(), reference([a, b]))
+    other = FeatureStats()
+    other.update(a)
+    metric.merge_state(other)
+    assert_stats(metric.compute(), reference([a, b, a]))
+    metric.merge_state(other.metric_state)
+    assert_stats(metric.compute(), reference([a, b, a, a]))
+
+
+def test_state_follows_device_and_keeps_float64() -> None:
+    metric = FeatureStats().half()  # torchmetrics does not convert state dtypes implicitly
+    metric.update(torch.randn(5))
+    assert metric.packed.dtype == F64 and metric.packed.device == metric.device
+
+
+def test_errors() -> None:
+    metric = FeatureStats()
+    with pytest.raises(
+        RecorderConfigError, match=r"Expected `x` to be a torch.Tensor but got list"
+    ):
+        metric.update([1.0, 2.0])  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `x` to have a real dtype but got "):
+        metric.update(torch.ones(2, dtype=torch.complex64))
+    for bad in (-1, True, 0.5):
+        with pytest.raises(
+            RecorderConfigError, match=r"Expected `correction` to be a non-negative integer but"
+        ):
+            FeatureStats(correction=bad)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `correction` to be a non-negative"):
+        feature_stats(torch.ones(2), correction=-2)
+    for bad_bins in (0, -3, 2.0, True):
+        with pytest.raises(
+            RecorderConfigError, match=r"Expected `bins` to be a positive integer but got"
+        ):
+            histogram(torch.ones(3), bins=bad_bins)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `x` to be a torch.Tensor but got"):
+        histogram_raw_kwargs(None, 4)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Unexpected keyword arguments: `bogus`"):
+        FeatureStats(bogus=1)
+
+
+# --- histograms -----------------------------------------------------------------------------
+
+
+def check_histogram(values: torch.Tensor, bins: int) -> None:
+    counts, edges = histogram(values, bins)
+    finite = values.reshape(-1).to(F64)
+    finite = finite[torch.isfinite(finite)]
+    assert counts.shape == (bins,) and edges.shape == (bins + 1,)
+    assert counts.sum().item() == finite.numel()
+    lo, hi = (finite.min().item(), finite.max().item()) if finite.numel() else (0.0, 1.0)
+    if lo == hi:
+        lo, hi = lo - 0.5, hi + 0.5
+    assert edges[0].item() == lo and edges[-1].item() == hi
+    torch.testing.assert_close(edges, torch.histogram(finite, bins, range=(lo, hi))[1])
+    # Same bucket rule as torch.histogram, exactly, given the edges.
+    assert torch.equal(counts, torch.histogram(finite, edges).hist)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch_lists, st.integers(1, 12))
+def test_property_histogram_matches_torch(lists: list[list[float]], bins: int) -> None:
+    check_histogram(_flat([torch.tensor(b, dtype=F64) for b in lists]), bins)
+
+
+def test_histogram_random_and_edge_cases() -> None:
+    x = with_specials(torch.randn(5000, generator=torch.Generator().manual_seed(5)), 5)
+    check_histogram(x, 64)
+    finite = x[torch.isfinite(x)].double()
+    lo, hi = finite.min().item(), finite.max().item()
+    assert torch.equal(histogram(x, 64)[0], torch.histogram(finite, 64, range=(lo, hi)).hist)
+    check_histogram(torch.full((3, 3), 2.5), 4)  # one value: range [v - 0.5, v + 0.5]
+    check_histogram(torch.arange(9), 4)  # integer values exactly on edges
+    check_histogram(torch.tensor([1.0, 1.0, 1.0], dtype=torch.float16), 1)
+    counts, edges = histogram(torch.tensor([NAN, -math.inf]), 4)
+    assert counts.tolist() == [0.0] * 4 and edges.tolist() == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert histogram_raw_kwargs(torch.tensor([NAN, math.inf]), 4) is None
+    assert histogram_raw_kwargs(torch.empty(0), 4) is None
+
+
+def test_histogram_raw_kwargs_values() -> None:
+    x = with_specials(torch.randn(300, generator=torch.Generator().manual_seed(6)), 6)
+    finite = x[torch.isfinite(x)].double()
+    kw = histogram_raw_kwargs(x, bins=10)
+    assert kw is not None
+    counts, edges = histogram(x, 10)
+    assert kw["num"] == finite.numel() == 300 - 4
+    assert kw["min"] == finite.min().item() and kw["max"] == finite.max().item()
+    assert kw["sum"] == pytest.approx(finite.sum().item(), rel=1e-12, abs=1e-9)
+    assert kw["sum_squares"] == pytest.approx(finite.square().sum().item(), rel=1e-12)
+    assert kw["bucket_limits"] == edges.tolist()
+    assert kw["bucket_counts"] == [0.0, *counts.tolist()]
+
+
+def test_histogram_raw_kwargs_written_to_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    x = with_specials(torch.randn(40, 25, generator=torch.Generator().manual_seed(7)) * 3, 7)
+    finite = x[torch.isfinite(x)].double()
+    kw = histogram_raw_kwargs(x, bins=16)
+    assert kw is not None
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    writer.add_histogram_raw("layer/act", global_step=3, **kw)
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})
+    events.Reload()
+    (event,) = events.Histograms("layer/act")
+    value = event.histogram_value
+    assert event.step == 3
+    assert value.num == finite.numel() == 1000 - 4
+    assert value.min == pytest.approx(finite.min().item())
+    assert value.max == pytest.approx(finite.max().item())
+    assert value.sum == pytest.approx(finite.sum().item())
+    assert sum(value.bucket) == finite.numel()
+    assert list(value.bucket_limit) == pytest.approx(kw["bucket_limits"])
+
+
+# --- norms ----------------------------------------------------------------------------------
+
+
+def test_norms() -> None:
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(4, 5, generator=g, dtype=F64), torch.randn(3, generator=g, dtype=F64)
+    assert tensor_norm(a).dtype == F64
+    torch.testing.assert_close(tensor_norm(a), torch.linalg.vector_norm(a))
+    big = torch.full((300,), 60000.0, dtype=torch.float16)  # the float16 norm overflows
+    assert tensor_norm(big).dtype == torch.float32
+    assert tensor_norm(big).item() == pytest.approx(60000.0 * math.sqrt(300), rel=1e-6)
+    assert tensor_norm(torch.tensor([3, 4])).item() == 5.0
+    assert tensor_norm(torch.empty(0)).item() == 0.0
+    torch.testing.assert_close(
+        global_norm([a, b]), torch.linalg.vector_norm(torch.cat([a.flatten(), b]))
+    )
+    assert global_norm([]).item() == 0.0
+    assert global_norm(iter([torch.tensor([3.0]), torch.tensor([4.0])])).item() == 5.0
+
+    after = a + 0.01 * torch.randn(4, 5, generator=g, dtype=F64)
+    expected = torch.linalg.vector_norm(after - a) / torch.linalg.vector_norm(a)
+    torch.testing.assert_close(update_ratio(a, after), expected)
+    zero = torch.zeros(3)
+    assert update_ratio(zero, zero).item() == 0.0
+    assert math.isfinite(update_ratio(zero, torch.ones(3)).item())
+    with pytest.raises(
+        RecorderConfigError, match=r"Expected `after` to have the shape of `before`, \(4, 5\), "
+    ):
+        update_ratio(a, b)
+    with pytest.raises(RecorderConfigError, match=r"Expected `eps` to be a non-negative number"):
+        update_ratio(a, a, eps=-1.0)
+    with pytest.raises(RecorderConfigError, match=r"Expected `before` to be a torch.Tensor but"):
+        update_ratio(1.0, a)  # type: ignore[arg-type]
+
+
+def test_docstring_examples() -> None:
+    result = doctest.testmod(stats_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 15 and result.failed == 0
+
+
+# --- two processes --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_processes_gloo(tmp_path: Path) -> None:
+    script = Path(__file__).with_name("_ddp_stats_script.py")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), "2", str(port), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=120)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, output in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, output
+
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    data = [r["data"] for r in results]
+    batches = data[0]["batches"] + data[1]["batches"]
+    extras = data[0]["extra"] + data[1]["extra"]
+    everything = _flat(batches)
+    finite = everything[torch.isfinite(everything)]
+    lo, hi = finite.min().item(), finite.max().item()
+    assert not torch.equal(
+        data[0]["batches"][0], data[1]["batches"][0][: len(data[0]["batches"][0])]
+    )
+
+    for rank, res in enumerate(results):
+        assert_stats(res["stats"], reference(batches))
+        assert_stats(res["population"], reference(batches, correction=0))
+        assert_stats(res["stats_extra"], reference(batches + extras))
+        assert_stats(res["only_first"], reference([data[0]["batches"][0]]))
+        counts, edges = res["hist"]
+        assert edges[0].item() == lo and edges[-1].item() == hi, rank
+        assert counts.sum().item() == finite.numel()
+        assert torch.equal(counts, torch.histogram(finite, edges).hist)
+        only_first = _flat(data[0]["batches"])
+        counts0, edges0 = res["hist_only_first"]
+        assert torch.equal(
+            counts0, torch.histogram(only_first[torch.isfinite(only_first)], edges0).hist
+        )
+        assert res["raw"]["num"] == finite.numel() and res["raw"]["min"] == lo
+        assert res["raw"]["max"] == hi and res["raw"]["bucket_counts"][1:] == counts.tolist()
+        assert res["raw"] == results[0]["raw"]  # identical on every rank
+        local = _flat(data[rank]["batches"])
+        assert res["raw_local"]["num"] == torch.isfinite(local).sum().item()
+        assert res["raw_no_finite"] is None
+
+
+def test_pickle_and_state_dict(tmp_path: Path) -> None:
+    x = torch.randn(20)
+    metric = FeatureStats(correction=0)
+    metric.update(x)
+    restored = pickle.loads(pickle.dumps(metric))
+    restored.update(x)
+    assert_stats(restored.compute(), reference([x, x], correction=0))
+    metric.persistent(True)
+    torch.save(metric.state_dict(), tmp_path / "stats.pt")
+    fresh = FeatureStats(correction=0)
+    fresh.load_state_dict(torch.load(tmp_path / "stats.pt", weights_only=True))
+    assert_stats(fresh.compute(), reference([x], correction=0))
