@@ -2,6 +2,7 @@
 
 from ._structures import Arguments
 from .base import BaseRecorder, RecordStream
+from .connectors import build_connector, resolve_connector
 from .errors import (
     DuplicateNameError,
     InvalidSourceError,
@@ -20,6 +21,19 @@ from .function_recorders import (
     MethodInputsRecorder,
     MethodOutputsRecorder,
 )
+from .losses import (
+    AttentionTransferLoss,
+    CosineLoss,
+    KLDivLoss,
+    L1Loss,
+    MSELoss,
+    attention_transfer_loss,
+    cosine_loss,
+    get_loss,
+    kl_div_loss,
+    l1_loss,
+    mse_loss,
+)
 from .manager import RecorderManager, build_recorder, recorder_types, register_recorder
 from .module_recorders import (
     ModuleInputGradsRecorder,
@@ -28,16 +42,33 @@ from .module_recorders import (
     ModuleOutputsRecorder,
 )
 from .parameter_recorders import ParameterGradRecorder, ParameterRecorder
+from .stats import (
+    STAT_NAMES,
+    FeatureStats,
+    feature_stats,
+    global_norm,
+    histogram,
+    histogram_raw_kwargs,
+    tensor_norm,
+    update_ratio,
+)
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "STAT_NAMES",
     "Arguments",
+    "AttentionTransferLoss",
     "BaseRecorder",
+    "CosineLoss",
     "DuplicateNameError",
+    "FeatureStats",
     "FunctionInputsRecorder",
     "FunctionOutputsRecorder",
     "InvalidSourceError",
+    "KLDivLoss",
+    "L1Loss",
+    "MSELoss",
     "MethodInputsRecorder",
     "MethodOutputsRecorder",
     "ModuleInputGradsRecorder",
@@ -57,7 +88,21 @@ __all__ = [
     "UnknownRecorderTypeError",
     "UnknownSourceError",
     "__version__",
+    "attention_transfer_loss",
+    "build_connector",
     "build_recorder",
+    "cosine_loss",
+    "feature_stats",
+    "get_loss",
+    "global_norm",
+    "histogram",
+    "histogram_raw_kwargs",
+    "kl_div_loss",
+    "l1_loss",
+    "mse_loss",
     "recorder_types",
     "register_recorder",
+    "resolve_connector",
+    "tensor_norm",
+    "update_ratio",
 ]
