@@ -21,6 +21,7 @@ from .function_recorders import (
     MethodInputsRecorder,
     MethodOutputsRecorder,
 )
+from .graph import ExecutionGraph, GraphEdge, GraphNode, GraphRecorder, record_graph
 from .losses import (
     AttentionTransferLoss,
     CosineLoss,
@@ -62,9 +63,13 @@ __all__ = [
     "BaseRecorder",
     "CosineLoss",
     "DuplicateNameError",
+    "ExecutionGraph",
     "FeatureStats",
     "FunctionInputsRecorder",
     "FunctionOutputsRecorder",
+    "GraphEdge",
+    "GraphNode",
+    "GraphRecorder",
     "InvalidSourceError",
     "KLDivLoss",
     "L1Loss",
@@ -100,6 +105,7 @@ __all__ = [
     "kl_div_loss",
     "l1_loss",
     "mse_loss",
+    "record_graph",
     "recorder_types",
     "register_recorder",
     "resolve_connector",
