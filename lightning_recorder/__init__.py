@@ -2,6 +2,13 @@
 
 from ._structures import Arguments
 from .base import BaseRecorder, RecordStream
+from .bulk import (
+    CollectedRecord,
+    ForwardInputsCollector,
+    ForwardOutputsCollector,
+    OutputGradsCollector,
+    load_collected,
+)
 from .connectors import build_connector, resolve_connector
 from .errors import (
     DuplicateNameError,
@@ -22,6 +29,7 @@ from .function_recorders import (
     MethodOutputsRecorder,
 )
 from .graph import ExecutionGraph, GraphEdge, GraphNode, GraphRecorder, record_graph
+from .inspector import Inspector
 from .losses import (
     AttentionTransferLoss,
     CosineLoss,
@@ -61,15 +69,19 @@ __all__ = [
     "Arguments",
     "AttentionTransferLoss",
     "BaseRecorder",
+    "CollectedRecord",
     "CosineLoss",
     "DuplicateNameError",
     "ExecutionGraph",
     "FeatureStats",
+    "ForwardInputsCollector",
+    "ForwardOutputsCollector",
     "FunctionInputsRecorder",
     "FunctionOutputsRecorder",
     "GraphEdge",
     "GraphNode",
     "GraphRecorder",
+    "Inspector",
     "InvalidSourceError",
     "KLDivLoss",
     "L1Loss",
@@ -82,6 +94,7 @@ __all__ = [
     "ModuleOutputsRecorder",
     "NoRecordError",
     "NotInitializedError",
+    "OutputGradsCollector",
     "ParameterGradRecorder",
     "ParameterRecorder",
     "RecordModifiedError",
@@ -104,6 +117,7 @@ __all__ = [
     "histogram_raw_kwargs",
     "kl_div_loss",
     "l1_loss",
+    "load_collected",
     "mse_loss",
     "record_graph",
     "recorder_types",
