@@ -9,6 +9,7 @@ from .bulk import (
     OutputGradsCollector,
     load_collected,
 )
+from .callback import RecorderCallback
 from .connectors import build_connector, resolve_connector
 from .errors import (
     DuplicateNameError,
@@ -61,6 +62,7 @@ from .stats import (
     tensor_norm,
     update_ratio,
 )
+from .stats_monitor import FeatureStatsMonitor
 
 __version__ = "0.1.0.dev0"
 
@@ -74,6 +76,7 @@ __all__ = [
     "DuplicateNameError",
     "ExecutionGraph",
     "FeatureStats",
+    "FeatureStatsMonitor",
     "ForwardInputsCollector",
     "ForwardOutputsCollector",
     "FunctionInputsRecorder",
@@ -99,6 +102,7 @@ __all__ = [
     "ParameterRecorder",
     "RecordModifiedError",
     "RecordStream",
+    "RecorderCallback",
     "RecorderConfigError",
     "RecorderError",
     "RecorderManager",

@@ -24,12 +24,22 @@ _MISSING = object()
 Kind = Literal["function", "method", "staticmethod", "classmethod"]
 
 
+#: Returned by a :attr:`Sink.replace` callable to let the original run.
+CALL_ORIGINAL: Any = object()
+
+
 @dataclass
 class Sink:
-    """What a recorder wants to see of each call: arguments before, result after."""
+    """What a recorder wants to see of each call: arguments before, result after.
+
+    ``replace`` (optional, used by deliveries) runs after every ``before`` and may return the
+    call's result instead of running the original, or :data:`CALL_ORIGINAL` to run it. The first
+    sink that replaces wins; ``after`` sinks then see the result either way.
+    """
 
     before: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None
     after: Callable[[tuple[Any, ...], dict[str, Any], Any], None] | None = None
+    replace: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
 
 
 @dataclass
@@ -39,6 +49,11 @@ class Patch:
     original: Any  # the raw attribute in owner.__dict__, or _MISSING if inherited
     installed: Any
     sinks: tuple[Sink, ...] = field(default_factory=tuple)
+    replacers: tuple[Callable[[tuple[Any, ...], dict[str, Any]], Any], ...] = ()
+
+    def set_sinks(self, sinks: tuple[Sink, ...]) -> None:
+        self.sinks = sinks
+        self.replacers = tuple(s.replace for s in sinks if s.replace is not None)
 
 
 _ACTIVE: dict[tuple[int, str], Patch] = {}
@@ -157,13 +172,20 @@ def _make_wrapper(target: Target, patch_box: list[Patch]) -> Any:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        sinks = patch_box[0].sinks
+        patch = patch_box[0]
+        sinks = patch.sinks
         if not sinks:
             return func(*args, **kwargs)
         for sink in sinks:
             if sink.before is not None:
                 sink.before(args, kwargs)
-        result = func(*args, **kwargs)
+        result = CALL_ORIGINAL
+        for replace in patch.replacers:
+            result = replace(args, kwargs)
+            if result is not CALL_ORIGINAL:
+                break
+        if result is CALL_ORIGINAL:
+            result = func(*args, **kwargs)
         for sink in sinks:
             if sink.after is not None:
                 sink.after(args, kwargs, result)
@@ -188,7 +210,7 @@ def acquire(target: Target, sink: Sink) -> None:
         box.append(patch)
         setattr(target.owner, target.attr, installed)
         _ACTIVE[key] = patch
-    patch.sinks = (*patch.sinks, sink)
+    patch.set_sinks((*patch.sinks, sink))
 
 
 def release(target: Target, sink: Sink) -> None:
@@ -197,7 +219,7 @@ def release(target: Target, sink: Sink) -> None:
     patch = _ACTIVE.get(key)
     if patch is None or sink not in patch.sinks:
         return
-    patch.sinks = tuple(s for s in patch.sinks if s is not sink)
+    patch.set_sinks(tuple(s for s in patch.sinks if s is not sink))
     if patch.sinks:
         return
     del _ACTIVE[key]

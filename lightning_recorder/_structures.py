@@ -260,10 +260,17 @@ Versions = int | list[tuple[torch.Tensor, int]] | None
 
 
 def snapshot(value: Any) -> Versions:
-    """The version counters of the tensors in ``value`` (``None`` when it holds none)."""
+    """The version counters of the tensors in ``value`` (``None`` when it holds none).
+
+    Inference tensors (made under ``torch.inference_mode()``) have no version counter and are
+    left out: their in-place changes cannot be detected.
+    """
     if isinstance(value, torch.Tensor):
-        return value._version
-    pairs = [(t, t._version) for t in iter_tensors(value)]
+        try:
+            return value._version
+        except RuntimeError:  # an inference tensor
+            return None
+    pairs = [(t, t._version) for t in iter_tensors(value) if not t.is_inference()]
     return pairs or None
 
 

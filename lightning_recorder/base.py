@@ -95,7 +95,11 @@ class RecordStream:
         """One record; ``data_idx`` indexes into a tuple, list or arguments record."""
         records = self._records
         if not records:
-            raise NoRecordError(self._owner._why_empty(self.name))
+            try:
+                why = self._owner._why_empty(self.name)
+            except ReferenceError:  # the recorder is gone; the stream outlived it
+                why = f"{self._label} recorded nothing for {self.name!r}."
+            raise NoRecordError(why)
         if not -len(records) <= record_idx < len(records):
             raise NoRecordError(
                 f"Expected `record_idx` in [-{len(records)}, {len(records) - 1}] but got "

@@ -11,6 +11,7 @@ and restored at :meth:`release`; several recorders can share one function.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -49,27 +50,32 @@ class _CallableRecorder(BaseRecorder):
         target = _patching.resolve(self.source, self._want)
         stream = self._add_stream(self.source)
         drops_first = target.kind in ("method", "classmethod")
+        # The patch is global: it holds the recorder weakly, so a recorder dropped without
+        # release() is collected and its __del__ restores the function.
+        ref = weakref.ref(self)
         if self._record == "inputs":
             self._binder = Binder(target.func, drop_first=drops_first)
             binder = self._binder
 
             def before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-                if not self._recording or _current_autograd_node() is not None:
+                rec = ref()
+                if rec is None or not rec._recording or _current_autograd_node() is not None:
                     return
                 value: Any = binder(args[1:] if drops_first else args, kwargs)
-                if self.path is not None:
-                    value = self._select(value)
-                self._capture(stream, value)
+                if rec.path is not None:
+                    value = rec._select(value)
+                rec._capture(stream, value)
 
             sink = _patching.Sink(before=before)
         else:
 
             def after(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
-                if not self._recording or _current_autograd_node() is not None:
+                rec = ref()
+                if rec is None or not rec._recording or _current_autograd_node() is not None:
                     return
-                if self.path is not None:
-                    result = self._select(result)
-                self._capture(stream, result)
+                if rec.path is not None:
+                    result = rec._select(result)
+                rec._capture(stream, result)
 
             sink = _patching.Sink(after=after)
         _patching.acquire(target, sink)

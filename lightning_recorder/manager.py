@@ -255,9 +255,17 @@ class RecorderManager:
         return any(r.recording for r in self._recorders.values())
 
     def start(self) -> None:
-        """Start every recorder (idempotent)."""
-        for recorder in self._recorders.values():
-            recorder.start()
+        """Start every recorder (idempotent); if one cannot start, none is left recording."""
+        started: list[BaseRecorder] = []
+        try:
+            for recorder in self._recorders.values():
+                if not recorder.recording:
+                    recorder.start()
+                    started.append(recorder)
+        except BaseException:
+            for recorder in reversed(started):
+                recorder.stop()
+            raise
 
     def stop(self) -> None:
         """Stop every recorder (idempotent); records stay readable."""

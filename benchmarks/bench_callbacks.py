@@ -1,0 +1,239 @@
+"""Overhead of `FeatureStatsMonitor` on a training loop, measured side by side in one run.
+
+The CNN of ``examples/tensorboard_stats.py`` trains on scikit-learn's digits twice per repeat:
+once with a ``FeatureStatsMonitor`` on every ``Conv2d`` and ``Linear`` output (parameters and
+histograms included) logging every 50 steps, once with the same Trainer without it. Both write to
+a TensorBoard logger with ``log_every_n_steps=50``. Repeats alternate the order (AB, BA, …); a
+timing callback stamps every ``on_train_batch_start``, so a step's time covers everything between
+two batch starts (data, forward, backward, optimizer, every callback, logging).
+
+Per repeat, over steps 50-299 (five logging periods, warm-up excluded), on the wall clock and on
+the process's CPU clock (which other processes of a shared machine do not disturb):
+
+* **amortised** — the mean step time, logging steps included;
+* **non-logging step** — the median time of a step that logs nothing;
+* **logging step** — the median time of a step on which the monitor logs (Lightning's own
+  ``log_every_n_steps`` logging happens on the same steps in both runs).
+
+Ratios monitored / baseline are taken per repeat and their median is reported. Memory: a
+separate process trains with the monitor for 2,000 steps and compares its peak RSS after step
+2,000 with that after step 200.
+
+Run ``python benchmarks/bench_callbacks.py`` (``--quick`` for a smoke run). Timings use one CPU
+thread (``torch.set_num_threads(1)``) to keep the noise of a shared machine down, and batches of
+128 digits (``--batch-size``; the example trains with 32), so that a step is long enough to time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from tensorboard_stats import DigitsCNN, digits_loaders  # noqa: E402
+
+from lightning_recorder import FeatureStatsMonitor  # noqa: E402
+
+EVERY = 50
+LIMITS = {"amortised": 1.03, "non-logging step": 1.01, "logging step": 1.5, "peak RSS": 1.02}
+
+
+class _StepTimer(pl.Callback):
+    """Stamps each training batch start (wall and CPU clocks); the peak RSS at chosen steps."""
+
+    def __init__(self, rss_at: Sequence[int] = ()) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.rss_at = set(rss_at)
+        self.rss: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        step = len(self.wall) - 1
+        if step in self.rss_at:
+            self.rss[step] = _peak_rss_kib()
+
+
+def _peak_rss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _loader(steps: int, batch_size: int) -> DataLoader:
+    """The digits training set repeated, so that a run stays inside one epoch."""
+    train, _ = digits_loaders(batch_size=batch_size)
+    x, y = train.dataset.tensors  # type: ignore[attr-defined]
+    repeat = 1 + steps * batch_size // len(x)
+    data = TensorDataset(x.repeat(repeat, 1, 1, 1), y.repeat(repeat))
+    return DataLoader(data, batch_size=batch_size, shuffle=True)
+
+
+def _run(
+    monitored: bool, steps: int, batch_size: int, root: str, rss_at: Sequence[int] = ()
+) -> _StepTimer:
+    pl.seed_everything(0, verbose=False)
+    timer = _StepTimer(rss_at)
+    callbacks: list[pl.Callback] = [timer]
+    if monitored:
+        callbacks.append(FeatureStatsMonitor([nn.Conv2d, nn.Linear], every_n_steps=EVERY))
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=TensorBoardLogger(root, name="bench"),
+        callbacks=callbacks,
+        log_every_n_steps=EVERY,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(DigitsCNN(), _loader(steps, batch_size))
+    return timer
+
+
+def _summary(stamps: list[float], window: range) -> dict[str, float]:
+    times = [b - a for a, b in itertools.pairwise(stamps)]
+    logging = [times[k] for k in window if (k + 1) % EVERY == 0]
+    quiet = [times[k] for k in window if (k + 1) % EVERY != 0]
+    return {
+        "amortised": statistics.fmean(times[k] for k in window),
+        "non-logging step": statistics.median(quiet),
+        "logging step": statistics.median(logging),
+    }
+
+
+def _rss_child(steps: int, batch_size: int) -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as root:
+        timer = _run(True, steps + 1, batch_size, root, rss_at=(200, steps))
+    print(json.dumps({"after_200": timer.rss[200], "after_last": timer.rss[steps]}))
+
+
+def measure(
+    repeats: int = 7, periods: int = 5, batch_size: int = 128, rss_steps: int = 2000
+) -> dict[str, Any]:
+    """Run the benchmark; return per-clock medians, ratios and the RSS figures."""
+    torch.set_num_threads(1)
+    window = range(EVERY, EVERY * (periods + 1))  # whole logging periods after a warm-up
+    steps = window.stop + 2
+    keys = ("amortised", "non-logging step", "logging step")
+    per: dict[str, dict[str, list[dict[str, float]]]] = {
+        clock: {"monitor": [], "baseline": []} for clock in ("wall", "cpu")
+    }
+    ratios = {clock: {k: [] for k in keys} for clock in ("wall", "cpu")}
+    with tempfile.TemporaryDirectory() as root:
+        _run(True, 2 * EVERY, batch_size, root)  # warm up imports, allocator, TensorBoard
+        for r in range(repeats):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            timers = {m: _run(m, steps, batch_size, root) for m in order}
+            for clock in ("wall", "cpu"):
+                got = {m: _summary(getattr(t, clock), window) for m, t in timers.items()}
+                per[clock]["monitor"].append(got[True])
+                per[clock]["baseline"].append(got[False])
+                for key in keys:
+                    ratios[clock][key].append(got[True][key] / got[False][key])
+    root_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    child = subprocess.run(
+        [sys.executable, __file__, "--rss-child", str(rss_steps), "--batch-size", str(batch_size)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root_path},
+        check=True,
+    )
+    rss = json.loads(child.stdout.strip().splitlines()[-1])
+    return {
+        "repeats": repeats,
+        "batch_size": batch_size,
+        "window": [window.start, window.stop],
+        "ms": {
+            clock: {
+                side: {k: 1e3 * statistics.median(run[k] for run in runs) for k in keys}
+                for side, runs in sides.items()
+            }
+            for clock, sides in per.items()
+        },
+        "ratio": {c: {k: statistics.median(v) for k, v in r.items()} for c, r in ratios.items()},
+        "ratio_range": {c: {k: (min(v), max(v)) for k, v in r.items()} for c, r in ratios.items()},
+        "rss_kib": rss,
+        "rss_ratio": rss["after_last"] / rss["after_200"],
+        "rss_steps": rss_steps,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The figures as a Markdown table."""
+    lines = [
+        "| measure | baseline (ms) | monitored (ms) | ratio, wall (min–max) | ratio, CPU | limit |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for key, ratio in result["ratio"]["wall"].items():
+        lo, hi = result["ratio_range"]["wall"][key]
+        cpu = result["ratio"]["cpu"][key]
+        base, mon = result["ms"]["wall"]["baseline"][key], result["ms"]["wall"]["monitor"][key]
+        lines.append(
+            f"| {key} | {base:.2f} | {mon:.2f} | **{ratio:.3f}** ({lo:.2f}–{hi:.2f}) | "
+            f"{cpu:.3f} | <= {LIMITS[key]} |"
+        )
+    rss, n = result["rss_kib"], result["rss_steps"]
+    lines.append(
+        f"| peak RSS, after step {n} vs 200 | {rss['after_200'] / 1024:.1f} MiB | "
+        f"{rss['after_last'] / 1024:.1f} MiB | **{result['rss_ratio']:.4f}** | | "
+        f"<= {LIMITS['peak RSS']} |"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark and print a table of ratios; return the figures."""
+    parser = argparse.ArgumentParser(description="FeatureStatsMonitor overhead")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--periods", type=int, default=5, help="logging periods timed per run")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--rss-steps", type=int, default=2000)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 repeat, short runs")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--rss-child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*validation_step.*but have no.*")
+    if args.rss_child is not None:
+        _rss_child(args.rss_child, args.batch_size)
+        return {}
+    if args.quick:
+        args.repeats, args.periods, args.rss_steps = 1, 1, 210
+    result = measure(args.repeats, args.periods, args.batch_size, args.rss_steps)
+    start, stop = result["window"]
+    print(
+        f"\nFeatureStatsMonitor on every Conv2d/Linear output of the digits CNN (batch "
+        f"{result['batch_size']}), logging every {EVERY} steps, vs the same Trainer without it: "
+        f"medians of {result['repeats']} interleaved repeats, steps {start}-{stop - 1}, one torch "
+        "thread.\n"
+    )
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""`FeatureStatsMonitor`: feature, parameter and gradient statistics of chosen layers, logged."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, cast
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from ._lightning import Stage, check_positive_int, step_axis, write_tensorboard
+from ._names import iter_tensors, named_parameters
+from .base import RecordStream
+from .callback import RecorderCallback
+from .errors import RecorderConfigError
+from .stats import STAT_NAMES, FeatureStats, histogram_raw_kwargs, tensor_norm, update_ratio
+
+__all__ = ["FeatureStatsMonitor"]
+
+StatName = Literal["mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite", "numel"]
+ModuleSource = str | type[nn.Module]
+
+_DEFAULT_STATS: tuple[StatName, ...] = (
+    "mean",
+    "std",
+    "min",
+    "max",
+    "abs_mean",
+    "zero_fraction",
+    "nonfinite",
+)
+_PARAM_STATS = ("norm", "grad_norm", "update_ratio")
+
+
+def _source_key(source: ModuleSource) -> str:
+    if isinstance(source, type):
+        return f"{source.__module__}.{source.__qualname__}"
+    return source
+
+
+def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
+    """The real-valued tensors of every record of a stream (structured outputs flattened)."""
+    for record in stream.data_buffer:
+        for tensor in iter_tensors(record):
+            if not tensor.is_complex():
+                yield tensor
+
+
+class FeatureStatsMonitor(RecorderCallback):
+    """Log statistics of the outputs, parameters and gradients of chosen layers.
+
+    For every module matched by ``sources`` it streams the statistics of its outputs
+    (:class:`~lightning_recorder.stats.FeatureStats`: mean, std, min, max, mean ``|x|``, fraction
+    of zeros, count of NaN/Inf values — counted, never dropped) and logs them as scalars to every
+    logger of the Trainer, plus a histogram to each
+    :class:`~lightning.pytorch.loggers.TensorBoardLogger` (other loggers get scalars; a warning
+    says so once). For the parameters of those modules it logs the norm, the gradient norm
+    (before clipping) and the update-to-parameter ratio ``||Δp|| / ||p||`` of the optimizer step.
+
+    **When.** Training statistics are logged every ``every_n_steps`` optimizer steps (default:
+    the Trainer's ``log_every_n_steps``, so they land on the same steps as the loss); with
+    gradient accumulation they cover every micro-batch of the logged step, the histogram its
+    last micro-batch. Nothing is recorded on the other steps. Evaluation statistics cover every
+    batch of the epoch (the histogram its first batch) and are logged at the epoch's end, on
+    Lightning's step axis. Nothing is recorded or written during the sanity check.
+
+    **Tags** are ``{prefix}/{stage}/{module}/{stat}`` (e.g. ``stats/train/features.0/mean``,
+    ``stats/val/classifier/zero_fraction``), ``{prefix}/{stage}/{module}/histogram``, and
+    ``{prefix}/train/{parameter}/norm`` (``grad_norm``, ``update_ratio``); see :meth:`tag`.
+
+    **Across processes** every statistic is over the data of all ranks: the streaming state and
+    the histograms are synchronised on every rank and rank 0 writes. Parameters and gradients
+    are replicated under DDP, so their norms are computed locally.
+
+    Args:
+        sources: module names from ``named_modules()`` (the root excluded), glob patterns such as
+            ``"features.*"``, or module types (``torch.nn.Conv2d``, ``"torch.nn.Conv2d"``,
+            ``"Conv2d"``) — one, or a list.
+        every_n_steps: log training statistics every N optimizer steps; ``None`` follows the
+            Trainer's ``log_every_n_steps``.
+        stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
+        stats: the statistics to log (``"numel"`` too, if wanted).
+        histograms: also write histograms to TensorBoard loggers.
+        bins: the number of histogram buckets.
+        parameters: also log the norms, gradient norms and update ratios of the parameters of
+            the monitored modules.
+        prefix: the first component of every tag.
+        clone: record a copy of each output, for models that modify a monitored output in place
+            (e.g. ``ReLU(inplace=True)`` right after it); without it such a change raises
+            :class:`~lightning_recorder.RecordModifiedError` rather than logging wrong values.
+        name: distinguishes two monitors with the same configuration.
+
+    Raises:
+        RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger
+            (at setup); a source matches no module (at the start of the run, naming the closest
+            module names).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import torch
+        >>> from lightning.pytorch.loggers import CSVLogger
+        >>> from torch import nn
+        >>> class Net(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        ...     def training_step(self, batch, batch_idx):
+        ...         return self.body(batch[0]).square().mean()
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        >>> import tempfile
+        >>> logger = CSVLogger(tempfile.mkdtemp())
+        >>> monitor = FeatureStatsMonitor(["body.0", "body.2"], every_n_steps=2)
+        >>> data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
+        >>> trainer = pl.Trainer(max_steps=4, callbacks=[monitor], logger=logger,
+        ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(Net(), data)
+        >>> monitor.logged_steps, monitor.last_logged_step
+        (2, 3)
+        >>> monitor.tag("train", "body.0", "mean")
+        'stats/train/body.0/mean'
+    """
+
+    def __init__(
+        self,
+        sources: ModuleSource | Sequence[ModuleSource],
+        every_n_steps: int | None = None,
+        stages: Stage | Sequence[Stage] = ("train", "val"),
+        stats: Sequence[StatName] = _DEFAULT_STATS,
+        histograms: bool = True,
+        bins: int = 64,
+        parameters: bool = True,
+        prefix: str = "stats",
+        clone: bool = False,
+        name: str | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        items = [sources] if isinstance(sources, (str, type)) else sources
+        if not isinstance(items, Sequence) or not items:
+            raise RecorderConfigError(
+                f"Expected `sources` of {owner} to be a module name, pattern or type, or a "
+                f"non-empty list of them, but got {sources!r}."
+            )
+        configs: dict[str, dict[str, Any]] = {}
+        for source in items:
+            if not isinstance(source, (str, type)) or source == "":
+                raise RecorderConfigError(
+                    f"Expected each of `sources` of {owner} to be a module name, glob pattern or "
+                    f"module type but got {source!r}."
+                )
+            configs.setdefault(
+                _source_key(source),
+                {"type": "ModuleOutputs", "source": source, "detach": True, "clone": clone},
+            )
+        stat_names = [cast(StatName, stats)] if isinstance(stats, str) else list(stats)
+        for stat in stat_names:
+            if stat not in STAT_NAMES:
+                raise RecorderConfigError(
+                    f"Expected `stats` of {owner} to hold only {', '.join(map(repr, STAT_NAMES))} "
+                    f"but got {stat!r}."
+                )
+        check_positive_int(bins, "bins", owner)
+        for flag_name, flag in (("histograms", histograms), ("parameters", parameters)):
+            if not isinstance(flag, bool):
+                raise RecorderConfigError(
+                    f"Expected `{flag_name}` of {owner} to be a bool but got {flag!r}."
+                )
+        if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
+            raise RecorderConfigError(
+                f"Expected `prefix` of {owner} to be a non-empty str without a trailing '/' but "
+                f"got {prefix!r}."
+            )
+        super().__init__(configs, stages=stages, every_n_steps=every_n_steps, name=name)
+        self.sources = list(items)
+        self.stats: tuple[StatName, ...] = tuple(dict.fromkeys(stat_names))
+        self.histograms = histograms
+        self.bins = bins
+        self.parameters = parameters
+        self.prefix = prefix
+        self.clone = clone
+        #: Training steps whose statistics were logged, and the step axis value of the last one.
+        self.logged_steps = 0
+        self.last_logged_step = -1
+        self._write_histograms = False
+        self._warned = False
+        self._streams: dict[str, RecordStream] = {}
+        self._metrics: dict[Stage, dict[str, FeatureStats]] = {}
+        self._params: dict[str, nn.Parameter] = {}
+        self._before: dict[str, Tensor] = {}
+        self._grad_norms: dict[str, Tensor] = {}
+        self._eval_hists: dict[str, dict[str, Any]] | None = None
+
+    def tag(self, stage: Stage, name: str, stat: str) -> str:
+        """The tag of statistic ``stat`` of module or parameter ``name`` in ``stage``."""
+        return f"{self.prefix}/{stage}/{name}/{stat}"
+
+    @override
+    def _make_state_key(self) -> str:
+        if self.name is not None:
+            return self._generate_state_key(name=self.name)
+        return self._generate_state_key(
+            sources=[_source_key(s) for s in self.sources],
+            stages=self.stages,
+            every_n_steps=self.every_n_steps,
+            prefix=self.prefix,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if not trainer.loggers:
+            raise RecorderConfigError(
+                f"Expected the Trainer to have a logger for {self!r} to write to, but it has "
+                "none (logger=False); pass a logger such as TensorBoardLogger."
+            )
+        tensorboard = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        self._write_histograms = self.histograms and bool(tensorboard)
+        if self.histograms and len(tensorboard) < len(trainer.loggers) and not self._warned:
+            self._warned = True
+            others = ", ".join(
+                type(lg).__name__ for lg in trainer.loggers if not isinstance(lg, TensorBoardLogger)
+            )
+            rank_zero_warn(
+                f"{type(self).__name__} writes histograms to TensorBoard loggers only; {others} "
+                "get the scalar statistics. Pass histograms=False to silence this warning."
+            )
+
+    @override
+    def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        streams: dict[str, RecordStream] = {}
+        for _, stream in self.manager.streams():
+            streams.setdefault(stream.name, stream)
+        self._streams = streams
+        device = pl_module.device
+        self._metrics = {
+            stage: {module: FeatureStats().to(device) for module in streams}
+            for stage in self.stages
+        }
+        if self.parameters and "train" in self.stages:
+            prefixes = tuple(module + "." for module in streams)
+            self._params = {
+                name: param
+                for name, param in named_parameters(pl_module).items()
+                if name.startswith(prefixes)
+            }
+
+    @override
+    def _on_detach(self) -> None:
+        self._streams, self._metrics, self._params = {}, {}, {}
+        self._before, self._grad_norms, self._eval_hists = {}, {}, None
+
+    # ------------------------------------------------------------------ statistics
+    @override
+    def _after_batch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
+    ) -> None:
+        metrics = self._metrics[stage]
+        for module, stream in self._streams.items():
+            metric = metrics[module]
+            for tensor in _record_tensors(stream):
+                metric.update(tensor)
+        if stage == "train":
+            if completes:
+                self._log_train(trainer)
+        elif self._eval_hists is None:  # the first batch of the evaluation epoch
+            self._eval_hists = self._histograms(stage, pl_module.device)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._active != "train":
+            return
+        for name, param in self._params.items():
+            if param.grad is not None and name not in self._before:
+                self._grad_norms[name] = tensor_norm(param.grad)
+                self._before[name] = param.detach().clone()
+
+    def _histograms(self, stage: Stage, device: torch.device) -> dict[str, dict[str, Any]]:
+        """TensorBoard histograms of this batch's records (a collective under DDP)."""
+        found: dict[str, dict[str, Any]] = {}
+        if not self._write_histograms:
+            return found
+        for module, stream in self._streams.items():
+            parts = [t.detach().reshape(-1) for t in _record_tensors(stream)]
+            if not parts:
+                flat = torch.empty(0, device=device)
+            else:
+                flat = parts[0] if len(parts) == 1 else torch.cat([p.double() for p in parts])
+            kwargs = histogram_raw_kwargs(flat, self.bins)  # every rank, in the same order
+            if kwargs is not None:
+                found[self.tag(stage, module, "histogram")] = kwargs
+        return found
+
+    def _compute(self, stage: Stage) -> tuple[list[str], list[Tensor]]:
+        """Tags and 0-d values of the statistics of ``stage`` (a collective under DDP), reset."""
+        tags: list[str] = []
+        values: list[Tensor] = []
+        for module, metric in self._metrics[stage].items():
+            result = metric.compute()  # every rank calls it: it synchronises the state
+            metric.reset()
+            tags.append("")  # the element count, to skip modules that saw no data
+            values.append(result["numel"])
+            for stat in self.stats:
+                tags.append(self.tag(stage, module, stat))
+                values.append(result[stat])
+        return tags, values
+
+    def _log_train(self, trainer: pl.Trainer) -> None:
+        step = step_axis(trainer)
+        tags, values = self._compute("train")
+        for name, param in self._params.items():
+            tags.append(self.tag("train", name, "norm"))
+            values.append(tensor_norm(param))
+            if name in self._before:
+                tags += [
+                    self.tag("train", name, "grad_norm"),
+                    self.tag("train", name, "update_ratio"),
+                ]
+                values += [self._grad_norms[name], update_ratio(self._before[name], param)]
+        hists = self._histograms("train", trainer.lightning_module.device)
+        self._before, self._grad_norms = {}, {}
+        self._write(trainer, tags, values, hists, step)
+        self.logged_steps += 1
+        self.last_logged_step = step
+
+    def _log_eval(self, trainer: pl.Trainer, stage: Stage) -> None:
+        if stage not in self._metrics or trainer.sanity_checking:
+            return
+        tags, values = self._compute(stage)
+        hists, self._eval_hists = self._eval_hists or {}, None
+        self._write(trainer, tags, values, hists, step_axis(trainer))
+
+    def _write(
+        self,
+        trainer: pl.Trainer,
+        tags: list[str],
+        values: list[Tensor],
+        hists: dict[str, dict[str, Any]],
+        step: int,
+    ) -> None:
+        if not trainer.is_global_zero or not values:
+            return
+        numbers = torch.stack([v.detach().to("cpu", torch.float64) for v in values]).tolist()
+        scalars: dict[str, float] = {}
+        keep = True
+        for tag, number in zip(tags, numbers, strict=True):
+            if not tag:  # a module's element count: skip the module if it was not called
+                keep = number > 0
+            elif keep:
+                scalars[tag] = number
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                write_tensorboard(logger, scalars, hists, step)
+            elif scalars:
+                logger.log_metrics(scalars, step=step)
+
+    # ------------------------------------------------------------------ evaluation epochs
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_hists = None
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_eval(trainer, "val")
+
+    @override
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_hists = None
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_eval(trainer, "test")
+
+    @override
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_hists = None
+
+    @override
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_eval(trainer, "predict")
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "logged_steps": self.logged_steps,
+            "last_logged_step": self.last_logged_step,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.logged_steps = int(state_dict.get("logged_steps", self.logged_steps))
+        self.last_logged_step = int(state_dict.get("last_logged_step", self.last_logged_step))
+
+    def __repr__(self) -> str:
+        sources = ", ".join(repr(_source_key(s)) for s in self.sources)
+        extra = "" if self.name is None else f", name={self.name!r}"
+        return f"{type(self).__name__}([{sources}]{extra})"
