@@ -119,7 +119,8 @@ class Binder:
             elif kind is _VAR_KW:
                 for key in sorted(value):
                     values.append(value[key])
-                    names.append(key)
+                    # A key may repeat a positional-only parameter's name: keep names unique.
+                    names.append(key if key not in self._kinds else f"{name}[{key!r}]")
             else:
                 values.append(value)
                 names.append(name)

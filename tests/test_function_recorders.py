@@ -198,3 +198,14 @@ def test_reading_before_initialize() -> None:
         rec.get_record_data()
     with pytest.raises(NotInitializedError, match="is not initialized"), rec:
         pass
+
+
+def test_keyword_named_like_a_positional_only_parameter_keeps_both() -> None:
+    from lightning_recorder._structures import Binder
+
+    def f(a: int, /, **kw: int) -> None:
+        return None
+
+    record = Binder(f)((1,), {"a": 2})
+    assert record.names == ("a", "kw['a']")
+    assert record.as_dict() == {"a": 1, "kw['a']": 2}
