@@ -11,6 +11,13 @@ from .bulk import (
 )
 from .callback import RecorderCallback
 from .connectors import build_connector, resolve_connector
+from .delivery import (
+    DistillDelivery,
+    DistillDeliveryManager,
+    FunctionOutputsDelivery,
+    MethodOutputsDelivery,
+)
+from .distillation import FeatureDistillation, distillation_loss
 from .errors import (
     DuplicateNameError,
     InvalidSourceError,
@@ -73,13 +80,17 @@ __all__ = [
     "BaseRecorder",
     "CollectedRecord",
     "CosineLoss",
+    "DistillDelivery",
+    "DistillDeliveryManager",
     "DuplicateNameError",
     "ExecutionGraph",
+    "FeatureDistillation",
     "FeatureStats",
     "FeatureStatsMonitor",
     "ForwardInputsCollector",
     "ForwardOutputsCollector",
     "FunctionInputsRecorder",
+    "FunctionOutputsDelivery",
     "FunctionOutputsRecorder",
     "GraphEdge",
     "GraphNode",
@@ -90,6 +101,7 @@ __all__ = [
     "L1Loss",
     "MSELoss",
     "MethodInputsRecorder",
+    "MethodOutputsDelivery",
     "MethodOutputsRecorder",
     "ModuleInputGradsRecorder",
     "ModuleInputsRecorder",
@@ -114,6 +126,7 @@ __all__ = [
     "build_connector",
     "build_recorder",
     "cosine_loss",
+    "distillation_loss",
     "feature_stats",
     "get_loss",
     "global_norm",
