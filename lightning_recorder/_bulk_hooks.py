@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._hook_objects import _copy_inert, _inert_hook
+from ._hook_objects import InertWhenCopied
 from ._hooks import HookSet
 from ._names import iter_tensors, resolve_type
 from ._structures import Binder, Versions, _map_tensors, follow_path, snapshot
@@ -86,7 +86,7 @@ class Slot:
         self.samples += 1
 
 
-class SlotHook:
+class SlotHook(InertWhenCopied):
     """A module hook bound weakly to its subrecorder; inert in a copied or pickled model."""
 
     __slots__ = ("__weakref__", "_path", "_ref")
@@ -100,15 +100,6 @@ class SlotHook:
         if slot is None or not slot.active or _current_autograd_node() is not None:
             return None  # released, or a forward re-run by activation checkpointing
         return slot
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_copy_inert, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return _inert_hook
-
-    def __copy__(self) -> Any:
-        return _inert_hook
 
 
 def pick(value: Any, path: Any, where: str) -> Any:

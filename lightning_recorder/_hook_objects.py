@@ -19,7 +19,22 @@ def _inert_hook(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-class RecorderHook:
+class InertWhenCopied:
+    """Mixin for hook objects: a pickled or deep-copied model gets a no-op in their place."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_copy_inert, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return _inert_hook
+
+    def __copy__(self) -> Any:
+        return _inert_hook
+
+
+class RecorderHook(InertWhenCopied):
     """Base class of the hooks that recorders install.
 
     Args:
@@ -32,15 +47,6 @@ class RecorderHook:
     def __init__(self, recorder: BaseRecorder, stream: RecordStream) -> None:
         self._ref = weakref.ref(recorder)
         self._stream = stream
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_copy_inert, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return _inert_hook
-
-    def __copy__(self) -> Any:
-        return _inert_hook
 
 
 def _copy_inert() -> Any:

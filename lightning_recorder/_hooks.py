@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.utils.hooks import RemovableHandle
 
-_LIVE: dict[int, str] = {}
+_LIVE: dict[int, tuple[str, RemovableHandle]] = {}
 
 
 class HookSet:
@@ -30,7 +30,7 @@ class HookSet:
     def add(self, handle: RemovableHandle) -> RemovableHandle:
         """Take ownership of ``handle``."""
         self._handles.append(handle)
-        _LIVE[id(handle)] = self.owner
+        _LIVE[id(handle)] = (self.owner, handle)
         return handle
 
     def remove_all(self) -> None:
@@ -55,4 +55,11 @@ class HookSet:
 
 def live_hooks() -> list[str]:
     """Owners of the hooks installed by this package and not yet removed (one entry per hook)."""
-    return sorted(_LIVE.values())
+    return sorted(owner for owner, _ in _LIVE.values())
+
+
+def remove_live_hooks() -> None:
+    """Remove every hook still installed by this package (a test helper after a leak)."""
+    for _, handle in list(_LIVE.values()):
+        handle.remove()
+    _LIVE.clear()

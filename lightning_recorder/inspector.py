@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._hook_objects import _copy_inert, _inert_hook
+from ._hook_objects import InertWhenCopied
 from ._hooks import HookSet
 from ._inspect_trace import (
     Label,
@@ -84,7 +84,7 @@ class _Pass:
         self.seen: set[Label] = set()
 
 
-class _LayerHook:
+class _LayerHook(InertWhenCopied):
     """Hooks of one recorded module: weakly bound to the inspector, inert when copied."""
 
     __slots__ = ("__weakref__", "_labels", "_name", "_ref")
@@ -99,15 +99,6 @@ class _LayerHook:
         if inspector is None or _current_autograd_node() is not None:
             return None
         return inspector._pass
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_copy_inert, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return _inert_hook
-
-    def __copy__(self) -> Any:
-        return _inert_hook
 
 
 class _StartHook(_LayerHook):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recorder._hooks import live_hooks
+from lightning_recorder._hooks import live_hooks, remove_live_hooks
 from lightning_recorder._patching import active_patches
 
 TESTS = Path(__file__).resolve().parent
@@ -25,5 +25,7 @@ def no_leftover_hooks_or_patches() -> Iterator[None]:
     hooks_before, patches_before = live_hooks(), active_patches()
     yield
     hooks_after, patches_after = live_hooks(), active_patches()
+    if hooks_after != hooks_before:
+        remove_live_hooks()  # so that one leak does not fail the tests that follow
     assert hooks_after == hooks_before, f"hooks left behind: {hooks_after}"
     assert patches_after == patches_before, f"patches left behind: {patches_after}"

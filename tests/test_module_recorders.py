@@ -163,9 +163,12 @@ def test_release_after_exception_in_forward() -> None:
 
 def test_inplace_modification_detected_and_clone_avoids_it() -> None:
     model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU(inplace=True))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
     plain = ModuleOutputsRecorder("0").initialize(model)
     cloned = ModuleOutputsRecorder("0", clone=True).initialize(model)
-    x = torch.randn(2, 1, 3, 3)
+    x = torch.linspace(-1.0, 1.0, 18).view(2, 1, 3, 3)
     with plain, cloned:
         model(x)
     with pytest.raises(RecordModifiedError, match=r"modified in place.*clone=True"):
