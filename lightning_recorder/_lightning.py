@@ -118,19 +118,17 @@ def write_tensorboard(
         for tag, kwargs in hists.items():
             writer.add_histogram_raw(tag, global_step=step, **kwargs)
         return
-    from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+    from tensorboard.compat.proto.summary_pb2 import Summary
 
-    values = [Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
+    summary = Summary()
+    add = summary.value.add  # filling the message in place is twice as fast as building values
+    for tag, value in scalars.items():
+        add(tag=tag, simple_value=value)
     for tag, kw in hists.items():
-        histo = HistogramProto(
-            min=kw["min"],
-            max=kw["max"],
-            num=kw["num"],
-            sum=kw["sum"],
-            sum_squares=kw["sum_squares"],
-            bucket_limit=kw["bucket_limits"],
-            bucket=kw["bucket_counts"],
-        )
-        values.append(Summary.Value(tag=tag, histo=histo))
-    if values:
-        writer._get_file_writer().add_summary(Summary(value=values), step)
+        histo = add(tag=tag).histo
+        histo.min, histo.max, histo.num = kw["min"], kw["max"], kw["num"]
+        histo.sum, histo.sum_squares = kw["sum"], kw["sum_squares"]
+        histo.bucket_limit.extend(kw["bucket_limits"])
+        histo.bucket.extend(kw["bucket_counts"])
+    if summary.value:
+        writer._get_file_writer().add_summary(summary, step)

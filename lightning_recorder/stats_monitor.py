@@ -7,6 +7,7 @@ from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
@@ -14,10 +15,20 @@ from typing_extensions import override
 
 from ._lightning import Stage, check_positive_int, step_axis, write_tensorboard
 from ._names import iter_tensors, named_parameters
+from ._stats_kernels import (
+    Workspace,
+    batch_state,
+    empty_state,
+    finalize_host,
+    histogram_rows,
+    merge,
+    raw_kwargs,
+    sync_active,
+)
 from .base import RecordStream
 from .callback import RecorderCallback
 from .errors import RecorderConfigError
-from .stats import STAT_NAMES, FeatureStats, histogram_raw_kwargs, tensor_norm, update_ratio
+from .stats import STAT_NAMES
 
 __all__ = ["FeatureStatsMonitor"]
 
@@ -42,6 +53,26 @@ def _source_key(source: ModuleSource) -> str:
     return source
 
 
+def _upcast(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Tensors below float32 converted to it, as :func:`~lightning_recorder.stats.tensor_norm`."""
+    return [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in tensors]
+
+
+def _norms(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """:func:`~lightning_recorder.stats.tensor_norm` of each tensor, in one foreach call."""
+    return list(torch._foreach_norm(_upcast(tensors))) if tensors else []
+
+
+def _host_floats(tensors: Sequence[Tensor]) -> list[float]:
+    """The values of 0-d tensors (on one device, or moved to the first one) as floats."""
+    if not tensors:
+        return []
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        tensors = [t.to(device) for t in tensors]
+    return torch.stack(list(tensors)).tolist()
+
+
 def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
     """The real-valued tensors of every record of a stream (structured outputs flattened)."""
     for record in stream.data_buffer:
@@ -54,9 +85,9 @@ class FeatureStatsMonitor(RecorderCallback):
     """Log statistics of the outputs, parameters and gradients of chosen layers.
 
     For every module matched by ``sources`` it streams the statistics of its outputs
-    (:class:`~lightning_recorder.stats.FeatureStats`: mean, std, min, max, mean ``|x|``, fraction
-    of zeros, count of NaN/Inf values — counted, never dropped) and logs them as scalars to every
-    logger of the Trainer, plus a histogram to each
+    (those of :class:`~lightning_recorder.stats.FeatureStats`: mean, std, min, max, mean ``|x|``,
+    fraction of zeros, count of NaN/Inf values — counted, never dropped) and logs them as scalars
+    to every logger of the Trainer, plus a histogram to each
     :class:`~lightning.pytorch.loggers.TensorBoardLogger` (other loggers get scalars; a warning
     says so once). For the parameters of those modules it logs the norm, the gradient norm
     (before clipping) and the update-to-parameter ratio ``||Δp|| / ||p||`` of the optimizer step.
@@ -188,7 +219,9 @@ class FeatureStatsMonitor(RecorderCallback):
         self._write_histograms = False
         self._warned = False
         self._streams: dict[str, RecordStream] = {}
-        self._metrics: dict[Stage, dict[str, FeatureStats]] = {}
+        self._work: Workspace | None = None
+        # Per stage, the packed streaming states of the monitored modules, one row each.
+        self._states: dict[Stage, Tensor] = {}
         self._params: dict[str, nn.Parameter] = {}
         self._before: dict[str, Tensor] = {}
         self._grad_norms: dict[str, Tensor] = {}
@@ -236,11 +269,8 @@ class FeatureStatsMonitor(RecorderCallback):
         for _, stream in self.manager.streams():
             streams.setdefault(stream.name, stream)
         self._streams = streams
-        device = pl_module.device
-        self._metrics = {
-            stage: {module: FeatureStats().to(device) for module in streams}
-            for stage in self.stages
-        }
+        self._work = Workspace()
+        self._states = {}
         if self.parameters and "train" in self.stages:
             prefixes = tuple(module + "." for module in streams)
             self._params = {
@@ -251,7 +281,7 @@ class FeatureStatsMonitor(RecorderCallback):
 
     @override
     def _on_detach(self) -> None:
-        self._streams, self._metrics, self._params = {}, {}, {}
+        self._streams, self._states, self._params, self._work = {}, {}, {}, None
         self._before, self._grad_norms, self._eval_hists = {}, {}, None
 
     # ------------------------------------------------------------------ statistics
@@ -259,101 +289,129 @@ class FeatureStatsMonitor(RecorderCallback):
     def _after_batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
     ) -> None:
-        metrics = self._metrics[stage]
-        for module, stream in self._streams.items():
-            metric = metrics[module]
-            for tensor in _record_tensors(stream):
-                metric.update(tensor)
+        device = pl_module.device
+        parts: list[list[Tensor]] = []
+        rows: list[Tensor] = []
+        for stream in self._streams.values():
+            tensors = list(_record_tensors(stream))
+            states = [batch_state(t, self._work) for t in tensors]
+            if not states:
+                rows.append(empty_state(device))
+            else:
+                rows.append(states[0] if len(states) == 1 else merge(torch.stack(states)))
+            parts.append(tensors)
+        batch = torch.stack([row if row.device == device else row.to(device) for row in rows])
+        so_far = self._states.get(stage)
+        self._states[stage] = batch if so_far is None else merge(torch.stack([so_far, batch]))
         if stage == "train":
             if completes:
-                self._log_train(trainer)
+                self._log_train(trainer, self._histograms(trainer, stage, parts, batch))
         elif self._eval_hists is None:  # the first batch of the evaluation epoch
-            self._eval_hists = self._histograms(stage, pl_module.device)
+            self._eval_hists = self._histograms(trainer, stage, parts, batch)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._active != "train":
+        if self._active != "train" or not trainer.is_global_zero:
             return
-        for name, param in self._params.items():
-            if param.grad is not None and name not in self._before:
-                self._grad_norms[name] = tensor_norm(param.grad)
-                self._before[name] = param.detach().clone()
+        names = [n for n, p in self._params.items() if p.grad is not None and n not in self._before]
+        if not names:
+            return
+        with torch.no_grad():
+            grads = [cast(Tensor, self._params[name].grad) for name in names]
+            self._grad_norms.update(zip(names, _norms(grads), strict=True))
+            self._before.update((name, self._params[name].clone()) for name in names)
 
-    def _histograms(self, stage: Stage, device: torch.device) -> dict[str, dict[str, Any]]:
+    def _histograms(
+        self, trainer: pl.Trainer, stage: Stage, parts: list[list[Tensor]], states: Tensor
+    ) -> dict[str, dict[str, Any]]:
         """TensorBoard histograms of this batch's records (a collective under DDP)."""
-        found: dict[str, dict[str, Any]] = {}
         if not self._write_histograms:
-            return found
-        for module, stream in self._streams.items():
-            parts = [t.detach().reshape(-1) for t in _record_tensors(stream)]
-            if not parts:
-                flat = torch.empty(0, device=device)
-            else:
-                flat = parts[0] if len(parts) == 1 else torch.cat([p.double() for p in parts])
-            kwargs = histogram_raw_kwargs(flat, self.bins)  # every rank, in the same order
+            return {}
+        rows = histogram_rows(parts, states, self.bins, True, None, self._work)  # every rank
+        if not trainer.is_global_zero:
+            return {}
+        hists: dict[str, dict[str, Any]] = {}
+        for module, row in zip(self._streams, rows, strict=True):
+            kwargs = raw_kwargs(row, self.bins)
             if kwargs is not None:
-                found[self.tag(stage, module, "histogram")] = kwargs
-        return found
+                hists[self.tag(stage, module, "histogram")] = kwargs
+        return hists
 
-    def _compute(self, stage: Stage) -> tuple[list[str], list[Tensor]]:
-        """Tags and 0-d values of the statistics of ``stage`` (a collective under DDP), reset."""
-        tags: list[str] = []
-        values: list[Tensor] = []
-        for module, metric in self._metrics[stage].items():
-            result = metric.compute()  # every rank calls it: it synchronises the state
-            metric.reset()
-            tags.append("")  # the element count, to skip modules that saw no data
-            values.append(result["numel"])
-            for stat in self.stats:
-                tags.append(self.tag(stage, module, stat))
-                values.append(result[stat])
-        return tags, values
+    def _compute(self, trainer: pl.Trainer, stage: Stage) -> dict[str, float]:
+        """The statistics of ``stage`` by tag, reset; a collective under DDP, empty off rank 0.
 
-    def _log_train(self, trainer: pl.Trainer) -> None:
+        Modules that saw no element (not called) are left out.
+        """
+        state = self._states.pop(stage, None)
+        if state is None:
+            state = empty_state(trainer.lightning_module.device).repeat(len(self._streams), 1)
+        if sync_active(True, None):  # one gather for every module, on every rank
+            gathered = [torch.empty_like(state) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, state)
+            state = merge(torch.stack(gathered))
+        if not trainer.is_global_zero:
+            return {}
+        scalars: dict[str, float] = {}
+        for module, row in zip(self._streams, state.tolist(), strict=True):
+            values = finalize_host(row, correction=1)
+            if values["numel"] > 0:
+                scalars.update((self.tag(stage, module, stat), values[stat]) for stat in self.stats)
+        return scalars
+
+    def _parameter_scalars(self) -> dict[str, float]:
+        """Norms of the monitored parameters; gradient norms and update ratios of those stepped."""
+        names = list(self._params)
+        stepped = [name for name in names if name in self._before]
+        before = _upcast([self._before[name] for name in stepped])
+        with torch.no_grad():  # few calls: one foreach norm for every tensor, one host copy
+            after = _upcast([self._params[name] for name in stepped])
+            change = torch._foreach_sub(after, before) if stepped else []
+            norms = _norms([*self._params.values(), *before, *change])
+            grads = [self._grad_norms[name] for name in stepped]
+            values = _host_floats([*norms, *grads])
+        k, n = len(names), len(stepped)
+        sizes, changes, grad_norms = (
+            values[k : k + n],
+            values[k + n : k + 2 * n],
+            values[k + 2 * n :],
+        )
+        scalars = {
+            self.tag("train", name, "norm"): value
+            for name, value in zip(names, values[:k], strict=True)
+        }
+        for name, size, delta, grad in zip(stepped, sizes, changes, grad_norms, strict=True):
+            scalars[self.tag("train", name, "grad_norm")] = grad
+            scalars[self.tag("train", name, "update_ratio")] = delta / (size + 1e-12)
+        return scalars
+
+    def _log_train(self, trainer: pl.Trainer, hists: dict[str, dict[str, Any]]) -> None:
         step = step_axis(trainer)
-        tags, values = self._compute("train")
-        for name, param in self._params.items():
-            tags.append(self.tag("train", name, "norm"))
-            values.append(tensor_norm(param))
-            if name in self._before:
-                tags += [
-                    self.tag("train", name, "grad_norm"),
-                    self.tag("train", name, "update_ratio"),
-                ]
-                values += [self._grad_norms[name], update_ratio(self._before[name], param)]
-        hists = self._histograms("train", trainer.lightning_module.device)
+        scalars = self._compute(trainer, "train")
+        if trainer.is_global_zero and self._params:
+            scalars.update(self._parameter_scalars())
         self._before, self._grad_norms = {}, {}
-        self._write(trainer, tags, values, hists, step)
+        self._write(trainer, scalars, hists, step)
         self.logged_steps += 1
         self.last_logged_step = step
 
     def _log_eval(self, trainer: pl.Trainer, stage: Stage) -> None:
-        if stage not in self._metrics or trainer.sanity_checking:
+        if stage not in self.stages or self._manager is None or trainer.sanity_checking:
             return
-        tags, values = self._compute(stage)
+        scalars = self._compute(trainer, stage)
         hists, self._eval_hists = self._eval_hists or {}, None
-        self._write(trainer, tags, values, hists, step_axis(trainer))
+        self._write(trainer, scalars, hists, step_axis(trainer))
 
     def _write(
         self,
         trainer: pl.Trainer,
-        tags: list[str],
-        values: list[Tensor],
+        scalars: dict[str, float],
         hists: dict[str, dict[str, Any]],
         step: int,
     ) -> None:
-        if not trainer.is_global_zero or not values:
+        if not trainer.is_global_zero:
             return
-        numbers = torch.stack([v.detach().to("cpu", torch.float64) for v in values]).tolist()
-        scalars: dict[str, float] = {}
-        keep = True
-        for tag, number in zip(tags, numbers, strict=True):
-            if not tag:  # a module's element count: skip the module if it was not called
-                keep = number > 0
-            elif keep:
-                scalars[tag] = number
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 write_tensorboard(logger, scalars, hists, step)

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lightning_recorder._stats_kernels as K
 import lightning_recorder.stats as stats_module
 from lightning_recorder.errors import RecorderConfigError
 from lightning_recorder.stats import (
@@ -482,3 +483,199 @@ def test_pickle_and_state_dict(tmp_path: Path) -> None:
     fresh = FeatureStats(correction=0)
     fresh.load_state_dict(torch.load(tmp_path / "stats.pt", weights_only=True))
     assert_stats(fresh.compute(), reference([x], correction=0))
+
+
+# --- CPU kernels: fast paths against the general ones -----------------------------------------
+
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values with zeros, of ``dtype``, far from overflow and mixed in sign."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=F64) * 50 + 3
+    x.view(-1)[::7] = 0.0
+    if dtype == torch.bool:
+        return x > 3
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, torch.int32, torch.bool])
+@pytest.mark.parametrize("shape", [(1,), (7,), (1000,), (300, 301)])
+def test_finite_fast_path_equals_masked_path_bit_for_bit(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    x = sample(shape, dtype, seed=sum(shape))
+    v = K.flat64(x)
+    fast = K.finite_state(v, v.sum().item(), K.Workspace(), x.reshape(-1))
+    assert torch.equal(fast, K.masked_state(v))
+    assert torch.equal(K.batch_state(x), fast)  # the CPU takes the fast path for finite data
+    assert_stats(K.finalize(fast, 1), reference([x]))
+
+
+def test_large_tensors_are_chunked_and_merged() -> None:
+    n = 2 * K.CHUNK + 12345
+    x = sample((n,), torch.float32, seed=4)
+    x[K.CHUNK + 17] = math.nan  # only the second chunk takes the masked path
+    x[-1] = -math.inf
+    parts = [K.masked_state(K.flat64(c)) for c in torch.split(x, K.CHUNK)]
+    state = K.batch_state(x)
+    assert torch.equal(state, K.merge(torch.stack(parts)))
+    assert_stats(K.finalize(state, 1), reference([x]))
+    assert_stats(K.finalize(K.batch_state(x.double()), 0), reference([x], correction=0))
+
+
+def test_float64_sum_overflow_takes_the_masked_path() -> None:
+    x = torch.tensor([1e308, 1e308, -1e308, 5.0], dtype=F64)  # finite, but the sum is not
+    assert not math.isfinite(x.sum().item())
+    state = K.batch_state(x)
+    assert torch.equal(state, K.masked_state(x))
+    assert state[K.NONFINITE].item() == 0 and state[K.MAX].item() == 1e308
+
+
+def test_workspace_reuses_buffers_and_stays_right() -> None:
+    work = K.Workspace()
+    small = work.get("v", 10, F64)
+    assert work.get("v", 10, F64) is small and small.is_contiguous()
+    assert work.get("v", 5000, F64).data_ptr() != small.data_ptr()  # grown: a new buffer
+    assert work.get("v", 10, F64).data_ptr() == work.get("v", 5000, F64).data_ptr()
+    for i, n in enumerate([10, 3000, 10, 70000, 5, 70000, 0]):
+        x = sample((n,), FLOATS[i % 4], seed=i)
+        assert torch.equal(K.batch_state(x, work), K.batch_state(x))
+        counts, edges = histogram(x, 16)
+        rows = K.histogram_rows([[x]], K.batch_state(x, work)[None], 16, False, None, work)
+        assert rows[0][22:] == counts.tolist() and rows[0][5:22] == edges.tolist()
+    for i in range(300):  # sizes that change at every call do not pile up cached views
+        work.get("v", i, F64)
+    assert len(work._views) <= 256
+
+
+def test_finalize_host_equals_finalize() -> None:
+    states = [
+        K.empty_state(),
+        K.batch_state(torch.tensor([2.0])),
+        K.batch_state(sample((9,), F64, 1)),
+    ]
+    states.append(K.batch_state(torch.tensor([math.nan, 1.0, 3.0])))
+    for state in states:
+        for correction in (0, 1, 2):
+            host = K.finalize_host(state.tolist(), correction)
+            tensors = K.finalize(state, correction)
+            assert list(host) == list(STAT_NAMES)
+            for name in STAT_NAMES:
+                assert host[name] == pytest.approx(tensors[name].item(), nan_ok=True, rel=0, abs=0)
+
+
+# --- CPU kernels: arithmetic bucketing ----------------------------------------------------------
+
+
+def edge_data(dtype: torch.dtype, lo: float, hi: float, bins: int, seed: int) -> torch.Tensor:
+    """``lo``, ``hi``, every edge rounded to ``dtype`` and its neighbours, and random values."""
+    edges = torch.tensor(K.linspace_host(lo, hi, bins + 1), dtype=F64)
+    near = edges.to(dtype) if dtype.is_floating_point else edges.round().to(dtype)
+    if dtype.is_floating_point:
+        up = torch.nextafter(near, torch.full_like(near, math.inf))
+        down = torch.nextafter(near, torch.full_like(near, -math.inf))
+        near = torch.cat([near, up, down])
+    g = torch.Generator().manual_seed(seed)
+    inside = (lo + (hi - lo) * torch.rand(500, generator=g, dtype=F64)).to(dtype)
+    values = torch.cat([near, inside]).to(F64).clamp(lo, hi)
+    return torch.cat([torch.tensor([lo, hi], dtype=F64), values]).to(dtype)
+
+
+# (dtype, lo, hi, bins, the path of bucket_cpu); lo and hi are exact in the dtype.
+BUCKET_CASES = [
+    (torch.float32, -3.75, 11.25, 64, "float32"),
+    (torch.float32, 0.0, 1.0, 1, "float32"),
+    (torch.float32, -1.0, 1.0, 2, "float32"),  # an edge at zero, -0.0 and 0.0 in the data
+    (torch.float32, -9.0, -2.0, 5, "float32"),
+    (torch.float32, -(2.0**-99), 2.0**-99, 8, "float32"),
+    (torch.float32, -(2.0**101), 3 * 2.0**98, 64, "float32"),
+    (torch.float32, 10000.0, 10000.5, 64, "float64"),  # narrow for float32 arithmetic
+    (torch.float32, 10000.0, 10000.0009765625, 3, "float64"),
+    (torch.float16, -2.0, 3.0, 16, "float32"),
+    (torch.bfloat16, -100.0, 100.0, 7, "float32"),
+    (torch.float64, -5.5, 123.25, 1000, "float64"),
+    (torch.float64, -1e300, 1e300, 10, "float64"),
+    (torch.float64, 1e9, 1e9 + 2.0**-10, 64, "search"),  # narrow for float64 arithmetic
+    (torch.float64, 0.0, 5e-300, 8, "search"),  # tiny: its width would be subnormal
+    (torch.float64, 0.0, 2.225073858507e-311, 1, "search"),
+    (torch.int64, -40.0, 1000.0, 13, "float64"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "lo", "hi", "bins", "path"), BUCKET_CASES)
+def test_arithmetic_bucketing_equals_torch_histogram_at_the_edges(
+    dtype: torch.dtype, lo: float, hi: float, bins: int, path: str
+) -> None:
+    x = edge_data(dtype, lo, hi, bins, seed=bins)
+    values = x.to(F64)
+    assert (values.min().item(), values.max().item()) == (lo, hi)
+    assert K.bucket_path(x.dtype, lo, hi, bins) == path
+    counts, edges = histogram(x, bins)
+    assert edges[0].item() == lo and edges[-1].item() == hi
+    assert torch.equal(
+        edges, K.linspace(torch.tensor(lo, dtype=F64), torch.tensor(hi, dtype=F64), bins + 1)
+    )
+    assert torch.equal(counts, torch.histogram(values, edges).hist)
+    if dtype == torch.float32 and path == "float32":  # -0.0 and 0.0 bucket alike
+        signed = torch.cat([x, torch.tensor([-0.0, 0.0])]) if lo <= 0 <= hi else x
+        assert torch.equal(histogram(signed, bins)[0], torch.histogram(signed.double(), edges).hist)
+
+
+def test_arithmetic_bucketing_on_random_ranges() -> None:
+    g = torch.Generator().manual_seed(11)
+    for trial in range(150):
+        dtype = (torch.float32, torch.float64, torch.float16)[trial % 3]
+        scale = 10.0 ** float(torch.randint(-6, 7, (1,), generator=g))
+        offset = (
+            scale
+            * float(torch.randn((), generator=g))
+            * 10.0 ** float(torch.randint(0, 4, (1,), generator=g))
+        )
+        ends = (offset + scale * torch.randn(2, generator=g, dtype=F64)).to(dtype).to(F64)
+        lo, hi = sorted(ends.tolist())
+        if lo == hi or not all(map(math.isfinite, (lo, hi))):
+            continue
+        bins = int(torch.randint(1, 130, (1,), generator=g))
+        x = edge_data(dtype, lo, hi, bins, seed=trial)
+        counts, edges = histogram(x, bins)
+        assert torch.equal(counts, torch.histogram(x.to(F64), edges).hist), (dtype, lo, hi, bins)
+
+
+def test_ceil32_is_the_smallest_float32_above() -> None:
+    g = torch.Generator().manual_seed(12)
+    edges = torch.cat(
+        [
+            torch.randn(1000, generator=g, dtype=F64)
+            * 10.0 ** torch.randint(-30, 30, (1000,), generator=g),
+            torch.tensor([0.0, -0.0, 1.5, -(2.0**-140)]),
+        ]
+    )
+    up = K.ceil32(edges)
+    assert up.dtype == torch.float32
+    assert bool((up.to(F64) >= edges).all())
+    below = torch.nextafter(up, torch.full_like(up, -math.inf)).to(F64)
+    assert bool((below < edges).all())
+
+
+def test_host_and_device_histograms_give_the_same_rows() -> None:
+    g = torch.Generator().manual_seed(13)
+    sets = [
+        [torch.randn(500, generator=g)],
+        [with_specials(torch.randn(300, generator=g, dtype=F64) * 4, 3)],
+        [torch.randn(40, generator=g), torch.randn(7, 3, generator=g).half() * 9],
+        [torch.empty(0)],
+        [torch.full((5,), 2.5)],
+        [torch.tensor([math.nan, math.inf])],
+        [torch.arange(-20, 21)],
+    ]
+    states = torch.stack([K.merge(torch.stack([K.batch_state(t) for t in s])) for s in sets])
+    for bins in (1, 5, 64):
+        host = K.histogram_rows_cpu(sets, states, bins, False, None, K.Workspace())
+        device = K.raw_rows(*K.histograms_device(sets, states, bins, False, None))
+        assert host == device
+        for s, row in zip(sets, host, strict=True):
+            values = _flat(s)
+            finite = values[torch.isfinite(values)]
+            assert row[0] == finite.numel() and sum(row[6 + bins :]) == finite.numel()

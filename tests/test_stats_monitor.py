@@ -203,6 +203,52 @@ def test_histograms(run: dict[str, Any]) -> None:
     assert val[5].min > 90
 
 
+def test_float64_model(tmp_path: Path) -> None:
+    """Float64 outputs take the float64 bucketing; float64 parameters keep float64 norms."""
+    logger = TensorBoardLogger(tmp_path, name="f64")
+    monitor = FeatureStatsMonitor(["probe", "body.0"], every_n_steps=1, bins=4)
+    reference = Reference(("probe", "body.0"), ("body.0.weight", "body.0.bias"))
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor, reference])
+    x = features(8, seed=5).double() * 1e3 + 1e9  # a large offset: float64 all the way
+    trainer.fit(ProbeNet(lr=1e-12).double(), loader(x))
+    got = scalars(logger.log_dir)
+    hists = {
+        e.step: e.histogram_value
+        for e in events(logger.log_dir).Histograms("stats/train/probe/histogram")
+    }
+    for step in (0, 1):
+        rows = x[4 * step : 4 * step + 4]
+        assert got["stats/train/probe/std"][step] == approx(rows.std().item())
+        edges = torch.linspace(rows.min().item(), rows.max().item(), 5, dtype=torch.float64)
+        assert list(hists[step].bucket) == [0.0, *torch.histogram(rows, edges).hist.tolist()]
+        (output,) = reference.outputs[step]["body.0"]
+        assert got["stats/train/body.0/mean"][step] == approx(output.mean().item())
+        for name in ("body.0.weight", "body.0.bias"):
+            before, after = reference.before[step][name], reference.after[step][name]
+            assert got[f"stats/train/{name}/norm"][step] == approx(after.norm().item())
+            grad = reference.grads[step][name].norm().item()
+            assert got[f"stats/train/{name}/grad_norm"][step] == approx(grad)
+            ratio = ((after - before).norm() / before.norm()).item()
+            assert got[f"stats/train/{name}/update_ratio"][step] == approx(ratio)
+
+
+def test_parameter_norms_follow_tensor_norm() -> None:
+    from lightning_recorder.stats import tensor_norm
+
+    tensors = [
+        torch.full((300,), 60000.0, dtype=torch.float16),  # its float16 norm overflows
+        torch.randn(5, dtype=torch.float64),
+        torch.randn(3, 4),
+        torch.ones(2, dtype=torch.bfloat16),
+    ]
+    norms = monitor_module._norms(tensors)
+    for tensor, norm in zip(tensors, norms, strict=True):
+        expected = tensor_norm(tensor)
+        assert norm.dtype == expected.dtype
+        torch.testing.assert_close(norm, expected)
+    assert monitor_module._norms([]) == []
+
+
 def test_gradient_accumulation_covers_every_micro_batch(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="acc")
     monitor = FeatureStatsMonitor("probe", every_n_steps=1, stats=["mean", "std", "numel"])
