@@ -39,7 +39,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 pytest: $(STAMP)
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --doctest-modules tests lightning_recorder $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

@@ -31,6 +31,7 @@ from types import MappingProxyType, TracebackType
 from typing import Any, ClassVar, Literal
 
 from . import _patching
+from ._group import apply_all
 from ._names import suggestion
 from .base import _current_autograd_node
 from .errors import (
@@ -383,15 +384,7 @@ class DistillDeliveryManager:
 
     def initialize(self) -> None:
         """Install every patch until :meth:`release` (see :meth:`DistillDelivery.initialize`)."""
-        done: list[DistillDelivery] = []
-        try:
-            for delivery in self._deliveries.values():
-                delivery.initialize()
-                done.append(delivery)
-        except BaseException:
-            for delivery in reversed(done):
-                delivery.release()
-            raise
+        apply_all(self._deliveries.values(), DistillDelivery.initialize, DistillDelivery.release)
 
     def release(self) -> None:
         """Restore every patched callable, newest first."""
@@ -404,15 +397,11 @@ class DistillDeliveryManager:
             delivery.reset()
 
     def __enter__(self) -> DistillDeliveryManager:
-        entered: list[DistillDelivery] = []
-        try:
-            for delivery in self._deliveries.values():
-                delivery.__enter__()
-                entered.append(delivery)
-        except BaseException:
-            for delivery in reversed(entered):
-                delivery.__exit__(None, None, None)
-            raise
+        apply_all(
+            self._deliveries.values(),
+            DistillDelivery.__enter__,
+            lambda delivery: delivery.__exit__(None, None, None),
+        )
         return self
 
     def __exit__(

@@ -25,6 +25,7 @@ from typing import Any, TypeVar, overload
 
 from torch import nn
 
+from ._group import apply_all
 from ._names import suggestion
 from .base import BaseRecorder, RecordStream
 from .errors import (
@@ -223,15 +224,7 @@ class RecorderManager:
 
     def initialize(self, model: nn.Module | None = None) -> None:
         """Initialize every recorder; on failure the ones already done are released."""
-        done: list[BaseRecorder] = []
-        try:
-            for recorder in self._recorders.values():
-                recorder.initialize(model)
-                done.append(recorder)
-        except BaseException:
-            for recorder in reversed(done):
-                recorder.release()
-            raise
+        apply_all(self._recorders.values(), lambda r: r.initialize(model), BaseRecorder.release)
 
     def release(self) -> None:
         """Release every recorder (newest first): hooks removed, patches restored."""
@@ -256,16 +249,8 @@ class RecorderManager:
 
     def start(self) -> None:
         """Start every recorder (idempotent); if one cannot start, none is left recording."""
-        started: list[BaseRecorder] = []
-        try:
-            for recorder in self._recorders.values():
-                if not recorder.recording:
-                    recorder.start()
-                    started.append(recorder)
-        except BaseException:
-            for recorder in reversed(started):
-                recorder.stop()
-            raise
+        idle = [r for r in self._recorders.values() if not r.recording]
+        apply_all(idle, BaseRecorder.start, BaseRecorder.stop)
 
     def stop(self) -> None:
         """Stop every recorder (idempotent); records stay readable."""
