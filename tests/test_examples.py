@@ -82,3 +82,12 @@ def test_tensorboard_stats(tmp_path: Path) -> None:
         assert value("features.4", "zero_fraction") <= value("features.3", "zero_fraction")
     hists = events(log_dir).Tags()["histograms"]
     assert {f"stats/train/{m}/histogram" for m in MODULES} <= set(hists)
+
+
+def test_record_standalone(capsys: object) -> None:
+    import runpy
+
+    namespace = runpy.run_path(str(EXAMPLES / "record_standalone.py"))
+    dead = namespace["main"](epochs=2)
+    assert sorted(dead) == ["1", "3"]  # one stream per ReLU, named after it
+    assert all(0.0 <= fraction < 1.0 for fraction in dead.values())
