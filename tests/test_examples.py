@@ -84,7 +84,7 @@ def test_tensorboard_stats(tmp_path: Path) -> None:
     assert {f"stats/train/{m}/histogram" for m in MODULES} <= set(hists)
 
 
-def test_record_standalone(capsys: object) -> None:
+def test_record_standalone() -> None:
     import runpy
 
     namespace = runpy.run_path(str(EXAMPLES / "record_standalone.py"))
