@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import importlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -201,3 +201,18 @@ def as_module_type(source: object) -> type | tuple[type, ...] | None:
     except RecorderConfigError:
         return None
     return found if issubclass(found, nn.Module) else None
+
+
+def check_keys(given: Iterable[str], allowed: Sequence[str], where: str, what: str) -> None:
+    """Reject keys outside ``allowed``, naming the closest valid ones and listing all of them.
+
+    Raises:
+        RecorderConfigError: ``Unknown {what}(s) ... in {where}. Closest {what}s: ...``.
+    """
+    unknown = [k for k in given if k not in allowed]
+    if unknown:
+        hints = " ".join(suggestion(k, allowed, what + "s") for k in unknown)
+        raise RecorderConfigError(
+            f"Unknown {what}(s) {', '.join(repr(k) for k in unknown)} in {where}. {hints} "
+            f"Valid {what}s: {', '.join(allowed)}."
+        )

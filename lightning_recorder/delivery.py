@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal
 
 from . import _patching
 from ._group import apply_all
-from ._names import suggestion
+from ._names import check_keys, suggestion
 from .base import _current_autograd_node
 from .errors import (
     DuplicateNameError,
@@ -294,14 +294,7 @@ def build_delivery(config: Mapping[str, Any] | DistillDelivery, name: str = "") 
                     f"Expected one of 'source' and {alias!r} in {where} but got both."
                 )
             options["source"] = options.pop(alias)
-    allowed = ["source", "max_keep_data", *_PATH_ALIASES]
-    unknown = [k for k in options if k not in allowed]
-    if unknown:
-        hints = " ".join(suggestion(k, allowed, "keys") for k in unknown)
-        raise RecorderConfigError(
-            f"Expected the keys of {where} to be among 'type', 'source', 'max_keep_data' but got "
-            f"{', '.join(map(repr, unknown))}. {hints}"
-        )
+    check_keys(options, ["source", "max_keep_data", *_PATH_ALIASES], where, "key")
     if "source" not in options:
         raise RecorderConfigError(f"Expected {where} to have a 'source' key.")
     return cls(**options)

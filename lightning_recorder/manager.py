@@ -26,7 +26,7 @@ from typing import Any, TypeVar, overload
 from torch import nn
 
 from ._group import apply_all
-from ._names import suggestion
+from ._names import check_keys, suggestion
 from .base import BaseRecorder, RecordStream
 from .errors import (
     DuplicateNameError,
@@ -149,14 +149,7 @@ def build_recorder(config: Mapping[str, Any] | BaseRecorder, name: str = "") -> 
             f"Unknown recorder type {type_name!r} in {where}. "
             f"{suggestion(str(type_name), valid, 'types')} Valid types: {', '.join(valid)}."
         )
-    allowed = _option_names(cls)
-    unknown = [k for k in options if k not in allowed]
-    if unknown:
-        hints = " ".join(suggestion(k, allowed, "options") for k in unknown)
-        raise RecorderConfigError(
-            f"Unknown option(s) {', '.join(repr(k) for k in unknown)} for {type_name} in "
-            f"{where}. {hints} Valid options: {', '.join(allowed)}."
-        )
+    check_keys(options, _option_names(cls), f"{type_name} {where}", "option")
     if "source" not in options:
         raise RecorderConfigError(f"Expected {where} to have a 'source' key.")
     return cls(**options)

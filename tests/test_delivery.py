@@ -241,7 +241,7 @@ def test_manager_enter_failure_unwinds() -> None:
         ({"type": "FunctionOutputs"}, "Expected delivery 'd' to have a 'source' key"),
         (
             {"type": "FunctionOutputs", "source": "toy_module.toy_func", "max_keep": 2},
-            "got 'max_keep'. Closest keys: 'max_keep_data'",
+            r"Unknown key\(s\) 'max_keep' in delivery 'd'. Closest keys: 'max_keep_data'",
         ),
         (
             {"type": "FunctionOutputs", "source": "toy_module.a", "func_path": "toy_module.b"},
