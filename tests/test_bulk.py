@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _docs import DOCS, python_blocks, run_page
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -34,8 +35,6 @@ from lightning_recorder.errors import (
     RecordModifiedError,
     UnknownSourceError,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def mnist_mlp() -> nn.Sequential:
@@ -583,9 +582,5 @@ def test_docstring_examples() -> None:
 
 
 def test_docs_page_examples_run() -> None:
-    text = (ROOT / "docs" / "bulk.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 3
-    namespace: dict[str, object] = {}
-    for block in blocks:
-        exec(compile(block, "docs/bulk.md", "exec"), namespace)
+    assert len(python_blocks(DOCS / "bulk.md")) >= 3
+    run_page(DOCS / "bulk.md")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import doctest
 import gc
-import re
 import weakref
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from _callback_models import QUIET, ProbeNet, features, loader
+from _docs import DOCS, python_blocks, run_page
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_recorder.callback as callback_module
@@ -27,7 +27,6 @@ from lightning_recorder.errors import (
     UnknownSourceError,
 )
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
 FEAT = {"feat": {"type": "ModuleOutputs", "source": "body.0"}}
 
 
@@ -321,14 +320,7 @@ def test_docstring_example() -> None:
     assert result.attempted > 0 and result.failed == 0
 
 
-def python_blocks(page: Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-
-
 def test_docs_page_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    blocks = python_blocks(DOCS / "recorder_callback.md")
-    assert blocks
-    namespace: dict[str, Any] = {"__name__": "docs_recorder_callback"}
-    for block in blocks:
-        exec(compile(block, "recorder_callback.md", "exec"), namespace)
+    assert python_blocks(DOCS / "recorder_callback.md")
+    run_page(DOCS / "recorder_callback.md")

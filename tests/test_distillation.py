@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import pickle
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _distill_models import Student, Teacher, loader, trainer_kwargs
+from _docs import python_blocks, run_page
 from torch import Tensor, nn
 
 from lightning_recorder._distill_patch import StepPatch, is_patched
@@ -626,10 +626,7 @@ def test_callback_pickles_and_deep_copies_before_fit() -> None:
 
 def test_docs_python_examples_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    page = (ROOT / "docs" / "distillation.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
-    assert len(blocks) >= 6
-    namespace: dict[str, object] = {"__name__": "docs_distillation"}
-    for number, block in enumerate(blocks, start=1):
-        exec(compile(block, f"distillation.md[block {number}]", "exec"), namespace)
+    page = ROOT / "docs" / "distillation.md"
+    assert len(python_blocks(page)) >= 6
+    namespace = run_page(page)
     assert isinstance(namespace["distill"], FeatureDistillation)

@@ -7,10 +7,10 @@ import doctest
 import gc
 import pickle
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from _docs import DOCS, python_blocks, run_page
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -18,8 +18,6 @@ import lightning_recorder.inspector as inspector_module
 from lightning_recorder._hooks import live_hooks
 from lightning_recorder.errors import RecorderConfigError, RecorderStateError, UnknownSourceError
 from lightning_recorder.inspector import Inspector
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def toynet() -> nn.Sequential:
@@ -482,11 +480,8 @@ def test_docstring_examples() -> None:
 
 
 def test_docs_page_examples_run() -> None:
-    text = (ROOT / "docs" / "inspector.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 3
-    namespace: dict[str, object] = {}
-    for block in blocks:
-        exec(compile(block, "docs/inspector.md", "exec"), namespace)
+    assert len(python_blocks(DOCS / "inspector.md")) >= 3
+    run_page(DOCS / "inspector.md")
+    text = (DOCS / "inspector.md").read_text(encoding="utf-8")
     shown = re.findall(r"```text\n(.*?)```", text, flags=re.S)[0]
     assert shown.rstrip("\n") == repr(Inspector(toynet(), input_size=(1, 5)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import doctest
 import math
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from _callback_models import (
     reference_stats,
     scalars,
 )
+from _docs import DOCS, python_blocks, run_page
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
@@ -32,7 +32,6 @@ from lightning_recorder._hooks import live_hooks
 from lightning_recorder.errors import RecorderConfigError, RecordModifiedError, UnknownSourceError
 from lightning_recorder.stats_monitor import FeatureStatsMonitor
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
 STATS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
 MODULES = ("probe", "body.0", "body.1", "body.2")
 PARAMS = ("body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias")
@@ -427,13 +426,8 @@ def test_docstring_example() -> None:
 
 def test_docs_page_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    blocks = re.findall(
-        r"```python\n(.*?)```", (DOCS / "feature_stats_monitor.md").read_text(), re.S
-    )
-    assert blocks
-    namespace: dict[str, Any] = {"__name__": "docs_feature_stats_monitor"}
-    for block in blocks:
-        exec(compile(block, "feature_stats_monitor.md", "exec"), namespace)
+    assert python_blocks(DOCS / "feature_stats_monitor.md")
+    run_page(DOCS / "feature_stats_monitor.md")
 
 
 class _PlainWriter(SummaryWriter):
