@@ -27,15 +27,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
+from functools import partial
 from types import MappingProxyType, TracebackType
 from typing import Any, ClassVar, Literal
 
 from . import _patching
-from ._group import apply_all
+from ._group import add_named, apply_all, get_named, named_items
 from ._names import check_keys, suggestion
 from .base import _current_autograd_node
 from .errors import (
-    DuplicateNameError,
     NoRecordError,
     RecorderConfigError,
     RecorderStateError,
@@ -334,18 +334,8 @@ class DistillDeliveryManager:
     ) -> None:
         self._deliveries: dict[str, DistillDelivery] = {}
         self._override_data = False
-        items = deliveries.items() if isinstance(deliveries, Mapping) else (deliveries or ())
-        for name, config in items:
-            if not isinstance(name, str) or not name:
-                raise RecorderConfigError(
-                    f"Expected a non-empty str delivery name but got {name!r}."
-                )
-            if name in self._deliveries:
-                raise DuplicateNameError(
-                    f"A delivery named {name!r} already exists in this manager; names must be "
-                    "unique."
-                )
-            self._deliveries[name] = build_delivery(config, name)
+        for name, config in named_items(deliveries):
+            add_named(self._deliveries, name, partial(build_delivery, config, name), "delivery")
 
     @property
     def deliveries(self) -> Mapping[str, DistillDelivery]:
@@ -358,11 +348,7 @@ class DistillDeliveryManager:
         Raises:
             RecorderConfigError: no such name (the message lists the closest names).
         """
-        try:
-            return self._deliveries[name]
-        except KeyError:
-            near = suggestion(name, self._deliveries, "delivery names")
-            raise RecorderConfigError(f"No delivery named {name!r}. {near}") from None
+        return get_named(self._deliveries, name, "delivery")
 
     @property
     def override_data(self) -> bool:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar, overload
 
 from torch import nn
 
-from ._group import apply_all
+from ._group import add_named, apply_all, get_named, named_items
 from ._names import check_keys, suggestion
 from .base import BaseRecorder, RecordStream
 from .errors import (
@@ -175,21 +176,12 @@ class RecorderManager:
         | None = None,
     ) -> None:
         self._recorders: dict[str, BaseRecorder] = {}
-        items = recorders.items() if isinstance(recorders, Mapping) else (recorders or ())
-        for name, config in items:
+        for name, config in named_items(recorders):
             self.add_recorder(name, config)
 
     def add_recorder(self, name: str, config: Mapping[str, Any] | BaseRecorder) -> BaseRecorder:
         """Add one recorder (built from ``config``) under ``name`` and return it."""
-        if not isinstance(name, str) or not name:
-            raise RecorderConfigError(f"Expected a non-empty str recorder name but got {name!r}.")
-        if name in self._recorders:
-            raise DuplicateNameError(
-                f"A recorder named {name!r} already exists in this manager; names must be unique."
-            )
-        recorder = build_recorder(config, name)
-        self._recorders[name] = recorder
-        return recorder
+        return add_named(self._recorders, name, partial(build_recorder, config, name), "recorder")
 
     @property
     def recorders(self) -> Mapping[str, BaseRecorder]:
@@ -202,12 +194,7 @@ class RecorderManager:
         Raises:
             RecorderConfigError: no such name (the message lists the closest names).
         """
-        try:
-            return self._recorders[name]
-        except KeyError:
-            raise RecorderConfigError(
-                f"No recorder named {name!r}. {suggestion(name, self._recorders, 'recorder names')}"
-            ) from None
+        return get_named(self._recorders, name, "recorder")
 
     def streams(self) -> Iterator[tuple[str, RecordStream]]:
         """``(recorder name, stream)`` for every stream of every initialized recorder."""
