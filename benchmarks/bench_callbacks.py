@@ -15,7 +15,10 @@ the process's CPU clock (which other processes of a shared machine do not distur
 * **logging step** — the median time of a step on which the monitor logs (Lightning's own
   ``log_every_n_steps`` logging happens on the same steps in both runs).
 
-Ratios monitored / baseline are taken per repeat and their median is reported. Memory: a
+Ratios monitored / baseline are taken per repeat and their median is reported. A third
+configuration, the same monitor with ``histograms=False``, runs in the same rotation and shows
+what the histograms cost on a logging step (for information: the targets are for the
+defaults). Memory: a
 separate process trains with the monitor for 2,000 steps and compares its peak RSS after step
 2,000 with that after step 200.
 
@@ -56,6 +59,12 @@ from lightning_recorder import FeatureStatsMonitor  # noqa: E402
 
 EVERY = 50
 LIMITS = {"amortised": 1.03, "non-logging step": 1.01, "logging step": 1.5, "peak RSS": 1.02}
+# The monitor's keyword arguments per configuration; None: no monitor (the baseline).
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "monitor": {},
+    "baseline": None,
+    "scalars only": {"histograms": False},
+}
 
 
 class _StepTimer(pl.Callback):
@@ -89,13 +98,19 @@ def _loader(steps: int, batch_size: int) -> DataLoader:
 
 
 def _run(
-    monitored: bool, steps: int, batch_size: int, root: str, rss_at: Sequence[int] = ()
+    monitor: dict[str, Any] | None,
+    steps: int,
+    batch_size: int,
+    root: str,
+    rss_at: Sequence[int] = (),
 ) -> _StepTimer:
+    """Train for ``steps`` steps with a monitor built with ``monitor`` (``None``: without)."""
     pl.seed_everything(0, verbose=False)
     timer = _StepTimer(rss_at)
     callbacks: list[pl.Callback] = [timer]
-    if monitored:
-        callbacks.append(FeatureStatsMonitor([nn.Conv2d, nn.Linear], every_n_steps=EVERY))
+    if monitor is not None:
+        sources = [nn.Conv2d, nn.Linear]
+        callbacks.append(FeatureStatsMonitor(sources, every_n_steps=EVERY, **monitor))
     trainer = pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
@@ -125,7 +140,7 @@ def _summary(stamps: list[float], window: range) -> dict[str, float]:
 def _rss_child(steps: int, batch_size: int) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as root:
-        timer = _run(True, steps + 1, batch_size, root, rss_at=(200, steps))
+        timer = _run({}, steps + 1, batch_size, root, rss_at=(200, steps))
     print(json.dumps({"after_200": timer.rss[200], "after_last": timer.rss[steps]}))
 
 
@@ -137,21 +152,29 @@ def measure(
     window = range(EVERY, EVERY * (periods + 1))  # whole logging periods after a warm-up
     steps = window.stop + 2
     keys = ("amortised", "non-logging step", "logging step")
+    names = list(CONFIGS)
     per: dict[str, dict[str, list[dict[str, float]]]] = {
-        clock: {"monitor": [], "baseline": []} for clock in ("wall", "cpu")
+        clock: {name: [] for name in names} for clock in ("wall", "cpu")
     }
-    ratios = {clock: {k: [] for k in keys} for clock in ("wall", "cpu")}
+    # ratios[clock][config][measure]: one ratio to the baseline per repeat
+    ratios = {
+        clock: {name: {k: [] for k in keys} for name in names if name != "baseline"}
+        for clock in ("wall", "cpu")
+    }
     with tempfile.TemporaryDirectory() as root:
-        _run(True, 2 * EVERY, batch_size, root)  # warm up imports, allocator, TensorBoard
+        _run({}, 2 * EVERY, batch_size, root)  # warm up imports, allocator, TensorBoard
         for r in range(repeats):
-            order = (True, False) if r % 2 == 0 else (False, True)
-            timers = {m: _run(m, steps, batch_size, root) for m in order}
+            # every configuration takes every place in the order: rotate, and reverse every other
+            order = names[r % len(names) :] + names[: r % len(names)]
+            order = order if r % 2 == 0 else order[::-1]
+            timers = {name: _run(CONFIGS[name], steps, batch_size, root) for name in order}
             for clock in ("wall", "cpu"):
-                got = {m: _summary(getattr(t, clock), window) for m, t in timers.items()}
-                per[clock]["monitor"].append(got[True])
-                per[clock]["baseline"].append(got[False])
-                for key in keys:
-                    ratios[clock][key].append(got[True][key] / got[False][key])
+                got = {name: _summary(getattr(t, clock), window) for name, t in timers.items()}
+                for name in names:
+                    per[clock][name].append(got[name])
+                for name, by_key in ratios[clock].items():
+                    for key in keys:
+                        by_key[key].append(got[name][key] / got["baseline"][key])
     root_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     child = subprocess.run(
         [sys.executable, __file__, "--rss-child", str(rss_steps), "--batch-size", str(batch_size)],
@@ -172,8 +195,14 @@ def measure(
             }
             for clock, sides in per.items()
         },
-        "ratio": {c: {k: statistics.median(v) for k, v in r.items()} for c, r in ratios.items()},
-        "ratio_range": {c: {k: (min(v), max(v)) for k, v in r.items()} for c, r in ratios.items()},
+        "ratio": {
+            c: {n: {k: statistics.median(v) for k, v in r.items()} for n, r in by.items()}
+            for c, by in ratios.items()
+        },
+        "ratio_range": {
+            c: {n: {k: (min(v), max(v)) for k, v in r.items()} for n, r in by.items()}
+            for c, by in ratios.items()
+        },
         "rss_kib": rss,
         "rss_ratio": rss["after_last"] / rss["after_200"],
         "rss_steps": rss_steps,
@@ -186,13 +215,17 @@ def table(result: dict[str, Any]) -> str:
         "| measure | baseline (ms) | monitored (ms) | ratio, wall (min–max) | ratio, CPU | limit |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for key, ratio in result["ratio"]["wall"].items():
-        lo, hi = result["ratio_range"]["wall"][key]
-        cpu = result["ratio"]["cpu"][key]
-        base, mon = result["ms"]["wall"]["baseline"][key], result["ms"]["wall"]["monitor"][key]
+    rows = [("monitor", key, key) for key in result["ratio"]["wall"]["monitor"]]
+    rows.append(("scalars only", "logging step", "logging step, `histograms=False`"))
+    for config, key, label in rows:
+        ratio = result["ratio"]["wall"][config][key]
+        lo, hi = result["ratio_range"]["wall"][config][key]
+        cpu = result["ratio"]["cpu"][config][key]
+        base, mon = result["ms"]["wall"]["baseline"][key], result["ms"]["wall"][config][key]
+        limit = f"<= {LIMITS[key]}" if config == "monitor" else "(information)"
         lines.append(
-            f"| {key} | {base:.2f} | {mon:.2f} | **{ratio:.3f}** ({lo:.2f}–{hi:.2f}) | "
-            f"{cpu:.3f} | <= {LIMITS[key]} |"
+            f"| {label} | {base:.2f} | {mon:.2f} | **{ratio:.3f}** ({lo:.2f}–{hi:.2f}) | "
+            f"{cpu:.3f} | {limit} |"
         )
     rss, n = result["rss_kib"], result["rss_steps"]
     lines.append(

@@ -116,7 +116,8 @@ class FeatureStatsMonitor(RecorderCallback):
         stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         stats: the statistics to log (``"numel"`` too, if wanted).
         histograms: also write histograms to TensorBoard loggers.
-        bins: the number of histogram buckets.
+        bins: the number of histogram buckets (30 by default, as TensorBoard's own histogram
+            summary, ``tensorboard.summary.histogram``).
         parameters: also log the norms, gradient norms and update ratios of the parameters of
             the monitored modules.
         prefix: the first component of every tag.
@@ -163,7 +164,7 @@ class FeatureStatsMonitor(RecorderCallback):
         stages: Stage | Sequence[Stage] = ("train", "val"),
         stats: Sequence[StatName] = _DEFAULT_STATS,
         histograms: bool = True,
-        bins: int = 64,
+        bins: int = 30,
         parameters: bool = True,
         prefix: str = "stats",
         clone: bool = False,
