@@ -40,7 +40,8 @@ _UNBOUNDED = 1 << 64  # larger than any sequence number (AccumulateGrad nodes us
 
 @functools.cache
 def _probe_leaf() -> torch.Tensor:
-    return torch.zeros((), requires_grad=True, device="cpu")
+    with torch.inference_mode(False):  # a normal tensor even if first asked for in that mode
+        return torch.zeros((), requires_grad=True, device="cpu")
 
 
 def autograd_clock() -> int | None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_recorder import _graph_record
 from lightning_recorder._hooks import live_hooks
 from lightning_recorder.errors import (
     NoRecordError,
@@ -216,6 +217,14 @@ def test_without_autograd_modules_and_tensors_are_still_recorded(cnn: SmallCNN, 
     assert [n.id for n in graph.successors("tensor:1")] == ["module:features.1"]
     order = assert_acyclic(graph)
     assert order.index("tensor:0") < order.index("module:classifier")
+
+
+def test_a_first_recording_under_inference_mode_leaves_later_ones_whole(cnn: SmallCNN) -> None:
+    _graph_record._probe_leaf.cache_clear()  # as in a fresh process
+    with torch.inference_mode():
+        record_graph(cnn, torch.randn(2, 3, 8, 8))
+    graph = record_graph(cnn, torch.randn(2, 3, 8, 8))
+    assert len(graph.find(kind="parameter")) == 6 and graph.find(kind="op")
 
 
 def test_frozen_parameters_and_operations_outside_the_model_are_left_out(cnn: SmallCNN) -> None:
