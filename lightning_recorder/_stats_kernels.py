@@ -11,15 +11,18 @@ chunks of :data:`CHUNK` elements in reused buffers (:class:`Workspace`). A chunk
 sum is finite holds no NaN or infinity (they propagate through a sum) and takes the unmasked
 path (:func:`finite_state`); the others take :func:`masked_state`, which is also the path of
 every other device (no host synchronisation there). Both paths evaluate the same formulas in
-float64 on the same values: sums of squares, of absolute values and the count of non-zeros are
-dot products (with the deviations, with ``sign(x)``), so they agree to the last bit.
+float64 on the same values, so they agree to the last bit: ``M2`` is ``sum(x**2) - sum(x) *
+mean`` where that loses at most :data:`CANCEL_BITS` bits to cancellation and the sum of squared
+deviations elsewhere (:func:`sum_of_squares`); the count of non-zeros is a dot product of signs;
+data of one sign has ``sum |x| = ±sum(x)`` and, away from zero, no zeros.
 
 **Histograms.** :func:`histogram_rows` counts the finite values of a set of tensors over its
 global range ``[min, max]`` (all-reduced across ranks) in ``bins`` buckets with the rule of
 :func:`torch.histogram`: bucket ``i`` holds ``edges[i] <= v < edges[i + 1]``, the last bucket
 closed, the edges those of ``torch.linspace(min, max, bins + 1)``. On the CPU the bucket index
-is computed arithmetically and settled exactly against the edges (:func:`bucket_cpu`); other
-devices use :func:`torch.searchsorted` (:func:`histograms_device`). Both give the same rows.
+is computed arithmetically and settled exactly against the edges (:func:`bucket_cpu`), and
+mostly-zero data is tallied in interleaved lanes (:func:`tally`); other devices use
+:func:`torch.searchsorted` (:func:`histograms_device`). Both give the same rows.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ def flat64(x: Tensor) -> Tensor:
 
 # On the CPU, tensors are processed in chunks of this many elements, in reused buffers.
 CHUNK = 2**18
+# Bucket counts of data with at least LANED_ZEROS zeros (a ReLU's output) are tallied in this
+# many interleaved lanes when there are at most MAX_LANED buckets (see :func:`tally`).
+LANES = 8
+MAX_LANED = 1024
+LANED_ZEROS = 0.25
 
 
 class Workspace:
@@ -70,6 +78,16 @@ class Workspace:
     def __init__(self) -> None:
         self._arenas: dict[str, Tensor] = {}
         self._views: dict[tuple[str, int, torch.dtype, int], Tensor] = {}
+        self._lanes: dict[int, Tensor] = {}
+
+    def lanes(self, n: int, stride: int) -> Tensor:
+        """``n`` int32 lane offsets ``(i % LANES) * stride`` (cached: the contents are kept)."""
+        pattern = self._lanes.get(stride)
+        if pattern is None or pattern.numel() < n:
+            size = max(n, pattern.numel() * 2 if pattern is not None else 0, 4096)
+            lane = torch.arange(LANES, dtype=torch.int32) * stride
+            pattern = self._lanes[stride] = lane.repeat(-(-size // LANES))
+        return pattern[:n]
 
     def get(self, name: str, n: int, dtype: torch.dtype, part: int = 0) -> Tensor:
         """``n`` elements of ``dtype`` in arena ``name``, the ``part``-th such slice of it.
@@ -109,46 +127,85 @@ def as64(chunk: Tensor, work: Workspace) -> Tensor:
     return chunk if chunk.dtype == F64 else work.get("v", chunk.numel(), F64).copy_(chunk)
 
 
+# The sum of squared deviations is taken as ``sum(v**2) - sum(v) * mean`` when that loses at
+# most CANCEL_BITS of float64's 53 bits to cancellation (``sum(v**2) <= 2**CANCEL_BITS * M2``);
+# otherwise from the deviations ``v - mean``, a pass more (data far from zero relative to its
+# spread). See :func:`sum_of_squares`.
+CANCEL_BITS = 12
+
+
+def exact_counter(raw: Tensor, v: Tensor) -> Tensor:
+    """The values in which zeros are counted with a float dot product of signs: ``raw`` if its
+    float dtype sums ``CHUNK`` ones exactly (float32, float64), else the float64 ``v``."""
+    return raw if raw.dtype in (torch.float32, F64) else v
+
+
+def sum_of_squares(squares: float, total: float, mean: float, v: Tensor, work: Workspace) -> float:
+    """``M2`` of non-empty finite float64 CPU values from ``sum(v**2)``, ``sum(v)`` and the mean.
+
+    ``squares - total * mean`` loses at most ``CANCEL_BITS`` of float64's 53 bits to
+    cancellation when it is at least ``2**-CANCEL_BITS * squares``: the common case, and a pass
+    cheaper. Otherwise (or if ``squares`` overflowed) the squared deviations are summed.
+    :func:`masked_state` makes the same choice.
+    """
+    m2 = squares - total * mean
+    if math.isfinite(squares) and m2 * 2.0**CANCEL_BITS >= squares:
+        return m2
+    deviation = torch.sub(v, mean, out=work.get("work", v.numel(), F64))
+    return torch.dot(deviation, deviation).item()
+
+
 def finite_state(v: Tensor, total: float, work: Workspace, raw: Tensor) -> Tensor:
     """The packed state of non-empty float64 CPU values that are all finite: no masking pass.
 
     The same formulas as :func:`masked_state`, so the same numbers on the same values;
-    ``raw`` holds the same values in their own dtype (the extremes of a float one are read
-    from it: fewer bytes, the same numbers).
+    ``raw`` holds the same values in their own dtype (the extremes, and the signs whose count
+    is the number of non-zeros, are read from it: fewer bytes, the same numbers). Data of one
+    sign skips the pass of ``|v|`` (its sum is ``±sum(v)``) and, away from zero, the count of
+    zeros.
     """
     n = v.numel()
     mean = total / n
-    scratch = work.get("work", n, F64)
-    deviation = torch.sub(v, mean, out=scratch)
-    squares = torch.dot(deviation, deviation)
-    sign = torch.sign(v, out=scratch)
     ends = raw if raw.is_floating_point() else v
-    sums = torch.stack(
-        [squares, torch.dot(sign, v), torch.dot(sign, sign), ends.amin(), ends.amax()]
-    )
-    m2, abs_sum, nonzero, low, high = sums.tolist()
-    return torch.tensor([n, mean, m2, low, high, abs_sum / n, n - nonzero, 0, n], dtype=F64)
+    low, high, squares = torch.stack([ends.amin(), ends.amax(), torch.dot(v, v)]).tolist()
+    if low >= 0 or high <= 0:
+        abs_sum = total if low >= 0 else -total
+    else:
+        abs_sum = torch.abs(v, out=work.get("work", n, F64)).sum().item()
+    if low > 0 or high < 0:
+        zeros = 0.0
+    else:
+        counter = exact_counter(raw, v)
+        sign = torch.sign(counter, out=work.get("work", n, counter.dtype))
+        zeros = n - torch.dot(sign, sign).item()
+    m2 = sum_of_squares(squares, total, mean, v, work)
+    return torch.tensor([n, mean, m2, low, high, abs_sum / n, zeros, 0, n], dtype=F64)
 
 
 def masked_state(v: Tensor) -> Tensor:
     """The packed state of non-empty float64 values, NaN and infinities counted apart.
 
-    Sums of squares, of absolute values and the count of non-zeros are dot products (with the
-    deviations, with ``sign(v)``): vectorised passes, and no boolean temporaries but one.
+    The formulas of :func:`finite_state` on the finite values (the others replaced by zeros),
+    vectorised without a host synchronisation: both candidates for ``M2`` are computed and
+    :func:`sum_of_squares`' rule picks one.
     """
     finite = torch.isfinite(v)
     count = finite.sum(dtype=F64)
     safe = torch.where(finite, v, 0.0)
-    mean = safe.sum() / count.clamp(min=1.0)
+    total = safe.sum()
+    mean = total / count.clamp(min=1.0)
+    squares = torch.dot(safe, safe)
+    m2 = squares - total * mean
     deviation = torch.where(finite, v - mean, 0.0)
+    exact = torch.isfinite(squares) & (m2 * 2.0**CANCEL_BITS >= squares)
     sign = torch.sign(safe)
     parts = [
         count,
         mean,
-        torch.dot(deviation, deviation),
+        torch.where(exact, m2, torch.dot(deviation, deviation)),
         torch.where(finite, v, math.inf).amin(),
         torch.where(finite, v, -math.inf).amax(),
-        torch.dot(sign, safe) / count.clamp(min=1.0),
+        safe.abs().sum() / count.clamp(min=1.0),
         count - torch.dot(sign, sign),
         v.numel() - count,
         torch.full((), v.numel(), dtype=F64, device=v.device),
@@ -292,7 +349,13 @@ def bucket_path(dtype: torch.dtype, lo: float, hi: float, bins: int) -> str:
 
 
 def bucket_cpu(
-    x: Tensor, edges: Tensor, bits32: Tensor, lo: float, hi: float, work: Workspace
+    x: Tensor,
+    edges: Tensor,
+    bits32: Tensor,
+    lo: float,
+    hi: float,
+    work: Workspace,
+    laned: bool = False,
 ) -> Tensor:
     """Bucket counts (``bins + 1`` of them, ``int64``) of finite CPU values ``lo <= x <= hi``.
 
@@ -310,7 +373,8 @@ def bucket_cpu(
     so ``k`` is the bucket of ``v`` or the next one, and the comparison with the very edges
     returned settles which. Values exact in float32 are bucketed in float32 (half the memory
     traffic) against the edges rounded up (:func:`ceil32`, passed as raw bits ``bits32``),
-    which keeps the comparison exact. Other ranges use :func:`torch.searchsorted`.
+    which keeps the comparison exact. Other ranges use :func:`torch.searchsorted`. ``laned``:
+    the values crowd into one bucket, count them in lanes (:func:`tally`).
     """
     bins = edges.numel() - 1
     n = x.numel()
@@ -338,7 +402,23 @@ def bucket_cpu(
     # The lower edge of each value's bucket, gathered as raw bits (the faster kernel).
     torch.index_select(table, 0, index, out=lower)
     index -= torch.lt(v, scratch, out=down)
-    return torch.bincount(index, minlength=bins + 1)
+    return tally(index, bins + 1, work, laned)
+
+
+def tally(index: Tensor, size: int, work: Workspace, laned: bool) -> Tensor:
+    """``torch.bincount(index, minlength=size)`` for an int32 ``index`` in ``[0, size)``,
+    modified in place.
+
+    ``bincount`` adds one to a counter per value; where most values fall in one bucket (the
+    zeros after a ReLU), each addition waits for the previous one. If ``laned`` and with few
+    buckets, element ``i`` is counted in lane ``i % LANES`` (its index offset by
+    ``lane * size``) and the lanes are summed: independent counters, twice as fast there (and
+    a pass slower on values spread over the buckets, hence the choice).
+    """
+    if not laned or size > MAX_LANED:
+        return torch.bincount(index, minlength=size)
+    index += work.lanes(index.numel(), size)
+    return torch.bincount(index, minlength=LANES * size).view(LANES, size).sum(0)
 
 
 def histogram_range(vmin: float, vmax: float) -> tuple[float, float]:
@@ -376,14 +456,15 @@ def histogram_rows_cpu(
     bits32 = ceil32(table).view(torch.int32)
     found: list[Tensor] = []
     for m, (row, (lo, hi), tensors) in enumerate(zip(rows, ranges, parts, strict=True)):
-        tally: Tensor | None = None
+        counted: Tensor | None = None
+        laned = row[ZEROS] >= LANED_ZEROS * row[NUMEL]
         if row[COUNT] > 0:  # else no finite value here: nothing to count
             for x in tensors:
                 for chunk in chunks(x):
                     finite = chunk[torch.isfinite(chunk)] if row[NONFINITE] else chunk
-                    part = bucket_cpu(finite, table[m], bits32[m], lo, hi, work)
-                    tally = part if tally is None else tally + part
-        found.append(torch.zeros(bins + 1, dtype=torch.int64) if tally is None else tally)
+                    part = bucket_cpu(finite, table[m], bits32[m], lo, hi, work, laned)
+                    counted = part if counted is None else counted + part
+        found.append(torch.zeros(bins + 1, dtype=torch.int64) if counted is None else counted)
     sums = [[r[COUNT], r[COUNT] * r[MEAN], r[M2] + r[COUNT] * (r[MEAN] * r[MEAN])] for r in rows]
     counts = torch.stack(found).to(F64).tolist()
     if syncing:

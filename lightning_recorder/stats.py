@@ -22,7 +22,10 @@ Statistics with nothing to describe are NaN: everything but ``numel``, ``nonfini
 
 The streaming state is a count, a mean and a sum of squared deviations (``M2``), merged with
 Chan's parallel formula across updates and across ranks, so the result does not suffer from the
-cancellation of ``sum(x**2) - sum(x)**2 / n``.
+cancellation of ``sum(x**2) - sum(x)**2 / n``: within one tensor (one chunk of 2**18 elements
+on the CPU) that one-pass form is used only where it loses at most 12 of float64's 53 bits
+(data whose mean is within about 64 standard deviations of zero), the sum of squared
+deviations elsewhere.
 
 Off the CPU nothing synchronises with the host. On the CPU, where reading a value is free, a
 tensor whose float64 sum is finite (no NaN or infinity) skips the masking passes, and

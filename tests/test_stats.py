@@ -513,6 +513,67 @@ def test_finite_fast_path_equals_masked_path_bit_for_bit(
     assert_stats(K.finalize(fast, 1), reference([x]))
 
 
+@pytest.mark.parametrize(
+    "transform",
+    [torch.relu, lambda x: -torch.relu(x), lambda x: x.abs() + 1, lambda x: -x.abs() - 1],
+    ids=["non-negative", "non-positive", "positive", "negative"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16])
+def test_data_of_one_sign_takes_shortcuts_with_the_same_numbers(transform, dtype) -> None:
+    x = transform(sample((5000,), F64, seed=3)).to(dtype)
+    v = K.flat64(x)
+    fast = K.finite_state(v, v.sum().item(), K.Workspace(), x.reshape(-1))
+    assert torch.equal(fast, K.masked_state(v))
+    assert_stats(K.finalize(fast, 1), reference([x]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_data_far_from_zero_sums_squared_deviations(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    x = (1e4 + torch.randn(20000, generator=g, dtype=F64) * 1e-2).to(dtype)
+    v = K.flat64(x)
+    total = v.sum().item()
+    squares, mean = torch.dot(v, v).item(), total / v.numel()
+    assert (squares - total * mean) * 2.0**K.CANCEL_BITS < squares  # the fallback is taken
+    fast = K.finite_state(v, total, K.Workspace(), x)
+    assert torch.equal(fast, K.masked_state(v))
+    exact = torch.std(v).item()  # two passes over the same float64 values
+    assert K.finalize(fast, 1)["std"].item() == pytest.approx(exact, rel=1e-12)
+
+
+def test_one_pass_sum_of_squares_stays_within_its_bound() -> None:
+    g = torch.Generator().manual_seed(6)
+    for offset in (0.0, 3.0, 40.0):  # mean / std up to 40: 2**10.6 of cancellation at most
+        v = torch.randn(K.CHUNK, generator=g, dtype=F64) + offset
+        state = K.batch_state(v.float().double())
+        exact = torch.std(v.float().double()).item()
+        got = K.finalize(state, 1)["std"].item()
+        assert got == pytest.approx(exact, rel=2.0 ** (K.CANCEL_BITS - 53) * 2**10)
+
+
+@pytest.mark.parametrize("laned", [False, True])
+@pytest.mark.parametrize("size", [31, K.MAX_LANED + 1])
+def test_tally_in_lanes_counts_like_bincount(laned: bool, size: int) -> None:
+    g = torch.Generator().manual_seed(size)
+    index = torch.randint(0, size, (10007,), generator=g, dtype=torch.int32)
+    index[::2] = 0  # half the values in one bucket, as after a ReLU
+    expected = torch.bincount(index, minlength=size)
+    assert torch.equal(K.tally(index.clone(), size, K.Workspace(), laned), expected)
+
+
+def test_histograms_of_relu_outputs_equal_torch_histogram() -> None:
+    work = K.Workspace()
+    for n in (1, 9, 4099, K.CHUNK + 5):
+        relu = torch.relu(sample((n,), torch.float32, seed=n))
+        on_edges = edge_data(torch.float32, 0.0, 7.0, 30, seed=n)  # values on bucket edges
+        x = torch.cat([relu.clamp(max=7.0), on_edges, torch.zeros(n + on_edges.numel())])
+        state = K.batch_state(x, work)
+        assert state[K.ZEROS].item() >= K.LANED_ZEROS * x.numel()  # takes the laned tally
+        row = K.histogram_rows([[x]], state[None], 30, False, None, work)[0]
+        edges = torch.tensor(row[5:36], dtype=F64)
+        assert row[36:] == torch.histogram(x.double(), edges).hist.tolist()
+
+
 def test_large_tensors_are_chunked_and_merged() -> None:
     n = 2 * K.CHUNK + 12345
     x = sample((n,), torch.float32, seed=4)
