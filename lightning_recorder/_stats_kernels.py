@@ -140,6 +140,13 @@ def exact_counter(raw: Tensor, v: Tensor) -> Tensor:
     return raw if raw.dtype in (torch.float32, F64) else v
 
 
+def one_pass_suffices(squares: Any, m2: Any) -> Any:
+    """Whether ``m2 = squares - total * mean`` is taken as ``M2``: ``squares`` (the sum of
+    squares) did not overflow and cancellation cost at most ``CANCEL_BITS`` bits. Python floats
+    give a bool, tensors a boolean tensor: the one rule of both CPU paths."""
+    return (squares < math.inf) & (m2 * 2.0**CANCEL_BITS >= squares)
+
+
 def sum_of_squares(squares: float, total: float, mean: float, v: Tensor, work: Workspace) -> float:
     """``M2`` of non-empty finite float64 CPU values from ``sum(v**2)``, ``sum(v)`` and the mean.
 
@@ -149,7 +156,7 @@ def sum_of_squares(squares: float, total: float, mean: float, v: Tensor, work: W
     :func:`masked_state` makes the same choice.
     """
     m2 = squares - total * mean
-    if math.isfinite(squares) and m2 * 2.0**CANCEL_BITS >= squares:
+    if one_pass_suffices(squares, m2):
         return m2
     deviation = torch.sub(v, mean, out=work.get("work", v.numel(), F64))
     return torch.dot(deviation, deviation).item()
@@ -197,7 +204,7 @@ def masked_state(v: Tensor) -> Tensor:
     squares = torch.dot(safe, safe)
     m2 = squares - total * mean
     deviation = torch.where(finite, v - mean, 0.0)
-    exact = torch.isfinite(squares) & (m2 * 2.0**CANCEL_BITS >= squares)
+    exact = one_pass_suffices(squares, m2)
     sign = torch.sign(safe)
     parts = [
         count,

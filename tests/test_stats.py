@@ -544,9 +544,9 @@ def test_data_far_from_zero_sums_squared_deviations(dtype: torch.dtype) -> None:
 def test_one_pass_sum_of_squares_stays_within_its_bound() -> None:
     g = torch.Generator().manual_seed(6)
     for offset in (0.0, 3.0, 40.0):  # mean / std up to 40: 2**10.6 of cancellation at most
-        v = torch.randn(K.CHUNK, generator=g, dtype=F64) + offset
-        state = K.batch_state(v.float().double())
-        exact = torch.std(v.float().double()).item()
+        v = (torch.randn(K.CHUNK, generator=g, dtype=F64) + offset).float().double()
+        state = K.batch_state(v)
+        exact = torch.std(v).item()
         got = K.finalize(state, 1)["std"].item()
         assert got == pytest.approx(exact, rel=2.0 ** (K.CANCEL_BITS - 53) * 2**10)
 
