@@ -25,11 +25,21 @@ separate process trains with the monitor for 2,000 steps and compares its peak R
 Run ``python benchmarks/bench_callbacks.py`` (``--quick`` for a smoke run). Timings use one CPU
 thread (``torch.set_num_threads(1)``) to keep the noise of a shared machine down, and batches of
 128 digits (``--batch-size``; the example trains with 32), so that a step is long enough to time.
+
+**Allocator.** glibc's ``malloc`` adapts its mmap threshold to the history of a process's
+allocations: depending on it, one run maps (and the kernel zeroes) fresh pages for the large
+activations of every step and the next run reuses its heap — about 250 page faults per step
+against none, several percent of a step, landing on either side of a comparison at random. The
+timing runs therefore fix the thresholds (``mallopt``: mmap above 32 MiB, trim above 256 MiB)
+for every configuration alike; ``--default-malloc`` keeps glibc's adaptive behaviour. The
+memory child keeps the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import itertools
 import json
 import os
@@ -82,6 +92,18 @@ class _StepTimer(pl.Callback):
         step = len(self.wall) - 1
         if step in self.rss_at:
             self.rss[step] = _peak_rss_kib()
+
+
+def pin_malloc() -> bool:
+    """Fix glibc's mmap and trim thresholds (see the module documentation); False elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
 
 
 def _peak_rss_kib() -> int:
@@ -145,10 +167,15 @@ def _rss_child(steps: int, batch_size: int) -> None:
 
 
 def measure(
-    repeats: int = 7, periods: int = 5, batch_size: int = 128, rss_steps: int = 2000
+    repeats: int = 15,
+    periods: int = 5,
+    batch_size: int = 128,
+    rss_steps: int = 2000,
+    default_malloc: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark; return per-clock medians, ratios and the RSS figures."""
     torch.set_num_threads(1)
+    pinned = False if default_malloc else pin_malloc()
     window = range(EVERY, EVERY * (periods + 1))  # whole logging periods after a warm-up
     steps = window.stop + 2
     keys = ("amortised", "non-logging step", "logging step")
@@ -186,6 +213,7 @@ def measure(
     rss = json.loads(child.stdout.strip().splitlines()[-1])
     return {
         "repeats": repeats,
+        "malloc_pinned": pinned,
         "batch_size": batch_size,
         "window": [window.start, window.stop],
         "ms": {
@@ -239,12 +267,15 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark and print a table of ratios; return the figures."""
     parser = argparse.ArgumentParser(description="FeatureStatsMonitor overhead")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--periods", type=int, default=5, help="logging periods timed per run")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--rss-steps", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 repeat, short runs")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument(
+        "--default-malloc", action="store_true", help="keep glibc's adaptive malloc thresholds"
+    )
     parser.add_argument("--rss-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -254,13 +285,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
     if args.quick:
         args.repeats, args.periods, args.rss_steps = 1, 1, 210
-    result = measure(args.repeats, args.periods, args.batch_size, args.rss_steps)
+    result = measure(
+        args.repeats, args.periods, args.batch_size, args.rss_steps, args.default_malloc
+    )
     start, stop = result["window"]
     print(
         f"\nFeatureStatsMonitor on every Conv2d/Linear output of the digits CNN (batch "
         f"{result['batch_size']}), logging every {EVERY} steps, vs the same Trainer without it: "
         f"medians of {result['repeats']} interleaved repeats, steps {start}-{stop - 1}, one torch "
-        "thread.\n"
+        f"thread, malloc thresholds {'fixed' if result['malloc_pinned'] else 'adaptive'}.\n"
     )
     print(table(result))
     if args.json:

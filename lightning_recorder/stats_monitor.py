@@ -17,11 +17,11 @@ from ._lightning import Stage, check_positive_int, step_axis, write_tensorboard
 from ._names import iter_tensors, named_parameters
 from ._stats_kernels import (
     Workspace,
-    batch_state,
     empty_state,
     finalize_host,
     histogram_rows,
     merge,
+    native_state,
     raw_kwargs,
     sync_active,
 )
@@ -91,6 +91,13 @@ class FeatureStatsMonitor(RecorderCallback):
     :class:`~lightning.pytorch.loggers.TensorBoardLogger` (other loggers get scalars; a warning
     says so once). For the parameters of those modules it logs the norm, the gradient norm
     (before clipping) and the update-to-parameter ratio ``||Δp|| / ||p||`` of the optimizer step.
+
+    **Precision.** On the CPU, the statistics and histogram buckets of float32 (float16,
+    bfloat16) outputs are computed in float32, the data's own precision and the one TensorBoard
+    stores: mean, std and mean ``|x|`` within about ``1e-6`` (relative), min, max and counts
+    exact, a value within rounding of a bucket edge possibly in the next bucket. Float64 outputs
+    and other devices get float64 arithmetic. :mod:`lightning_recorder.stats` gives exact
+    float64 results.
 
     **When.** Training statistics are logged every ``every_n_steps`` optimizer steps (default:
     the Trainer's ``log_every_n_steps``, so they land on the same steps as the loss); with
@@ -291,11 +298,12 @@ class FeatureStatsMonitor(RecorderCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
     ) -> None:
         device = pl_module.device
+        work = cast(Workspace, self._work)
         parts: list[list[Tensor]] = []
         rows: list[Tensor] = []
         for stream in self._streams.values():
             tensors = list(_record_tensors(stream))
-            states = [batch_state(t, self._work) for t in tensors]
+            states = [native_state(t, work) for t in tensors]
             if not states:
                 rows.append(empty_state(device))
             else:
@@ -330,7 +338,8 @@ class FeatureStatsMonitor(RecorderCallback):
         """TensorBoard histograms of this batch's records (a collective under DDP)."""
         if not self._write_histograms:
             return {}
-        rows = histogram_rows(parts, states, self.bins, True, None, self._work)  # every rank
+        # every rank; buckets in the data's precision, like the statistics
+        rows = histogram_rows(parts, states, self.bins, True, None, self._work, exact=False)
         if not trainer.is_global_zero:
             return {}
         hists: dict[str, dict[str, Any]] = {}

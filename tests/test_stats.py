@@ -740,3 +740,90 @@ def test_host_and_device_histograms_give_the_same_rows() -> None:
             values = _flat(s)
             finite = values[torch.isfinite(values)]
             assert row[0] == finite.numel() and sum(row[6 + bins :]) == finite.numel()
+
+
+# ---------------------------------------------------------------- native precision (the monitor)
+def _native_cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    gauss = torch.randn(64, 32, 8, 8, generator=g)
+    return {
+        "gaussian": gauss * 0.7 + 0.1,
+        "relu": torch.relu(gauss),
+        "negative": -torch.rand(5000, generator=g) - 0.5,
+        "far from zero": torch.randn(3000, generator=g) * 1e-3 + 7.0,  # the two-pass M2
+        "float16": (gauss[:4] * 3).half(),
+        "bfloat16": gauss[:4].bfloat16(),
+        "several chunks": torch.randn(K.CHUNK * 2 + 123, generator=g) + 0.5,
+        "zeros": torch.zeros(100),
+        "one value": torch.tensor([2.5]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_native_cases()))
+def test_native_state_is_within_float32_precision_of_the_exact_state(name: str) -> None:
+    x = _native_cases()[name]
+    work = K.Workspace()
+    got, exact = K.native_state(x, work), K.batch_state(x, work)
+    for i in (K.COUNT, K.MIN, K.MAX, K.ZEROS, K.NONFINITE, K.NUMEL):  # exact
+        assert got[i].item() == exact[i].item(), i
+    scale = exact[K.ABS_MEAN].item()  # the mean's error is relative to the magnitudes summed
+    assert got[K.MEAN].item() == pytest.approx(exact[K.MEAN].item(), rel=1e-6, abs=1e-6 * scale)
+    assert got[K.ABS_MEAN].item() == pytest.approx(scale, rel=1e-6)
+    std, exact_std = (K.finalize(s, 0)["std"].item() for s in (got, exact))
+    assert std == pytest.approx(exact_std, rel=2e-6, abs=1e-12)
+
+
+def test_native_state_takes_the_exact_path_for_what_float32_cannot_sum() -> None:
+    work = K.Workspace()
+    cases = [
+        torch.tensor([1.0, math.nan, -2.0, math.inf, 0.0]),  # counted, not summed
+        torch.full((8,), 3e38),  # finite values whose float32 sum overflows
+        torch.randn(100, dtype=F64),  # float64 data: float64 arithmetic
+        torch.arange(10),  # integers
+    ]
+    for x in cases:
+        assert torch.equal(K.native_state(x, work), K.batch_state(x, work)), x
+
+
+def _edge_band(x: torch.Tensor, edges: torch.Tensor, tolerance: float) -> int:
+    """How many values lie within ``tolerance`` of an inner edge."""
+    inner = edges[1:-1].to(F64)
+    distance = (x.reshape(-1, 1).to(F64) - inner).abs()
+    return int((distance <= tolerance).any(1).sum())
+
+
+@pytest.mark.parametrize("name", list(_native_cases()))
+def test_native_bucketing_differs_from_the_exact_rule_only_at_the_edges(name: str) -> None:
+    x = _native_cases()[name]
+    work = K.Workspace()
+    state = K.batch_state(x, work)[None]
+    exact = K.histogram_rows([[x]], state, 30, False, None, work)[0]
+    native = K.histogram_rows([[x]], state, 30, False, None, work, exact=False)[0]
+    assert native[: 6 + 30] == exact[: 6 + 30]  # sums, range and edges
+    counts, exact_counts = native[6 + 30 :], exact[6 + 30 :]
+    assert sum(counts) == sum(exact_counts) == state[0, K.COUNT].item()
+    reach = max(abs(exact[3]), abs(exact[4]))
+    band = _edge_band(x, torch.tensor(exact[5 : 6 + 30]), 4 * 2.0**-24 * reach)
+    moved = sum(abs(a - b) for a, b in zip(counts, exact_counts, strict=True)) / 2
+    assert moved <= band, (moved, band)
+
+
+def test_native_bucketing_of_values_on_the_edges() -> None:
+    # Every value sits on an edge: each may move one bucket at most, and none is lost.
+    x = torch.linspace(-3.0, 3.0, 31).repeat(100)
+    work = K.Workspace()
+    state = K.batch_state(x, work)[None]
+    counts = K.histogram_rows([[x]], state, 30, False, None, work, exact=False)[0][36:]
+    exact = torch.histogram(x.double(), 30).hist.tolist()
+    assert sum(counts) == sum(exact) == 3100
+    assert all(abs(a - b) <= 100 for a, b in zip(counts, exact, strict=True))
+
+
+def test_native_bucketing_of_a_narrow_range_takes_float64_positions() -> None:
+    # Values of magnitude 1000 spread over 4e-3: float32 positions would be off by buckets.
+    assert K.bucket_path(torch.float32, 1000.0, 1000.0 + 63 * 2.0**-14, 30) == "float64"
+    x = 1000.0 + torch.arange(0, 64, dtype=torch.float32) * 2.0**-14
+    work = K.Workspace()
+    state = K.batch_state(x, work)[None]
+    counts = K.histogram_rows([[x]], state, 30, False, None, work, exact=False)[0][36:]
+    assert counts == torch.histogram(x.double(), 30).hist.tolist()

@@ -196,6 +196,7 @@ def test_histograms(run: dict[str, Any]) -> None:
     assert (h.min, h.max) == (approx(finite.min().item()), approx(finite.max().item()))
     assert h.sum == approx(finite.sum().item())
     assert sum(h.bucket) == 13 and len(h.bucket) == 9  # 8 bins after an empty leading bucket
+    assert list(h.bucket[1:]) == torch.histogram(finite, 8).hist.tolist()
     val = {e.step: e.histogram_value for e in acc.Histograms("stats/val/probe/histogram")}
     assert sorted(val) == [5, 11]
     assert val[5].num == 16  # the first validation batch
@@ -468,7 +469,8 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     threads = torch.get_num_threads()
     try:
         spec.loader.exec_module(bench)
-        result = bench.main(["--quick", "--json", str(tmp_path / "bench.json")])
+        argv = ["--quick", "--default-malloc", "--json", str(tmp_path / "bench.json")]
+        result = bench.main(argv)  # the default malloc: this process goes on testing
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
@@ -481,4 +483,4 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert all(set(by) == measures and min(by.values()) > 0 for by in clock.values())
     assert result["ms"]["wall"]["monitor"]["logging step"] > 0
     assert 0.9 < result["rss_ratio"] < 1.1
-    assert (tmp_path / "bench.json").exists()
+    assert (tmp_path / "bench.json").exists() and result["malloc_pinned"] is False
