@@ -15,12 +15,13 @@ the process's CPU clock (which other processes of a shared machine do not distur
 * **logging step** — the median time of a step on which the monitor logs (Lightning's own
   ``log_every_n_steps`` logging happens on the same steps in both runs).
 
-Ratios monitored / baseline are taken per repeat and their median is reported. A third
-configuration, the same monitor with ``histograms=False``, runs in the same rotation and shows
-what the histograms cost on a logging step (for information: the targets are for the
-defaults). Memory: a
-separate process trains with the monitor for 2,000 steps and compares its peak RSS after step
-2,000 with that after step 200.
+Ratios monitored / baseline are taken per repeat and their median is reported. Two more
+configurations run in the same rotation, for information (the targets are for the defaults):
+the same monitor with ``histograms=False``, which shows what the histograms cost on a logging
+step, and a ``Callback`` that does nothing, which shows what Lightning's hook calls cost any
+callback on every step, the floor of the non-logging ratio. Memory: a separate process trains
+with the monitor for 2,000 steps and compares its peak RSS after step 2,000 with that after
+step 200.
 
 Run ``python benchmarks/bench_callbacks.py`` (``--quick`` for a smoke run). Timings use one CPU
 thread (``torch.set_num_threads(1)``) to keep the noise of a shared machine down, and batches of
@@ -69,11 +70,14 @@ from lightning_recorder import FeatureStatsMonitor  # noqa: E402
 
 EVERY = 50
 LIMITS = {"amortised": 1.03, "non-logging step": 1.01, "logging step": 1.5, "peak RSS": 1.02}
-# The monitor's keyword arguments per configuration; None: no monitor (the baseline).
-CONFIGS: dict[str, dict[str, Any] | None] = {
+# The monitor's keyword arguments per configuration; None: no monitor (the baseline); EMPTY: a
+# callback that does nothing, the floor of what Lightning's hook calls cost any callback.
+EMPTY = "empty callback"
+CONFIGS: dict[str, dict[str, Any] | str | None] = {
     "monitor": {},
     "baseline": None,
     "scalars only": {"histograms": False},
+    EMPTY: EMPTY,
 }
 
 
@@ -120,7 +124,7 @@ def _loader(steps: int, batch_size: int) -> DataLoader:
 
 
 def _run(
-    monitor: dict[str, Any] | None,
+    monitor: dict[str, Any] | str | None,
     steps: int,
     batch_size: int,
     root: str,
@@ -130,7 +134,9 @@ def _run(
     pl.seed_everything(0, verbose=False)
     timer = _StepTimer(rss_at)
     callbacks: list[pl.Callback] = [timer]
-    if monitor is not None:
+    if monitor == EMPTY:
+        callbacks.append(pl.Callback())
+    elif isinstance(monitor, dict):
         sources = [nn.Conv2d, nn.Linear]
         callbacks.append(FeatureStatsMonitor(sources, every_n_steps=EVERY, **monitor))
     trainer = pl.Trainer(
@@ -245,6 +251,7 @@ def table(result: dict[str, Any]) -> str:
     ]
     rows = [("monitor", key, key) for key in result["ratio"]["wall"]["monitor"]]
     rows.append(("scalars only", "logging step", "logging step, `histograms=False`"))
+    rows.append((EMPTY, "non-logging step", "step, a callback that does nothing"))
     for config, key, label in rows:
         ratio = result["ratio"]["wall"][config][key]
         lo, hi = result["ratio_range"]["wall"][config][key]

@@ -475,11 +475,11 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     rows = ("| amortised |", "| non-logging step |", "| logging step |", "| peak RSS")
-    for row in (*rows, "| logging step, `histograms=False` |"):
+    for row in (*rows, "| logging step, `histograms=False` |", "| step, a callback that does"):
         assert row in out
     measures = {"amortised", "non-logging step", "logging step"}
     for clock in result["ratio"].values():
-        assert set(clock) == {"monitor", "scalars only"}  # each against the baseline
+        assert set(clock) == {"monitor", "scalars only", "empty callback"}  # vs the baseline
         assert all(set(by) == measures and min(by.values()) > 0 for by in clock.values())
     assert result["ms"]["wall"]["monitor"]["logging step"] > 0
     assert 0.9 < result["rss_ratio"] < 1.1
