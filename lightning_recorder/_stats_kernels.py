@@ -233,13 +233,19 @@ def batch_state(x: Tensor, work: Workspace | None = None) -> Tensor:
     if x.device.type != "cpu":
         return masked_state(flat64(x))
     work = work or Workspace()
-    states = []
-    for chunk in chunks(x):
-        v = as64(chunk, work)
-        total = v.sum().item()
-        finite = math.isfinite(total)
-        states.append(finite_state(v, total, work, chunk) if finite else masked_state(v))
-    return states[0] if len(states) == 1 else merge(torch.stack(states))
+    return merged([exact_chunk(chunk, work) for chunk in chunks(x)])
+
+
+def exact_chunk(chunk: Tensor, work: Workspace) -> Tensor:
+    """:func:`batch_state` of one CPU chunk: unmasked if its float64 sum is finite."""
+    v = as64(chunk, work)
+    total = v.sum().item()
+    return finite_state(v, total, work, chunk) if math.isfinite(total) else masked_state(v)
+
+
+def merged(states: Sequence[Tensor]) -> Tensor:
+    """One packed state for a non-empty list of them (the only one, or their merge)."""
+    return states[0] if len(states) == 1 else merge(torch.stack(list(states)))
 
 
 # Native precision (the monitor's kernels). Float32 sums of squares are good to about 1e-7;
@@ -248,21 +254,25 @@ def batch_state(x: Tensor, work: Workspace | None = None) -> Tensor:
 NATIVE_CANCEL_BITS = 3
 
 
-def native_chunk(v: Tensor, work: Workspace) -> Tensor | None:
-    """The packed state of a non-empty float32 CPU chunk, its sums taken in float32.
+def native_chunk(chunk: Tensor, work: Workspace) -> Tensor:
+    """The packed state of a non-empty CPU chunk of float32 (float16, bfloat16: upcast exactly),
+    its sums taken in float32.
 
     The formulas of :func:`finite_state`, on the data's own precision: no float64 copy, a
     quarter of the memory traffic. Torch's float32 sums are pairwise (cascade), good to about
-    ``1e-7`` relative; min, max and the counts are exact. ``None`` when the float32 sum or sum
-    of squares is not finite (a NaN, an infinity, or an overflow): the caller takes the exact
-    masked path.
+    ``1e-7`` relative; min, max and the counts are exact. When the float32 sum or sum of
+    squares is not finite (a NaN, an infinity, or an overflow) the chunk takes the exact masked
+    path.
     """
+    v = chunk
+    if chunk.dtype != torch.float32:
+        v = work.get("v", chunk.numel(), torch.float32).copy_(chunk)
     n = v.numel()
     scratch = work.get("work", n, torch.float32)
     squares_t = torch.mul(v, v, out=scratch).sum()
     total, low, high, squares = torch.stack([v.sum(), v.amin(), v.amax(), squares_t]).tolist()
     if not (math.isfinite(total) and math.isfinite(squares)):
-        return None
+        return masked_state(flat64(chunk))
     mean = total / n
     one_sign = low >= 0 or high <= 0
     abs_sum = abs(total) if one_sign else torch.abs(v, out=scratch).sum().item()
@@ -287,21 +297,14 @@ def native_state(x: Tensor, work: Workspace) -> Tensor:
     """The packed state of one tensor in the data's own precision (the monitor's kernel).
 
     CPU tensors of float32 (and float16 / bfloat16, upcast exactly) are summed in float32
-    (:func:`native_chunk`); anything else, and chunks with a NaN, an infinity or an overflowing
-    float32 sum, takes :func:`batch_state`'s exact float64 path. Mean, std and mean ``|x|`` are
-    within about ``1e-6`` (relative) of the exact values, the precision at which TensorBoard
-    stores a scalar; min, max and the counts are exact.
+    (:func:`native_chunk`); anything else takes :func:`batch_state`'s exact float64 path, and
+    so do chunks with a NaN, an infinity or an overflowing float32 sum. Mean, std and mean
+    ``|x|`` are within about ``1e-6`` (relative) of the exact values, the precision at which
+    TensorBoard stores a scalar; min, max and the counts are exact.
     """
     if x.device.type != "cpu" or x.numel() == 0 or x.dtype not in EXACT_IN_32:
         return batch_state(x, work)
-    states = []
-    for chunk in chunks(x):
-        v = chunk
-        if v.dtype != torch.float32:
-            v = work.get("v", chunk.numel(), torch.float32).copy_(chunk)
-        state = native_chunk(v, work)
-        states.append(masked_state(flat64(chunk)) if state is None else state)
-    return states[0] if len(states) == 1 else merge(torch.stack(states))
+    return merged([native_chunk(chunk, work) for chunk in chunks(x)])
 
 
 def merge(states: Tensor) -> Tensor:

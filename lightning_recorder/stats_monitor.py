@@ -21,6 +21,7 @@ from ._stats_kernels import (
     finalize_host,
     histogram_rows,
     merge,
+    merged,
     native_state,
     raw_kwargs,
     sync_active,
@@ -307,7 +308,7 @@ class FeatureStatsMonitor(RecorderCallback):
             if not states:
                 rows.append(empty_state(device))
             else:
-                rows.append(states[0] if len(states) == 1 else merge(torch.stack(states)))
+                rows.append(merged(states))
             parts.append(tensors)
         batch = torch.stack([row if row.device == device else row.to(device) for row in rows])
         so_far = self._states.get(stage)
