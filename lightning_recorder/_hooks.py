@@ -2,10 +2,16 @@
 
 Each recorder (and every other component that installs hooks) owns one :class:`HookSet`.
 A process-wide count of live handles lets tests prove that nothing was left behind.
+
+A hook costs something on every call of its module even while it records nothing: PyTorch
+takes its slow call path for a module with hooks. Hooks installed with :meth:`HookSet.install`
+can therefore be *suspended* (removed, with what is needed to reinstall them kept) between the
+steps that record, and resumed when recording starts again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.hooks import RemovableHandle
@@ -21,20 +27,60 @@ class HookSet:
             ``"ModuleOutputsRecorder(conv1)"``.
     """
 
-    __slots__ = ("_handles", "owner")
+    __slots__ = ("_handles", "_made", "_makers", "_suspended", "owner")
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self._handles: list[RemovableHandle] = []
+        self._makers: list[Callable[[], RemovableHandle]] = []  # how to reinstall
+        self._made: list[RemovableHandle] = []  # the live handles the makers returned
+        self._suspended = False
 
     def add(self, handle: RemovableHandle) -> RemovableHandle:
-        """Take ownership of ``handle``."""
+        """Take ownership of ``handle`` (kept installed until :meth:`remove_all`)."""
         self._handles.append(handle)
         _LIVE[id(handle)] = (self.owner, handle)
         return handle
 
+    def install(self, make: Callable[[], RemovableHandle]) -> RemovableHandle:
+        """Install a hook by calling ``make``, and keep ``make`` to reinstall it after a suspend.
+
+        ``make`` registers the hook and returns its handle, e.g.
+        ``partial(module.register_forward_hook, hook)``.
+        """
+        handle = self.add(make())
+        self._makers.append(make)
+        self._made.append(handle)
+        return handle
+
+    @property
+    def suspended(self) -> bool:
+        """Whether the hooks given to :meth:`install` are removed until :meth:`resume`."""
+        return self._suspended
+
+    def suspend(self) -> None:
+        """Remove the hooks given to :meth:`install` until :meth:`resume` (idempotent)."""
+        if self._suspended or not self._makers:
+            return
+        self._suspended = True
+        gone = {id(handle) for handle in self._made}
+        for handle in reversed(self._made):
+            handle.remove()
+            _LIVE.pop(id(handle), None)
+        self._made = []
+        self._handles = [handle for handle in self._handles if id(handle) not in gone]
+
+    def resume(self) -> None:
+        """Reinstall the suspended hooks, in their original order (idempotent)."""
+        if not self._suspended:
+            return
+        self._suspended = False
+        for make in self._makers:
+            self._made.append(self.add(make()))
+
     def remove_all(self) -> None:
         """Remove every handle, newest first. Safe to call any number of times."""
+        self._makers, self._made, self._suspended = [], [], False
         while self._handles:
             handle = self._handles.pop()
             handle.remove()

@@ -24,6 +24,8 @@ from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from .errors import RecorderConfigError
 
@@ -73,6 +75,21 @@ def step_axis(trainer: pl.Trainer) -> int:
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     value = getattr(loop, "_batches_that_stepped", None)
     return value if isinstance(value, int) else int(trainer.global_step)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``torch.compile`` compiles ``module`` or a part of it.
+
+    True for a LightningModule passed to ``fit`` as ``torch.compile(model)`` (Lightning unwraps
+    it and marks it), one holding an ``OptimizedModule``, or one with a submodule compiled in
+    place by ``nn.Module.compile()``.
+    """
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
 
 
 def completes_step(trainer: pl.Trainer) -> bool:

@@ -282,6 +282,22 @@ class BaseRecorder(abc.ABC):
         """Whether the recorder is recording now (inside its context)."""
         return self._recording
 
+    @property
+    def suspended(self) -> bool:
+        """Whether the hooks are removed by :meth:`suspend` until the next :meth:`start`."""
+        return self._hooks.suspended
+
+    def suspend(self) -> None:
+        """Remove the module and gradient hooks until the next :meth:`start` reinstalls them.
+
+        An idle hook still costs its module PyTorch's slow call path on every call; a loop that
+        records only some steps suspends the recorder between them. Records stay readable.
+        Does nothing while recording. Hooks that ``torch.compile`` has already traced should
+        stay installed: removing and reinstalling them makes dynamo recompile.
+        """
+        if self._initialized and not self._recording:
+            self._hooks.suspend()
+
     def start(self) -> None:
         """Start recording into fresh buffers. Does nothing if already recording."""
         if not self._initialized:
@@ -290,6 +306,7 @@ class BaseRecorder(abc.ABC):
             )
         if self._recording:
             return
+        self._hooks.resume()
         self._session += 1
         self._entered += 1
         for stream in self._streams.values():

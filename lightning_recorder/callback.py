@@ -10,7 +10,15 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import Self, override
 
-from ._lightning import Stage, check_positive_int, check_stages, completes_step, is_due, step_axis
+from ._lightning import (
+    Stage,
+    check_positive_int,
+    check_stages,
+    completes_step,
+    is_compiled,
+    is_due,
+    step_axis,
+)
 from .base import BaseRecorder
 from .errors import NoRecordError, NotInitializedError, RecorderConfigError, RecorderStateError
 from .manager import RecorderManager
@@ -29,6 +37,13 @@ class RecorderCallback(Callback):
     stage: from ``on_*_batch_start`` to ``on_*_batch_end``, which covers the forward, the
     backward and the optimizer step. Every hook and patch is removed on ``teardown`` and in
     ``on_exception``.
+
+    **Between recorded steps** the module and gradient hooks are suspended: removed, and
+    reinstalled when the next recorded step starts, so that a step that records nothing runs
+    the model as it would run without the callback (an idle hook still costs every call of its
+    module PyTorch's slow call path). A compiled model keeps its hooks throughout:
+    ``torch.compile`` traces them once, and removing them would make it recompile.
+    ``keep_hooks`` overrides the choice.
 
     **Reading records.** Inside ``training_step`` (after the forward), in ``on_*_batch_end`` hooks
     of the module and of callbacks, the records of the current step are readable; one line::
@@ -55,6 +70,11 @@ class RecorderCallback(Callback):
             Trainer's ``log_every_n_steps``.
         name: distinguishes two callbacks with the same configuration (checkpoint state key,
             :meth:`of`).
+        keep_hooks: keep the hooks installed between recorded steps (``True``), or suspend them
+            (``False``). ``None`` (default) keeps them when the LightningModule is compiled
+            (passed to ``fit`` as ``torch.compile(model)``, or holding a compiled submodule);
+            pass ``True`` when a function compiled with ``torch.compile`` calls the recorded
+            modules.
 
     Raises:
         RecorderConfigError: a config, a stage or ``every_n_steps`` is invalid (at construction);
@@ -92,6 +112,7 @@ class RecorderCallback(Callback):
         stages: Stage | Sequence[Stage] = ("train", "val"),
         every_n_steps: int | None = 1,
         name: str | None = None,
+        keep_hooks: bool | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -112,18 +133,26 @@ class RecorderCallback(Callback):
         check_positive_int(every_n_steps, "every_n_steps", owner, allow_none=True)
         if name is not None and not isinstance(name, str):
             raise RecorderConfigError(f"Expected `name` of {owner} to be a str but got {name!r}.")
+        if keep_hooks is not None and not isinstance(keep_hooks, bool):
+            raise RecorderConfigError(
+                f"Expected `keep_hooks` of {owner} to be True, False or None but got "
+                f"{keep_hooks!r}."
+            )
         self._configs: dict[str, dict[str, Any]] = {
             k: copy.deepcopy(dict(v)) for k, v in recorders.items()
         }
         self.stages: tuple[Stage, ...] = check_stages(stages, owner)
         self.every_n_steps: int | None = every_n_steps
         self.name = name
+        self.keep_hooks = keep_hooks
         #: Optimizer steps recorded so far (kept across checkpoint and resume).
         self.recorded_steps = 0
         self._every = every_n_steps or 1
         self._manager: RecorderManager | None = None
         self._active: Stage | None = None  # the stage recording the current batch
         self._holding = False  # records of a finished batch are still readable
+        self._suspend_idle = False  # suspend the hooks between recorded batches (this run)
+        self._idle = False  # the hooks are suspended now
 
     # ------------------------------------------------------------------ public API
     @property
@@ -253,15 +282,18 @@ class RecorderCallback(Callback):
         manager = RecorderManager(self._configs)
         manager.initialize(pl_module)  # releases what it installed if a source is missing
         self._manager = manager
+        keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
+        self._suspend_idle, self._idle = not keep, False
         try:
             self._on_attach(trainer, pl_module)
         except BaseException:
             self._detach()
             raise
+        self._rest()  # nothing records until a chosen step starts (not the sanity check)
 
     def _detach(self) -> None:
         manager, self._manager = self._manager, None
-        self._active, self._holding = None, False
+        self._active, self._holding, self._idle = None, False, False
         if manager is not None:
             manager.stop()
             manager.reset_data_buffer()
@@ -289,11 +321,17 @@ class RecorderCallback(Callback):
                 manager.reset_data_buffer()
             self._active, self._holding = None, False
 
+    def _rest(self) -> None:
+        """A batch that records nothing: suspend the hooks, unless they are kept."""
+        if self._suspend_idle and not self._idle and self._manager is not None:
+            self._manager.suspend()
+            self._idle = True
+
     def _begin(self, stage: Stage) -> None:
         self._free()
         if self._manager is not None:
-            self._manager.start()
-            self._active = stage
+            self._manager.start()  # reinstalls suspended hooks
+            self._active, self._idle = stage, False
 
     def _end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
@@ -316,6 +354,8 @@ class RecorderCallback(Callback):
         self._free()
         if "train" in self.stages and is_due(step_axis(trainer), self._every):
             self._begin("train")
+        else:
+            self._rest()
 
     @override
     def on_train_batch_end(
@@ -353,6 +393,8 @@ class RecorderCallback(Callback):
         self._free()
         if self._records_eval(trainer, "val"):
             self._begin("val")
+        else:
+            self._rest()
 
     @override
     def on_validation_batch_end(
@@ -386,6 +428,8 @@ class RecorderCallback(Callback):
         self._free()
         if self._records_eval(trainer, "test"):
             self._begin("test")
+        else:
+            self._rest()
 
     @override
     def on_test_batch_end(
@@ -419,6 +463,8 @@ class RecorderCallback(Callback):
         self._free()
         if self._records_eval(trainer, "predict"):
             self._begin("predict")
+        else:
+            self._rest()
 
     @override
     def on_predict_batch_end(

@@ -232,6 +232,14 @@ class RecorderManager:
         idle = [r for r in self._recorders.values() if not r.recording]
         apply_all(idle, BaseRecorder.start, BaseRecorder.stop)
 
+    def suspend(self) -> None:
+        """Remove the hooks of every idle recorder until :meth:`start` reinstalls them.
+
+        Patches of functions and methods stay in place; see :meth:`BaseRecorder.suspend`.
+        """
+        for recorder in self._recorders.values():
+            recorder.suspend()
+
     def stop(self) -> None:
         """Stop every recorder (idempotent); records stay readable."""
         for recorder in reversed(list(self._recorders.values())):

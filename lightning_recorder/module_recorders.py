@@ -8,6 +8,7 @@ stream per matched module, named after it.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -132,7 +133,7 @@ class ModuleOutputsRecorder(_ModuleRecorder):
     short_name = "ModuleOutputs"
 
     def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
-        self._hooks.add(module.register_forward_hook(_OutputHook(self, stream)))
+        self._hooks.install(partial(module.register_forward_hook, _OutputHook(self, stream)))
 
 
 @register_recorder
@@ -160,7 +161,7 @@ class ModuleInputsRecorder(_ModuleRecorder):
 
     def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
         hook = _InputHook(self, stream, Binder(module.forward))
-        self._hooks.add(module.register_forward_pre_hook(hook, with_kwargs=True))
+        self._hooks.install(partial(module.register_forward_pre_hook, hook, with_kwargs=True))
 
 
 # ---------------------------------------------------------------------- gradients
@@ -269,7 +270,7 @@ class ModuleOutputGradsRecorder(_ModuleRecorder):
     short_name = "ModuleOutputGrads"
 
     def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
-        self._hooks.add(module.register_forward_hook(_OutputGradHook(self, stream)))
+        self._hooks.install(partial(module.register_forward_hook, _OutputGradHook(self, stream)))
 
     def _empty_hint(self) -> str:
         return (
@@ -314,7 +315,7 @@ class ModuleInputGradsRecorder(_ModuleRecorder):
     def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
         binder_names = list(Binder(module.forward)._kinds)
         hook = _InputGradHook(self, stream, binder_names)
-        self._hooks.add(module.register_forward_pre_hook(hook, with_kwargs=True))
+        self._hooks.install(partial(module.register_forward_pre_hook, hook, with_kwargs=True))
 
     def _empty_hint(self) -> str:
         return (

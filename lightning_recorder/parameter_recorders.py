@@ -6,6 +6,7 @@ glob pattern such as ``"*.weight"`` (one stream per matched parameter).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -130,7 +131,8 @@ class ParameterGradRecorder(_ParameterSource):
         self._params = self._resolve(model)
         for name, param in self._params.items():
             stream: RecordStream = self._add_stream(name)
-            self._hooks.add(param.register_post_accumulate_grad_hook(_AccumulateHook(self, stream)))
+            hook = _AccumulateHook(self, stream)
+            self._hooks.install(partial(param.register_post_accumulate_grad_hook, hook))
 
     def _empty_hint(self) -> str:
         return (

@@ -103,7 +103,9 @@ class FeatureStatsMonitor(RecorderCallback):
     **When.** Training statistics are logged every ``every_n_steps`` optimizer steps (default:
     the Trainer's ``log_every_n_steps``, so they land on the same steps as the loss); with
     gradient accumulation they cover every micro-batch of the logged step, the histogram its
-    last micro-batch. Nothing is recorded on the other steps. Evaluation statistics cover every
+    last micro-batch. Nothing is recorded on the other steps, and the monitor's hooks are
+    removed from the model until the next logged step (kept on a compiled model, see
+    ``keep_hooks``), so those steps run as they would without it. Evaluation statistics cover every
     batch of the epoch (the histogram its first batch) and are logged at the epoch's end, on
     Lightning's step axis. Nothing is recorded or written during the sanity check.
 
@@ -133,6 +135,9 @@ class FeatureStatsMonitor(RecorderCallback):
             (e.g. ``ReLU(inplace=True)`` right after it); without it such a change raises
             :class:`~lightning_recorder.RecordModifiedError` rather than logging wrong values.
         name: distinguishes two monitors with the same configuration.
+        keep_hooks: keep the hooks installed between logged steps (see
+            :class:`~lightning_recorder.RecorderCallback`); ``None`` keeps them on a compiled
+            model only.
 
     Raises:
         RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger
@@ -177,6 +182,7 @@ class FeatureStatsMonitor(RecorderCallback):
         prefix: str = "stats",
         clone: bool = False,
         name: str | None = None,
+        keep_hooks: bool | None = None,
     ) -> None:
         owner = type(self).__name__
         items = [sources] if isinstance(sources, (str, type)) else sources
@@ -214,7 +220,9 @@ class FeatureStatsMonitor(RecorderCallback):
                 f"Expected `prefix` of {owner} to be a non-empty str without a trailing '/' but "
                 f"got {prefix!r}."
             )
-        super().__init__(configs, stages=stages, every_n_steps=every_n_steps, name=name)
+        super().__init__(
+            configs, stages=stages, every_n_steps=every_n_steps, name=name, keep_hooks=keep_hooks
+        )
         self.sources = list(items)
         self.stats: tuple[StatName, ...] = tuple(dict.fromkeys(stat_names))
         self.histograms = histograms

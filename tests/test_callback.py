@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_recorder.callback as callback_module
 from lightning_recorder._hooks import live_hooks
+from lightning_recorder._lightning import is_compiled
 from lightning_recorder.callback import RecorderCallback
 from lightning_recorder.errors import (
     NoRecordError,
@@ -252,6 +253,70 @@ def test_compiled_model_records_on_every_due_step() -> None:
     assert [n for _, _, n in seen.entries] == [None, 1, None, 1, None, 1]
 
 
+def test_hooks_are_suspended_between_recorded_steps() -> None:
+    # A step that records nothing runs the model without the recorders' hooks; a recorded step
+    # gets them back, gradient recorders included, and records what it would have recorded.
+    recorders = {
+        **FEAT,
+        "grad": {"type": "ModuleOutputGrads", "source": "body.2"},
+        "wgrad": {"type": "ParameterGrad", "source": "body.0.weight"},
+    }
+    model = ProbeNet()
+    during: list[tuple[int, int, int]] = []
+    grads: list[bool] = []
+
+    def count(module: ProbeNet, batch_idx: int) -> None:
+        body = module.body
+        during.append((len(body[0]._forward_hooks), len(body[2]._forward_hooks), len(live_hooks())))
+
+    class Check(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            cb = RecorderCallback.of(trainer)
+            if cb.recording:
+                weight_grad = cb.get_record_data("wgrad")
+                grads.append(torch.equal(weight_grad, model.body[0].weight.grad))
+                assert cb.get_record_data("grad").shape == (4, 2)
+
+    model.step_hook = count
+    cb = RecorderCallback(recorders, every_n_steps=2)
+    trainer(max_steps=4, callbacks=[cb, Check()]).fit(model, loader(features(16)))
+    assert during == [(0, 0, 0), (1, 1, 3), (0, 0, 0), (1, 1, 3)]
+    assert grads == [True, True] and cb.recorded_steps == 2
+    assert live_hooks() == []
+
+
+def test_hooks_stay_with_keep_hooks_and_on_a_compiled_model() -> None:
+    counts: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+            counts.append(len(pl_module.body[0]._forward_hooks))
+
+    cb = RecorderCallback(FEAT, every_n_steps=2, keep_hooks=True)
+    trainer(max_steps=4, callbacks=[cb, Count()]).fit(ProbeNet(), loader(features(16)))
+    assert counts == [1, 1, 1, 1]
+    counts.clear()
+    cb = RecorderCallback(FEAT, every_n_steps=2)  # keep_hooks=None: kept because compiled
+    compiled = torch.compile(Unlogged(), backend="eager")
+    trainer(max_steps=4, callbacks=[cb, Count()]).fit(compiled, loader(features(16)))
+    assert counts == [1, 1, 1, 1]
+    assert live_hooks() == []
+
+
+def test_is_compiled() -> None:
+    plain = ProbeNet()
+    assert not is_compiled(plain)
+    holder = ProbeNet()
+    holder.body = torch.compile(holder.body, backend="eager")  # type: ignore[assignment]
+    assert is_compiled(holder)
+    in_place = ProbeNet()
+    in_place.body[0].compile(backend="eager")
+    assert is_compiled(in_place)
+    marked = ProbeNet()
+    marked._compiler_ctx = {"compiler": "dynamo"}  # what Lightning sets on an unwrapped model
+    assert is_compiled(marked)
+
+
 def test_checkpoint_resume_continues_counters(tmp_path: Path) -> None:
     first = RecorderCallback(FEAT, every_n_steps=2, name="a")
     second = RecorderCallback(FEAT, every_n_steps=2, name="b")
@@ -308,6 +373,7 @@ def test_of_errors() -> None:
         ({"stages": 3}, RecorderConfigError, "Expected `stages` of RecorderCallback"),
         ({"every_n_steps": 0}, RecorderConfigError, "`every_n_steps` .* positive int"),
         ({"name": 1}, RecorderConfigError, "Expected `name` of RecorderCallback to be a str"),
+        ({"keep_hooks": "yes"}, RecorderConfigError, "`keep_hooks` .* True, False or None"),
     ],
 )
 def test_argument_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

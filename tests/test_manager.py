@@ -131,3 +131,65 @@ def test_duplicate_names_and_unknown_recorder_name() -> None:
 def test_register_rejects_non_recorders() -> None:
     with pytest.raises(RecorderConfigError, match="Expected a BaseRecorder subclass"):
         register_recorder(dict)  # type: ignore[type-var]
+
+
+def test_suspend_removes_hooks_until_start() -> None:
+    configs = {
+        "out": {"type": "ModuleOutputs", "source": "conv1"},
+        "inp": {"type": "ModuleInputs", "source": "conv2"},
+        "outgrad": {"type": "ModuleOutputGrads", "source": "conv1"},
+        "ingrad": {"type": "ModuleInputGrads", "source": "conv2"},
+        "wgrad": {"type": "ParameterGrad", "source": "conv1.weight"},
+        "relu": {"type": "FunctionOutputs", "source": "torch.nn.functional.relu"},
+    }
+    model = make_model()
+    x = torch.randn(2, 1, 3, 3)
+    manager = RecorderManager(configs)
+    manager.suspend()  # not initialized: nothing to do
+    manager.initialize(model)
+    installed = len(live_hooks())
+    assert installed == 5  # the function recorder patches instead
+    manager.suspend()
+    manager.suspend()  # idempotent
+    assert live_hooks() == []
+    assert not model.conv1._forward_hooks and not model.conv2._forward_pre_hooks
+    assert all(r.suspended for n, r in manager.recorders.items() if n != "relu")
+    model(x).sum().backward()  # runs as without recorders
+    with manager:  # reinstalled when recording starts
+        assert len(live_hooks()) == installed
+        manager.suspend()  # does nothing while recording
+        assert len(live_hooks()) == installed
+        out = model(x)
+        torch.nn.functional.relu(out)
+        out.sum().backward()
+    assert torch.equal(manager.get_recorder("out").get_record_data(), model.conv1(x))
+    assert manager.get_recorder("inp").get_record_data(data_idx=0).shape == (2, 2, 3, 3)
+    assert manager.get_recorder("outgrad").get_record_data().shape == (2, 2, 3, 3)
+    assert manager.get_recorder("ingrad").get_record_data().shape == (2, 2, 3, 3)
+    assert torch.equal(manager.get_recorder("wgrad").get_record_data(), model.conv1.weight.grad)
+    assert manager.get_recorder("relu").get_record_data().shape == (2, 1, 3, 3)
+    manager.suspend()
+    assert torch.equal(
+        manager.get_recorder("out").get_record_data(), model.conv1(x)
+    )  # records stay readable
+    manager.release()
+    assert live_hooks() == []
+    manager.initialize(model)  # a suspended, released manager starts afresh
+    assert len(live_hooks()) == installed
+    manager.release()
+
+
+def test_a_resumed_hook_runs_after_hooks_added_since() -> None:
+    model = make_model()
+    manager = RecorderManager({"out": {"type": "ModuleOutputs", "source": "conv1"}})
+    manager.initialize(model)
+    manager.suspend()
+    model.conv1.register_forward_hook(lambda module, args, out: out * 2)
+    x = torch.randn(1, 1, 2, 2)
+    with manager:
+        model(x)
+    assert torch.equal(
+        manager.get_recorder("out").get_record_data(),
+        2 * nn.functional.conv2d(x, model.conv1.weight, model.conv1.bias),
+    )
+    manager.release()

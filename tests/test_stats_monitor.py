@@ -50,6 +50,7 @@ class Reference(pl.Callback):
         self.before: dict[int, dict[str, torch.Tensor]] = {}
         self.grads: dict[int, dict[str, torch.Tensor]] = {}
         self.after: dict[int, dict[str, torch.Tensor]] = {}
+        self.hooks: dict[int, int] = {}  # forward hooks on `probe` during each training step
         self._handles: list[Any] = []
         self._step = 0
 
@@ -78,6 +79,7 @@ class Reference(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
         named = dict(pl_module.named_parameters())
         self.after[self._step] = {n: named[n].detach().clone() for n in self.params}
+        self.hooks[self._step] = len(pl_module.probe._forward_hooks)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for handle in self._handles:
@@ -143,6 +145,11 @@ def test_steps_line_up_with_lightning(run: dict[str, Any]) -> None:
         if tag.startswith("stats/val/"):
             assert sorted(series) == [5, 11], tag
     assert run["monitor"].logged_steps == 6 and run["monitor"].last_logged_step == 11
+
+
+def test_hooks_only_on_logged_steps(run: dict[str, Any]) -> None:
+    # The reference's own hook, plus the monitor's on the steps it logs (every 2nd).
+    assert run["reference"].hooks == {k: 2 if k % 2 else 1 for k in range(12)}
 
 
 def test_feature_statistics_are_right(run: dict[str, Any]) -> None:
