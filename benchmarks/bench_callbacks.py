@@ -1,14 +1,24 @@
 """Overhead of `FeatureStatsMonitor` on a training loop, measured side by side in one run.
 
-The CNN of ``examples/tensorboard_stats.py`` trains on scikit-learn's digits twice per repeat:
-once with a ``FeatureStatsMonitor`` on every ``Conv2d`` and ``Linear`` output (parameters and
-histograms included) logging every 50 steps, once with the same Trainer without it. Both write to
-a TensorBoard logger with ``log_every_n_steps=50``. Repeats alternate the order (AB, BA, …); a
-timing callback stamps every ``on_train_batch_start``, so a step's time covers everything between
-two batch starts (data, forward, backward, optimizer, every callback, logging).
+The CNN of ``examples/tensorboard_stats.py`` trains on scikit-learn's digits with a
+``FeatureStatsMonitor`` on every ``Conv2d`` and ``Linear`` output (parameters and histograms
+included) logging every 50 steps, and with the same Trainer without it. Both write to a
+TensorBoard logger with ``log_every_n_steps=50``.
 
-Per repeat, over steps 50-299 (five logging periods, warm-up excluded), on the wall clock and on
-the process's CPU clock (which other processes of a shared machine do not disturb):
+**Step by step.** Each repeat trains one model per configuration, each ``fit`` in its own thread,
+and the threads take turns one step at a time: a step of the first configuration, a step of the
+second, …, then the first again. A timing callback hands the turn on at every
+``on_train_batch_start`` and times each step from when its thread gets the turn to its next
+batch start (data, forward, backward, optimizer, every callback, logging), on the wall clock and
+on the thread's CPU clock. Whatever slows a shared machine down for a while (other tenants,
+clock changes) then falls on every configuration alike, a few milliseconds apart; timed one
+after the other, whole runs of the same configuration differed by several percent. Repeats
+rotate the order of the turns (and reverse it every other repeat), so that every configuration
+follows every other. After a step that logged, the timer waits for the logger's writer thread
+to finish that step's events (inside the next step's time, where a single run pays for them)
+so that they are not paid by another configuration's step.
+
+Per repeat, over steps 50-299 (five logging periods, warm-up excluded):
 
 * **amortised** — the mean step time, logging steps included;
 * **non-logging step** — the median time of a step that logs nothing;
@@ -16,11 +26,11 @@ the process's CPU clock (which other processes of a shared machine do not distur
   ``log_every_n_steps`` logging happens on the same steps in both runs).
 
 Ratios monitored / baseline are taken per repeat and their median is reported. Two more
-configurations run in the same rotation, for information (the targets are for the defaults):
-the same monitor with ``histograms=False``, which shows what the histograms cost on a logging
-step, and a ``Callback`` that does nothing, which shows what Lightning's hook calls cost any
-callback on every step, the floor of the non-logging ratio. Memory: a separate process trains
-with the monitor for 2,000 steps and compares its peak RSS after step 2,000 with that after
+configurations take turns too, for information (the targets are for the defaults): the same
+monitor with ``histograms=False``, which shows what the histograms cost on a logging step, and
+a ``Callback`` that does nothing, which shows what Lightning's hook calls cost any callback on
+every step, the floor of the non-logging ratio. Memory: a separate process trains with the
+monitor alone for 2,000 steps and compares its peak RSS after step 2,000 with that after
 step 200.
 
 Run ``python benchmarks/bench_callbacks.py`` (``--quick`` for a smoke run). Timings use one CPU
@@ -30,10 +40,13 @@ thread (``torch.set_num_threads(1)``) to keep the noise of a shared machine down
 **Allocator.** glibc's ``malloc`` adapts its mmap threshold to the history of a process's
 allocations: depending on it, one run maps (and the kernel zeroes) fresh pages for the large
 activations of every step and the next run reuses its heap — about 250 page faults per step
-against none, several percent of a step, landing on either side of a comparison at random. The
-timing runs therefore fix the thresholds (``mallopt``: mmap above 32 MiB, trim above 256 MiB)
-for every configuration alike; ``--default-malloc`` keeps glibc's adaptive behaviour. The
-memory child keeps the defaults.
+against none, several percent of a step, landing on either side of a comparison at random. It
+also gives each thread its own arena, so that the activations of each configuration lay out in
+memory differently from repeat to repeat, and one of them sometimes ran several percent slower
+for a whole repeat. The timing runs therefore fix the thresholds (``mallopt``: mmap above
+32 MiB, trim above 256 MiB) and use one arena: the configurations' models are the same, so each
+step reuses the memory the previous turn freed, at the same addresses for every configuration.
+``--default-malloc`` keeps glibc's defaults. The memory child keeps them too.
 """
 
 from __future__ import annotations
@@ -41,14 +54,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
-import itertools
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -81,36 +95,121 @@ CONFIGS: dict[str, dict[str, Any] | str | None] = {
 }
 
 
-class _StepTimer(pl.Callback):
-    """Stamps each training batch start (wall and CPU clocks); the peak RSS at chosen steps."""
+class _Baton:
+    """Whose turn it is: trainers in threads take their steps one at a time.
 
-    def __init__(self, rss_at: Sequence[int] = ()) -> None:
+    Every runner takes one step per round. The first round follows the order given; each later
+    round is a fresh random order, so that no runner keeps the same place in the round (where a
+    periodic disturbance of the machine could fall on it again and again).
+    """
+
+    def __init__(self, runners: int, seed: int = 0) -> None:
+        self._turn = 0
+        self._done = [False] * runners
+        self._round = list(range(1, runners))  # who goes next in this round
+        self._rng = random.Random(seed)
+        self._cond = threading.Condition()
+        self.ready = threading.Barrier(runners)  # every trainer has reached its first batch
+
+    def pass_on(self, me: int) -> None:
+        """Give the turn to the next runner still running (``me`` holds it)."""
+        with self._cond:
+            self._round = [k for k in self._round if not self._done[k]]
+            if not self._round:
+                live = [k for k, done in enumerate(self._done) if not done]
+                self._rng.shuffle(live)
+                if len(live) > 1 and live[0] == me:  # not two steps in a row
+                    live.append(live.pop(0))
+                self._round = live
+            self._turn = self._round.pop(0) if self._round else me
+            self._cond.notify_all()
+
+    def wait(self, me: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == me)
+
+    def finish(self, me: int) -> None:
+        """``me`` has ended (or failed): the others go on without it."""
+        with self._cond:
+            self._done[me] = True
+        self.ready.abort()  # if one failed before its first batch, free those waiting
+        self.pass_on(me)
+
+
+class _StepTimer(pl.Callback):
+    """Times each training step on the wall clock and on its thread's CPU clock.
+
+    A step runs from one ``on_train_batch_start`` to the next: data, forward, backward,
+    optimizer, every callback and logging. With a baton, the timer hands the turn to the next
+    trainer at each batch start and waits for it to come back, and the time spent waiting is not
+    counted. After a step that logged, the timer first waits for the logger's writer thread to
+    finish that step's events, inside the next step's time: in a single training run this work
+    competes with the following step, and here it must not land in another trainer's step.
+    """
+
+    def __init__(
+        self, baton: _Baton | None = None, me: int = 0, rss_at: Sequence[int] = ()
+    ) -> None:
+        self.baton, self.me = baton, me
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.rss_at = set(rss_at)
         self.rss: dict[int, int] = {}
+        self._started: tuple[float, float] | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.wall.append(time.perf_counter())
-        self.cpu.append(time.process_time())
-        step = len(self.wall) - 1
+        wall, cpu = time.perf_counter(), time.thread_time()
+        if self._started is not None:
+            self.wall.append(wall - self._started[0])
+            self.cpu.append(cpu - self._started[1])
+        step = len(self.wall)  # the step about to start
         if step in self.rss_at:
             self.rss[step] = _peak_rss_kib()
+        if self.baton is not None:
+            if self._started is None:
+                self.baton.ready.wait()
+            else:
+                self.baton.pass_on(self.me)
+            self.baton.wait(self.me)
+        self._started = time.perf_counter(), time.thread_time()
+        if step > 0 and step % EVERY == 0:
+            flush = getattr(getattr(trainer.logger, "experiment", None), "flush", None)
+            if callable(flush):
+                flush()
 
 
 def pin_malloc() -> bool:
-    """Fix glibc's mmap and trim thresholds (see the module documentation); False elsewhere."""
+    """Fix glibc's mmap and trim thresholds, one arena (see the module documentation).
+
+    Returns False where the C library is not glibc (nothing changed).
+    """
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    return (
+        bool(mallopt(m_mmap_threshold, 32 << 20))
+        and bool(mallopt(m_trim_threshold, 256 << 20))
+        and bool(mallopt(m_arena_max, 1))
+    )
 
 
 def _peak_rss_kib() -> int:
+    """This process's peak resident set size, in KiB.
+
+    Linux's ``VmHWM``: ``getrusage``'s ``ru_maxrss`` survives ``exec`` there, so that a child
+    started by this (large) process would report the parent's peak, not its own.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
@@ -120,29 +219,24 @@ def _loader(steps: int, batch_size: int) -> DataLoader:
     x, y = train.dataset.tensors  # type: ignore[attr-defined]
     repeat = 1 + steps * batch_size // len(x)
     data = TensorDataset(x.repeat(repeat, 1, 1, 1), y.repeat(repeat))
-    return DataLoader(data, batch_size=batch_size, shuffle=True)
+    order = torch.Generator().manual_seed(0)  # the same batches in every run, in any thread
+    return DataLoader(data, batch_size=batch_size, shuffle=True, generator=order)
 
 
-def _run(
-    monitor: dict[str, Any] | str | None,
-    steps: int,
-    batch_size: int,
-    root: str,
-    rss_at: Sequence[int] = (),
-) -> _StepTimer:
-    """Train for ``steps`` steps with a monitor built with ``monitor`` (``None``: without)."""
-    pl.seed_everything(0, verbose=False)
-    timer = _StepTimer(rss_at)
+def _trainer(
+    monitor: dict[str, Any] | str | None, steps: int, root: str, name: str, timer: _StepTimer
+) -> pl.Trainer:
+    """A Trainer for ``steps`` steps with a monitor built with ``monitor`` (``None``: without)."""
     callbacks: list[pl.Callback] = [timer]
     if monitor == EMPTY:
         callbacks.append(pl.Callback())
     elif isinstance(monitor, dict):
         sources = [nn.Conv2d, nn.Linear]
         callbacks.append(FeatureStatsMonitor(sources, every_n_steps=EVERY, **monitor))
-    trainer = pl.Trainer(
+    return pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
-        logger=TensorBoardLogger(root, name="bench"),
+        logger=TensorBoardLogger(root, name=name),
         callbacks=callbacks,
         log_every_n_steps=EVERY,
         limit_val_batches=0,
@@ -150,12 +244,46 @@ def _run(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(DigitsCNN(), _loader(steps, batch_size))
-    return timer
 
 
-def _summary(stamps: list[float], window: range) -> dict[str, float]:
-    times = [b - a for a, b in itertools.pairwise(stamps)]
+def _side_by_side(
+    names: Sequence[str], steps: int, batch_size: int, root: str, seed: int = 0
+) -> dict[str, _StepTimer]:
+    """Train one model per configuration, each in its own thread, one step at a time in turn.
+
+    The configurations take turns: a step of each, in the order of ``names``, then a step of
+    each in a random order (drawn with ``seed``), and so on. Whatever slows the machine down for
+    a while (other tenants, clock changes) falls on every configuration alike.
+    """
+    baton = _Baton(len(names), seed=seed)
+    timers = {name: _StepTimer(baton, k) for k, name in enumerate(names)}
+    jobs = []
+    for name in names:
+        pl.seed_everything(0, verbose=False)  # the same initial weights for every configuration
+        label = name.replace(" ", "-")
+        jobs.append((_trainer(CONFIGS[name], steps, root, label, timers[name]), DigitsCNN()))
+    errors: list[BaseException] = []
+
+    def fit(k: int) -> None:
+        trainer, model = jobs[k]
+        try:
+            trainer.fit(model, _loader(steps, batch_size))
+        except BaseException as err:
+            errors.append(err)
+        finally:
+            baton.finish(k)
+
+    threads = [threading.Thread(target=fit, args=(k,)) for k in range(len(names))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return timers
+
+
+def _summary(times: list[float], window: range) -> dict[str, float]:
     logging = [times[k] for k in window if (k + 1) % EVERY == 0]
     quiet = [times[k] for k in window if (k + 1) % EVERY != 0]
     return {
@@ -167,8 +295,10 @@ def _summary(stamps: list[float], window: range) -> dict[str, float]:
 
 def _rss_child(steps: int, batch_size: int) -> None:
     torch.set_num_threads(1)
+    timer = _StepTimer(rss_at=(200, steps))
     with tempfile.TemporaryDirectory() as root:
-        timer = _run({}, steps + 1, batch_size, root, rss_at=(200, steps))
+        pl.seed_everything(0, verbose=False)
+        _trainer({}, steps + 1, root, "rss", timer).fit(DigitsCNN(), _loader(steps + 1, batch_size))
     print(json.dumps({"after_200": timer.rss[200], "after_last": timer.rss[steps]}))
 
 
@@ -195,12 +325,12 @@ def measure(
         for clock in ("wall", "cpu")
     }
     with tempfile.TemporaryDirectory() as root:
-        _run({}, 2 * EVERY, batch_size, root)  # warm up imports, allocator, TensorBoard
+        _side_by_side(names, 2 * EVERY, batch_size, root)  # warm up imports, allocator, TB
         for r in range(repeats):
-            # every configuration takes every place in the order: rotate, and reverse every other
+            # the first round: every configuration takes every place; rotate, reverse every other
             order = names[r % len(names) :] + names[: r % len(names)]
             order = order if r % 2 == 0 else order[::-1]
-            timers = {name: _run(CONFIGS[name], steps, batch_size, root) for name in order}
+            timers = _side_by_side(order, steps, batch_size, root, seed=r)
             for clock in ("wall", "cpu"):
                 got = {name: _summary(getattr(t, clock), window) for name, t in timers.items()}
                 for name in names:
@@ -237,6 +367,7 @@ def measure(
             c: {n: {k: (min(v), max(v)) for k, v in r.items()} for n, r in by.items()}
             for c, by in ratios.items()
         },
+        "ratios_per_repeat": ratios,
         "rss_kib": rss,
         "rss_ratio": rss["after_last"] / rss["after_200"],
         "rss_steps": rss_steps,
@@ -296,11 +427,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.repeats, args.periods, args.batch_size, args.rss_steps, args.default_malloc
     )
     start, stop = result["window"]
+    malloc = "malloc fixed (thresholds, one arena)" if result["malloc_pinned"] else "glibc malloc"
     print(
         f"\nFeatureStatsMonitor on every Conv2d/Linear output of the digits CNN (batch "
         f"{result['batch_size']}), logging every {EVERY} steps, vs the same Trainer without it: "
-        f"medians of {result['repeats']} interleaved repeats, steps {start}-{stop - 1}, one torch "
-        f"thread, malloc thresholds {'fixed' if result['malloc_pinned'] else 'adaptive'}.\n"
+        f"medians of {result['repeats']} repeats, the configurations taking turns step by step, "
+        f"steps {start}-{stop - 1}, one torch thread, "
+        f"{malloc}.\n"
     )
     print(table(result))
     if args.json:
