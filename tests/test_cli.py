@@ -54,6 +54,7 @@ def test_both_callbacks_from_yaml(tmp_path: Path) -> None:
                 stats: [mean, zero_fraction]
                 bins: 16
                 prefix: feat
+                keep_hooks: true
             - class_path: lightning_recorder.RecorderCallback
               init_args:
                 recorders:
@@ -72,8 +73,9 @@ def test_both_callbacks_from_yaml(tmp_path: Path) -> None:
         ("mean", "zero_fraction"),
         16,
     )
-    assert monitor.stages == ("train", "val")
+    assert monitor.stages == ("train", "val") and monitor.keep_hooks is True
     assert recorder.stages == ("train",) and recorder.recorded_steps == 4
+    assert recorder.keep_hooks is None
     got = scalars(cli.trainer.logger.log_dir)
     assert sorted(got["feat/train/body.1/zero_fraction"]) == [1, 3]
     assert sorted(got["feat/val/body.2/mean"]) == [3]
