@@ -1,14 +1,16 @@
 """Overhead of the recording core on a small CNN training step (CPU, one thread).
 
 Every ``Conv2d`` and ``Linear`` output of the model is recorded at each step of a plain training
-loop (forward, backward, SGD step). Four variants of the same step are timed:
+loop (forward, backward, SGD step). Five variants of the same step are timed:
 
 * ``none``: no hooks at all;
 * ``hand hooks``: hand-written ``register_forward_hook`` closures appending each output to a
   list that is replaced every step (the floor for a hook-based recorder);
 * ``recorder``: :class:`~lightning_recorder.ModuleOutputsRecorder` (type selection) through a
   :class:`~lightning_recorder.RecorderManager`, recording inside ``with manager:`` every step;
-* ``recorder idle``: the same recorders initialized (hooks installed) but never entered.
+* ``recorder idle``: the same recorders initialized (hooks installed) but never entered;
+* ``recorder suspended``: initialized, then suspended (``manager.suspend()``: hooks removed
+  until the next ``start``), as ``RecorderCallback`` leaves them between recorded steps.
 
 The variants are timed in interleaved rounds (each round times a block of steps of every
 variant, in a new random order); the table shows the median time per step and the median of the
@@ -151,14 +153,26 @@ def make_variants() -> tuple[dict[str, Callable[[int], None]], Callable[[], None
         for _ in range(n):
             idle_step()
 
+    suspended_model = copy.deepcopy(base)
+    suspended_step = _trainer(suspended_model)
+    suspended = RecorderManager(config)
+    suspended.initialize(suspended_model)
+    suspended.suspend()
+
+    def run_suspended(n: int) -> None:
+        for _ in range(n):
+            suspended_step()
+
     def cleanup() -> None:
         # Guard: the measured variants did what they claim.
         assert len(handles) == 5
         assert [s.num_calls for _, s in idle.streams()] == [0] * 5
+        assert not any(m._forward_hooks for m in suspended_model.modules())
         for handle in handles:
             handle.remove()
         active.release()
         idle.release()
+        suspended.release()
 
     variants = {
         "none": run_none,
@@ -166,6 +180,7 @@ def make_variants() -> tuple[dict[str, Callable[[int], None]], Callable[[], None
         "hand hooks": run_hand,
         "recorder": run_active,
         "recorder idle": run_idle,
+        "recorder suspended": run_suspended,
     }
     return variants, cleanup
 

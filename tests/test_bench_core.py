@@ -23,7 +23,14 @@ def load(name: str) -> ModuleType:
 def test_measure_times_every_variant_and_the_table_judges_the_targets() -> None:
     bench = load("bench_core")
     results = bench.measure(rounds=2, steps=1, warmup=1)
-    assert list(results) == ["none", "none, again", "hand hooks", "recorder", "recorder idle"]
+    assert list(results) == [
+        "none",
+        "none, again",
+        "hand hooks",
+        "recorder",
+        "recorder idle",
+        "recorder suspended",
+    ]
     for ms, ratios in results.values():
         assert ms > 0
         assert set(ratios) == set(results)
