@@ -27,19 +27,29 @@ class HookSet:
             ``"ModuleOutputsRecorder(conv1)"``.
     """
 
-    __slots__ = ("_handles", "_made", "_makers", "_suspended", "owner")
+    __slots__ = ("_handles", "_made", "_makers", "owner")
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle] = []  # kept until remove_all
         self._makers: list[Callable[[], RemovableHandle]] = []  # how to reinstall
         self._made: list[RemovableHandle] = []  # the live handles the makers returned
-        self._suspended = False
+
+    def _own(self, handle: RemovableHandle) -> RemovableHandle:
+        _LIVE[id(handle)] = (self.owner, handle)
+        return handle
+
+    @staticmethod
+    def _remove(handles: list[RemovableHandle]) -> None:
+        """Remove and forget ``handles``, newest first (the list is emptied)."""
+        while handles:
+            handle = handles.pop()
+            handle.remove()
+            _LIVE.pop(id(handle), None)
 
     def add(self, handle: RemovableHandle) -> RemovableHandle:
         """Take ownership of ``handle`` (kept installed until :meth:`remove_all`)."""
-        self._handles.append(handle)
-        _LIVE[id(handle)] = (self.owner, handle)
+        self._handles.append(self._own(handle))
         return handle
 
     def install(self, make: Callable[[], RemovableHandle]) -> RemovableHandle:
@@ -48,7 +58,7 @@ class HookSet:
         ``make`` registers the hook and returns its handle, e.g.
         ``partial(module.register_forward_hook, hook)``.
         """
-        handle = self.add(make())
+        handle = self._own(make())
         self._makers.append(make)
         self._made.append(handle)
         return handle
@@ -56,41 +66,29 @@ class HookSet:
     @property
     def suspended(self) -> bool:
         """Whether the hooks given to :meth:`install` are removed until :meth:`resume`."""
-        return self._suspended
+        return bool(self._makers) and not self._made
 
     def suspend(self) -> None:
         """Remove the hooks given to :meth:`install` until :meth:`resume` (idempotent)."""
-        if self._suspended or not self._makers:
-            return
-        self._suspended = True
-        gone = {id(handle) for handle in self._made}
-        for handle in reversed(self._made):
-            handle.remove()
-            _LIVE.pop(id(handle), None)
-        self._made = []
-        self._handles = [handle for handle in self._handles if id(handle) not in gone]
+        self._remove(self._made)
 
     def resume(self) -> None:
         """Reinstall the suspended hooks, in their original order (idempotent)."""
-        if not self._suspended:
-            return
-        self._suspended = False
-        for make in self._makers:
-            self._made.append(self.add(make()))
+        if self.suspended:
+            for make in self._makers:
+                self._made.append(self._own(make()))
 
     def remove_all(self) -> None:
-        """Remove every handle, newest first. Safe to call any number of times."""
-        self._makers, self._made, self._suspended = [], [], False
-        while self._handles:
-            handle = self._handles.pop()
-            handle.remove()
-            _LIVE.pop(id(handle), None)
+        """Remove every handle (newest first within reinstallable and kept ones); idempotent."""
+        self._remove(self._made)
+        self._remove(self._handles)
+        self._makers = []
 
     def __len__(self) -> int:
-        return len(self._handles)
+        return len(self._handles) + len(self._made)
 
     def __bool__(self) -> bool:
-        return bool(self._handles)
+        return bool(self._handles or self._made)
 
     def __enter__(self) -> HookSet:
         return self

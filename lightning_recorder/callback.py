@@ -152,7 +152,6 @@ class RecorderCallback(Callback):
         self._active: Stage | None = None  # the stage recording the current batch
         self._holding = False  # records of a finished batch are still readable
         self._suspend_idle = False  # suspend the hooks between recorded batches (this run)
-        self._idle = False  # the hooks are suspended now
 
     # ------------------------------------------------------------------ public API
     @property
@@ -283,17 +282,18 @@ class RecorderCallback(Callback):
         manager.initialize(pl_module)  # releases what it installed if a source is missing
         self._manager = manager
         keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
-        self._suspend_idle, self._idle = not keep, False
+        self._suspend_idle = not keep
         try:
             self._on_attach(trainer, pl_module)
         except BaseException:
             self._detach()
             raise
-        self._rest()  # nothing records until a chosen step starts (not the sanity check)
+        if self._suspend_idle:  # nothing records until a chosen batch starts (not the sanity check)
+            manager.suspend()
 
     def _detach(self) -> None:
         manager, self._manager = self._manager, None
-        self._active, self._holding, self._idle = None, False, False
+        self._active, self._holding = None, False
         if manager is not None:
             manager.stop()
             manager.reset_data_buffer()
@@ -321,17 +321,17 @@ class RecorderCallback(Callback):
                 manager.reset_data_buffer()
             self._active, self._holding = None, False
 
-    def _rest(self) -> None:
-        """A batch that records nothing: suspend the hooks, unless they are kept."""
-        if self._suspend_idle and not self._idle and self._manager is not None:
-            self._manager.suspend()
-            self._idle = True
-
-    def _begin(self, stage: Stage) -> None:
+    def _batch_start(self, stage: Stage, records: bool) -> None:
+        """Free the last batch's records; record this one, or suspend the hooks if it is not."""
         self._free()
-        if self._manager is not None:
-            self._manager.start()  # reinstalls suspended hooks
-            self._active, self._idle = stage, False
+        manager = self._manager
+        if manager is None:
+            return
+        if records:
+            manager.start()  # reinstalls suspended hooks
+            self._active = stage
+        elif self._suspend_idle:
+            manager.suspend()  # idempotent, cheap when already suspended
 
     def _end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
@@ -351,11 +351,9 @@ class RecorderCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._free()
-        if "train" in self.stages and is_due(step_axis(trainer), self._every):
-            self._begin("train")
-        else:
-            self._rest()
+        self._batch_start(
+            "train", "train" in self.stages and is_due(step_axis(trainer), self._every)
+        )
 
     @override
     def on_train_batch_end(
@@ -390,11 +388,7 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._free()
-        if self._records_eval(trainer, "val"):
-            self._begin("val")
-        else:
-            self._rest()
+        self._batch_start("val", self._records_eval(trainer, "val"))
 
     @override
     def on_validation_batch_end(
@@ -425,11 +419,7 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._free()
-        if self._records_eval(trainer, "test"):
-            self._begin("test")
-        else:
-            self._rest()
+        self._batch_start("test", self._records_eval(trainer, "test"))
 
     @override
     def on_test_batch_end(
@@ -460,11 +450,7 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._free()
-        if self._records_eval(trainer, "predict"):
-            self._begin("predict")
-        else:
-            self._rest()
+        self._batch_start("predict", self._records_eval(trainer, "predict"))
 
     @override
     def on_predict_batch_end(
