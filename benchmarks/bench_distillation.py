@@ -38,9 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_recorder.connectors import build_connector
-from lightning_recorder.distillation import FeatureDistillation
-from lightning_recorder.losses import KLDivLoss, MSELoss
+from lightning_recorder import FeatureDistillation, KLDivLoss, MSELoss, build_connector
 
 LIMIT = 1.05
 

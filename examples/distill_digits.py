@@ -25,8 +25,7 @@ from sklearn.model_selection import train_test_split
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_recorder.distillation import FeatureDistillation
-from lightning_recorder.losses import KLDivLoss
+from lightning_recorder import FeatureDistillation, KLDivLoss
 
 
 class Classifier(pl.LightningModule):

@@ -1,7 +1,10 @@
 """Record what happens inside a PyTorch model while it trains."""
 
-from ._structures import Arguments
-from .base import BaseRecorder, RecordStream
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._core.structures import Arguments
 from .bulk import (
     CollectedRecord,
     ForwardInputsCollector,
@@ -9,15 +12,25 @@ from .bulk import (
     OutputGradsCollector,
     load_collected,
 )
-from .callback import RecorderCallback
-from .connectors import build_connector, resolve_connector
-from .delivery import (
+from .distill import (
+    AttentionTransferLoss,
+    CosineLoss,
     DistillDelivery,
     DistillDeliveryManager,
     FunctionOutputsDelivery,
+    KLDivLoss,
+    L1Loss,
     MethodOutputsDelivery,
+    MSELoss,
+    attention_transfer_loss,
+    build_connector,
+    cosine_loss,
+    get_loss,
+    kl_div_loss,
+    l1_loss,
+    mse_loss,
+    resolve_connector,
 )
-from .distillation import FeatureDistillation, distillation_loss
 from .errors import (
     DuplicateNameError,
     InvalidSourceError,
@@ -30,38 +43,28 @@ from .errors import (
     UnknownRecorderTypeError,
     UnknownSourceError,
 )
-from .function_recorders import (
+from .graph import ExecutionGraph, GraphEdge, GraphNode, GraphRecorder, record_graph
+from .inspector import Inspector
+from .recorders import (
+    BaseRecorder,
     FunctionInputsRecorder,
     FunctionOutputsRecorder,
     MethodInputsRecorder,
     MethodOutputsRecorder,
-)
-from .graph import ExecutionGraph, GraphEdge, GraphNode, GraphRecorder, record_graph
-from .inspector import Inspector
-from .losses import (
-    AttentionTransferLoss,
-    CosineLoss,
-    KLDivLoss,
-    L1Loss,
-    MSELoss,
-    attention_transfer_loss,
-    cosine_loss,
-    get_loss,
-    kl_div_loss,
-    l1_loss,
-    mse_loss,
-)
-from .manager import RecorderManager, build_recorder, recorder_types, register_recorder
-from .module_recorders import (
     ModuleInputGradsRecorder,
     ModuleInputsRecorder,
     ModuleOutputGradsRecorder,
     ModuleOutputsRecorder,
+    ParameterGradRecorder,
+    ParameterRecorder,
+    RecorderManager,
+    RecordStream,
+    build_recorder,
+    recorder_types,
+    register_recorder,
 )
-from .parameter_recorders import ParameterGradRecorder, ParameterRecorder
 from .stats import (
     STAT_NAMES,
-    FeatureStats,
     feature_stats,
     global_norm,
     histogram,
@@ -69,7 +72,42 @@ from .stats import (
     tensor_norm,
     update_ratio,
 )
-from .stats_monitor import FeatureStatsMonitor
+
+if TYPE_CHECKING:  # resolved lazily below: they import Lightning or torchmetrics
+    from .callbacks import (
+        FeatureDistillation,
+        FeatureStatsMonitor,
+        RecorderCallback,
+        distillation_loss,
+    )
+    from .stats import FeatureStats
+
+#: Names whose modules import Lightning or torchmetrics, and where they live.
+_LAZY = {
+    "FeatureDistillation": "lightning_recorder.callbacks",
+    "FeatureStatsMonitor": "lightning_recorder.callbacks",
+    "RecorderCallback": "lightning_recorder.callbacks",
+    "distillation_loss": "lightning_recorder.callbacks",
+    "FeatureStats": "lightning_recorder.stats.metric",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the callbacks (Lightning) and FeatureStats (torchmetrics) load on first use, so
+    # that `import lightning_recorder` costs little more than `import torch`.
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0.dev0"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recorder._hooks import live_hooks, remove_live_hooks
-from lightning_recorder._patching import active_patches
+from lightning_recorder._core.hooks import live_hooks, remove_live_hooks
+from lightning_recorder._core.patching import active_patches
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:  # test helper modules (e.g. toy modules to patch)

@@ -1,0 +1,174 @@
+"""The checks and messages every room shares: closest names, options, numbers, tensors.
+
+One voice for every configuration mistake: *what* was wrong (the option, in backticks), *what was
+expected*, and the closest valid names where names are involved. Every function here raises
+:class:`~lightning_recorder.errors.RecorderConfigError` (a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..errors import RecorderConfigError
+
+
+def closest(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
+    """The candidates most similar to ``name``: close spellings first, then shared pieces.
+
+    >>> closest("conv1", ["conv1", "conv2", "fc"])
+    ['conv1', 'conv2']
+    """
+    pool = [c for c in candidates if c]
+    matches = difflib.get_close_matches(name, pool, n=n, cutoff=0.5)
+    if len(matches) < n:
+        tail = name.rsplit(".", 1)[-1]
+        for cand in pool:
+            if cand not in matches and (tail and (tail in cand or cand in name)):
+                matches.append(cand)
+            if len(matches) >= n:
+                break
+    return matches
+
+
+def suggestion(name: str, candidates: Iterable[str], what: str) -> str:
+    """A sentence that lists close matches for ``name`` (or a few valid names if none).
+
+    >>> suggestion("conv", ["conv1", "fc"], "module names")
+    "Closest module names: 'conv1'."
+    """
+    pool = sorted({c for c in candidates if c})
+    near = closest(name, pool)
+    if near:
+        return "Closest " + what + ": " + ", ".join(repr(c) for c in near) + "."
+    if not pool:
+        return f"The model has no {what}."
+    shown = ", ".join(repr(c) for c in pool[:8])
+    more = f" (and {len(pool) - 8} more)" if len(pool) > 8 else ""
+    return f"Valid {what} include: {shown}{more}."
+
+
+def check_option(name: str, value: object, allowed: Iterable[object]) -> None:
+    """Raise a uniform message when an option is not one of the allowed values."""
+    allowed = list(allowed)
+    if value not in allowed:
+        raise RecorderConfigError(
+            f"Expected `{name}` to be one of {', '.join(repr(a) for a in allowed)} "
+            f"but got {value!r}."
+        )
+
+
+def check_keys(given: Iterable[str], allowed: Sequence[str], where: str, what: str) -> None:
+    """Reject keys outside ``allowed``, naming the closest valid ones and listing all of them.
+
+    Raises:
+        RecorderConfigError: ``Unknown {what}(s) ... in {where}. Closest {what}s: ...``.
+    """
+    unknown = [k for k in given if k not in allowed]
+    if unknown:
+        hints = " ".join(suggestion(k, allowed, what + "s") for k in unknown)
+        raise RecorderConfigError(
+            f"Unknown {what}(s) {', '.join(repr(k) for k in unknown)} in {where}. {hints} "
+            f"Valid {what}s: {', '.join(allowed)}."
+        )
+
+
+def _of(owner: str) -> str:
+    return f" of {owner}" if owner else ""
+
+
+def check_bool(value: object, name: str, owner: str = "") -> bool:
+    """``value`` if it is a bool, else an error naming the option."""
+    if not isinstance(value, bool):
+        raise RecorderConfigError(
+            f"Expected `{name}`{_of(owner)} to be a bool but got {type(value).__name__} {value!r}."
+        )
+    return value
+
+
+def check_int(
+    value: object, name: str, owner: str = "", *, minimum: int = 1, allow_none: bool = False
+) -> None:
+    """Raise unless ``value`` is an int ``>= minimum`` (or ``None`` when allowed).
+
+    ``minimum=1`` reads as "a positive int", ``minimum=0`` as "a non-negative int".
+    """
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = {1: "a positive int", 0: "a non-negative int"}.get(minimum, f"an int >= {minimum}")
+        extra = " or None" if allow_none else ""
+        raise RecorderConfigError(
+            f"Expected `{name}`{_of(owner)} to be {kind}{extra} but got {value!r}."
+        )
+
+
+def check_positive_int(
+    value: object, name: str, owner: str = "", *, allow_none: bool = False
+) -> None:
+    """Raise unless ``value`` is a positive int (or ``None`` when allowed)."""
+    check_int(value, name, owner, minimum=1, allow_none=allow_none)
+
+
+def check_number(
+    value: object, name: str, owner: str = "", *, positive: bool = False, allow_zero: bool = True
+) -> float:
+    """``value`` as a finite float; ``positive`` rejects negatives (and zero unless allowed)."""
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    ok = number is not None and math.isfinite(number)
+    if ok and positive and number is not None:
+        ok = number > 0 or (allow_zero and number == 0)
+    if not ok:
+        kind = "a finite number"
+        if positive:
+            kind = "a finite non-negative number" if allow_zero else "a finite positive number"
+        raise RecorderConfigError(f"Expected `{name}`{_of(owner)} to be {kind} but got {value!r}.")
+    return float(number)  # type: ignore[arg-type]
+
+
+def check_tensor(value: object, name: str, *, real: bool = False) -> torch.Tensor:
+    """``value`` if it is a tensor (with a real dtype when ``real``), else an error."""
+    if not isinstance(value, torch.Tensor):
+        raise RecorderConfigError(
+            f"Expected `{name}` to be a torch.Tensor but got {type(value).__name__}."
+        )
+    if real and value.is_complex():
+        raise RecorderConfigError(f"Expected `{name}` to have a real dtype but got {value.dtype}.")
+    return value
+
+
+def check_callable(value: object, name: str, what: str) -> None:
+    """Raise unless ``value`` is callable or ``None``."""
+    if value is not None and not callable(value):
+        raise RecorderConfigError(
+            f"Expected `{name}` to be {what} or None but got {type(value).__name__} {value!r}."
+        )
+
+
+def parse_dtype(dtype: torch.dtype | str | None, name: str = "dtype") -> torch.dtype | None:
+    """A ``torch.dtype`` from a dtype or its name (``"float16"``, ``"torch.bfloat16"``)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(value, torch.dtype):
+            return value
+    raise RecorderConfigError(
+        f"Expected `{name}` to be a torch.dtype or its name (e.g. 'float16') but got {dtype!r}."
+    )
+
+
+def parse_device(device: torch.device | str | None, name: str = "device") -> torch.device | None:
+    """A ``torch.device`` from a device or a device string (``"cpu"``, ``"cuda:0"``)."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise RecorderConfigError(
+            f"Expected `{name}` to be a torch.device or a device string such as 'cpu' but got "
+            f"{device!r}."
+        ) from err

@@ -1,0 +1,299 @@
+"""Structured values: call arguments in signature order, paths into outputs, tensor transforms.
+
+Everything here runs inside hooks, so the common case (a plain tensor, no options) is kept to a
+couple of ``isinstance`` checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import RecorderConfigError
+
+
+def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
+    """Every tensor inside a nested structure of tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for field in obj.__dataclass_fields__:
+            yield from iter_tensors(getattr(obj, field, None))
+
+
+PathKey = int | str
+Path = tuple[PathKey, ...]
+
+
+class Arguments(tuple):
+    """The arguments of one call, in the callee's signature order.
+
+    A tuple (so ``data_idx`` indexes it as in MMRazor) whose items also have names:
+    ``args["mask"]`` or ``args.as_dict()``. ``f(1, 2)``, ``f(1, b=2)`` and ``f(b=2, a=1)`` all give
+    ``Arguments((1, 2), names=("a", "b"))``. Defaults are filled in; ``*args`` items are named
+    ``args[0]``, ``args[1]`` …; extra ``**kwargs`` follow, sorted by name.
+
+    Example:
+        >>> a = Arguments((1, 2), ("a", "b"))
+        >>> a[1], a["b"], a.as_dict()
+        (2, 2, {'a': 1, 'b': 2})
+    """
+
+    names: tuple[str, ...]
+
+    def __new__(cls, values: Sequence[Any], names: Sequence[str]) -> Arguments:
+        obj = super().__new__(cls, values)
+        obj.names = tuple(names)
+        return obj
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            try:
+                return tuple.__getitem__(self, self.names.index(key))
+            except ValueError:
+                raise KeyError(
+                    f"No argument named {key!r}; arguments are {', '.join(self.names)}."
+                ) from None
+        return tuple.__getitem__(self, key)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The arguments as ``{name: value}`` in signature order."""
+        return dict(zip(self.names, self, strict=True))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}={v!r}" for n, v in zip(self.names, self, strict=True))
+        return f"Arguments({inner})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Arguments, (tuple(self), self.names))
+
+
+_EMPTY = inspect.Parameter.empty
+_VAR_POS = inspect.Parameter.VAR_POSITIONAL
+_VAR_KW = inspect.Parameter.VAR_KEYWORD
+_SIMPLE_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class Binder:
+    """Normalises ``(args, kwargs)`` of calls to one callable into :class:`Arguments`.
+
+    Args:
+        fn: the callable whose signature orders the arguments.
+        drop_first: drop the first parameter (``self`` / ``cls``) from the signature.
+    """
+
+    __slots__ = ("_fast_names", "_kinds", "_sig")
+
+    def __init__(self, fn: Callable[..., Any], drop_first: bool = False) -> None:
+        try:
+            sig: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None and drop_first:
+            params = list(sig.parameters.values())[1:]
+            sig = sig.replace(parameters=params)
+        self._sig = sig
+        self._kinds: dict[str, Any] = (
+            {p.name: p.kind for p in sig.parameters.values()} if sig is not None else {}
+        )
+        # Fast path: every parameter positional, no defaults needed when all are passed.
+        if sig is not None and all(p.kind in _SIMPLE_KINDS for p in sig.parameters.values()):
+            self._fast_names: tuple[str, ...] | None = tuple(sig.parameters)
+        else:
+            self._fast_names = None
+
+    def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Arguments:
+        fast = self._fast_names
+        if fast is not None and not kwargs and len(args) == len(fast):
+            return Arguments(args, fast)
+        if self._sig is None:
+            return self._fallback(args, kwargs)
+        try:
+            bound = self._sig.bind(*args, **kwargs)
+        except TypeError:
+            return self._fallback(args, kwargs)
+        bound.apply_defaults()
+        values: list[Any] = []
+        names: list[str] = []
+        for name, value in bound.arguments.items():
+            kind = self._kinds[name]
+            if kind is _VAR_POS:
+                for i, item in enumerate(value):
+                    values.append(item)
+                    names.append(f"{name}[{i}]")
+            elif kind is _VAR_KW:
+                for key in sorted(value):
+                    values.append(value[key])
+                    # A key may repeat a positional-only parameter's name: keep names unique.
+                    names.append(key if key not in self._kinds else f"{name}[{key!r}]")
+            else:
+                values.append(value)
+                names.append(name)
+        return Arguments(values, names)
+
+    @staticmethod
+    def _fallback(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Arguments:
+        names = [f"args[{i}]" for i in range(len(args))] + sorted(kwargs)
+        values = list(args) + [kwargs[k] for k in sorted(kwargs)]
+        return Arguments(values, names)
+
+
+def parse_path(path: PathKey | Sequence[PathKey] | None) -> Path | None:
+    """Normalise a path option: ``0``, ``"logits"``, ``"hidden_states.2"`` or ``("a", 0)``."""
+    if path is None:
+        return None
+    if isinstance(path, bool):
+        raise RecorderConfigError(
+            f"Expected `path` to be an int, a str or a sequence but got {path!r}."
+        )
+    if isinstance(path, int):
+        return (path,)
+    if isinstance(path, str):
+        if not path:
+            raise RecorderConfigError("Expected `path` to be a non-empty string but got ''.")
+        return tuple(int(p) if p.lstrip("-").isdigit() else p for p in path.split("."))
+    if isinstance(path, Sequence):
+        keys = tuple(path)
+        for key in keys:
+            if isinstance(key, bool) or not isinstance(key, (int, str)):
+                raise RecorderConfigError(
+                    f"Expected every `path` item to be an int or a str but got {key!r}."
+                )
+        return keys
+    raise RecorderConfigError(
+        f"Expected `path` to be an int, a str or a sequence of them but got {type(path).__name__}."
+    )
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, Arguments):
+        return f"arguments ({', '.join(obj.names)})"
+    if isinstance(obj, Mapping):
+        return f"{type(obj).__name__} with keys {', '.join(repr(k) for k in obj)}"
+    if isinstance(obj, (tuple, list)):
+        return f"{type(obj).__name__} of length {len(obj)}"
+    if dataclasses.is_dataclass(obj):
+        return (
+            f"{type(obj).__name__} with fields {', '.join(f.name for f in dataclasses.fields(obj))}"
+        )
+    if isinstance(obj, torch.Tensor):
+        return f"Tensor of shape {tuple(obj.shape)}"
+    return type(obj).__name__
+
+
+def follow_path(value: Any, path: Path, where: str) -> Any:
+    """Follow ``path`` into ``value``: an index, a mapping key, a field or an argument name.
+
+    Raises:
+        RecorderConfigError: a key does not exist; the message shows what does.
+    """
+    current = value
+    for depth, key in enumerate(path):
+        try:
+            if (
+                isinstance(current, Arguments)
+                or (isinstance(current, Mapping) and not isinstance(key, int))
+                or (isinstance(current, (tuple, list)) and isinstance(key, int))
+            ):
+                container: Any = current
+                current = container[key]
+            elif isinstance(key, str) and (
+                dataclasses.is_dataclass(current) or hasattr(type(current), key)
+            ):
+                current = getattr(current, key)
+            elif isinstance(current, Mapping):
+                current = current[key]
+            else:
+                raise LookupError(key)
+        except (LookupError, AttributeError):
+            walked = ".".join(str(k) for k in path[:depth]) or "<value>"
+            raise RecorderConfigError(
+                f"{where}: `path` item {key!r} does not exist in {walked}, which is a "
+                f"{_describe(current)}."
+            ) from None
+    return current
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Arguments):
+        return Arguments([map_tensors(v, fn) for v in value], value.names)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(map_tensors(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, Mapping):
+        items = {k: map_tensors(v, fn) for k, v in value.items()}
+        factory: Any = type(value)
+        try:
+            return factory(**items) if dataclasses.is_dataclass(value) else factory(items)
+        except TypeError:
+            return items
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: map_tensors(getattr(value, f.name), fn)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return dataclasses.replace(value, **changes)
+    return value
+
+
+def make_transform(
+    detach: bool, clone: bool, device: torch.device | None, dtype: torch.dtype | None
+) -> Callable[[Any], Any] | None:
+    """The per-record transform for these options, or ``None`` when it is the identity."""
+    if not (detach or clone or device is not None or dtype is not None):
+        return None
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        out = t.detach() if detach else t
+        if device is not None or (dtype is not None and out.is_floating_point()):
+            out = out.to(
+                device=device, dtype=dtype if out.is_floating_point() else None, copy=clone
+            )
+            return out
+        return out.clone() if clone else out
+
+    def transform(value: Any) -> Any:
+        return map_tensors(value, one)
+
+    return transform
+
+
+Versions = int | list[tuple[torch.Tensor, int]] | None
+
+
+def snapshot(value: Any) -> Versions:
+    """The version counters of the tensors in ``value`` (``None`` when it holds none).
+
+    Inference tensors (made under ``torch.inference_mode()``) have no version counter and are
+    left out: their in-place changes cannot be detected.
+    """
+    if isinstance(value, torch.Tensor):
+        try:
+            return value._version
+        except RuntimeError:  # an inference tensor
+            return None
+    pairs = [(t, t._version) for t in iter_tensors(value) if not t.is_inference()]
+    return pairs or None
+
+
+def modified(value: Any, versions: Versions) -> bool:
+    """Whether a tensor in ``value`` was modified in place since :func:`snapshot`."""
+    if versions is None:
+        return False
+    if isinstance(versions, int):
+        return bool(value._version != versions)
+    return any(t._version != v for t, v in versions)

@@ -1,0 +1,437 @@
+"""The collectors (inputs, outputs, output gradients) and their saved form."""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import Self
+
+from .._core.checks import check_callable, parse_device, parse_dtype
+from .._core.names import canonical_name
+from .._core.structures import Binder, PathKey, make_transform, modified, parse_path
+from ..errors import NoRecordError, RecorderConfigError, RecordModifiedError
+from ._subrecorders import (
+    NOTHING,
+    Condition,
+    InputsHook,
+    ModuleTypes,
+    Options,
+    OutputGradsHook,
+    OutputsHook,
+    Reduction,
+    SubRecorder,
+    choose,
+    release_all,
+)
+
+_INDEX_FILE = "index.json"
+_FORMAT = "lightning_recorder.bulk"
+
+__all__ = [
+    "BackwardOutput",
+    "CollectedRecord",
+    "ForwardInputsCollector",
+    "ForwardOutput",
+    "ForwardOutputsCollector",
+    "ForwardPre",
+    "OutputGradsCollector",
+    "load_collected",
+]
+
+
+@dataclass(frozen=True)
+class CollectedRecord:
+    """One subrecorder read back by :func:`load_collected`.
+
+    Attributes:
+        index: the subrecorder's index (its file is ``{index}.pt``).
+        name: the module's name in ``model.named_modules()`` (``""`` for the model itself).
+        type: the module's class, fully qualified (e.g. ``"torch.nn.modules.linear.Linear"``).
+        samples: how many samples were recorded.
+        data: the list of samples, their fold, or what ``apply`` made of them.
+    """
+
+    index: int
+    name: str
+    type: str
+    samples: int
+    data: Any
+
+
+class _Collector:
+    """Shared machinery of the bulk collectors; options as listed in the module docs."""
+
+    def __init__(
+        self,
+        condition: Condition | None = None,
+        reduction: Reduction | None = None,
+        *,
+        detach: bool = True,
+        clone: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        path: PathKey | tuple[PathKey, ...] | None = None,
+    ) -> None:
+        check_callable(condition, "condition", "a zero-argument callable")
+        check_callable(reduction, "reduction", "a two-argument callable")
+        for flag_name, flag in (("detach", detach), ("clone", clone)):
+            if not isinstance(flag, bool):
+                raise RecorderConfigError(
+                    f"Expected `{flag_name}` to be a bool but got {type(flag).__name__} {flag!r}."
+                )
+        self.condition = condition
+        self.reduction = reduction
+        self.detach = detach
+        self.clone = clone
+        self.path = parse_path(path)
+        transform = make_transform(detach, clone, parse_device(device), parse_dtype(dtype))
+        self._options = Options(condition, reduction, transform, not clone)
+        self._slots: list[SubRecorder] = []
+        # A collector dropped without release() must not leave hooks on a live model.
+        weakref.finalize(self, release_all, self._slots)
+
+    # ------------------------------------------------------------------ registration
+    def modules(
+        self,
+        model: nn.Module,
+        types: ModuleTypes | None = None,
+        indices: Iterable[int] | None = None,
+    ) -> Self:
+        """Register subrecorders on modules of ``model.modules()`` (recursive, model first).
+
+        Args:
+            model: the network.
+            types: keep modules of these classes (a class, class names, or several of them).
+            indices: keep modules at these positions of ``model.modules()`` (``0`` is ``model``).
+                With ``types`` too, a module must satisfy both; with neither, all are kept.
+
+        Returns:
+            The collector itself.
+
+        Raises:
+            RecorderConfigError: a bad ``types`` or ``indices`` value.
+            UnknownSourceError: an index out of range, or nothing matches.
+        """
+        return self._register(model, "modules", types, indices)
+
+    def children(
+        self,
+        model: nn.Module,
+        types: ModuleTypes | None = None,
+        indices: Iterable[int] | None = None,
+    ) -> Self:
+        """Register subrecorders on modules of ``model.children()`` (direct children only).
+
+        Arguments, return value and errors as in :meth:`modules`.
+        """
+        return self._register(model, "children", types, indices)
+
+    def _register(
+        self, model: nn.Module, how: str, types: ModuleTypes | None, indices: Iterable[int] | None
+    ) -> Self:
+        if not isinstance(model, nn.Module):
+            raise RecorderConfigError(
+                f"Expected `model` to be an nn.Module but got {type(model).__name__}."
+            )
+        entries = list(model.named_modules() if how == "modules" else model.named_children())
+        added: list[SubRecorder] = []
+        try:
+            for name, module in choose(entries, how, types, indices):
+                slot = SubRecorder(self._options, type(self).__name__, canonical_name(name), module)
+                added.append(slot)
+                self._install(slot, module)
+        except BaseException:
+            release_all(added)
+            raise
+        self._slots.extend(added)
+        return self
+
+    def _install(self, slot: SubRecorder, module: nn.Module) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ reading
+    def _read(self, index: int) -> Any:
+        slot = self._slots[self._position(index)]
+        for value, versions in slot.tracked:
+            if modified(value, versions):
+                raise RecordModifiedError(
+                    f"A sample of subrecorder {index} ({slot.name or '<root>'!r}) of {self!r} was "
+                    "modified in place after it was recorded (e.g. by ReLU(inplace=True)); pass "
+                    "clone=True to record copies."
+                )
+        return None if slot.data is NOTHING else slot.data
+
+    def _position(self, index: int) -> int:
+        count = len(self._slots)
+        if isinstance(index, bool) or not isinstance(index, int) or not -count <= index < count:
+            raise NoRecordError(
+                f"Expected a subrecorder index in [-{count}, {count - 1}] but got {index!r}: "
+                f"{self!r} has {count} subrecorder(s)."
+            )
+        return index % count
+
+    def __getitem__(self, index: int) -> Any:
+        return self._read(index)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._read(i) for i in range(len(self._slots)))
+
+    @property
+    def data(self) -> list[Any]:
+        """The data of every subrecorder (a list of samples, or their fold; ``None`` if none)."""
+        return list(self)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The module name of each subrecorder (``""`` for the model itself; wrapper prefixes
+        such as ``module.`` are dropped)."""
+        return tuple(slot.name for slot in self._slots)
+
+    def samples(self, index: int) -> int:
+        """How many samples subrecorder ``index`` recorded (calls that met ``condition``)."""
+        return self._slots[self._position(index)].samples
+
+    def iter_samples(self) -> Iterator[int]:
+        """The sample count of each subrecorder, in index order."""
+        return (slot.samples for slot in list(self._slots))
+
+    # ------------------------------------------------------------------ changing
+    def apply(self, fn: Callable[[Any], Any]) -> None:
+        """Replace the data of each subrecorder that recorded something by ``fn(data)``."""
+        self._apply(lambda data, samples: fn(data))
+
+    def apply_sample(self, fn: Callable[[Any, int], Any]) -> None:
+        """Replace the data of each subrecorder that recorded something by ``fn(data, samples)``.
+
+        Example: ``collector.apply_sample(lambda total, n: total / n)`` turns sums into means.
+        """
+        self._apply(fn)
+
+    def _apply(self, fn: Callable[[Any, int], Any]) -> None:
+        results = [
+            (slot, fn(self._read(i), slot.samples))
+            for i, slot in enumerate(self._slots)
+            if slot.samples
+        ]
+        for slot, result in results:  # all-or-nothing: nothing changes if fn raises
+            slot.data = result
+            slot.tracked = []
+
+    def reset(self) -> None:
+        """Forget every sample; the subrecorders stay registered."""
+        for slot in self._slots:
+            slot.data = NOTHING if self.reduction is not None else []
+            slot.samples = 0
+            slot.tracked = []
+
+    def remove(self, index: int) -> Any:
+        """Unregister subrecorder ``index`` and return its data; later indices shift down by one."""
+        data = self._read(index)
+        slot = self._slots.pop(self._position(index))
+        slot.active = False
+        slot.hooks.remove_all()
+        return data
+
+    def release(self) -> None:
+        """Remove every hook. The data stays readable. Safe to call any number of times."""
+        release_all(self._slots)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``{index}.pt`` per subrecorder and an ``index.json`` naming their modules.
+
+        Read it back with :func:`load_collected`. The directory is created if needed.
+
+        Returns:
+            The directory.
+        """
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        records = []
+        for index, slot in enumerate(self._slots):
+            torch.save(self._read(index), root / f"{index}.pt")
+            records.append(
+                {
+                    "file": f"{index}.pt",
+                    "name": slot.name,
+                    "type": slot.type_name,
+                    "samples": slot.samples,
+                }
+            )
+        index_doc = {
+            "format": _FORMAT,
+            "version": 1,
+            "collector": type(self).__name__,
+            "reduced": self.reduction is not None,
+            "records": records,
+        }
+        (root / _INDEX_FILE).write_text(json.dumps(index_doc, indent=2) + "\n", encoding="utf-8")
+        return root
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(n or "<root>") for n in self.names[:6])
+        more = ", …" if len(self._slots) > 6 else ""
+        return f"{type(self).__name__}([{shown}{more}])"
+
+
+class ForwardInputsCollector(_Collector):
+    """Record what enters the chosen modules, before their forward runs.
+
+    A sample is the first argument of the call: ``inputs[0]`` as in torchfunc, or, for a call
+    with keyword arguments only, the first one in the order of ``forward``'s signature
+    (``m(x=t)`` records ``t``). ``path`` picks another argument by position or name
+    (``path="mask"``). Alias: :data:`ForwardPre`.
+
+    Takes the options listed in the module docs (``condition``, ``reduction``, ``detach``,
+    ``clone``, ``device``, ``dtype``, ``path``).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> x = torch.randn(5, 3)
+        >>> with ForwardInputsCollector().children(model, types=nn.Linear) as inputs:
+        ...     _ = model(x)
+        >>> torch.equal(inputs[0][0], x), inputs[1][0].shape, inputs.names
+        (True, torch.Size([5, 4]), ('0', '2'))
+    """
+
+    def _install(self, slot: SubRecorder, module: nn.Module) -> None:
+        hook = InputsHook(slot, self.path, Binder(module.forward))
+        slot.hooks.add(module.register_forward_pre_hook(hook, with_kwargs=True))
+
+
+class ForwardOutputsCollector(_Collector):
+    """Record what the chosen modules return, after their forward runs.
+
+    A sample is the output itself when it is a tensor, else its first tensor (e.g. the output
+    sequence of an ``nn.LSTM``); ``path`` picks another part (a position, key or field). Alias:
+    :data:`ForwardOutput`.
+
+    Takes the options listed in the module docs (``condition``, ``reduction``, ``detach``,
+    ``clone``, ``device``, ``dtype``, ``path``).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+        >>> a, b = torch.randn(2, 3), torch.randn(2, 3)
+        >>> expected = model[0](a) + model[0](b)
+        >>> collector = ForwardOutputsCollector(reduction=lambda acc, x: acc + x)
+        >>> _ = collector.modules(model, indices=[1])   # model.modules(): 0 is the model itself
+        >>> _ = model(a), model(b)
+        >>> torch.allclose(collector[0], expected), collector.samples(0)
+        (True, 2)
+        >>> collector.release()
+    """
+
+    def _install(self, slot: SubRecorder, module: nn.Module) -> None:
+        slot.hooks.add(module.register_forward_hook(OutputsHook(slot, self.path)))
+
+
+class OutputGradsCollector(_Collector):
+    """Record the gradient of the loss with respect to the chosen modules' outputs.
+
+    A tensor hook is attached to the output (or its first tensor, or ``path``) of each forward
+    call that requires grad; the sample arrives during backward. This replaces torchfunc's
+    ``register_backward_hook``, which is deprecated and wrong with in-place operations. Samples
+    arrive in backward order (the reverse of the forward order for repeated calls);
+    ``condition`` is asked when the gradient arrives. Alias: :data:`BackwardOutput`.
+
+    Takes the options listed in the module docs (``condition``, ``reduction``, ``detach``,
+    ``clone``, ``device``, ``dtype``, ``path``).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+        >>> with OutputGradsCollector().children(model, indices=[0]) as grads:
+        ...     model(torch.randn(2, 3)).sum().backward()
+        >>> torch.allclose(grads[0][0], model[1].weight.expand(2, 4))
+        True
+    """
+
+    def _install(self, slot: SubRecorder, module: nn.Module) -> None:
+        slot.hooks.add(module.register_forward_hook(OutputGradsHook(slot, self.path)))
+
+
+#: torchfunc's name for :class:`ForwardInputsCollector`.
+ForwardPre = ForwardInputsCollector
+#: torchfunc's name for :class:`ForwardOutputsCollector`.
+ForwardOutput = ForwardOutputsCollector
+#: torchfunc's name for :class:`OutputGradsCollector`.
+BackwardOutput = OutputGradsCollector
+
+
+def load_collected(
+    directory: str | os.PathLike[str],
+    *,
+    map_location: torch.device | str | None = None,
+    weights_only: bool = True,
+) -> list[CollectedRecord]:
+    """Read back what :meth:`~ForwardOutputsCollector.save` wrote, in subrecorder order.
+
+    Args:
+        directory: the directory given to ``save``.
+        map_location: passed to :func:`torch.load` (e.g. ``"cpu"``).
+        weights_only: passed to :func:`torch.load`; set ``False`` only for trusted files whose
+            data ``apply`` turned into objects other than tensors and containers.
+
+    Returns:
+        One :class:`CollectedRecord` per subrecorder.
+
+    Raises:
+        RecorderConfigError: the directory holds no index written by ``save``, or a file is
+            missing.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4))
+        >>> with ForwardOutputsCollector().modules(model, types=nn.Linear) as outputs:
+        ...     _ = model(torch.randn(2, 3))
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     _ = outputs.save(tmp)
+        ...     [(r.name, r.samples, len(r.data)) for r in load_collected(tmp)]
+        [('0', 1, 1)]
+    """
+    root = Path(directory)
+    try:
+        index_doc = json.loads((root / _INDEX_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise RecorderConfigError(
+            f"Expected `directory` to hold a collector saved with `save()` but could not read "
+            f"{_INDEX_FILE!r} in {str(root)!r}: {err}"
+        ) from err
+    if not isinstance(index_doc, dict) or index_doc.get("format") != _FORMAT:
+        raise RecorderConfigError(
+            f"Expected {_INDEX_FILE!r} in {str(root)!r} to be written by a collector's `save()` "
+            f"(format {_FORMAT!r}) but got {str(index_doc)[:80]!r}."
+        )
+    loaded = []
+    for number, entry in enumerate(index_doc["records"]):
+        path = root / entry["file"]
+        if not path.is_file():
+            raise RecorderConfigError(
+                f"Expected {entry['file']!r} (subrecorder {number}, module {entry['name']!r}) in "
+                f"{str(root)!r} but it does not exist."
+            )
+        data = torch.load(path, map_location=map_location, weights_only=weights_only)
+        loaded.append(CollectedRecord(number, entry["name"], entry["type"], entry["samples"], data))
+    return loaded

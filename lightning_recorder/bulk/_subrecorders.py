@@ -1,0 +1,228 @@
+"""Private machinery of the bulk collectors: subrecorders, their hooks, module selection.
+
+A collector holds one :class:`SubRecorder` per chosen module; its hooks are
+:class:`~lightning_recorder._core.hooks.WeakHook` s bound to the subrecorder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .._core.hooks import GradSink, HookSet, WeakHook
+from .._core.names import resolve_type
+from .._core.structures import Binder, Versions, follow_path, iter_tensors, map_tensors, snapshot
+from ..errors import RecorderConfigError, RecorderStateError, UnknownSourceError
+
+Condition = Callable[[], bool]
+Reduction = Callable[[Any, Any], Any]
+ModuleTypes = type[nn.Module] | str | Iterable[type[nn.Module] | str]
+
+NOTHING: Any = object()  # the fold of a reducing subrecorder before its first sample
+
+
+class Options(NamedTuple):
+    """What every subrecorder of one collector shares."""
+
+    condition: Condition | None
+    reduction: Reduction | None
+    transform: Callable[[Any], Any] | None
+    track: bool  # check samples for in-place modification when read
+
+
+def _owned_copy(value: Any) -> Any:
+    return map_tensors(value, torch.clone)
+
+
+class SubRecorder:
+    """One subrecorder: the module it watches, its data, its sample count and its hooks."""
+
+    __slots__ = (
+        "__weakref__",
+        "active",
+        "data",
+        "hooks",
+        "name",
+        "options",
+        "samples",
+        "tracked",
+        "type_name",
+    )
+
+    def __init__(self, options: Options, owner: str, name: str, module: nn.Module) -> None:
+        self.options = options
+        self.name = name
+        cls = type(module)
+        self.type_name = f"{cls.__module__}.{cls.__qualname__}"
+        self.hooks = HookSet(f"{owner}({name or '<root>'})")
+        self.data: Any = NOTHING if options.reduction is not None else []
+        self.samples = 0
+        self.active = True
+        self.tracked: list[tuple[Any, Versions]] = []  # (value, version counters) to check
+
+    def offer(self, value: Any) -> None:
+        condition, reduction, transform, track = self.options
+        if condition is not None and not condition():
+            return
+        if transform is not None:
+            value = transform(value)
+        if reduction is None:
+            if not isinstance(self.data, list):
+                raise RecorderStateError(
+                    f"Expected the data of subrecorder {self.name!r} to be a list to append to, "
+                    f"but `apply` replaced it with a {type(self.data).__name__}; call `reset()` "
+                    "before recording again."
+                )
+            self.data.append(value)
+            if track:
+                self.tracked.append((value, snapshot(value)))
+        else:
+            # The first sample is copied so that a fold never writes into a model's tensor.
+            self.data = _owned_copy(value) if self.data is NOTHING else reduction(self.data, value)
+            if track:
+                self.tracked = [(self.data, snapshot(self.data))]
+        self.samples += 1
+
+
+class SubRecorderHook(WeakHook["SubRecorder"]):
+    """A module hook bound weakly to its subrecorder; inert in a copied or pickled model."""
+
+    __slots__ = ("_path",)
+
+    def __init__(self, slot: SubRecorder, path: Any) -> None:
+        super().__init__(slot)
+        self._path = path
+
+    def _slot(self) -> SubRecorder | None:
+        slot = self.live()  # None when released or in a forward re-run by checkpointing
+        return slot if slot is not None and slot.active else None
+
+    def on_grad(self, owner: SubRecorder, grad: torch.Tensor, key: Any) -> None:
+        if owner.active:
+            owner.offer(grad)
+
+
+def pick(value: Any, path: Any, where: str) -> Any:
+    """The value a path names, or (no path) the value itself or its first tensor."""
+    if path is not None:
+        return follow_path(value, path, where)
+    if isinstance(value, torch.Tensor):
+        return value
+    return next(iter_tensors(value), None)
+
+
+class InputsHook(SubRecorderHook):
+    __slots__ = ("_binder",)
+
+    def __init__(self, slot: SubRecorder, path: Any, binder: Binder) -> None:
+        super().__init__(slot, path)
+        self._binder = binder
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        slot = self._slot()
+        if slot is None:
+            return
+        if self._path is None and args:
+            value = args[0]  # the common case, without binding
+        else:
+            bound = self._binder(args, kwargs)  # signature order: m(x=t) is recorded as m(t)
+            if self._path is not None:
+                value = follow_path(bound, self._path, slot.name or "<root>")
+            elif bound:
+                value = bound[0]
+            else:
+                return
+        slot.offer(value)
+
+
+class OutputsHook(SubRecorderHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        slot = self._slot()
+        if slot is not None:
+            value = pick(output, self._path, slot.name or "<root>")
+            if value is not None:
+                slot.offer(value)
+
+
+class OutputGradsHook(SubRecorderHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        slot = self._slot()
+        if slot is None:
+            return
+        tensor = pick(output, self._path, slot.name or "<root>")
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(GradSink(self))
+
+
+def as_types(types: ModuleTypes | None) -> tuple[type, ...] | None:
+    if types is None:
+        return None
+    items = [types] if isinstance(types, (type, str)) else list(types)
+    resolved = tuple(resolve_type(t) if isinstance(t, str) else t for t in items)
+    if not resolved or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in resolved):
+        raise RecorderConfigError(
+            f"Expected `types` to be nn.Module classes (or their names) but got {types!r}."
+        )
+    return resolved
+
+
+def choose(
+    entries: list[tuple[str, nn.Module]],
+    how: str,
+    types: ModuleTypes | None,
+    indices: Iterable[int] | None,
+) -> list[tuple[str, nn.Module]]:
+    """The entries kept by ``types`` and ``indices`` (both must hold when both are given)."""
+    wanted = as_types(types)
+    positions: set[int] | None = None
+    if indices is not None:
+        positions = set()
+        for index in [indices] if isinstance(indices, int) else indices:
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise RecorderConfigError(
+                    f"Expected `indices` to hold ints but got {type(index).__name__} {index!r}."
+                )
+            if not 0 <= index < len(entries):
+                raise UnknownSourceError(
+                    f"Expected `indices` to hold positions in [0, {len(entries)}) of "
+                    f"model.{how}() but got {index}. {listing(entries, how)}"
+                )
+            positions.add(index)
+    chosen = [
+        entry
+        for position, entry in enumerate(entries)
+        if (positions is None or position in positions)
+        and (wanted is None or isinstance(entry[1], wanted))
+    ]
+    if not chosen:
+        asked = " and ".join(
+            part
+            for part in (
+                wanted and "types " + ", ".join(t.__name__ for t in wanted),
+                positions is not None and f"indices {sorted(positions)}",
+            )
+            if part
+        )
+        raise UnknownSourceError(
+            f"No module of model.{how}() matches {asked}. {listing(entries, how)}"
+        )
+    return chosen
+
+
+def listing(entries: list[tuple[str, nn.Module]], how: str) -> str:
+    shown = ", ".join(f"{i} {type(m).__name__}" for i, (_, m) in enumerate(entries[:12]))
+    more = f" (and {len(entries) - 12} more)" if len(entries) > 12 else ""
+    return f"model.{how}() yields: {shown}{more}."
+
+
+def release_all(slots: list[SubRecorder]) -> None:
+    for slot in slots:
+        slot.active = False
+        slot.hooks.remove_all()

@@ -1,0 +1,259 @@
+"""The connectors of a :class:`~lightning_recorder.FeatureDistillation`: built, trained, saved.
+
+Connectors live outside the student (so the student's checkpoint loads into a fresh student with
+``strict=True``) and outside any DDP wrapper. This bank therefore does by hand what Lightning
+and DDP would otherwise do for a submodule:
+
+* build each connector when the first pair of features shows its shapes, without disturbing
+  the training random stream, identically on every rank (broadcast from rank 0);
+* train it with the user's optimizer: one extra parameter group, hyperparameters copied from
+  the first group, learning-rate schedulers extended to it;
+* average its gradients across ranks before each optimizer step;
+* save weights and optimizer state in the callback's state, and keep the extra group out of
+  the checkpoint's ``optimizer_states`` so they match what ``configure_optimizers`` creates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ..._core.compat import distributed_active
+from ...distill.connectors import ConnectorSpec, resolve_connector
+
+
+def _cast_state(value: Any, key: str, param: Tensor, group: Mapping[str, Any]) -> Any:
+    """Bring one saved optimizer state value to ``param``'s device, as torch's loader does."""
+    if not isinstance(value, Tensor):
+        return value
+    if key == "step":
+        if group.get("capturable") or group.get("fused"):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if param.is_floating_point() and value.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)
+
+
+def strip_group(state: dict[str, Any], index: int) -> dict[str, Any]:
+    """An optimizer ``state_dict`` without parameter group ``index`` (parameter ids renumbered)."""
+    groups = state["param_groups"]
+    mapping: dict[int, int] = {}
+    kept: list[dict[str, Any]] = []
+    for i, group in enumerate(groups):
+        if i == index:
+            continue
+        ids = []
+        for pid in group["params"]:
+            mapping[pid] = len(mapping)
+            ids.append(mapping[pid])
+        kept.append({**group, "params": ids})
+    inner = {mapping[k]: v for k, v in state["state"].items() if k in mapping}
+    return {**state, "state": inner, "param_groups": kept}
+
+
+class ConnectorBank:
+    """The connectors of every pair, their optimizer group and their saved state.
+
+    Args:
+        specs: the connector specification of each pair (see :func:`resolve_connector`).
+        resize: interpolate student maps to the teacher's size in automatic connectors.
+        lr: learning rate of the connectors' group (default: the first group's).
+    """
+
+    def __init__(self, specs: Mapping[str, ConnectorSpec], resize: bool, lr: float | None) -> None:
+        self.specs = dict(specs)
+        self.resize = resize
+        self.lr = lr
+        self.modules: dict[str, nn.Module] = {}
+        self.shapes: dict[str, tuple[list[int], list[int]]] = {}
+        self._optimizer: Optimizer | None = None
+        self._schedulers: list[Any] = []
+        self._pending: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ building
+    def get(self, pair: str, student: Tensor, teacher: Tensor) -> nn.Module:
+        """The connector of ``pair``, built from these features the first time."""
+        module = self.modules.get(pair)
+        if module is not None:
+            return module
+        with torch.inference_mode(False), torch.no_grad():
+            self._build(pair, list(student.shape), list(teacher.shape), student.device)
+            if distributed_active():
+                for tensor in self._tensors(self.modules[pair]):
+                    dist.broadcast(tensor, src=0)
+        self.attach()
+        return self.modules[pair]
+
+    def _build(self, pair: str, s_shape: list[int], t_shape: list[int], device: Any) -> None:
+        """Build from full shapes (batch dim first); only the other dims are kept."""
+        # A forked random stream: building a connector does not change the training's randomness.
+        with torch.random.fork_rng(devices=[]):
+            example_s = torch.empty(s_shape, device=device)
+            example_t = torch.empty(t_shape, device=device)
+            module = resolve_connector(self.specs[pair], example_s, example_t, resize=self.resize)
+        pending = (self._pending or {}).get("pairs", {}).get(pair)
+        if pending is not None and pending["weights"]:
+            module.load_state_dict(pending["weights"])
+        self.modules[pair] = module
+        self.shapes[pair] = (s_shape[1:], t_shape[1:])
+
+    @staticmethod
+    def _tensors(module: nn.Module) -> Iterator[Tensor]:
+        yield from (p.data for p in module.parameters())
+        yield from module.buffers()
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every connector parameter, in pair order (the order of the optimizer group)."""
+        seen: set[int] = set()
+        params = []
+        for pair in self.specs:
+            module = self.modules.get(pair)
+            for param in module.parameters() if module is not None else ():
+                if id(param) not in seen and param.requires_grad:
+                    seen.add(id(param))
+                    params.append(param)
+        return params
+
+    # ------------------------------------------------------------------ the optimizer
+    def bind(self, optimizer: Optimizer | None, schedulers: list[Any]) -> None:
+        """Use ``optimizer`` (and extend ``schedulers``) for the connectors from now on."""
+        self._optimizer = optimizer
+        self._schedulers = schedulers
+
+    def restore(self, device: Any) -> None:
+        """Build the connectors saved in a loaded state and attach them to the optimizer."""
+        pending = self._pending
+        if pending is None:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for pair, saved in pending["pairs"].items():
+                if pair in self.specs:
+                    if pair in self.modules:
+                        self.modules[pair].load_state_dict(saved["weights"])
+                    else:
+                        s_shape, t_shape = saved["student_shape"], saved["teacher_shape"]
+                        self._build(pair, [1, *s_shape], [1, *t_shape], device)
+        self.attach()
+
+    def _group_index(self) -> int | None:
+        params = self.parameters()
+        if self._optimizer is None or not params:
+            return None
+        for i, group in enumerate(self._optimizer.param_groups):
+            if any(p is params[0] for p in group["params"]):
+                return i
+        return None
+
+    def attach(self) -> None:
+        """Give the optimizer a group holding every connector parameter not yet in it."""
+        optimizer = self._optimizer
+        params = self.parameters()
+        if optimizer is None or not params:
+            return
+        index = self._group_index()
+        if index is not None:
+            group = optimizer.param_groups[index]
+            known = {id(p) for p in group["params"]}
+            group["params"].extend(p for p in params if id(p) not in known)
+        else:
+            first = optimizer.param_groups[0]
+            group = {k: v for k, v in first.items() if k != "params"}
+            if self.lr is not None:
+                group["lr"] = group["initial_lr"] = self.lr
+            group["params"] = params
+            optimizer.add_param_group(group)
+            self._extend_schedulers(len(optimizer.param_groups))
+        self._load_pending_optimizer_state()
+
+    def _extend_schedulers(self, n_groups: int) -> None:
+        if self._optimizer is None:
+            return
+        group = self._optimizer.param_groups[-1]
+        for scheduler in self._schedulers:
+            base_lrs = getattr(scheduler, "base_lrs", None)
+            if isinstance(base_lrs, list) and len(base_lrs) == n_groups - 1:
+                base_lrs.append(group.get("initial_lr", group["lr"]))
+            for name in ("lr_lambdas", "_last_lr"):
+                values = getattr(scheduler, name, None)
+                if isinstance(values, list) and len(values) == n_groups - 1:
+                    values.append(values[0] if name == "lr_lambdas" else group["lr"])
+
+    def _load_pending_optimizer_state(self) -> None:
+        pending = self._pending
+        index = self._group_index()
+        if pending is None or index is None or self._optimizer is None:
+            return
+        saved = pending.get("optimizer")
+        params = self.parameters()
+        if saved is not None and len(saved["state"]) == len(params):
+            group = self._optimizer.param_groups[index]
+            group.update({k: v for k, v in saved["group"].items() if k != "params"})
+            for param, state in zip(params, saved["state"], strict=True):
+                if state:
+                    self._optimizer.state[param] = {
+                        k: _cast_state(v, k, param, group) for k, v in state.items()
+                    }
+        if all(pair in self.modules for pair in pending["pairs"] if pair in self.specs):
+            self._pending = None
+
+    def all_reduce_grads(self) -> None:
+        """Average the connectors' gradients over the ranks (DDP does not see them)."""
+        if not distributed_active():
+            return
+        params = self.parameters()
+        if not params:
+            return
+        grads = []
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Shapes, weights and optimizer state of every built connector (tensors and lists)."""
+        pairs = {
+            pair: {
+                "student_shape": list(self.shapes[pair][0]),
+                "teacher_shape": list(self.shapes[pair][1]),
+                "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            }
+            for pair, module in self.modules.items()
+        }
+        state: dict[str, Any] = {"pairs": pairs, "optimizer": None}
+        index = self._group_index()
+        if index is not None and self._optimizer is not None:
+            full = self._optimizer.state_dict()
+            group = full["param_groups"][index]
+            state["optimizer"] = {
+                "group": {k: v for k, v in group.items() if k != "params"},
+                "state": [full["state"].get(pid, {}) for pid in group["params"]],
+            }
+        elif self._pending is not None:  # loaded but not attached yet: keep what was loaded
+            return self._pending
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Keep ``state``; it is applied when the connectors are built and attached."""
+        self._pending = {"pairs": dict(state.get("pairs", {})), "optimizer": state.get("optimizer")}
+
+    def strip(self, checkpoint: dict[str, Any], optimizer_idx: int) -> None:
+        """Remove the connectors' group from ``checkpoint["optimizer_states"]``."""
+        index = self._group_index()
+        states = checkpoint.get("optimizer_states")
+        if index is None or not states or optimizer_idx >= len(states):
+            return
+        states[optimizer_idx] = strip_group(states[optimizer_idx], index)

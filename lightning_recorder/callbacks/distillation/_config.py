@@ -1,0 +1,159 @@
+"""Argument checks and small helpers of :class:`~lightning_recorder.FeatureDistillation`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import torch
+from torch import Tensor, nn
+
+from ..._core.checks import suggestion
+from ...distill.losses import LossFn, get_loss
+from ...errors import RecorderConfigError
+
+LossSpec: TypeAlias = str | nn.Module | Callable[[Tensor, Tensor], Tensor]
+"""A loss name (``"mse"``, ``"l1"``, ``"cosine"``, ``"attention"``, ``"kl"``), a module or a
+callable taking ``(student, teacher)``."""
+
+
+def per_pair(value: Any, pairs: Mapping[str, str], what: str, default: Any) -> dict[str, Any]:
+    """Expand a single value, or a mapping keyed by (some) student module names, to every pair."""
+    if not isinstance(value, Mapping):
+        return dict.fromkeys(pairs, value)
+    unknown = [k for k in value if k not in pairs]
+    if unknown:
+        raise RecorderConfigError(
+            f"Expected the keys of `{what}` to be student module names from `pairs` but got "
+            f"{unknown[0]!r}. {suggestion(str(unknown[0]), pairs, 'pairs')}"
+        )
+    missing = [p for p in pairs if p not in value]
+    if missing and default is None:
+        raise RecorderConfigError(
+            f"Expected `{what}` to give a value for every pair but {', '.join(map(repr, missing))} "
+            "has none."
+        )
+    return {p: value.get(p, default) for p in pairs}
+
+
+def feature(record: Any, side: str, name: str) -> Tensor:
+    if isinstance(record, (tuple, list)) and record and isinstance(record[0], Tensor):
+        record = record[0]
+    if not isinstance(record, Tensor):
+        raise RecorderConfigError(
+            f"Expected the output of {side} module {name!r} to be a tensor (or a tuple whose first "
+            f"item is one) but got {type(record).__name__}; pair a submodule that returns a tensor."
+        )
+    return record
+
+
+def add_term(output: Any, term: Tensor) -> Any:
+    if isinstance(output, Tensor):
+        return output + term
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        return {**output, "loss": output["loss"] + term}
+    raise RecorderConfigError(
+        "Expected `training_step` to return a loss tensor or a dict with a 'loss' tensor, so the "
+        f"distillation term can be added to it, but got {type(output).__name__}. Pass "
+        "`add_to_loss=False` and add `distillation_loss(self)` to your loss instead."
+    )
+
+
+def load_teacher(teacher: nn.Module, path: str | os.PathLike[str]) -> None:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
+            state = state["state_dict"]
+        teacher.load_state_dict(state)
+    except (OSError, RuntimeError, TypeError, ValueError, AttributeError) as err:
+        raise RecorderConfigError(
+            f"Expected `teacher_checkpoint` {os.fspath(path)!r} to hold the teacher's weights (a "
+            f"state dict, or a Lightning checkpoint of the teacher) but loading failed: {err}"
+        ) from err
+
+
+def check_arguments(
+    teacher: object,
+    pairs: object,
+    flags: Mapping[str, object],
+    teacher_input: object,
+    optimizer_idx: object,
+    connector_lr: object,
+    log_prefix: object,
+) -> None:
+    """Raise a :class:`RecorderConfigError` for the first invalid constructor argument."""
+    if not isinstance(teacher, nn.Module):
+        raise RecorderConfigError(
+            f"Expected `teacher` to be an nn.Module but got {type(teacher).__name__}."
+        )
+    if not isinstance(pairs, Mapping) or not pairs:
+        raise RecorderConfigError(
+            "Expected `pairs` to be a non-empty mapping {student module name: teacher module "
+            f"name}} but got {pairs!r}."
+        )
+    for s_name, t_name in pairs.items():
+        if not (isinstance(s_name, str) and s_name and isinstance(t_name, str) and t_name):
+            raise RecorderConfigError(
+                "Expected `pairs` to map non-empty module names to module names but got "
+                f"{s_name!r}: {t_name!r} (the root module itself cannot be paired)."
+            )
+    if "total" in pairs:
+        raise RecorderConfigError(
+            "Expected no student module named 'total' in `pairs`: its logged name would "
+            "collide with the logged total; pair a module inside it instead."
+        )
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise RecorderConfigError(f"Expected `{name}` to be a bool but got {flag!r}.")
+    if teacher_input is not None and not callable(teacher_input):
+        raise RecorderConfigError(
+            f"Expected `teacher_input` to be a callable batch -> input but got {teacher_input!r}."
+        )
+    if not isinstance(optimizer_idx, int) or isinstance(optimizer_idx, bool) or optimizer_idx < 0:
+        raise RecorderConfigError(
+            f"Expected `optimizer_idx` to be a non-negative int but got {optimizer_idx!r}."
+        )
+    if connector_lr is not None and (
+        isinstance(connector_lr, bool)
+        or not isinstance(connector_lr, (int, float))
+        or connector_lr < 0
+    ):
+        raise RecorderConfigError(
+            f"Expected `connector_lr` to be a non-negative number or None but got {connector_lr!r}."
+        )
+    if not isinstance(log_prefix, str) or not log_prefix:
+        raise RecorderConfigError(
+            f"Expected `log_prefix` to be a non-empty str but got {log_prefix!r}."
+        )
+
+
+def weights_per_pair(weight: object, pairs: Mapping[str, str]) -> dict[str, float]:
+    """One non-negative float weight per pair."""
+    weights: dict[str, float] = {}
+    for pair, value in per_pair(weight, pairs, "weight", None).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise RecorderConfigError(
+                f"Expected the weight of pair {pair!r} to be a non-negative number but got "
+                f"{value!r}."
+            )
+        weights[pair] = float(value)
+    return weights
+
+
+def losses_per_pair(
+    loss: object, options: Mapping[str, Any] | None, pairs: Mapping[str, str]
+) -> dict[str, LossFn]:
+    """One loss callable per pair.
+
+    ``options`` are keyword options for the *named* losses (and loss classes): either one mapping
+    for all of them (``{"temperature": 4.0}``), or one per pair (``{"head": {"temperature":
+    4.0}}``). Modules and callables are used as they are.
+    """
+    specs = per_pair(loss, pairs, "loss", None)
+    options = dict(options or {})
+    if options and all(k in pairs and isinstance(v, Mapping) for k, v in options.items()):
+        per = {p: dict(options.get(p, {})) for p in pairs}
+    else:
+        per = {p: options if isinstance(specs[p], (str, type)) else {} for p in pairs}
+    return {p: get_loss(specs[p], **per[p]) for p in pairs}

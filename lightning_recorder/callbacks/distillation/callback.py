@@ -1,0 +1,358 @@
+"""`FeatureDistillation`: distil a frozen teacher into the student with one callback.
+
+The callback records the paired modules of both networks, runs the teacher on the inputs of the
+student's forward (without a graph, in eval mode), maps the student features to the teacher's
+shape with learned connectors, and adds ``weight * loss`` to the loss the student's
+``training_step`` returns — the user's ``training_step`` and ``configure_optimizers`` stay as
+they are. See the distillation guide in the docs for the YAML form.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from typing_extensions import override
+
+from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
+from ...errors import RecorderConfigError, RecorderStateError
+from ._bank import ConnectorBank
+from ._config import (
+    LossSpec,
+    add_term,
+    check_arguments,
+    load_teacher,
+    losses_per_pair,
+    per_pair,
+    weights_per_pair,
+)
+from ._patch import StepPatch
+from ._step import StepRunner
+
+__all__ = ["FeatureDistillation", "LossSpec", "distillation_loss"]
+
+
+class FeatureDistillation(Callback):
+    """Distil a frozen teacher into the LightningModule being trained (FitNets, AT, KD …).
+
+    For each pair ``student module -> teacher module``, the term ``weight * loss(connector(s),
+    t)`` of the two modules' outputs (their first call in the step) is added to the loss that
+    ``training_step`` returns, and logged as ``"<log_prefix>/<student module>"``; the sum is
+    logged as ``"<log_prefix>/total"``. The teacher is moved to the student's device, kept in
+    eval mode with gradients off, never becomes part of the student (so never enters its
+    checkpoint) and runs without building a graph.
+
+    By default the teacher receives exactly what the student's forward receives: when
+    ``training_step`` calls ``self(x)``, the teacher runs on ``x`` just before the student does.
+    ``teacher_input`` maps the batch to the teacher's input instead.
+
+    Connectors (learned adapters for features whose channels differ) are built at the first
+    step, trained by the optimizer from ``configure_optimizers`` in one extra parameter group,
+    saved in the callback's checkpoint state and restored on resume; under DDP they start equal
+    and their gradients are averaged over the ranks.
+
+    Args:
+        teacher: the trained teacher network.
+        pairs: ``{student module name: teacher module name}``.
+        loss: a loss for every pair, or ``{student module name: loss}``: a name (``"mse"``,
+            ``"l1"``, ``"cosine"``, ``"attention"``, ``"kl"``), an ``nn.Module`` or a callable
+            taking ``(student, teacher)`` (see :func:`lightning_recorder.losses.get_loss`).
+        weight: the weight of every term, or ``{student module name: weight}``.
+        loss_options: keyword options for the named losses, e.g. ``{"temperature": 4.0}``,
+            or per pair: ``{student module name: {option: value}}``.
+        connectors: ``"auto"`` (a 1x1 convolution or linear layer where channels differ),
+            ``"identity"``, a module or a factory; one for all pairs or a mapping per pair (see
+            :func:`lightning_recorder.connectors.resolve_connector`).
+        resize: let automatic connectors resize student maps to the teacher's ``(H, W)``.
+        connector_lr: learning rate of the connectors (default: that of the first group).
+        optimizer_idx: the optimizer (in ``trainer.optimizers``) that trains the connectors.
+        teacher_input: ``batch -> input``; the teacher is called as ``teacher(input)``.
+        teacher_checkpoint: a file with the teacher's state dict (or a Lightning checkpoint
+            of it), loaded with ``strict=True`` — handy in YAML configs.
+        add_to_loss: add the term to ``training_step``'s loss. With ``False``, add it yourself:
+            ``loss = loss + distillation_loss(self)`` (needed for manual optimization).
+        log_validation: also run the teacher on validation batches and log the terms as
+            ``"val/<log_prefix>/…"`` (epoch means). Off by default: validation never runs it.
+        deliveries: ``{name: {"type": "FunctionOutputs" | "MethodOutputs", "source": …,
+            "max_keep_data": …}}``: outputs recorded in the teacher's pass are replayed in the
+            student's (see :class:`lightning_recorder.DistillDeliveryManager`).
+        log_prefix: the prefix of the logged names.
+
+    Raises:
+        RecorderConfigError: an argument is invalid (checked here), or, when fitting, a module
+            name is unknown, shapes cannot be connected, or the teacher is a submodule of the
+            student.
+
+    Example:
+        >>> import lightning.pytorch as pl, torch
+        >>> from torch import nn
+        >>> class Student(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body = nn.Linear(4, 8)
+        ...         self.head = nn.Linear(8, 2)
+        ...     def forward(self, x):
+        ...         return self.head(self.body(x).relu())
+        ...     def training_step(self, batch, batch_idx):
+        ...         x, y = batch
+        ...         return nn.functional.cross_entropy(self(x), y)
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        >>> teacher = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 2))
+        >>> distill = FeatureDistillation(teacher, {"body": "0", "head": "2"},
+        ...                               loss={"body": "mse", "head": "kl"})
+        >>> data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+        >>> trainer = pl.Trainer(max_steps=2, callbacks=[distill], logger=False,
+        ...                      enable_checkpointing=False, enable_progress_bar=False,
+        ...                      enable_model_summary=False)
+        >>> trainer.fit(Student(), torch.utils.data.DataLoader(data, batch_size=8))
+        >>> sorted(k for k in trainer.logged_metrics if k.startswith("distill/"))
+        ['distill/body', 'distill/head', 'distill/total']
+    """
+
+    def __init__(
+        self,
+        teacher: nn.Module,
+        pairs: Mapping[str, str],
+        loss: Mapping[str, LossSpec] | LossSpec = "mse",
+        weight: Mapping[str, float] | float = 1.0,
+        *,
+        loss_options: Mapping[str, Any] | None = None,
+        connectors: Mapping[str, ConnectorSpec] | ConnectorSpec = "auto",
+        resize: bool = False,
+        connector_lr: float | None = None,
+        optimizer_idx: int = 0,
+        teacher_input: Callable[[Any], Any] | None = None,
+        teacher_checkpoint: str | os.PathLike[str] | None = None,
+        add_to_loss: bool = True,
+        log_validation: bool = False,
+        deliveries: Mapping[str, Mapping[str, Any] | DistillDelivery] | None = None,
+        log_prefix: str = "distill",
+    ) -> None:
+        super().__init__()
+        check_arguments(
+            teacher,
+            pairs,
+            {"resize": resize, "add_to_loss": add_to_loss, "log_validation": log_validation},
+            teacher_input,
+            optimizer_idx,
+            connector_lr,
+            log_prefix,
+        )
+        self.teacher = teacher
+        self.pairs = dict(pairs)
+        self.add_to_loss = add_to_loss
+        self.log_validation = log_validation
+        self.teacher_input = teacher_input
+        self.optimizer_idx = optimizer_idx
+        self.log_prefix = log_prefix
+        losses = losses_per_pair(loss, loss_options, self.pairs)
+        self._bank = ConnectorBank(
+            per_pair(connectors, self.pairs, "connectors", "auto"), resize, connector_lr
+        )
+        self._runner = StepRunner(
+            teacher,
+            self.pairs,
+            losses,
+            weights_per_pair(weight, self.pairs),
+            self._bank,
+            DistillDeliveryManager(deliveries),
+        )
+        if teacher_checkpoint is not None:
+            load_teacher(teacher, teacher_checkpoint)
+        self._patch: StepPatch | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Read by Lightning at every hook call: computed once.
+        key: str | None = self.__dict__.get("_state_key")
+        if key is None:
+            key = self._generate_state_key(pairs=self.pairs, log_prefix=self.log_prefix)
+            self.__dict__["_state_key"] = key
+        return key
+
+    @property
+    def connectors(self) -> Mapping[str, nn.Module]:
+        """The connector of each pair built so far (by student module name)."""
+        return dict(self._bank.modules)
+
+    def _uninstall(self) -> None:
+        if self._patch is not None:
+            self._patch.remove()
+            self._patch = None
+        self._runner.uninstall()
+
+    # ------------------------------------------------------------------ Lightning hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.add_to_loss and not pl_module.automatic_optimization:
+            raise RecorderConfigError(
+                "Expected `add_to_loss=False` with manual optimization (automatic_optimization is "
+                "False): the loss training_step returns is not back-propagated by Lightning. Add "
+                "`distillation_loss(self)` to the loss you pass to `manual_backward`."
+            )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._runner.install(trainer, pl_module, validation=self.log_validation)
+        if self._patch is None:
+            self._patch = StepPatch(self, pl_module)
+        optimizers = trainer.optimizers
+        if optimizers and self.optimizer_idx >= len(optimizers):
+            raise RecorderConfigError(
+                "Expected `optimizer_idx` to be below the number of optimizers "
+                f"({len(optimizers)}) but got {self.optimizer_idx}."
+            )
+        optimizer = optimizers[self.optimizer_idx] if optimizers else None
+        schedulers = [
+            cfg.scheduler
+            for cfg in trainer.lr_scheduler_configs
+            if getattr(cfg.scheduler, "optimizer", None) is optimizer
+        ]
+        self._bank.bind(optimizer, schedulers)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the checkpoint's optimizer state is restored: connectors join the optimizer now.
+        self._bank.restore(pl_module.device)
+        self._bank.attach()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if getattr(optimizer, "_optimizer", optimizer) is self._bank._optimizer:
+            self._bank.all_reduce_grads()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.log_validation and not trainer.sanity_checking:
+            self._runner.install(trainer, pl_module, validation=True)
+            self._bank.restore(pl_module.device)
+
+    @override
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if not self.log_validation or trainer.sanity_checking or self._runner.module is None:
+            return
+        self._runner.begin("val")
+        if self.teacher_input is not None:
+            self._runner.run_teacher((self.teacher_input(batch),), {})
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        runner = self._runner
+        if runner.phase != "val":
+            return
+        try:
+            runner.end_capture()
+            with torch.no_grad():
+                runner.log(runner.terms(), f"val/{self.log_prefix}", on_step=False)
+        finally:
+            runner.finish()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._bank.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._bank.load_state_dict(state_dict)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # The connectors' group lives in this callback's state, so the checkpoint's optimizer
+        # states match what configure_optimizers creates (with or without this callback).
+        self._bank.strip(checkpoint, self.optimizer_idx)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._uninstall()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._uninstall()
+
+    # ------------------------------------------------------------------ the training step
+    def _training_step(
+        self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        runner = self._runner
+        runner.begin("train")
+        try:
+            if self.teacher_input is not None:
+                batch = args[0] if args else kwargs.get("batch")
+                runner.run_teacher((self.teacher_input(batch),), {})
+            output = inner(*args, **kwargs)
+            runner.end_capture()
+            if self.add_to_loss and output is not None:
+                output = add_term(output, self.loss())
+            return output
+        finally:
+            runner.end_capture()
+            runner.finish()
+
+    def loss(self) -> Tensor:
+        """The weighted distillation loss of the current training step (and log its terms).
+
+        Call it inside ``training_step`` after the student's forward, when the callback was
+        created with ``add_to_loss=False`` (or use :func:`distillation_loss`).
+
+        Raises:
+            RecorderStateError: no training step is running, or the teacher did not run in it.
+        """
+        return self._runner.log(self._runner.terms(), self.log_prefix, on_step=True)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(teacher={type(self.teacher).__name__}, pairs={self.pairs})"
+
+
+def distillation_loss(pl_module: pl.LightningModule) -> Tensor:
+    """The distillation loss of the current step, for a ``training_step`` that adds it itself.
+
+    Sums :meth:`FeatureDistillation.loss` over the trainer's ``FeatureDistillation`` callbacks
+    created with ``add_to_loss=False``::
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            return loss + distillation_loss(self)
+
+    Raises:
+        RecorderStateError: no such callback is attached to the trainer, or no step is running.
+    """
+    callbacks: list[Callback] = getattr(pl_module._trainer, "callbacks", [])
+    found = [cb for cb in callbacks if isinstance(cb, FeatureDistillation) and not cb.add_to_loss]
+    if not found:
+        raise RecorderStateError(
+            "Expected a FeatureDistillation(..., add_to_loss=False) among the trainer's callbacks "
+            "but found none (with add_to_loss=True the term is already added to the loss)."
+        )
+    total = found[0].loss()
+    for callback in found[1:]:
+        total = total + callback.loss()
+    return total

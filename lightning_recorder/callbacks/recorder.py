@@ -1,0 +1,476 @@
+"""`RecorderCallback`: a `RecorderManager` on the LightningModule, entered around each step."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import Self, override
+
+from .._core.checks import check_positive_int
+from .._core.compat import is_compiled
+from ..errors import NoRecordError, NotInitializedError, RecorderConfigError, RecorderStateError
+from ..recorders import BaseRecorder, RecorderManager
+from ._lightning import Stage, check_stages, completes_step, is_due, step_axis
+
+__all__ = ["RecorderCallback"]
+
+
+class RecorderCallback(Callback):
+    """Record inside a LightningModule while it trains: the callback form of `RecorderManager`.
+
+    The recorders are built from the same config dicts as
+    :class:`~lightning_recorder.RecorderManager` and installed on the (unwrapped) LightningModule
+    when its module tree is final: at the start of ``fit`` (after ``configure_model`` and the
+    strategy's wrapping, before the first — possibly compiled — step), or at the start of a
+    standalone ``validate``, ``test`` or ``predict``. They record only inside a step of a chosen
+    stage: from ``on_*_batch_start`` to ``on_*_batch_end``, which covers the forward, the
+    backward and the optimizer step. Every hook and patch is removed on ``teardown`` and in
+    ``on_exception``.
+
+    **Between recorded steps** the module and gradient hooks are suspended: removed, and
+    reinstalled when the next recorded step starts, so that a step that records nothing runs
+    the model as it would run without the callback (an idle hook still costs every call of its
+    module PyTorch's slow call path). A compiled model keeps its hooks throughout:
+    ``torch.compile`` traces them once, and removing them would make it recompile.
+    ``keep_hooks`` overrides the choice.
+
+    **Reading records.** Inside ``training_step`` (after the forward), in ``on_*_batch_end`` hooks
+    of the module and of callbacks, the records of the current step are readable; one line::
+
+        feat = RecorderCallback.of(self).get_record_data("feat")
+
+    They are freed when the next batch starts (or the loop ends): nothing outlives the step.
+    Records are attached to the autograd graph unless the config says ``"detach": True``, so a
+    loss may back-propagate through them.
+
+    **Which steps.** Training steps are recorded every ``every_n_steps`` *optimizer* steps: with
+    gradient accumulation every micro-batch of a due optimizer step is recorded, each in a fresh
+    buffer. Due steps are ``k`` (0-based) with ``(k + 1) % every_n_steps == 0``, the rule of
+    ``Trainer(log_every_n_steps=...)``. Every batch of an evaluation stage in ``stages`` is
+    recorded; the sanity check never is.
+
+    Args:
+        recorders: ``{name: config}``, each config a dict with ``type`` (e.g.
+            ``"ModuleOutputs"``), ``source`` (a module name from ``named_modules()``, a glob
+            pattern, a module type, a function path …) and recorder options (``detach``,
+            ``clone``, ``keep`` …).
+        stages: the loops that record: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
+        every_n_steps: record every N optimizer steps of training; ``None`` follows the
+            Trainer's ``log_every_n_steps``.
+        name: distinguishes two callbacks with the same configuration (checkpoint state key,
+            :meth:`of`).
+        keep_hooks: keep the hooks installed between recorded steps (``True``), or suspend them
+            (``False``). ``None`` (default) keeps them when the LightningModule is compiled
+            (passed to ``fit`` as ``torch.compile(model)``, or holding a compiled submodule);
+            pass ``True`` when a function compiled with ``torch.compile`` calls the recorded
+            modules.
+
+    Raises:
+        RecorderConfigError: a config, a stage or ``every_n_steps`` is invalid (at construction);
+            a source is not in the model (``UnknownSourceError``, at the start of the run, naming
+            the closest names).
+        UnknownRecorderTypeError: a config's ``type`` names no recorder type.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import torch
+        >>> from torch import nn
+        >>> class Net(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body = nn.Linear(4, 8)
+        ...         self.head = nn.Linear(8, 1)
+        ...     def training_step(self, batch, batch_idx):
+        ...         loss = self.head(self.body(batch[0])).square().mean()
+        ...         feat = RecorderCallback.of(self).get_record_data("feat")
+        ...         return loss + 1e-3 * feat.square().mean()
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        >>> data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
+        >>> callback = RecorderCallback({"feat": {"type": "ModuleOutputs", "source": "body"}})
+        >>> trainer = pl.Trainer(max_steps=2, callbacks=[callback], logger=False,
+        ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(Net(), data)
+        >>> callback.recorded_steps
+        2
+    """
+
+    def __init__(
+        self,
+        recorders: dict[str, dict[str, Any]],
+        stages: Stage | Sequence[Stage] = ("train", "val"),
+        every_n_steps: int | None = 1,
+        name: str | None = None,
+        keep_hooks: bool | None = None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if not isinstance(recorders, Mapping) or not recorders:
+            raise RecorderConfigError(
+                f"Expected `recorders` of {owner} to be a non-empty dict of config dicts such as "
+                f"{{'feat': {{'type': 'ModuleOutputs', 'source': 'layer1'}}}} but got "
+                f"{recorders!r}."
+            )
+        for key, config in recorders.items():
+            if not isinstance(config, Mapping):
+                raise RecorderConfigError(
+                    f"Expected `recorders[{key!r}]` of {owner} to be a config dict such as "
+                    f"{{'type': 'ModuleOutputs', 'source': 'layer1'}} but got "
+                    f"{type(config).__name__}."
+                )
+        RecorderManager(recorders)  # validate types and options now; rebuilt for each run
+        check_positive_int(every_n_steps, "every_n_steps", owner, allow_none=True)
+        if name is not None and not isinstance(name, str):
+            raise RecorderConfigError(f"Expected `name` of {owner} to be a str but got {name!r}.")
+        if keep_hooks is not None and not isinstance(keep_hooks, bool):
+            raise RecorderConfigError(
+                f"Expected `keep_hooks` of {owner} to be True, False or None but got "
+                f"{keep_hooks!r}."
+            )
+        self._configs: dict[str, dict[str, Any]] = {
+            k: copy.deepcopy(dict(v)) for k, v in recorders.items()
+        }
+        self.stages: tuple[Stage, ...] = check_stages(stages, owner)
+        self.every_n_steps: int | None = every_n_steps
+        self.name = name
+        self.keep_hooks = keep_hooks
+        #: Optimizer steps recorded so far (kept across checkpoint and resume).
+        self.recorded_steps = 0
+        self._every = every_n_steps or 1
+        self._manager: RecorderManager | None = None
+        self._active: Stage | None = None  # the stage recording the current batch
+        self._holding = False  # records of a finished batch are still readable
+        self._suspend_idle = False  # suspend the hooks between recorded batches (this run)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def state_key(self) -> str:
+        # Lightning formats it into a profiler label on every hook call: computed once.
+        key = self.__dict__.get("_state_key")
+        if key is None:
+            key = self._state_key = self._make_state_key()
+        return key
+
+    def _make_state_key(self) -> str:
+        if self.name is not None:
+            return self._generate_state_key(name=self.name)
+        sources = {k: repr(v.get("source")) for k, v in self._configs.items()}
+        return self._generate_state_key(
+            recorders=sources, stages=self.stages, every_n_steps=self.every_n_steps
+        )
+
+    @classmethod
+    def of(cls, where: pl.Trainer | pl.LightningModule, name: str | None = None) -> Self:
+        """The callback of this class attached to a trainer (or to a module's trainer).
+
+        Args:
+            where: the ``Trainer``, or a LightningModule attached to one (``self`` inside
+                ``training_step``).
+            name: the ``name`` given to the callback, when several of this class are attached.
+
+        Raises:
+            RecorderStateError: none, or more than one, matches.
+        """
+        trainer = where if isinstance(where, pl.Trainer) else where.trainer
+        found = [cb for cb in trainer.callbacks if isinstance(cb, cls)]  # type: ignore[attr-defined]
+        if name is not None:
+            found = [cb for cb in found if cb.name == name]
+        exact = [cb for cb in found if type(cb) is cls]
+        if len(found) > 1 and len(exact) == 1:
+            found = exact
+        which = cls.__name__ + ("" if name is None else f" named {name!r}")
+        if not found:
+            raise RecorderStateError(
+                f"Expected a {which} among the trainer's callbacks but found none: pass it in "
+                f"`Trainer(callbacks=[...])`."
+            )
+        if len(found) > 1:
+            raise RecorderStateError(
+                f"Expected one {which} among the trainer's callbacks but found {len(found)}: give "
+                "each a `name` and pass it to `of(..., name=...)`."
+            )
+        return found[0]
+
+    @property
+    def manager(self) -> RecorderManager:
+        """The :class:`~lightning_recorder.RecorderManager` of the current run.
+
+        Raises:
+            NotInitializedError: outside a run (before ``fit``/``validate``/… or after it ended).
+        """
+        if self._manager is None:
+            raise NotInitializedError(
+                f"{self!r} has no recorders outside a run: they are installed when fit, validate, "
+                "test or predict starts, and removed when it ends."
+            )
+        return self._manager
+
+    @property
+    def recording(self) -> bool:
+        """Whether the current batch is recorded: its records are readable until the next batch."""
+        return self._active is not None or self._holding
+
+    def get_recorder(self, name: str) -> BaseRecorder:
+        """The recorder named ``name`` (see :attr:`manager`)."""
+        return self.manager.get_recorder(name)
+
+    def get_record_data(
+        self,
+        name: str,
+        record_idx: int = 0,
+        data_idx: int | str | None = None,
+        *,
+        source: str | None = None,
+    ) -> Any:
+        """One record of the recorder ``name`` in the current step.
+
+        Args:
+            name: the recorder's key in ``recorders``.
+            record_idx: which call (``0`` the first, ``-1`` the latest).
+            data_idx: an index (or argument name) into a tuple, list or arguments record.
+            source: the module name to read when the recorder's source is a pattern or type.
+
+        Raises:
+            NotInitializedError: outside a run.
+            NoRecordError: this step is not recorded (see :attr:`recording`), or the source was
+                not called in it.
+        """
+        recorder = self.manager.get_recorder(name)
+        if self._active is None and not self._holding:
+            raise NoRecordError(
+                f"{self!r} records nothing in this step: it records the stages "
+                f"{', '.join(self.stages)}, training every {self._every} optimizer step(s), "
+                "never the sanity check. Check `.recording` before reading."
+            )
+        return recorder.get_record_data(record_idx, data_idx, source=source)
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        every = self.every_n_steps or getattr(trainer, "log_every_n_steps", None)
+        self._every = every if isinstance(every, int) and every > 0 else 1
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._attach(trainer, pl_module)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._detach()
+
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._manager is not None:
+            return
+        manager = RecorderManager(self._configs)
+        manager.initialize(pl_module)  # releases what it installed if a source is missing
+        self._manager = manager
+        keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
+        self._suspend_idle = not keep
+        try:
+            self._on_attach(trainer, pl_module)
+        except BaseException:
+            self._detach()
+            raise
+        if self._suspend_idle:  # nothing records until a chosen batch starts (not the sanity check)
+            manager.suspend()
+
+    def _detach(self) -> None:
+        manager, self._manager = self._manager, None
+        self._active, self._holding = None, False
+        if manager is not None:
+            manager.stop()
+            manager.reset_data_buffer()
+            manager.release()
+        self._on_detach()
+
+    def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Called once the recorders are installed (subclasses prepare here)."""
+
+    def _on_detach(self) -> None:
+        """Called when the recorders are removed (subclasses drop their state here)."""
+
+    def _after_batch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
+    ) -> None:
+        """Called at the end of each recorded batch; ``completes`` if an optimizer step ended."""
+
+    # ------------------------------------------------------------------ per batch
+    def _free(self) -> None:
+        """Stop recording and free the records of the previous batch (idempotent, cheap)."""
+        if self._active is not None or self._holding:
+            manager = self._manager
+            if manager is not None:
+                manager.stop()
+                manager.reset_data_buffer()
+            self._active, self._holding = None, False
+
+    def _batch_start(self, stage: Stage, records: bool) -> None:
+        """Free the last batch's records; record this one, or suspend the hooks if it is not."""
+        self._free()
+        manager = self._manager
+        if manager is None:
+            return
+        if records:
+            manager.start()  # reinstalls suspended hooks
+            self._active = stage
+        elif self._suspend_idle:
+            manager.suspend()  # idempotent, cheap when already suspended
+
+    def _end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
+    ) -> None:
+        if self._active != stage or self._manager is None:
+            return
+        self._manager.stop()
+        self._active, self._holding = None, True
+        if stage == "train" and completes:
+            self.recorded_steps += 1
+        self._after_batch(trainer, pl_module, stage, completes)
+
+    def _records_eval(self, trainer: pl.Trainer, stage: Stage) -> bool:
+        return stage in self.stages and not trainer.sanity_checking
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_start(
+            "train", "train" in self.stages and is_due(step_axis(trainer), self._every)
+        )
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._active == "train":
+            self._end(trainer, pl_module, "train", completes_step(trainer))
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._free()
+
+    def _eval_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._attach(trainer, pl_module)  # a standalone run: nothing installed yet
+        self._free()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_start(trainer, pl_module)
+
+    @override
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_start("val", self._records_eval(trainer, "val"))
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._end(trainer, pl_module, "val", True)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._free()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_start(trainer, pl_module)
+
+    @override
+    def on_test_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_start("test", self._records_eval(trainer, "test"))
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._end(trainer, pl_module, "test", True)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._free()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_start(trainer, pl_module)
+
+    @override
+    def on_predict_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_start("predict", self._records_eval(trainer, "predict"))
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._end(trainer, pl_module, "predict", True)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._free()
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"recorded_steps": self.recorded_steps}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.recorded_steps = int(state_dict.get("recorded_steps", self.recorded_steps))
+
+    def __repr__(self) -> str:
+        names = ", ".join(self._configs)
+        extra = "" if self.name is None else f", name={self.name!r}"
+        return f"{type(self).__name__}({names}{extra})"

@@ -1,0 +1,465 @@
+"""`FeatureStatsMonitor`: feature, parameter and gradient statistics of chosen layers, logged."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from .._core.checks import check_positive_int
+from .._core.compat import foreach_sub
+from .._core.names import named_parameters
+from .._core.structures import iter_tensors
+from ..errors import RecorderConfigError
+from ..recorders import RecordStream
+from ..stats import STAT_NAMES, StatName
+from ..stats.batched import (
+    Workspace,
+    empty_state,
+    finalize_host,
+    foreach_norms,
+    gather_merged,
+    histogram_rows,
+    host_floats,
+    merge,
+    merged,
+    native_state,
+    upcast,
+)
+from ._lightning import Stage, step_axis, write_tensorboard
+from .recorder import RecorderCallback
+
+__all__ = ["FeatureStatsMonitor"]
+
+ModuleSource = str | type[nn.Module]
+
+_DEFAULT_STATS: tuple[StatName, ...] = (
+    "mean",
+    "std",
+    "min",
+    "max",
+    "abs_mean",
+    "zero_fraction",
+    "nonfinite",
+)
+_PARAM_STATS = ("norm", "grad_norm", "update_ratio")
+
+
+def _source_key(source: ModuleSource) -> str:
+    if isinstance(source, type):
+        return f"{source.__module__}.{source.__qualname__}"
+    return source
+
+
+def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
+    """The real-valued tensors of every record of a stream (structured outputs flattened)."""
+    for record in stream.data_buffer:
+        for tensor in iter_tensors(record):
+            if not tensor.is_complex():
+                yield tensor
+
+
+class FeatureStatsMonitor(RecorderCallback):
+    """Log statistics of the outputs, parameters and gradients of chosen layers.
+
+    For every module matched by ``sources`` it streams the statistics of its outputs
+    (those of :class:`~lightning_recorder.stats.FeatureStats`: mean, std, min, max, mean ``|x|``,
+    fraction of zeros, count of NaN/Inf values — counted, never dropped) and logs them as scalars
+    to every logger of the Trainer, plus a histogram to each
+    :class:`~lightning.pytorch.loggers.TensorBoardLogger` (other loggers get scalars; a warning
+    says so once). For the parameters of those modules it logs the norm, the gradient norm
+    (before clipping) and the update-to-parameter ratio ``||Δp|| / ||p||`` of the optimizer step.
+
+    **Precision.** On the CPU, the statistics and histogram buckets of float32 (float16,
+    bfloat16) outputs are computed in float32, the data's own precision and the one TensorBoard
+    stores: mean, std and mean ``|x|`` within about ``1e-6`` (relative), min, max and counts
+    exact, a value within rounding of a bucket edge possibly in the next bucket. Float64 outputs
+    and other devices get float64 arithmetic. :mod:`lightning_recorder.stats` gives exact
+    float64 results.
+
+    **When.** Training statistics are logged every ``every_n_steps`` optimizer steps (default:
+    the Trainer's ``log_every_n_steps``, so they land on the same steps as the loss); with
+    gradient accumulation they cover every micro-batch of the logged step, the histogram its
+    last micro-batch. Nothing is recorded on the other steps, and the monitor's hooks are
+    removed from the model until the next logged step (kept on a compiled model, see
+    ``keep_hooks``), so those steps run as they would without it. Evaluation statistics cover every
+    batch of the epoch (the histogram its first batch) and are logged at the epoch's end, on
+    Lightning's step axis. Nothing is recorded or written during the sanity check.
+
+    **Tags** are ``{prefix}/{stage}/{module}/{stat}`` (e.g. ``stats/train/features.0/mean``,
+    ``stats/val/classifier/zero_fraction``), ``{prefix}/{stage}/{module}/histogram``, and
+    ``{prefix}/train/{parameter}/norm`` (``grad_norm``, ``update_ratio``); see :meth:`tag`.
+
+    **Across processes** every statistic is over the data of all ranks: the streaming state and
+    the histograms are synchronised on every rank and rank 0 writes. Parameters and gradients
+    are replicated under DDP, so their norms are computed locally.
+
+    Args:
+        sources: module names from ``named_modules()`` (the root excluded), glob patterns such as
+            ``"features.*"``, or module types (``torch.nn.Conv2d``, ``"torch.nn.Conv2d"``,
+            ``"Conv2d"``) — one, or a list.
+        every_n_steps: log training statistics every N optimizer steps; ``None`` follows the
+            Trainer's ``log_every_n_steps``.
+        stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
+        stats: the statistics to log (``"numel"`` too, if wanted).
+        histograms: also write histograms to TensorBoard loggers.
+        bins: the number of histogram buckets (30 by default, as TensorBoard's own histogram
+            summary, ``tensorboard.summary.histogram``).
+        parameters: also log the norms, gradient norms and update ratios of the parameters of
+            the monitored modules.
+        prefix: the first component of every tag.
+        clone: record a copy of each output, for models that modify a monitored output in place
+            (e.g. ``ReLU(inplace=True)`` right after it); without it such a change raises
+            :class:`~lightning_recorder.RecordModifiedError` rather than logging wrong values.
+        name: distinguishes two monitors with the same configuration.
+        keep_hooks: keep the hooks installed between logged steps (see
+            :class:`~lightning_recorder.RecorderCallback`); ``None`` keeps them on a compiled
+            model only.
+
+    Raises:
+        RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger
+            (at setup); a source matches no module (at the start of the run, naming the closest
+            module names).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import torch
+        >>> from lightning.pytorch.loggers import CSVLogger
+        >>> from torch import nn
+        >>> class Net(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        ...     def training_step(self, batch, batch_idx):
+        ...         return self.body(batch[0]).square().mean()
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        >>> import tempfile
+        >>> logger = CSVLogger(tempfile.mkdtemp())
+        >>> monitor = FeatureStatsMonitor(["body.0", "body.2"], every_n_steps=2)
+        >>> data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
+        >>> trainer = pl.Trainer(max_steps=4, callbacks=[monitor], logger=logger,
+        ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(Net(), data)
+        >>> monitor.logged_steps, monitor.last_logged_step
+        (2, 3)
+        >>> monitor.tag("train", "body.0", "mean")
+        'stats/train/body.0/mean'
+    """
+
+    def __init__(
+        self,
+        sources: ModuleSource | Sequence[ModuleSource],
+        every_n_steps: int | None = None,
+        stages: Stage | Sequence[Stage] = ("train", "val"),
+        stats: Sequence[StatName] = _DEFAULT_STATS,
+        histograms: bool = True,
+        bins: int = 30,
+        parameters: bool = True,
+        prefix: str = "stats",
+        clone: bool = False,
+        name: str | None = None,
+        keep_hooks: bool | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        items = [sources] if isinstance(sources, (str, type)) else sources
+        if not isinstance(items, Sequence) or not items:
+            raise RecorderConfigError(
+                f"Expected `sources` of {owner} to be a module name, pattern or type, or a "
+                f"non-empty list of them, but got {sources!r}."
+            )
+        configs: dict[str, dict[str, Any]] = {}
+        for source in items:
+            if not isinstance(source, (str, type)) or source == "":
+                raise RecorderConfigError(
+                    f"Expected each of `sources` of {owner} to be a module name, glob pattern or "
+                    f"module type but got {source!r}."
+                )
+            configs.setdefault(
+                _source_key(source),
+                {"type": "ModuleOutputs", "source": source, "detach": True, "clone": clone},
+            )
+        stat_names = [cast(StatName, stats)] if isinstance(stats, str) else list(stats)
+        for stat in stat_names:
+            if stat not in STAT_NAMES:
+                raise RecorderConfigError(
+                    f"Expected `stats` of {owner} to hold only {', '.join(map(repr, STAT_NAMES))} "
+                    f"but got {stat!r}."
+                )
+        check_positive_int(bins, "bins", owner)
+        for flag_name, flag in (("histograms", histograms), ("parameters", parameters)):
+            if not isinstance(flag, bool):
+                raise RecorderConfigError(
+                    f"Expected `{flag_name}` of {owner} to be a bool but got {flag!r}."
+                )
+        if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
+            raise RecorderConfigError(
+                f"Expected `prefix` of {owner} to be a non-empty str without a trailing '/' but "
+                f"got {prefix!r}."
+            )
+        super().__init__(
+            configs, stages=stages, every_n_steps=every_n_steps, name=name, keep_hooks=keep_hooks
+        )
+        self.sources = list(items)
+        self.stats: tuple[StatName, ...] = tuple(dict.fromkeys(stat_names))
+        self.histograms = histograms
+        self.bins = bins
+        self.parameters = parameters
+        self.prefix = prefix
+        self.clone = clone
+        #: Training steps whose statistics were logged, and the step axis value of the last one.
+        self.logged_steps = 0
+        self.last_logged_step = -1
+        self._write_histograms = False
+        self._warned = False
+        self._streams: dict[str, RecordStream] = {}
+        self._work: Workspace | None = None
+        # Per stage, the packed streaming states of the monitored modules, one row each.
+        self._states: dict[Stage, Tensor] = {}
+        self._params: dict[str, nn.Parameter] = {}
+        self._before: dict[str, Tensor] = {}
+        self._grad_norms: dict[str, Tensor] = {}
+        self._eval_hists: dict[str, dict[str, Any]] | None = None
+
+    def tag(self, stage: Stage, name: str, stat: str) -> str:
+        """The tag of statistic ``stat`` of module or parameter ``name`` in ``stage``."""
+        return f"{self.prefix}/{stage}/{name}/{stat}"
+
+    @override
+    def _make_state_key(self) -> str:
+        if self.name is not None:
+            return self._generate_state_key(name=self.name)
+        return self._generate_state_key(
+            sources=[_source_key(s) for s in self.sources],
+            stages=self.stages,
+            every_n_steps=self.every_n_steps,
+            prefix=self.prefix,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if not trainer.loggers:
+            raise RecorderConfigError(
+                f"Expected the Trainer to have a logger for {self!r} to write to, but it has "
+                "none (logger=False); pass a logger such as TensorBoardLogger."
+            )
+        tensorboard = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        self._write_histograms = self.histograms and bool(tensorboard)
+        if self.histograms and len(tensorboard) < len(trainer.loggers) and not self._warned:
+            self._warned = True
+            others = ", ".join(
+                type(lg).__name__ for lg in trainer.loggers if not isinstance(lg, TensorBoardLogger)
+            )
+            rank_zero_warn(
+                f"{type(self).__name__} writes histograms to TensorBoard loggers only; {others} "
+                "get the scalar statistics. Pass histograms=False to silence this warning."
+            )
+
+    @override
+    def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        streams: dict[str, RecordStream] = {}
+        for _, stream in self.manager.streams():
+            streams.setdefault(stream.name, stream)
+        self._streams = streams
+        self._work = Workspace()
+        self._states = {}
+        if self.parameters and "train" in self.stages:
+            prefixes = tuple(module + "." for module in streams)
+            self._params = {
+                name: param
+                for name, param in named_parameters(pl_module).items()
+                if name.startswith(prefixes)
+            }
+
+    @override
+    def _on_detach(self) -> None:
+        self._streams, self._states, self._params, self._work = {}, {}, {}, None
+        self._before, self._grad_norms, self._eval_hists = {}, {}, None
+
+    # ------------------------------------------------------------------ statistics
+    @override
+    def _after_batch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
+    ) -> None:
+        device = pl_module.device
+        work = cast(Workspace, self._work)
+        parts: list[list[Tensor]] = []
+        rows: list[Tensor] = []
+        for stream in self._streams.values():
+            tensors = list(_record_tensors(stream))
+            states = [native_state(t, work) for t in tensors]
+            if not states:
+                rows.append(empty_state(device))
+            else:
+                rows.append(merged(states))
+            parts.append(tensors)
+        batch = torch.stack([row if row.device == device else row.to(device) for row in rows])
+        so_far = self._states.get(stage)
+        self._states[stage] = batch if so_far is None else merge(torch.stack([so_far, batch]))
+        if stage == "train":
+            if completes:
+                self._log_train(trainer, self._histograms(trainer, stage, parts, batch))
+        elif self._eval_hists is None:  # the first batch of the evaluation epoch
+            self._eval_hists = self._histograms(trainer, stage, parts, batch)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._active != "train" or not trainer.is_global_zero:
+            return
+        names = [n for n, p in self._params.items() if p.grad is not None and n not in self._before]
+        if not names:
+            return
+        with torch.no_grad():
+            grads = [cast(Tensor, self._params[name].grad) for name in names]
+            self._grad_norms.update(zip(names, foreach_norms(grads), strict=True))
+            self._before.update((name, self._params[name].clone()) for name in names)
+
+    def _histograms(
+        self, trainer: pl.Trainer, stage: Stage, parts: list[list[Tensor]], states: Tensor
+    ) -> dict[str, dict[str, Any]]:
+        """TensorBoard histograms of this batch's records (a collective under DDP)."""
+        if not self._write_histograms:
+            return {}
+        # every rank; buckets in the data's precision, like the statistics
+        rows = histogram_rows(
+            parts, states, self.bins, sync=True, group=None, work=self._work, exact=False
+        )
+        if not trainer.is_global_zero:
+            return {}
+        hists: dict[str, dict[str, Any]] = {}
+        for module, row in zip(self._streams, rows, strict=True):
+            kwargs = row.raw_kwargs()
+            if kwargs is not None:
+                hists[self.tag(stage, module, "histogram")] = kwargs
+        return hists
+
+    def _compute(self, trainer: pl.Trainer, stage: Stage) -> dict[str, float]:
+        """The statistics of ``stage`` by tag, reset; a collective under DDP, empty off rank 0.
+
+        Modules that saw no element (not called) are left out.
+        """
+        state = self._states.pop(stage, None)
+        if state is None:
+            state = empty_state(trainer.lightning_module.device).repeat(len(self._streams), 1)
+        state = gather_merged(state)  # one gather for every module, on every rank
+        if not trainer.is_global_zero:
+            return {}
+        scalars: dict[str, float] = {}
+        for module, row in zip(self._streams, state.tolist(), strict=True):
+            values = finalize_host(row, correction=1)
+            if values["numel"] > 0:
+                scalars.update((self.tag(stage, module, stat), values[stat]) for stat in self.stats)
+        return scalars
+
+    def _parameter_scalars(self) -> dict[str, float]:
+        """Norms of the monitored parameters; gradient norms and update ratios of those stepped."""
+        names = list(self._params)
+        stepped = [name for name in names if name in self._before]
+        before = upcast([self._before[name] for name in stepped])
+        with torch.no_grad():  # few calls: one foreach norm for every tensor, one host copy
+            after = upcast([self._params[name] for name in stepped])
+            change = foreach_sub(after, before) if stepped else []
+            norms = foreach_norms([*self._params.values(), *before, *change])
+            grads = [self._grad_norms[name] for name in stepped]
+            values = host_floats([*norms, *grads])
+        k, n = len(names), len(stepped)
+        sizes, changes, grad_norms = (
+            values[k : k + n],
+            values[k + n : k + 2 * n],
+            values[k + 2 * n :],
+        )
+        scalars = {
+            self.tag("train", name, "norm"): value
+            for name, value in zip(names, values[:k], strict=True)
+        }
+        for name, size, delta, grad in zip(stepped, sizes, changes, grad_norms, strict=True):
+            scalars[self.tag("train", name, "grad_norm")] = grad
+            scalars[self.tag("train", name, "update_ratio")] = delta / (size + 1e-12)
+        return scalars
+
+    def _log_train(self, trainer: pl.Trainer, hists: dict[str, dict[str, Any]]) -> None:
+        step = step_axis(trainer)
+        scalars = self._compute(trainer, "train")
+        if trainer.is_global_zero and self._params:
+            scalars.update(self._parameter_scalars())
+        self._before, self._grad_norms = {}, {}
+        self._write(trainer, scalars, hists, step)
+        self.logged_steps += 1
+        self.last_logged_step = step
+
+    def _log_eval(self, trainer: pl.Trainer, stage: Stage) -> None:
+        if stage not in self.stages or self._manager is None or trainer.sanity_checking:
+            return
+        scalars = self._compute(trainer, stage)
+        hists, self._eval_hists = self._eval_hists or {}, None
+        self._write(trainer, scalars, hists, step_axis(trainer))
+
+    def _write(
+        self,
+        trainer: pl.Trainer,
+        scalars: dict[str, float],
+        hists: dict[str, dict[str, Any]],
+        step: int,
+    ) -> None:
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                write_tensorboard(logger, scalars, hists, step)
+            elif scalars:
+                logger.log_metrics(scalars, step=step)
+
+    # ------------------------------------------------------------------ evaluation epochs
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_hists = None
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_eval(trainer, "val")
+
+    @override
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_hists = None
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_eval(trainer, "test")
+
+    @override
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_hists = None
+
+    @override
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_eval(trainer, "predict")
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "logged_steps": self.logged_steps,
+            "last_logged_step": self.last_logged_step,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.logged_steps = int(state_dict.get("logged_steps", self.logged_steps))
+        self.last_logged_step = int(state_dict.get("last_logged_step", self.last_logged_step))
+
+    def __repr__(self) -> str:
+        sources = ", ".join(repr(_source_key(s)) for s in self.sources)
+        extra = "" if self.name is None else f", name={self.name!r}"
+        return f"{type(self).__name__}([{sources}]{extra})"

@@ -1,0 +1,400 @@
+"""`Inspector`, its label map and its layer hooks."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.checks import check_option, suggestion
+from .._core.hooks import HookSet, WeakHook
+from ..errors import RecorderConfigError, RecorderStateError, UnknownSourceError
+from ._trace import (
+    Label,
+    LayerRow,
+    Mode,
+    example_inputs,
+    label_text,
+    parse_label,
+    render,
+    trace,
+)
+
+__all__ = ["Inspector", "LayerRow", "Postprocessor"]
+
+#: ``output -> replacement or None`` (``None`` keeps the output).
+Postprocessor = Callable[[Any], Any]
+
+
+class LabelMap(Mapping[Label, Any]):
+    """A read-only mapping keyed by layer labels; ``m[(1, 3)]`` and ``m["1-3"]`` are the same."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: dict[Label, Any]) -> None:
+        self._items = items
+
+    def __getitem__(self, key: Any) -> Any:
+        label = parse_label(key)
+        try:
+            return self._items[label]
+        except KeyError:
+            held = ", ".join(label_text(k) for k in self._items) or "none"
+            raise KeyError(f"No entry for layer {label_text(label)}; entries: {held}.") from None
+
+    def __iter__(self) -> Iterator[Label]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"LabelMap({self._items!r})"
+
+
+class _Pass:
+    """What one forward through the inspector needs and finds."""
+
+    __slots__ = ("found", "open", "postprocs", "record", "seen", "starts")
+
+    def __init__(self, record: bool, postprocs: dict[Label, Postprocessor]) -> None:
+        self.record = record
+        self.postprocs = postprocs
+        self.starts: dict[str, int] = {}  # calls started, per module name
+        self.open: dict[str, list[int]] = {}  # calls not yet finished, per module name
+        self.found: dict[Label, Any] = {}
+        self.seen: set[Label] = set()
+
+
+class _LayerHook(WeakHook["Inspector"]):
+    """Hooks of one recorded module: weakly bound to the inspector, inert when copied."""
+
+    __slots__ = ("_labels", "_name")
+
+    def __init__(self, inspector: Inspector, name: str, labels: tuple[Label, ...]) -> None:
+        super().__init__(inspector)
+        self._name = name
+        self._labels = labels  # the label of each call of the module, in call order
+
+    def _pass(self) -> _Pass | None:
+        inspector = self.live()
+        return None if inspector is None else inspector._pass
+
+
+class _StartHook(_LayerHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        state = self._pass()
+        if state is not None:
+            number = state.starts.get(self._name, 0)
+            state.starts[self._name] = number + 1
+            state.open.setdefault(self._name, []).append(number)
+
+
+class _EndHook(_LayerHook):
+    __slots__ = ("_detach", "_recorded")
+
+    def __init__(
+        self,
+        inspector: Inspector,
+        name: str,
+        labels: tuple[Label, ...],
+        recorded: frozenset[Label],
+    ) -> None:
+        super().__init__(inspector, name, labels)
+        self._recorded = recorded
+        self._detach = inspector.detach
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        state = self._pass()
+        if state is None or not state.open.get(self._name):
+            return None
+        number = state.open[self._name].pop()
+        if number >= len(self._labels) or self._labels[number] not in self._recorded:
+            return None
+        label = self._labels[number]
+        state.seen.add(label)
+        if state.record:
+            detached = self._detach and isinstance(output, torch.Tensor)
+            state.found[label] = output.detach() if detached else output
+        postproc = state.postprocs.get(label)
+        return None if postproc is None else postproc(output)
+
+
+class Inspector(nn.Module):
+    """Wrap a network: a labelled summary, recording of chosen layers, on-the-fly post-processing.
+
+    The structure comes from one traced forward at construction, on ``input_data`` or on random
+    inputs of ``input_size``; it runs in ``mode`` (``"eval"`` by default, as torchinfo does) under
+    ``torch.no_grad()``, and the network's training flags, buffers and the global random state
+    are restored afterwards. Labels are torchinfo's ``depth-idx``: ``depth`` is the depth in the
+    module tree (the network itself is ``0-1``), ``idx`` counts that depth's rows from 1 in call
+    order. A module called several times gets one label per call.
+
+    Recording assumes the control flow of later forwards matches the traced one: the ``n``-th
+    call of a module in a forward gets the label of its ``n``-th traced call. A recorded layer
+    that does not run raises an error naming it. Only forwards through the inspector record;
+    calling ``inspector.net`` directly does not.
+
+    Args:
+        net: the network to wrap (also available as ``inspector.net``).
+        input_size: the shape of the traced forward's input, batch dimension included
+            (e.g. ``(1, 5)``), or a list of shapes, one per positional input.
+        input_data: the traced forward's input instead: a tensor, a tuple of positional
+            arguments, or a dict of keyword arguments.
+        dtypes: with ``input_size``, one dtype per input (default ``float32``; integer dtypes
+            give zeros, e.g. token ids).
+        device: with ``input_size``, where the inputs are made (default: the network's).
+        mode: ``"eval"``, ``"train"`` or ``"same"`` (the network's current mode) for the trace.
+        detach: store detached activations (default ``False``: they keep their autograd graph,
+            so a loss may use them).
+
+    Raises:
+        RecorderConfigError: bad arguments, or the traced forward failed.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> toynet = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3), nn.ReLU())
+        >>> inspector = Inspector(toynet, input_size=(1, 5))
+        >>> inspector.record((0, 1), (1, 3))
+        >>> x = torch.rand(1, 5)
+        >>> out = inspector(x)
+        >>> torch.equal(inspector.activations[(1, 3)], toynet[2](toynet[1](toynet[0](x))))
+        True
+        >>> inspector.recording
+        ((0, 1), (1, 3))
+        >>> inspector.release()
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        /,
+        *,
+        input_size: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        input_data: Any = None,
+        dtypes: Sequence[torch.dtype] | None = None,
+        device: torch.device | str | None = None,
+        mode: Mode = "eval",
+        detach: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(net, nn.Module):
+            raise RecorderConfigError(
+                f"Expected `net` to be an nn.Module but got {type(net).__name__}."
+            )
+        check_option("mode", mode, ("eval", "train", "same"))
+        if not isinstance(detach, bool):
+            raise RecorderConfigError(
+                f"Expected `detach` to be a bool but got {type(detach).__name__} {detach!r}."
+            )
+        args, kwargs = example_inputs(net, input_size, input_data, dtypes, device)
+        self.net = net
+        self.detach = detach
+        self._layers = tuple(trace(net, args, kwargs, mode))
+        self._rows = {row.label: row for row in self._layers}
+        self._recording: tuple[Label, ...] = ()
+        self._activations: dict[Label, Any] = {}
+        self._pass: _Pass | None = None
+        self._start_hooks()
+
+    def _start_hooks(self) -> None:
+        self._hooks = HookSet(f"Inspector({type(self.net).__name__})")
+        weakref.finalize(self, self._hooks.remove_all)  # no hook outlives a dropped inspector
+
+    # ------------------------------------------------------------------ choosing layers
+    def record(self, *labels: Label | str) -> None:
+        """Record the outputs of these layers from now on (replacing the previous choice).
+
+        Args:
+            *labels: ``(depth, idx)`` tuples or ``"depth-idx"`` strings; order and duplicates
+                do not matter. No label stops recording.
+
+        Raises:
+            UnknownSourceError: a label names no layer (the message lists the closest ones).
+            RecorderConfigError: a label is malformed, or names a container that is never
+                called itself (it has no output to record).
+        """
+        chosen = {self._row(label).label for label in labels}
+        order = {row.label: i for i, row in enumerate(self._layers)}
+        recording = tuple(sorted(chosen, key=order.__getitem__))
+        self._hooks.remove_all()
+        self._recording = ()
+        recorded = frozenset(recording)
+        try:
+            for name in dict.fromkeys(self._rows[label].name for label in recording):
+                module = self.net.get_submodule(name)
+                calls = tuple(row.label for row in self._layers if row.name == name and row.called)
+                self._hooks.add(module.register_forward_pre_hook(_StartHook(self, name, calls)))
+                end = _EndHook(self, name, calls, recorded)
+                self._hooks.add(module.register_forward_hook(end))
+        except BaseException:
+            self._hooks.remove_all()
+            raise
+        self._recording = recording
+
+    def _row(self, label: Any) -> LayerRow:
+        key = parse_label(label)
+        row = self._rows.get(key)
+        if row is None:
+            names = [r.text for r in self._layers]
+            raise UnknownSourceError(
+                f"No layer labelled {label_text(key)} in {type(self.net).__name__}. "
+                f"{suggestion(label_text(key), names, 'layer labels')} See `print(inspector)`."
+            )
+        if not row.called:
+            raise RecorderConfigError(
+                f"Expected a layer that runs but {row.text} ({row.type_name} {row.name!r}) is a "
+                "container that is never called itself, so it has no output; record the layers "
+                "inside it instead."
+            )
+        return row
+
+    def release(self) -> None:
+        """Stop recording and remove every hook. Safe to call any number of times."""
+        self._hooks.remove_all()
+        self._recording = ()
+
+    def __enter__(self) -> Inspector:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        *args: Any,
+        activation_postproc: Postprocessor | Sequence[Postprocessor] | None = None,
+        dont_record: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the network, recording the chosen layers and post-processing their outputs.
+
+        Args:
+            *args: passed to the network.
+            activation_postproc: one callable for every recorded layer, or a list with one per
+                recorded layer in the order of :attr:`recording`. Each gets the layer's output
+                after it was recorded and returns a replacement, or ``None`` to keep it (an
+                in-place change also changes the record).
+            dont_record: run without updating :attr:`activations` (post-processing still runs).
+            **kwargs: passed to the network.
+
+        Returns:
+            The network's output.
+
+        Raises:
+            RecorderConfigError: ``activation_postproc`` does not fit the recorded layers.
+            RecorderStateError: a recorded layer did not run in this forward.
+        """
+        postprocs = self._postprocs(activation_postproc)
+        state = _Pass(not dont_record, postprocs)
+        self._pass = state
+        try:
+            output = self.net(*args, **kwargs)
+        finally:
+            self._pass = None
+        if not dont_record:
+            found = state.found
+            self._activations = {label: found[label] for label in self._recording if label in found}
+        if self._recording and (not dont_record or postprocs):
+            missing = [label for label in self._recording if label not in state.seen]
+            if missing:
+                raise RecorderStateError(self._missing_message(missing, state))
+        return output
+
+    def _postprocs(
+        self, value: Postprocessor | Sequence[Postprocessor] | None
+    ) -> dict[Label, Postprocessor]:
+        if value is None:
+            return {}
+        if callable(value):
+            return dict.fromkeys(self._recording, value)
+        if (
+            isinstance(value, Sequence)
+            and not isinstance(value, str)
+            and len(value) == len(self._recording)
+            and all(callable(f) for f in value)
+        ):
+            return dict(zip(self._recording, value, strict=True))
+        shown = ", ".join(label_text(label) for label in self._recording) or "none"
+        raise RecorderConfigError(
+            "Expected `activation_postproc` to be a callable or a list of "
+            f"{len(self._recording)} callables, one per recorded layer ({shown}), but got "
+            f"{value!r}."
+        )
+
+    def _missing_message(self, missing: list[Label], state: _Pass) -> str:
+        details = []
+        for label in missing:
+            row = self._rows[label]
+            runs = state.starts.get(row.name, 0)
+            details.append(
+                f"{row.text} is call {row.call + 1} of {row.type_name} {row.name or '<net>'!r}, "
+                f"which ran {runs} time(s) in this forward"
+            )
+        seen = ", ".join(label_text(label) for label in self._recording if label in state.seen)
+        return (
+            f"Expected every recorded layer to run in this forward but {len(missing)} did not: "
+            f"{'; '.join(details)}. Recorded layers that ran: {seen or 'none'}. The control "
+            "flow differs from the traced forward (labels follow the traced calls)."
+        )
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def activations(self) -> Mapping[Label, Any]:
+        """The outputs of the recorded layers in the latest recording forward (read-only)."""
+        return LabelMap(self._activations)
+
+    @property
+    def recording(self) -> tuple[Label, ...]:
+        """The recorded layers' labels, in call order."""
+        return self._recording
+
+    @property
+    def recorded_modules(self) -> Mapping[Label, nn.Module]:
+        """The module of each recorded layer (read-only, keyed by label)."""
+        return LabelMap(
+            {label: self.net.get_submodule(self._rows[label].name) for label in self._recording}
+        )
+
+    @property
+    def recorded_params(self) -> dict[str, nn.Parameter]:
+        """``net.named_parameters()`` restricted to the recorded modules (and their children)."""
+        wanted = {id(p) for m in self.recorded_modules.values() for p in m.parameters()}
+        return {name: p for name, p in self.net.named_parameters() if id(p) in wanted}
+
+    @property
+    def layers(self) -> tuple[LayerRow, ...]:
+        """Every row of the summary, in call order."""
+        return self._layers
+
+    def summary(self) -> str:
+        """The summary table: labels, shapes, parameter counts and shares, recorded layers."""
+        title = f"Inspector of {type(self.net).__name__}"
+        return render(title, self._layers, self._recording, self.net)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self) -> dict[str, Any]:
+        state: dict[str, Any] = super().__getstate__()
+        state.update(_hooks=None, _pass=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._start_hooks()
+        self.record(*self._recording)

@@ -1,0 +1,312 @@
+"""The traced forward behind :class:`~lightning_recorder.inspector.Inspector`: rows and table.
+
+One forward with a pre-hook and a hook on every module lists the calls in call order. Rows are
+labelled ``depth-idx`` as torchinfo labels them: ``depth`` is the module's depth in the module tree
+(the network itself is 0), ``idx`` counts the rows of that depth from 1, in call order; containers
+that are never called themselves (``nn.ModuleList``) get a row where torchinfo shows one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .._core.hooks import HookSet
+from .._core.structures import iter_tensors
+from ..errors import RecorderConfigError
+
+Label = tuple[int, int]
+Shape = tuple[int, ...]
+Mode = Literal["eval", "train", "same"]
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One row of an inspector's summary: one call of a module (or a container never called).
+
+    Attributes:
+        label: ``(depth, idx)``; shown as ``"depth-idx"``.
+        name: the module's name in ``net.named_modules()`` (``""`` for the network).
+        type_name: the module's class name.
+        call: which call of this module the row is (0 for the first).
+        called: ``False`` for a container that is never called itself (no activation).
+        input_shapes: the shapes of the tensors among the call's arguments.
+        output_shapes: the shapes of the tensors in its output.
+        params: parameters counted on this row: the module's own (not its children's), on the
+            first row that shows them.
+    """
+
+    label: Label
+    name: str
+    type_name: str
+    call: int
+    called: bool
+    input_shapes: tuple[Shape, ...]
+    output_shapes: tuple[Shape, ...]
+    params: int
+
+    @property
+    def text(self) -> str:
+        """The label as text, e.g. ``"1-3"``."""
+        return f"{self.label[0]}-{self.label[1]}"
+
+
+def label_text(label: Label) -> str:
+    return f"{label[0]}-{label[1]}"
+
+
+def parse_label(value: Any) -> Label:
+    """``(1, 3)``, ``[1, 3]`` or ``"1-3"`` as ``(1, 3)``."""
+    if isinstance(value, str):
+        depth, sep, idx = value.strip().partition("-")
+        if sep and depth.strip().isdigit() and idx.strip().isdigit():
+            return int(depth), int(idx)
+    elif (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    ):
+        return int(value[0]), int(value[1])
+    raise RecorderConfigError(
+        f"Expected a layer label such as (1, 3) or '1-3' but got {type(value).__name__} {value!r}."
+    )
+
+
+def _shapes(value: Any) -> tuple[Shape, ...]:
+    return tuple(tuple(t.shape) for t in iter_tensors(value))
+
+
+class _Call:
+    __slots__ = ("inputs", "module", "name", "outputs")
+
+    def __init__(self, module: nn.Module, name: str, inputs: tuple[Shape, ...]) -> None:
+        self.module = module
+        self.name = name
+        self.inputs = inputs
+        self.outputs: tuple[Shape, ...] = ()
+
+
+def example_inputs(
+    net: nn.Module,
+    input_size: Sequence[int] | Sequence[Sequence[int]] | None,
+    input_data: Any,
+    dtypes: Sequence[torch.dtype] | None,
+    device: torch.device | str | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments of the traced forward."""
+    if (input_size is None) == (input_data is None):
+        given = "both" if input_size is not None else "neither"
+        raise RecorderConfigError(
+            "Expected exactly one of `input_size` (e.g. (1, 5)) or `input_data` (a tensor, a tuple "
+            f"of arguments or a dict of keyword arguments) but got {given}."
+        )
+    if input_data is not None:
+        if isinstance(input_data, torch.Tensor):
+            return (input_data,), {}
+        if isinstance(input_data, Mapping):
+            return (), dict(input_data)
+        if isinstance(input_data, (tuple, list)):
+            return tuple(input_data), {}
+        raise RecorderConfigError(
+            "Expected `input_data` to be a tensor, a tuple or list of positional arguments, or a "
+            f"dict of keyword arguments but got {type(input_data).__name__}."
+        )
+    assert input_size is not None  # for mypy: checked above
+    sizes = _parse_sizes(input_size)
+    kinds = list(dtypes) if dtypes is not None else [torch.float32] * len(sizes)
+    if len(kinds) != len(sizes) or not all(isinstance(d, torch.dtype) for d in kinds):
+        raise RecorderConfigError(
+            f"Expected `dtypes` to be {len(sizes)} torch.dtype(s), one per input, but got "
+            f"{dtypes!r}."
+        )
+    if device is None:
+        first = next(iter([*net.parameters(), *net.buffers()]), None)
+        device = first.device if first is not None else torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)  # the global random state is left alone
+    tensors = [
+        torch.rand(size, generator=generator).to(device=device, dtype=kind)
+        if kind.is_floating_point
+        else torch.zeros(size, dtype=kind, device=device)
+        for size, kind in zip(sizes, kinds, strict=True)
+    ]
+    return tuple(tensors), {}
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, Sequence) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+    )
+
+
+def _parse_sizes(input_size: Any) -> list[Shape]:
+    if isinstance(input_size, Sequence) and not isinstance(input_size, str) and input_size:
+        if _is_shape(input_size):
+            return [tuple(input_size)]
+        if all(_is_shape(s) and not isinstance(s, str) for s in input_size):
+            return [tuple(s) for s in input_size]
+    raise RecorderConfigError(
+        "Expected `input_size` to be a shape such as (1, 5), batch dimension included, or a list "
+        f"of shapes (one per positional input) but got {input_size!r}."
+    )
+
+
+def trace(
+    net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Mode
+) -> list[LayerRow]:
+    """Run one forward of ``net`` and list its rows; the network is left as it was found."""
+    names = {id(m): n for n, m in net.named_modules(remove_duplicate=False)}  # last name wins
+    calls: list[_Call] = []
+    open_calls: dict[int, list[_Call]] = {}
+
+    def pre(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        call = _Call(module, names[id(module)], _shapes((a, kw)))
+        calls.append(call)
+        open_calls.setdefault(id(module), []).append(call)
+
+    def post(module: nn.Module, a: Any, output: Any) -> None:
+        open_calls[id(module)].pop().outputs = _shapes(output)
+
+    training = [(m, m.training) for m in net.modules()]
+    saved = [(b, b.detach().clone()) for b in net.buffers()]
+    devices = sorted(
+        {b.device.index or 0 for b in [*net.parameters(), *net.buffers()] if b.is_cuda}
+    )
+    hooks = HookSet("Inspector trace")
+    try:
+        for module in net.modules():
+            hooks.add(module.register_forward_pre_hook(pre, with_kwargs=True))
+            hooks.add(module.register_forward_hook(post))
+        if mode != "same":
+            net.train(mode == "train")
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            net(*args, **kwargs)
+    except Exception as err:
+        raise RecorderConfigError(
+            f"Expected `input_size`/`input_data` to be valid inputs of {type(net).__name__} but "
+            f"the traced forward raised {type(err).__name__}: {err}"
+        ) from err
+    finally:
+        hooks.remove_all()
+        with torch.no_grad():
+            for buffer, value in saved:  # e.g. BatchNorm statistics updated in train mode
+                buffer.copy_(value)
+        for module, flag in training:
+            module.training = flag
+    return _rows(net, calls)
+
+
+def _rows(net: nn.Module, calls: list[_Call]) -> list[LayerRow]:
+    modules = dict(net.named_modules(remove_duplicate=False))
+    ordered: list[tuple[str, _Call | None]] = []
+    current: dict[int, nn.Module] = {}
+    for call in calls:
+        parts = call.name.split(".") if call.name else []
+        for d in range(1, len(parts)):  # containers torchinfo shows without a call of their own
+            ancestor = modules[".".join(parts[:d])]
+            if current.get(d) is not ancestor:
+                ordered.append((".".join(parts[:d]), None))
+                current[d] = ancestor
+        ordered.append((call.name, call))
+        current[len(parts)] = call.module
+        deeper = len(parts) + 1
+        while deeper in current:
+            del current[deeper]
+            deeper += 1
+    counts: dict[int, int] = {}
+    calls_of: dict[str, int] = {}
+    counted: set[int] = set()
+    rows = []
+    for name, found in ordered:
+        module = modules[name]
+        depth = len(name.split(".")) if name else 0
+        counts[depth] = counts.get(depth, 0) + 1
+        own = [p for p in module.parameters(recurse=False) if id(p) not in counted]
+        counted.update(id(p) for p in own)
+        number = calls_of.get(name, 0)
+        if found is not None:
+            calls_of[name] = number + 1
+        rows.append(
+            LayerRow(
+                label=(depth, counts[depth]),
+                name=name,
+                type_name=type(module).__name__,
+                call=number,
+                called=found is not None,
+                input_shapes=found.inputs if found else (),
+                output_shapes=found.outputs if found else (),
+                params=sum(p.numel() for p in own),
+            )
+        )
+    return rows
+
+
+def _fmt_shapes(shapes: tuple[Shape, ...]) -> str:
+    if not shapes:
+        return "--"
+    text = ", ".join(str(list(s)) for s in shapes[:2])
+    return text + (", …" if len(shapes) > 2 else "")
+
+
+def render(title: str, rows: Sequence[LayerRow], recording: Sequence[Label], net: nn.Module) -> str:
+    """The summary table."""
+    total = sum(p.numel() for p in net.parameters())
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    recorded = set(recording)
+    header = (
+        "Layer (type (var_name): depth-idx)",
+        "Input Shape",
+        "Output Shape",
+        "Param #",
+        "Param %",
+        "Recorded",
+    )
+    table: list[tuple[str, ...]] = [header]
+    for row in rows:
+        depth = row.label[0]
+        prefix = "" if depth == 0 else "│    " * (depth - 1) + "├─"
+        var = row.name.rsplit(".", 1)[-1] if row.name else row.type_name
+        if row.params:
+            params, share = f"{row.params:,}", f"{100 * row.params / max(total, 1):.2f}%"
+        else:
+            params, share = ("(recursive)" if row.call else "--"), "--"
+        table.append(
+            (
+                f"{prefix}{row.type_name} ({var}): {row.text}",
+                _fmt_shapes(row.input_shapes) if row.called else "(not called)",
+                _fmt_shapes(row.output_shapes) if row.called else "--",
+                params,
+                share,
+                "✓" if row.label in recorded else "",
+            )
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    right = (False, False, False, True, True, False)  # numbers right-aligned
+    lines = [
+        "  ".join(
+            cell.rjust(w) if r else cell.ljust(w)
+            for cell, w, r in zip(line, widths, right, strict=True)
+        ).rstrip()
+        for line in table
+    ]
+    rule = "=" * max(len(line) for line in lines)
+    shown = ", ".join(label_text(label) for label in recording) or "None"
+    return "\n".join(
+        [
+            title,
+            rule,
+            lines[0],
+            rule,
+            *lines[1:],
+            rule,
+            f"Total params: {total:,}",
+            f"Trainable params: {trainable:,}",
+            f"Non-trainable params: {total - trainable:,}",
+            rule,
+            f"Currently recording: {shown}",
+            rule,
+        ]
+    )

@@ -1,0 +1,188 @@
+"""Recorders of plain functions and of methods, by dotted path.
+
+For a function the source is the module that *uses* it: if ``mypkg/heads.py`` does
+``from mypkg.utils import anchor_flags`` and calls ``anchor_flags(...)``, record
+``"mypkg.heads.anchor_flags"``, not ``"mypkg.utils.anchor_flags"``. For a method the source is
+``"pkg.module.Class.method"``; every instance's calls are seen (static and class methods too).
+
+The function is patched once at :meth:`initialize` (the patch does nothing outside a context)
+and restored at :meth:`release`; several recorders can share one function.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Literal
+
+import torch
+
+from .._core import patching as _patching
+from .._core.compat import current_autograd_node
+from .._core.structures import Binder
+from ..errors import RecorderConfigError
+from ._registry import register_recorder
+from .base import BaseRecorder
+
+__all__ = [
+    "FunctionInputsRecorder",
+    "FunctionOutputsRecorder",
+    "MethodInputsRecorder",
+    "MethodOutputsRecorder",
+]
+
+
+class _CallableRecorder(BaseRecorder):
+    """Shared machinery: resolve the path, patch it, turn calls into records."""
+
+    _want: Literal["function", "method"] = "function"
+    _record: Literal["inputs", "outputs"] = "outputs"
+
+    def __init__(self, source: str, **options: Any) -> None:
+        if not isinstance(source, str):
+            raise RecorderConfigError(
+                f"Expected `source` to be a dotted path string but got {type(source).__name__}."
+            )
+        super().__init__(source, **options)
+        self._target: _patching.Target | None = None
+        self._sink: _patching.Sink | None = None
+        self._binder: Binder | None = None
+
+    def prepare_from_model(self, model: torch.nn.Module | None) -> None:
+        target = _patching.resolve(self.source, self._want)
+        stream = self.add_stream(self.source)
+        drops_first = target.kind in ("method", "classmethod")
+        # The patch is global: it holds the recorder weakly, so a recorder dropped without
+        # release() is collected and its __del__ restores the function.
+        ref = weakref.ref(self)
+        if self._record == "inputs":
+            self._binder = Binder(target.func, drop_first=drops_first)
+            binder = self._binder
+
+            def before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                rec = ref()
+                if rec is None or not rec._recording or current_autograd_node() is not None:
+                    return
+                value: Any = binder(args[1:] if drops_first else args, kwargs)
+                if rec.path is not None:
+                    value = rec._select(value)
+                rec.capture(stream, value)
+
+            sink = _patching.Sink(before=before)
+        else:
+
+            def after(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+                rec = ref()
+                if rec is None or not rec._recording or current_autograd_node() is not None:
+                    return
+                if rec.path is not None:
+                    result = rec._select(result)
+                rec.capture(stream, result)
+
+            sink = _patching.Sink(after=after)
+        _patching.acquire(target, sink)
+        self._target, self._sink = target, sink
+
+    def _teardown(self) -> None:
+        super()._teardown()
+        if self._target is not None and self._sink is not None:
+            _patching.release(self._target, self._sink)
+        self._target = self._sink = None
+
+    def _empty_hint(self) -> str:
+        owner, _, attr = self.source.rpartition(".")
+        if self._want == "function":
+            return (
+                f"The name {attr!r} was patched in module {owner!r}. If the code that runs "
+                f"imported the function into another module (`from {owner} import {attr}` "
+                "elsewhere), it calls that module's own reference: record "
+                f"'<that module>.{attr}' — the module that uses the function. Also check that "
+                "the call happened inside the context."
+            )
+        return (
+            f"The method {attr!r} was patched on class {owner!r}. Calls through a subclass that "
+            "overrides it, or through a bound method captured before `initialize`, are not "
+            "seen; also check that the call happened inside the context."
+        )
+
+
+@register_recorder
+class FunctionOutputsRecorder(_CallableRecorder):
+    """Record the return value of each call of a function.
+
+    Args:
+        source: ``"pkg.module.func"`` — the module that *uses* the function.
+        **options: ``detach``, ``clone``, ``device``, ``dtype``, ``keep``, ``path``.
+
+    Example:
+        >>> import math
+        >>> recorder = FunctionOutputsRecorder("math.sqrt").initialize()
+        >>> with recorder:
+        ...     _ = math.sqrt(16.0)
+        >>> recorder.data_buffer
+        [4.0]
+        >>> recorder.release()
+    """
+
+    short_name = "FunctionOutputs"
+
+
+@register_recorder
+class FunctionInputsRecorder(_CallableRecorder):
+    """Record the arguments of each call of a function, in signature order.
+
+    Each record is an :class:`~lightning_recorder.Arguments` tuple; ``f(1, 2)``, ``f(1, b=2)``
+    and ``f(b=2, a=1)`` give the same record.
+
+    Example:
+        >>> import math
+        >>> recorder = FunctionInputsRecorder("math.pow").initialize()
+        >>> with recorder:
+        ...     _ = math.pow(2.0, 3.0)
+        >>> tuple(recorder.get_record_data())
+        (2.0, 3.0)
+        >>> recorder.release()
+    """
+
+    short_name = "FunctionInputs"
+    _record = "inputs"
+
+
+@register_recorder
+class MethodOutputsRecorder(_CallableRecorder):
+    """Record the return value of each call of a method, on any instance.
+
+    Args:
+        source: ``"pkg.module.Class.method"``.
+        **options: ``detach``, ``clone``, ``device``, ``dtype``, ``keep``, ``path``.
+
+    Example:
+        >>> from fractions import Fraction
+        >>> recorder = MethodOutputsRecorder("fractions.Fraction.limit_denominator").initialize()
+        >>> with recorder:
+        ...     _ = Fraction(3, 7).limit_denominator(2)
+        >>> recorder.data_buffer
+        [Fraction(1, 2)]
+        >>> recorder.release()
+    """
+
+    short_name = "MethodOutputs"
+    _want = "method"
+
+
+@register_recorder
+class MethodInputsRecorder(_CallableRecorder):
+    """Record the arguments (without ``self``) of each call of a method, in signature order.
+
+    Example:
+        >>> from fractions import Fraction
+        >>> recorder = MethodInputsRecorder("fractions.Fraction.limit_denominator").initialize()
+        >>> with recorder:
+        ...     _ = Fraction(3, 7).limit_denominator(max_denominator=2)
+        >>> recorder.get_record_data().as_dict()
+        {'max_denominator': 2}
+        >>> recorder.release()
+    """
+
+    short_name = "MethodInputs"
+    _want = "method"
+    _record = "inputs"

@@ -1,0 +1,155 @@
+"""`RecorderManager`: named recorders built from plain config dicts, used as one context.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU(), nn.Conv2d(2, 1, 1))
+    >>> manager = RecorderManager({
+    ...     "first": {"type": "ModuleOutputs", "source": "0"},
+    ...     "last": {"type": "ModuleOutputsRecorder", "source": "2", "detach": True},
+    ... })
+    >>> manager.initialize(model)
+    >>> with manager:
+    ...     out = model(torch.randn(1, 1, 4, 4))
+    >>> torch.equal(manager.get_recorder("last").get_record_data(), out)
+    True
+    >>> manager.release()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from functools import partial
+from types import MappingProxyType, TracebackType
+from typing import Any
+
+from torch import nn
+
+from .._core.registry import add_named, apply_all, get_named, named_items
+from ..errors import RecorderStateError
+from ._registry import build_recorder
+from .base import BaseRecorder, RecordStream
+
+__all__ = ["RecorderManager"]
+
+
+class RecorderManager:
+    """Several named recorders, initialized, entered and released together.
+
+    Args:
+        recorders: ``{name: config}`` where each config is a mapping with ``type`` (short or full
+            class name, e.g. ``"ModuleOutputs"`` or ``"ModuleOutputsRecorder"``), ``source`` and
+            options — or a recorder instance. An iterable of ``(name, config)`` pairs also works.
+
+    Raises:
+        DuplicateNameError: a name appears twice.
+        UnknownRecorderTypeError, RecorderConfigError: a config is wrong.
+    """
+
+    def __init__(
+        self,
+        recorders: Mapping[str, Mapping[str, Any] | BaseRecorder]
+        | Iterable[tuple[str, Mapping[str, Any] | BaseRecorder]]
+        | None = None,
+    ) -> None:
+        self._recorders: dict[str, BaseRecorder] = {}
+        for name, config in named_items(recorders):
+            self.add_recorder(name, config)
+
+    def add_recorder(self, name: str, config: Mapping[str, Any] | BaseRecorder) -> BaseRecorder:
+        """Add one recorder (built from ``config``) under ``name`` and return it."""
+        return add_named(self._recorders, name, partial(build_recorder, config, name), "recorder")
+
+    @property
+    def recorders(self) -> Mapping[str, BaseRecorder]:
+        """The recorders by name (read-only)."""
+        return MappingProxyType(self._recorders)
+
+    def get_recorder(self, name: str) -> BaseRecorder:
+        """The recorder named ``name``.
+
+        Raises:
+            RecorderConfigError: no such name (the message lists the closest names).
+        """
+        return get_named(self._recorders, name, "recorder")
+
+    def streams(self) -> Iterator[tuple[str, RecordStream]]:
+        """``(recorder name, stream)`` for every stream of every initialized recorder."""
+        for name, recorder in self._recorders.items():
+            for stream in recorder.streams.values():
+                yield name, stream
+
+    def initialize(self, model: nn.Module | None = None) -> None:
+        """Initialize every recorder; on failure the ones already done are released."""
+        apply_all(self._recorders.values(), lambda r: r.initialize(model), BaseRecorder.release)
+
+    def release(self) -> None:
+        """Release every recorder (newest first): hooks removed, patches restored."""
+        errors: list[BaseException] = []
+        for recorder in reversed(list(self._recorders.values())):
+            try:
+                recorder.release()
+            except Exception as err:  # keep releasing the others
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+    @property
+    def initialized(self) -> bool:
+        """Whether every recorder is initialized."""
+        return bool(self._recorders) and all(r.initialized for r in self._recorders.values())
+
+    @property
+    def recording(self) -> bool:
+        """Whether the recorders are recording now."""
+        return any(r.recording for r in self._recorders.values())
+
+    def start(self) -> None:
+        """Start every recorder (idempotent); if one cannot start, none is left recording."""
+        idle = [r for r in self._recorders.values() if not r.recording]
+        apply_all(idle, BaseRecorder.start, BaseRecorder.stop)
+
+    def suspend(self) -> None:
+        """Remove the hooks of every idle recorder until :meth:`start` reinstalls them.
+
+        Patches of functions and methods stay in place; see :meth:`BaseRecorder.suspend`.
+        """
+        for recorder in self._recorders.values():
+            recorder.suspend()
+
+    def stop(self) -> None:
+        """Stop every recorder (idempotent); records stay readable."""
+        for recorder in reversed(list(self._recorders.values())):
+            recorder.stop()
+
+    def reset_data_buffer(self) -> None:
+        """Forget every record of every recorder."""
+        for recorder in self._recorders.values():
+            recorder.reset_data_buffer()
+
+    def __enter__(self) -> RecorderManager:
+        for recorder in self._recorders.values():
+            if recorder.recording:
+                raise RecorderStateError(
+                    f"{recorder!r} is already recording: manager contexts do not nest."
+                )
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._recorders
+
+    def __len__(self) -> int:
+        return len(self._recorders)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self._recorders.items())
+        return f"RecorderManager({inner})"

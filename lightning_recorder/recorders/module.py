@@ -1,0 +1,306 @@
+"""Recorders of ``nn.Module`` calls: inputs, outputs, and the gradients flowing through them.
+
+The source is a module name from ``model.named_modules()`` (wrapper prefixes such as ``module.``
+or ``_orig_mod.`` are ignored), a glob pattern (``"features.*"``), or a module type
+(``torch.nn.Conv2d``, ``"torch.nn.Conv2d"``, ``"Conv2d"``). A pattern or type gives one record
+stream per matched module, named after it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.hooks import GradSink
+from .._core.names import as_module_type, canonical_name, is_glob, named_modules, select
+from .._core.structures import Binder, iter_tensors
+from ..errors import RecorderConfigError
+from ._registry import register_recorder
+from .base import BaseRecorder, RecorderHook, RecordStream
+
+__all__ = [
+    "ModuleInputGradsRecorder",
+    "ModuleInputsRecorder",
+    "ModuleOutputGradsRecorder",
+    "ModuleOutputsRecorder",
+]
+
+
+class _ModuleRecorder(BaseRecorder):
+    """Shared source resolution for module recorders."""
+
+    def __init__(self, source: str | type[nn.Module] | tuple[type[nn.Module], ...], **options: Any):
+        if not isinstance(source, (str, type, tuple)) or source == "":
+            raise RecorderConfigError(
+                f"Expected `source` to be a module name, a glob pattern or a module type but got "
+                f"{source!r}. The root module itself cannot be recorded: name a submodule."
+            )
+        super().__init__(source, **options)
+        self._type = as_module_type(source)
+        self._group = self._type is not None or (isinstance(source, str) and is_glob(source))
+
+    @property
+    def is_group(self) -> bool:
+        return self._group
+
+    def prepare_from_model(self, model: nn.Module | None) -> None:
+        if not isinstance(model, nn.Module):
+            raise RecorderConfigError(
+                f"{self!r} records a module: expected `initialize(model)` with an nn.Module but "
+                f"got {type(model).__name__}."
+            )
+        modules = named_modules(model)
+        if self._type is not None and not (
+            isinstance(self.source, str) and canonical_name(self.source) in modules
+        ):
+            names = select(modules, self._type, "module")
+        else:
+            self._group = isinstance(self.source, str) and is_glob(self.source)
+            names = select(modules, self.source, "module")
+        for name in names:
+            self._install(name, modules[name], self.add_stream(name))
+
+    def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
+        raise NotImplementedError
+
+    def _empty_hint(self) -> str:
+        return (
+            "Likely reasons: the module was never called by the forward that ran inside the "
+            "context (a branch not taken, or a module that is defined but unused); the forward ran "
+            "outside `with recorder:`; or the model passed to `initialize` is not the one that "
+            "ran."
+        )
+
+
+class _OutputHook(RecorderHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        rec = self.recorder()
+        if rec is None:
+            return
+        if rec.path is not None:
+            output = rec._select(output)
+        rec.capture(self._stream, output)
+
+
+class _InputHook(RecorderHook):
+    __slots__ = ("_binder",)
+
+    def __init__(self, recorder: BaseRecorder, stream: RecordStream, binder: Binder) -> None:
+        super().__init__(recorder, stream)
+        self._binder = binder
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        rec = self.recorder()
+        if rec is None:
+            return
+        value: Any = self._binder(args, kwargs)
+        if rec.path is not None:
+            value = rec._select(value)
+        rec.capture(self._stream, value)
+
+
+@register_recorder
+class ModuleOutputsRecorder(_ModuleRecorder):
+    """Record the output of each forward call of a module.
+
+    Args:
+        source: a module name, glob pattern or module type (see the module docs).
+        **options: ``detach``, ``clone``, ``device``, ``dtype``, ``keep``, ``path``
+            (see :class:`~lightning_recorder.BaseRecorder`).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+        >>> recorder = ModuleOutputsRecorder("0").initialize(model)
+        >>> x = torch.randn(2, 3)
+        >>> with recorder:
+        ...     out = model(x)
+        >>> torch.equal(recorder.get_record_data(), model[0](x))
+        True
+        >>> recorder.release()
+    """
+
+    short_name = "ModuleOutputs"
+
+    def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
+        self.hooks.install(partial(module.register_forward_hook, _OutputHook(self, stream)))
+
+
+@register_recorder
+class ModuleInputsRecorder(_ModuleRecorder):
+    """Record the inputs of each forward call of a module, keyword arguments included.
+
+    Each record is an :class:`~lightning_recorder.Arguments` tuple in the order of the module's
+    ``forward`` signature, defaults filled in: ``m(x, mask=m)`` and ``m(x, m)`` give the same
+    record, and ``data_idx`` (or ``path``) picks one argument by position or name.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4))
+        >>> recorder = ModuleInputsRecorder("0").initialize(model)
+        >>> x = torch.randn(2, 3)
+        >>> with recorder:
+        ...     _ = model(x)
+        >>> recorder.get_record_data(data_idx=0) is x
+        True
+        >>> recorder.release()
+    """
+
+    short_name = "ModuleInputs"
+
+    def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
+        hook = _InputHook(self, stream, Binder(module.forward))
+        self.hooks.install(partial(module.register_forward_pre_hook, hook, with_kwargs=True))
+
+
+# ---------------------------------------------------------------------- gradients
+def _single_tensor(value: Any, where: str) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    tensors = list(iter_tensors(value))
+    if len(tensors) > 1:
+        raise RecorderConfigError(
+            f"{where}: expected one tensor to record the gradient of, but the value holds "
+            f"{len(tensors)} tensors; choose one with `path` (a tuple index, dict key or field)."
+        )
+    return tensors[0] if tensors else None
+
+
+class _OutputGradHook(RecorderHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        rec = self.recorder()
+        if rec is None:
+            return
+        tensor = _single_tensor(rec._select(output), repr(rec))
+        if tensor is not None and tensor.requires_grad:
+            tensor.register_hook(GradSink(self, rec._session))
+
+
+class _InputGradHook(RecorderHook):
+    __slots__ = ("_names",)
+
+    def __init__(self, recorder: BaseRecorder, stream: RecordStream, names: list[str]) -> None:
+        super().__init__(recorder, stream)
+        self._names = names
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        rec = self.recorder()
+        if rec is None:
+            return None
+        key: int | str = rec.path[0] if rec.path else 0
+        names = self._names
+        if isinstance(key, int) and key >= len(args) and key < len(names):
+            key = names[key]
+        elif isinstance(key, str) and key not in kwargs and key in names:
+            position = names.index(key)
+            if position < len(args):
+                key = position
+        if isinstance(key, int):
+            if key >= len(args):
+                return None
+            tensor = args[key]
+        elif key in kwargs:
+            tensor = kwargs[key]
+        else:
+            return None
+        if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+            return None
+        # A private view: its gradient is exactly the part that flows through this module,
+        # even when the same tensor also feeds other modules.
+        view = tensor.view_as(tensor)
+        view.register_hook(GradSink(self, rec._session))
+        if isinstance(key, int):
+            args = (*args[:key], view, *args[key + 1 :])
+        else:
+            kwargs = {**kwargs, key: view}
+        return args, kwargs
+
+
+@register_recorder
+class ModuleOutputGradsRecorder(_ModuleRecorder):
+    """Record the gradient of the loss with respect to a module's output, during backward.
+
+    One record per backward through a recorded call (in the order gradients arrive, so the
+    reverse of the call order for a module called several times). The forward and the backward
+    must both run inside the context. For a structured output, ``path`` picks the tensor.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+        >>> recorder = ModuleOutputGradsRecorder("0").initialize(model)
+        >>> with recorder:
+        ...     model(torch.randn(2, 3)).sum().backward()
+        >>> recorder.get_record_data().shape
+        torch.Size([2, 4])
+        >>> recorder.release()
+    """
+
+    short_name = "ModuleOutputGrads"
+
+    def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
+        self.hooks.install(partial(module.register_forward_hook, _OutputGradHook(self, stream)))
+
+    def _empty_hint(self) -> str:
+        return (
+            super()._empty_hint()
+            + " Gradients are recorded during backward: run `loss.backward()` inside the same "
+            "context as the forward, and make sure the output requires grad."
+        )
+
+
+@register_recorder
+class ModuleInputGradsRecorder(_ModuleRecorder):
+    """Record the gradient of the loss with respect to one input of a module, during backward.
+
+    ``path`` names the input (a position or an argument name; default ``0``, the first). Only
+    the gradient that flows through this module is recorded, even when the same tensor also
+    feeds other modules. Inputs that do not require grad (e.g. the data) give no record.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+        >>> recorder = ModuleInputGradsRecorder("1").initialize(model)
+        >>> with recorder:
+        ...     model(torch.randn(2, 3)).sum().backward()
+        >>> recorder.get_record_data().shape
+        torch.Size([2, 4])
+        >>> recorder.release()
+    """
+
+    short_name = "ModuleInputGrads"
+
+    def __init__(
+        self, source: str | type[nn.Module] | tuple[type[nn.Module], ...], **options: Any
+    ) -> None:
+        super().__init__(source, **options)
+        if self.path is not None and len(self.path) != 1:
+            raise RecorderConfigError(
+                f"Expected `path` of {type(self).__name__} to name one argument (a position or a "
+                f"name) but got {self.path!r}."
+            )
+
+    def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
+        binder_names = list(Binder(module.forward)._kinds)
+        hook = _InputGradHook(self, stream, binder_names)
+        self.hooks.install(partial(module.register_forward_pre_hook, hook, with_kwargs=True))
+
+    def _empty_hint(self) -> str:
+        return (
+            super()._empty_hint()
+            + " Gradients are recorded during backward: run `loss.backward()` inside the same "
+            "context as the forward; an input that does not require grad (such as the data "
+            "entering the first layer) has no gradient."
+        )

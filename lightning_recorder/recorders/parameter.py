@@ -1,0 +1,140 @@
+"""Recorders of parameters and of their accumulated gradients.
+
+The source is a parameter name from ``model.named_parameters()`` (wrapper prefixes ignored) or a
+glob pattern such as ``"*.weight"`` (one stream per matched parameter).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.names import is_glob, named_parameters, select
+from ..errors import RecorderConfigError
+from ._registry import register_recorder
+from .base import BaseRecorder, RecorderHook, RecordStream
+
+__all__ = ["ParameterGradRecorder", "ParameterRecorder"]
+
+
+class _ParameterSource(BaseRecorder):
+    def __init__(self, source: str, **options: Any) -> None:
+        if not isinstance(source, str) or not source:
+            raise RecorderConfigError(
+                f"Expected `source` to be a parameter name or glob pattern but got {source!r}."
+            )
+        super().__init__(source, **options)
+        self._params: dict[str, nn.Parameter] = {}
+
+    @property
+    def is_group(self) -> bool:
+        return is_glob(self.source)
+
+    def _resolve(self, model: nn.Module | None) -> dict[str, nn.Parameter]:
+        if not isinstance(model, nn.Module):
+            raise RecorderConfigError(
+                f"{self!r} records a parameter: expected `initialize(model)` with an nn.Module but "
+                f"got {type(model).__name__}."
+            )
+        params = named_parameters(model)
+        names = select(params, self.source, "parameter")
+        return {name: params[name] for name in names}
+
+    def _teardown(self) -> None:
+        super()._teardown()
+        self._params = {}
+
+
+@register_recorder
+class ParameterRecorder(_ParameterSource):
+    """Record a parameter.
+
+    As in MMRazor, the record is the parameter itself, available right after
+    :meth:`initialize`; each context entry records it again (into a fresh buffer). By default
+    the record *is* the live parameter, so it reflects later optimizer steps; pass
+    ``clone=True`` for a snapshot taken when the context is entered.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> recorder = ParameterRecorder("0.weight").initialize(model)
+        >>> recorder.data_buffer[0] is model[0].weight
+        True
+        >>> recorder.release()
+    """
+
+    short_name = "Parameter"
+
+    def __init__(self, source: str, **options: Any) -> None:
+        super().__init__(source, **options)
+        self._track = False  # the live parameter changes by design (optimizer steps)
+
+    def prepare_from_model(self, model: nn.Module | None) -> None:
+        self._params = self._resolve(model)
+        for name in self._params:
+            self.add_stream(name)
+
+    def _snap(self) -> None:
+        for name, param in self._params.items():
+            stream = self._streams[name]
+            stream._reset()
+            value = self._select(param) if self.path is not None else param
+            self.capture(stream, value)
+
+    def _after_initialize(self) -> None:
+        self._snap()
+
+    def _on_start(self) -> None:
+        self._snap()
+
+
+class _AccumulateHook(RecorderHook):
+    __slots__ = ()
+
+    def __call__(self, param: torch.Tensor) -> None:
+        rec = self._ref()  # no checkpoint guard: gradients arrive during backward by design
+        if rec is None or not rec._recording or param.grad is None:
+            return
+        rec.capture(self._stream, param.grad)
+
+
+@register_recorder
+class ParameterGradRecorder(_ParameterSource):
+    """Record a parameter's accumulated ``.grad`` after each backward that reaches it.
+
+    One record per backward inside the context (with gradient accumulation, each record holds
+    the sum so far). ``clone`` defaults to ``True`` here because ``.grad`` is accumulated in
+    place: without a copy, every record would be the same, changing tensor.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 1))
+        >>> recorder = ParameterGradRecorder("0.weight").initialize(model)
+        >>> with recorder:
+        ...     model(torch.ones(1, 2)).sum().backward()
+        >>> torch.equal(recorder.get_record_data(), model[0].weight.grad)
+        True
+        >>> recorder.release()
+    """
+
+    short_name = "ParameterGrad"
+
+    def __init__(self, source: str, *, clone: bool = True, **options: Any) -> None:
+        super().__init__(source, clone=clone, **options)
+
+    def prepare_from_model(self, model: nn.Module | None) -> None:
+        self._params = self._resolve(model)
+        for name, param in self._params.items():
+            stream: RecordStream = self.add_stream(name)
+            hook = _AccumulateHook(self, stream)
+            self.hooks.install(partial(param.register_post_accumulate_grad_hook, hook))
+
+    def _empty_hint(self) -> str:
+        return (
+            "No backward reached the parameter inside the context: run `loss.backward()` inside "
+            "`with recorder:`, and check that the parameter requires grad and is used."
+        )

@@ -1,0 +1,83 @@
+"""Statistics of many streams at once, the way a monitor computes them on every logged step.
+
+One packed ``float64`` state of 9 numbers per stream (count, mean, ``M2``, min, max, mean
+``|x|``, zeros, non-finite, numel), stacked ``(m, 9)`` for ``m`` streams, so that a step's
+states cross ranks in one gather and reach the host in one copy:
+
+* :func:`native_state` / :func:`merged` — the state of a tensor (in its own precision on the CPU)
+  and of several;
+* :func:`merge` — Chan's merge along the leading dimension; :func:`gather_merged` — the same over
+  every rank (a collective);
+* :func:`finalize_host` — a host row of the state to the statistics of :data:`STAT_NAMES`;
+* :func:`histogram_rows` — the histograms of ``m`` sets of tensors as :class:`HistogramRow` s;
+* :func:`foreach_norms` / :func:`host_floats` — norms of many tensors in one call, and 0-d
+  tensors to the host in one copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .._core.compat import distributed_active, foreach_norm
+from ._kernels import (
+    HistogramRow,
+    Workspace,
+    empty_state,
+    finalize_host,
+    histogram_rows,
+    merge,
+    merged,
+    native_state,
+)
+
+__all__ = [
+    "HistogramRow",
+    "Workspace",
+    "empty_state",
+    "finalize_host",
+    "foreach_norms",
+    "gather_merged",
+    "histogram_rows",
+    "host_floats",
+    "merge",
+    "merged",
+    "native_state",
+    "upcast",
+]
+
+
+def gather_merged(state: Tensor, group: Any = None) -> Tensor:
+    """``state`` ``(m, 9)`` merged over every rank of ``group`` (one all-gather, every rank).
+
+    Without a running process group (or with one rank) the state is returned as is.
+    """
+    if not distributed_active(group):
+        return state
+    gathered = [torch.empty_like(state) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, state, group=group)
+    return merge(torch.stack(gathered))
+
+
+def upcast(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Tensors below float32 converted to it, as :func:`~lightning_recorder.stats.tensor_norm`."""
+    return [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in tensors]
+
+
+def foreach_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """:func:`~lightning_recorder.stats.tensor_norm` of each tensor, in one foreach call."""
+    return foreach_norm(upcast(tensors)) if tensors else []
+
+
+def host_floats(tensors: Sequence[Tensor]) -> list[float]:
+    """The values of 0-d tensors (on one device, or moved to the first one) as floats."""
+    if not tensors:
+        return []
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        tensors = [t.to(device) for t in tensors]
+    return torch.stack(list(tensors)).tolist()

@@ -1,0 +1,97 @@
+"""Norms of parameters and gradients: one tensor, a set of tensors, an update ratio."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from .._core.checks import check_tensor
+from ..errors import RecorderConfigError
+from ._kernels import F64
+
+__all__ = ["global_norm", "tensor_norm", "update_ratio"]
+
+
+def _norm_input(t: Tensor, name: str) -> Tensor:
+    t = check_tensor(t, name, real=True).detach()
+    return t.to(F64 if t.dtype == F64 else torch.float32)
+
+
+def tensor_norm(t: Tensor) -> Tensor:
+    """The L2 norm of all elements of ``t``, detached, at least in ``float32``.
+
+    Args:
+        t: a tensor of any shape and real dtype (a parameter, a gradient).
+
+    Returns:
+        A 0-d tensor on ``t``'s device (``float64`` for ``float64`` input); 0 for an empty tensor,
+        non-finite when ``t`` holds a non-finite value.
+
+    Raises:
+        RecorderConfigError: if ``t`` is not a real tensor.
+
+    Example:
+        >>> tensor_norm(torch.tensor([[3.0, 0.0], [0.0, 4.0]], dtype=torch.float16)).item()
+        5.0
+    """
+    return torch.linalg.vector_norm(_norm_input(t, "t"))
+
+
+def global_norm(tensors: Iterable[Tensor]) -> Tensor:
+    """The L2 norm of the concatenation of ``tensors`` (the total norm of gradient clipping).
+
+    Args:
+        tensors: tensors of any shapes, for instance ``p.grad`` of every parameter that has one.
+
+    Returns:
+        A 0-d ``float32`` tensor (``float64`` if any input is), on the first tensor's device;
+        0 when there is no tensor.
+
+    Raises:
+        RecorderConfigError: if an element is not a real tensor.
+
+    Example:
+        >>> global_norm([torch.tensor([3.0]), torch.tensor([[4.0]])]).item()
+        5.0
+    """
+    norms = [tensor_norm(t) for t in tensors]
+    if not norms:
+        return torch.zeros(())
+    dtype = F64 if any(n.dtype == F64 for n in norms) else torch.float32
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device, dtype) for n in norms]))
+
+
+def update_ratio(before: Tensor, after: Tensor, eps: float = 1e-12) -> Tensor:
+    """The update-to-parameter ratio ``||after - before|| / (||before|| + eps)``.
+
+    Take ``before`` as a copy of a parameter before ``optimizer.step()`` and ``after`` as the
+    parameter after it; healthy training typically shows ratios around ``1e-3``.
+
+    Args:
+        before: the tensor before the update.
+        after: the tensor after the update, of the same shape.
+        eps: added to the denominator, so a zero ``before`` gives a finite ratio.
+
+    Returns:
+        A 0-d tensor, as :func:`tensor_norm`.
+
+    Raises:
+        RecorderConfigError: if the shapes differ, an argument is not a real tensor, or ``eps``
+            is negative.
+
+    Example:
+        >>> update_ratio(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.5])).item()
+        0.10000000149011612
+    """
+    b, a = _norm_input(before, "before"), _norm_input(after, "after")
+    if a.shape != b.shape:
+        raise RecorderConfigError(
+            f"Expected `after` to have the shape of `before`, {tuple(b.shape)}, "
+            f"but got {tuple(a.shape)}."
+        )
+    if not eps >= 0:
+        raise RecorderConfigError(f"Expected `eps` to be a non-negative number but got {eps!r}.")
+    return torch.linalg.vector_norm(a - b) / (torch.linalg.vector_norm(b) + eps)

@@ -1,0 +1,392 @@
+"""RecorderCallback: lifecycle on a real Trainer, step gating, freeing, cleanup, checkpoints."""
+
+from __future__ import annotations
+
+import doctest
+import gc
+import weakref
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers.docs import DOCS, python_blocks, run_page
+from helpers.models import QUIET, ProbeNet, features, loader
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_recorder.callbacks.recorder as callback_module
+from lightning_recorder import RecorderCallback
+from lightning_recorder._core.compat import is_compiled
+from lightning_recorder._core.hooks import live_hooks
+from lightning_recorder.errors import (
+    NoRecordError,
+    NotInitializedError,
+    RecorderConfigError,
+    RecorderStateError,
+    UnknownRecorderTypeError,
+    UnknownSourceError,
+)
+
+FEAT = {"feat": {"type": "ModuleOutputs", "source": "body.0"}}
+
+
+def trainer(**kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(**{**QUIET, "logger": False, **kwargs})
+
+
+class Seen(pl.Callback):
+    """After the recorder callback: what it recorded at each batch end, per stage."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, int, int | None]] = []
+
+    def _note(self, trainer: pl.Trainer, stage: str, batch_idx: int) -> None:
+        cb = RecorderCallback.of(trainer)
+        stream = cb.get_recorder("feat").streams["body.0"]
+        self.entries.append((stage, batch_idx, len(stream) if len(stream) else None))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._note(trainer, "train", args[-1])
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._note(trainer, "val", args[3])
+
+    def on_test_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._note(trainer, "test", args[3])
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._note(trainer, "predict", args[3])
+
+
+def test_training_step_reads_the_current_records() -> None:
+    model = ProbeNet()
+    seen: list[bool] = []
+
+    def check(module: ProbeNet, batch_idx: int) -> None:
+        record = RecorderCallback.of(module).get_record_data("feat")
+        x = RecorderCallback.of(module).get_record_data("probe")
+        seen.append(torch.equal(record, module.body[0](x)) and record.requires_grad)
+
+    model.step_hook = check
+    cb = RecorderCallback(
+        {**FEAT, "probe": {"type": "ModuleOutputs", "source": "probe"}}, stages=["train"]
+    )
+    trainer(max_steps=3, callbacks=[cb]).fit(model, loader(features(16)))
+    assert seen == [True, True, True]
+    assert cb.recorded_steps == 3
+
+
+def test_every_n_optimizer_steps_with_gradient_accumulation() -> None:
+    seen = Seen()
+    cb = RecorderCallback(FEAT, stages="train", every_n_steps=2)
+    t = trainer(max_steps=4, accumulate_grad_batches=2, callbacks=[cb, seen])
+    t.fit(ProbeNet(), loader(features(64)))
+    # 8 micro-batches make 4 optimizer steps; steps 1 and 3 (0-based) are due: batches 2, 3, 6, 7.
+    recorded = [idx for stage, idx, n in seen.entries if n]
+    assert recorded == [2, 3, 6, 7]
+    assert all(n in (None, 1) for _, _, n in seen.entries)  # a fresh buffer per micro-batch
+    assert cb.recorded_steps == 2
+
+
+def test_stages_and_the_sanity_check() -> None:
+    seen = Seen()
+    cb = RecorderCallback(FEAT)  # train and val by default
+    t = trainer(max_epochs=1, limit_train_batches=2, num_sanity_val_steps=2, callbacks=[cb, seen])
+    t.fit(ProbeNet(), loader(features(8)), loader(features(8)))
+    # The sanity check ran two validation batches, unrecorded; the real validation is recorded.
+    assert seen.entries == [
+        ("val", 0, None),
+        ("val", 1, None),
+        ("train", 0, 1),
+        ("train", 1, 1),
+        ("val", 0, 1),
+        ("val", 1, 1),
+    ]
+    seen.entries.clear()
+    t.test(ProbeNet(), loader(features(4)))  # not requested: not recorded
+    assert seen.entries == [("test", 0, None)]
+
+
+def test_test_and_predict_on_request() -> None:
+    seen = Seen()
+    cb = RecorderCallback(FEAT, stages=("test", "predict"))
+    t = trainer(callbacks=[cb, seen])
+    t.test(ProbeNet(), loader(features(8)))
+    t.predict(ProbeNet(), loader(features(4)))
+    assert seen.entries == [("test", 0, 1), ("test", 1, 1), ("predict", 0, 1)]
+    assert live_hooks() == []
+
+
+def test_records_are_freed_after_the_step_and_hooks_removed_after_the_run() -> None:
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_next_start: list[bool] = []
+    hooks_during: list[int] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            gc.collect()
+            if refs:
+                alive_at_next_start.append(refs[-1]() is not None)
+            hooks_during.append(len(live_hooks()))
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            refs.append(weakref.ref(RecorderCallback.of(trainer).get_record_data("feat")))
+
+    cb = RecorderCallback(FEAT)
+    trainer(max_steps=3, callbacks=[cb, Watch()]).fit(ProbeNet(), loader(features(16)))
+    gc.collect()
+    assert alive_at_next_start == [False, False]
+    assert refs[-1]() is None
+    assert hooks_during == [1, 1, 1]
+    assert live_hooks() == []
+    with pytest.raises(NotInitializedError, match="no recorders outside a run"):
+        cb.manager  # noqa: B018
+
+
+def test_not_due_step_has_no_record() -> None:
+    errors: list[str] = []
+    flags: list[bool] = []
+
+    def read(module: ProbeNet, batch_idx: int) -> None:
+        flags.append(RecorderCallback.of(module).recording)
+        try:
+            RecorderCallback.of(module).get_record_data("feat")
+        except NoRecordError as err:
+            errors.append(str(err))
+
+    model = ProbeNet()
+    model.step_hook = read
+    cb = RecorderCallback(FEAT, every_n_steps=2)
+    trainer(max_steps=2, callbacks=[cb]).fit(model, loader(features(16)))
+    assert flags == [False, True]
+    assert errors == [
+        "RecorderCallback(feat) records nothing in this step: it records the stages train, val, "
+        "training every 2 optimizer step(s), never the sanity check. Check `.recording` before "
+        "reading."
+    ]
+
+
+def test_a_source_not_called_in_a_recorded_step() -> None:
+    cb = RecorderCallback({"spare": {"type": "ModuleOutputs", "source": "body.1"}})
+    errors: list[str] = []
+
+    class Skip(ProbeNet):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body[2](self.body[0](x))
+
+    def read(module: ProbeNet, batch_idx: int) -> None:
+        with pytest.raises(NoRecordError, match=r"recorded nothing for 'body\.1'") as info:
+            RecorderCallback.of(module).get_record_data("spare")
+        errors.append(str(info.value))
+
+    model = Skip()
+    model.step_hook = read
+    trainer(max_steps=1, callbacks=[cb]).fit(model, loader(features(8)))
+    assert len(errors) == 1
+
+
+def test_a_forward_that_raises_leaves_no_hook() -> None:
+    def boom(module: ProbeNet, batch_idx: int) -> None:
+        assert len(live_hooks()) == 1
+        if batch_idx == 1:
+            raise RuntimeError("boom in training_step")
+
+    model = ProbeNet()
+    model.step_hook = boom
+    cb = RecorderCallback(FEAT)
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        trainer(max_steps=4, callbacks=[cb]).fit(model, loader(features(16)))
+    assert live_hooks() == []
+    assert not cb.recording
+
+
+def test_unknown_module_fails_at_start_with_closest_names() -> None:
+    cb = RecorderCallback({"feat": {"type": "ModuleOutputs", "source": "body.O"}})
+    with pytest.raises(UnknownSourceError, match=r"No module named 'body.O'.*Closest.*'body.0'"):
+        trainer(max_steps=1, callbacks=[cb]).fit(ProbeNet(), loader(features(8)))
+    assert live_hooks() == []
+
+
+def test_batch_start_without_end_is_harmless() -> None:
+    class SkipRest(ProbeNet):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+            return -1 if self.current_epoch == 0 and batch_idx == 1 else None
+
+    seen = Seen()
+    cb = RecorderCallback(FEAT, stages="train")
+    t = trainer(max_epochs=2, limit_train_batches=3, callbacks=[cb, seen])
+    t.fit(SkipRest(), loader(features(16)))
+    # Epoch 0 stops at batch 1 after the callback started recording; epoch 1 is unaffected.
+    assert seen.entries == [("train", 0, 1), ("train", 0, 1), ("train", 1, 1), ("train", 2, 1)]
+
+
+def test_validate_then_fit() -> None:
+    model = ProbeNet()
+    seen = Seen()
+    cb = RecorderCallback(FEAT)
+    t = trainer(max_steps=2, num_sanity_val_steps=0, limit_val_batches=1, callbacks=[cb, seen])
+    t.validate(model, loader(features(8)))
+    t.fit(model, loader(features(8)), loader(features(8)))
+    assert [entry for entry in seen.entries if entry[2]] == [
+        ("val", 0, 1),
+        ("train", 0, 1),
+        ("train", 1, 1),
+        ("val", 0, 1),
+    ]
+
+
+class Unlogged(ProbeNet):
+    """``self.log`` inside a compiled ``training_step`` is not supported by Lightning."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).square().mean()
+
+
+def test_compiled_model_records_on_every_due_step() -> None:
+    # The hooks are installed before the first compiled call and gated by a flag: dynamo traces
+    # them and guards on the flag, so due and not-due steps alternate correctly.
+    seen = Seen()
+    cb = RecorderCallback(FEAT, stages="train", every_n_steps=2)
+    compiled = torch.compile(Unlogged(), backend="aot_eager")
+    trainer(max_steps=6, callbacks=[cb, seen]).fit(compiled, loader(features(32)))
+    assert [n for _, _, n in seen.entries] == [None, 1, None, 1, None, 1]
+
+
+def test_hooks_are_suspended_between_recorded_steps() -> None:
+    # A step that records nothing runs the model without the recorders' hooks; a recorded step
+    # gets them back, gradient recorders included, and records what it would have recorded.
+    recorders = {
+        **FEAT,
+        "grad": {"type": "ModuleOutputGrads", "source": "body.2"},
+        "wgrad": {"type": "ParameterGrad", "source": "body.0.weight"},
+    }
+    model = ProbeNet()
+    during: list[tuple[int, int, int]] = []
+    grads: list[bool] = []
+
+    def count(module: ProbeNet, batch_idx: int) -> None:
+        body = module.body
+        during.append((len(body[0]._forward_hooks), len(body[2]._forward_hooks), len(live_hooks())))
+
+    class Check(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            cb = RecorderCallback.of(trainer)
+            if cb.recording:
+                weight_grad = cb.get_record_data("wgrad")
+                grads.append(torch.equal(weight_grad, model.body[0].weight.grad))
+                assert cb.get_record_data("grad").shape == (4, 2)
+
+    model.step_hook = count
+    cb = RecorderCallback(recorders, every_n_steps=2)
+    trainer(max_steps=4, callbacks=[cb, Check()]).fit(model, loader(features(16)))
+    assert during == [(0, 0, 0), (1, 1, 3), (0, 0, 0), (1, 1, 3)]
+    assert grads == [True, True] and cb.recorded_steps == 2
+    assert live_hooks() == []
+
+
+def test_hooks_stay_with_keep_hooks_and_on_a_compiled_model() -> None:
+    counts: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+            counts.append(len(pl_module.body[0]._forward_hooks))
+
+    cb = RecorderCallback(FEAT, every_n_steps=2, keep_hooks=True)
+    trainer(max_steps=4, callbacks=[cb, Count()]).fit(ProbeNet(), loader(features(16)))
+    assert counts == [1, 1, 1, 1]
+    counts.clear()
+    cb = RecorderCallback(FEAT, every_n_steps=2)  # keep_hooks=None: kept because compiled
+    compiled = torch.compile(Unlogged(), backend="eager")
+    trainer(max_steps=4, callbacks=[cb, Count()]).fit(compiled, loader(features(16)))
+    assert counts == [1, 1, 1, 1]
+    assert live_hooks() == []
+
+
+def test_is_compiled() -> None:
+    plain = ProbeNet()
+    assert not is_compiled(plain)
+    holder = ProbeNet()
+    holder.body = torch.compile(holder.body, backend="eager")  # type: ignore[assignment]
+    assert is_compiled(holder)
+    in_place = ProbeNet()
+    in_place.body[0].compile(backend="eager")
+    assert is_compiled(in_place)
+    marked = ProbeNet()
+    marked._compiler_ctx = {"compiler": "dynamo"}  # what Lightning sets on an unwrapped model
+    assert is_compiled(marked)
+
+
+def test_checkpoint_resume_continues_counters(tmp_path: Path) -> None:
+    first = RecorderCallback(FEAT, every_n_steps=2, name="a")
+    second = RecorderCallback(FEAT, every_n_steps=2, name="b")
+    assert first.state_key != second.state_key
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    kwargs = {**QUIET, "enable_checkpointing": True, "default_root_dir": tmp_path}
+    pl.Trainer(**kwargs, logger=False, max_steps=4, callbacks=[first, second, ckpt]).fit(
+        ProbeNet(), loader(features(64))
+    )
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]
+    assert saved[first.state_key] == {"recorded_steps": 2}
+    resumed = RecorderCallback(FEAT, every_n_steps=2, name="a")
+    other = RecorderCallback(FEAT, every_n_steps=2, name="b")
+    pl.Trainer(**kwargs, logger=False, max_steps=8, callbacks=[resumed, other]).fit(
+        ProbeNet(), loader(features(64)), ckpt_path=tmp_path / "last.ckpt"
+    )
+    assert resumed.recorded_steps == 4 and other.recorded_steps == 4
+
+
+def test_same_configuration_twice_needs_a_name() -> None:
+    with pytest.raises(RuntimeError, match="more than one stateful callback"):
+        trainer(max_steps=1, callbacks=[RecorderCallback(FEAT), RecorderCallback(FEAT)]).fit(
+            ProbeNet(), loader(features(8))
+        )
+
+
+def test_of_errors() -> None:
+    t = trainer(callbacks=[RecorderCallback(FEAT, name="a"), RecorderCallback(FEAT, name="b")])
+    with pytest.raises(RecorderStateError, match=r"Expected one RecorderCallback .* found 2"):
+        RecorderCallback.of(t)
+    assert RecorderCallback.of(t, name="b").name == "b"
+    with pytest.raises(RecorderStateError, match="Expected a RecorderCallback named 'c'"):
+        RecorderCallback.of(t, name="c")
+    with pytest.raises(RecorderStateError, match="found none"):
+        RecorderCallback.of(trainer())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"recorders": {}}, RecorderConfigError, "Expected `recorders` of RecorderCallback"),
+        ({"recorders": {"a": "body"}}, RecorderConfigError, r"Expected `recorders\['a'\]`"),
+        (
+            {"recorders": {"a": {"type": "ModuleOutput", "source": "x"}}},
+            UnknownRecorderTypeError,
+            "Closest types: 'ModuleOutputs'",
+        ),
+        (
+            {"recorders": {"a": {"type": "ModuleOutputs", "source": "x", "detached": True}}},
+            RecorderConfigError,
+            "Unknown option.*'detached'.*Closest options: 'detach'",
+        ),
+        ({"stages": ["train", "valid"]}, RecorderConfigError, "hold only 'train'.*'valid'"),
+        ({"stages": 3}, RecorderConfigError, "Expected `stages` of RecorderCallback"),
+        ({"every_n_steps": 0}, RecorderConfigError, "`every_n_steps` .* positive int"),
+        ({"name": 1}, RecorderConfigError, "Expected `name` of RecorderCallback to be a str"),
+        ({"keep_hooks": "yes"}, RecorderConfigError, "`keep_hooks` .* True, False or None"),
+    ],
+)
+def test_argument_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        RecorderCallback(**{"recorders": FEAT, **kwargs})
+
+
+def test_docstring_example() -> None:
+    result = doctest.testmod(callback_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_docs_page_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert python_blocks(DOCS / "recorder_callback.md")
+    run_page(DOCS / "recorder_callback.md")

@@ -1,0 +1,107 @@
+"""Both callbacks configured from YAML through LightningCLI, including the documented configs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helpers.models import DocsNet, TinyClassifier, TinyData, scalars
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_recorder import FeatureStatsMonitor, RecorderCallback
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+TRAINER = {
+    "max_steps": 4,
+    "accelerator": "cpu",
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+    "log_every_n_steps": 2,
+}
+
+
+def run_cli(tmp_path: Path, config: dict[str, Any], model: type = TinyClassifier) -> LightningCLI:
+    config = {
+        **config,
+        "trainer": {**TRAINER, "default_root_dir": str(tmp_path), **config["trainer"]},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return LightningCLI(
+        model,
+        TinyData,
+        args=["fit", "--config", str(path)],
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def test_both_callbacks_from_yaml(tmp_path: Path) -> None:
+    config = yaml.safe_load(
+        """
+        trainer:
+          limit_train_batches: 4
+          callbacks:
+            - class_path: lightning_recorder.FeatureStatsMonitor
+              init_args:
+                sources: [torch.nn.Linear, body.1]
+                every_n_steps: 2
+                stages: [train, val]
+                stats: [mean, zero_fraction]
+                bins: 16
+                prefix: feat
+                keep_hooks: true
+            - class_path: lightning_recorder.RecorderCallback
+              init_args:
+                recorders:
+                  hidden: {type: ModuleOutputs, source: body.0, detach: true}
+                every_n_steps: 1
+                stages: train
+                name: mine
+        """
+    )
+    cli = run_cli(tmp_path, config)
+    monitor = FeatureStatsMonitor.of(cli.trainer)
+    recorder = RecorderCallback.of(cli.trainer, name="mine")
+    assert monitor.sources == ["torch.nn.Linear", "body.1"]
+    assert (monitor.every_n_steps, monitor.stats, monitor.bins) == (
+        2,
+        ("mean", "zero_fraction"),
+        16,
+    )
+    assert monitor.stages == ("train", "val") and monitor.keep_hooks is True
+    assert recorder.stages == ("train",) and recorder.recorded_steps == 4
+    assert recorder.keep_hooks is None
+    got = scalars(cli.trainer.logger.log_dir)
+    assert sorted(got["feat/train/body.1/zero_fraction"]) == [1, 3]
+    assert sorted(got["feat/val/body.2/mean"]) == [3]
+    assert "feat/train/body.0.weight/update_ratio" in got
+
+
+def test_bad_yaml_value_is_rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {
+        "trainer": {
+            "callbacks": [
+                {
+                    "class_path": "lightning_recorder.FeatureStatsMonitor",
+                    "init_args": {"sources": ["body.0"], "stages": ["training"]},
+                }
+            ]
+        }
+    }
+    with pytest.raises(SystemExit):
+        run_cli(tmp_path, config)
+    assert re.search(r"stages.*training", capsys.readouterr().err, re.S)
+
+
+@pytest.mark.parametrize("page", ["recorder_callback.md", "feature_stats_monitor.md"])
+def test_documented_yaml(page: str, tmp_path: Path) -> None:
+    blocks = re.findall(r"```yaml\n(.*?)```", (DOCS / page).read_text(), re.S)
+    assert len(blocks) == 1
+    config = yaml.safe_load(blocks[0])
+    cli = run_cli(tmp_path, config, model=DocsNet)
+    names = {type(cb).__name__ for cb in cli.trainer.callbacks}
+    assert {"RecorderCallback", "FeatureStatsMonitor"} & names

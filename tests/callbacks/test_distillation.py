@@ -1,0 +1,638 @@
+"""FeatureDistillation, end to end: real Trainer runs on CPU with tiny networks."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.distill_models import Student, Teacher, loader, trainer_kwargs
+from helpers.docs import python_blocks, run_page
+from torch import Tensor, nn
+
+from lightning_recorder import (
+    FeatureDistillation,
+    KLDivLoss,
+    MSELoss,
+    distillation_loss,
+    kl_div_loss,
+    mse_loss,
+)
+from lightning_recorder.callbacks.distillation._patch import StepPatch, is_patched
+from lightning_recorder.errors import RecorderConfigError, RecorderStateError, UnknownSourceError
+
+PAIRS = {"features.2": "features.2", "head": "head"}
+
+
+def fit(student: pl.LightningModule, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    val = kwargs.pop("val", None)
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(**kwargs))
+    trainer.fit(student, loader(), val)
+    return trainer
+
+
+def seeded(seed: int = 0, **student_kwargs: Any) -> tuple[Teacher, Student]:
+    torch.manual_seed(seed)
+    return Teacher(), Student(**student_kwargs)
+
+
+# --------------------------------------------------------------------------- the loss term
+class ExpectTerm(pl.Callback):
+    """Computes the expected term independently before each step; checks the step's loss after."""
+
+    def __init__(self, teacher: Teacher, connector: nn.Module) -> None:
+        self.teacher, self.connector = teacher, connector
+        self.expected: list[float] = []
+        self.checked = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, m: Any, batch: Any, idx: int) -> None:
+        x, _ = batch
+        with torch.no_grad():
+            s_map, t_map = m.features[:3](x), self.teacher.features[:3](x)
+            s_logits, t_logits = m(x), self.teacher.head(self.teacher.features(x).mean((2, 3)))
+            term = 0.5 * mse_loss(self.connector(s_map), t_map) + 2.0 * kl_div_loss(
+                s_logits, t_logits, temperature=4.0
+            )
+        self.expected.append(float(term))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, m: Any, out: Any, b: Any, i: int) -> None:
+        assert float(out["loss"]) == pytest.approx(m.task_losses[-1] + self.expected[-1], rel=1e-5)
+        self.checked += 1
+
+
+def test_term_is_added_to_the_returned_loss_and_logged() -> None:
+    teacher, student = seeded()
+    connector = nn.Conv2d(6, 12, 1, bias=False)
+    distill = FeatureDistillation(
+        teacher,
+        PAIRS,
+        loss={"features.2": "mse", "head": KLDivLoss(temperature=4.0)},
+        weight={"features.2": 0.5, "head": 2.0},
+        connectors={"features.2": connector, "head": "identity"},
+    )
+    expect = ExpectTerm(teacher, connector)
+    trainer = fit(student, [distill, expect], max_steps=3)
+    assert expect.checked == 3
+    logged = trainer.logged_metrics
+    assert set(logged) == {"distill/features.2", "distill/head", "distill/total"}
+    assert float(logged["distill/total"]) == pytest.approx(expect.expected[-1], rel=1e-5)
+    total = float(logged["distill/features.2"]) + float(logged["distill/head"])
+    assert float(logged["distill/total"]) == pytest.approx(total, rel=1e-6)
+
+
+def test_auto_connector_is_built_trained_and_kept_out_of_the_student() -> None:
+    teacher, student = seeded()
+    distill = FeatureDistillation(teacher, PAIRS, loss={"features.2": "mse", "head": "kl"})
+    trainer = fit(student, [distill], max_steps=2)
+    connector = distill.connectors["features.2"]
+    assert isinstance(connector, nn.Conv2d) and connector.weight.shape == (12, 6, 1, 1)
+    assert isinstance(distill.connectors["head"], nn.Identity)
+    groups = trainer.optimizers[0].param_groups
+    assert len(groups) == 2 and groups[1]["params"] == [connector.weight]
+    assert connector.weight.grad is not None and connector.weight.grad.abs().sum() > 0
+    assert not any(k.startswith("_") or "connector" in k for k in student.state_dict())
+
+
+# --------------------------------------------------------------------------- the teacher
+class WatchTeacher(pl.Callback):
+    def __init__(self, teacher: nn.Module) -> None:
+        self.teacher = teacher
+        self.seen = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, m: Any, out: Any, b: Any, i: int) -> None:
+        assert not self.teacher.training
+        assert not any(p.requires_grad or p.grad is not None for p in self.teacher.parameters())
+        assert all(p.device == m.device for p in self.teacher.parameters())
+        assert is_patched(m)
+        # The patched module still deep-copies and pickles; copies are unpatched.
+        for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+            assert not isinstance(clone.__dict__.get("training_step"), StepPatch)
+        self.seen += 1
+
+
+def test_teacher_frozen_in_eval_unchanged_and_absent_from_the_checkpoint(tmp_path: Path) -> None:
+    teacher, student = seeded()
+    before = copy.deepcopy(teacher.state_dict())
+    distill = FeatureDistillation(teacher, PAIRS)
+    watch = WatchTeacher(teacher)
+    trainer = fit(student, [distill, watch], max_steps=3)
+    assert watch.seen == 3
+    for key, value in teacher.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    # Left as found: train mode and requires_grad are restored after fit.
+    assert teacher.training and all(p.requires_grad for p in teacher.parameters())
+    assert "training_step" not in student.__dict__
+
+    path = tmp_path / "student.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    teacher_tensors = {t.data_ptr() for t in teacher.state_dict().values()}
+    assert set(ckpt["state_dict"]) == set(Student().state_dict())
+    assert not teacher_tensors & {t.data_ptr() for t in ckpt["state_dict"].values()}
+    fresh = Student()
+    fresh.load_state_dict(ckpt["state_dict"], strict=True)
+    # The optimizer state is what configure_optimizers creates; connectors live in the callback.
+    assert len(ckpt["optimizer_states"][0]["param_groups"]) == 1
+    state = ckpt["callbacks"][distill.state_key]
+    assert state["pairs"]["features.2"]["teacher_shape"] == [12, 8, 8]
+    assert not any("head.weight" in k for k in state["pairs"]["features.2"]["weights"])
+
+
+def test_validation_runs_the_teacher_only_when_asked() -> None:
+    teacher, student = seeded()
+    fit(
+        student,
+        [FeatureDistillation(teacher, PAIRS)],
+        max_epochs=1,
+        val=loader(16),
+        num_sanity_val_steps=2,
+    )
+    assert teacher.calls == 4  # one per training batch, none for sanity check or validation
+
+    teacher, student = seeded()
+    distill = FeatureDistillation(teacher, PAIRS, log_validation=True)
+    trainer = fit(student, [distill], max_epochs=1, val=loader(16), num_sanity_val_steps=2)
+    assert teacher.calls == 4 + 2  # plus the two validation batches (sanity check skipped)
+    assert {"val/distill/features.2", "val/distill/head", "val/distill/total"} <= set(
+        trainer.callback_metrics
+    )
+
+
+def test_validate_then_fit_builds_trainable_connectors() -> None:
+    teacher, student = seeded()
+    distill = FeatureDistillation(teacher, PAIRS, log_validation=True)
+    trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs())
+    metrics = trainer.validate(student, loader(16), verbose=False)
+    assert "val/distill/total" in metrics[0] and teacher.calls == 2
+    weight = distill.connectors["features.2"].weight.detach().clone()
+    fit(student, [distill], max_steps=2)
+    assert not torch.equal(weight, distill.connectors["features.2"].weight)
+
+
+# --------------------------------------------------------------------------- restoration
+class Boom(Student):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if batch_idx == 1:
+            raise RuntimeError("boom in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_training_step_restored_after_fit_and_after_an_exception() -> None:
+    teacher, _ = seeded()
+    student = Boom()
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        fit(student, [FeatureDistillation(teacher, PAIRS)], max_steps=3)
+    assert "training_step" not in student.__dict__
+    assert teacher.training and all(p.requires_grad for p in teacher.parameters())
+
+    # An instance attribute that was there before comes back, the same object.
+    student = Student()
+    own = student.training_step
+    student.training_step = own  # type: ignore[method-assign]
+    fit(student, [FeatureDistillation(teacher, PAIRS)], max_steps=1)
+    assert student.__dict__["training_step"] is own
+
+
+def test_two_teachers_chain_and_unwind() -> None:
+    torch.manual_seed(0)
+    first, second, student = Teacher(), Teacher(), Student()
+    callbacks: list[pl.Callback] = [
+        FeatureDistillation(first, PAIRS, loss="l1", log_prefix="kd1"),
+        FeatureDistillation(second, PAIRS, log_prefix="kd2"),  # same pairs, another state key
+    ]
+    trainer = fit(student, callbacks, max_steps=2)
+    assert {"kd1/total", "kd2/total", "kd1/head", "kd2/features.2"} <= set(trainer.logged_metrics)
+    assert callbacks[0].state_key != callbacks[1].state_key
+    assert first.calls == second.calls == 2
+    assert "training_step" not in student.__dict__
+
+
+# --------------------------------------------------------------------------- accumulation
+def test_gradient_accumulation_matches_a_manual_loop() -> None:
+    teacher, student = seeded(lr=0.1)
+    connector = nn.Conv2d(6, 12, 1, bias=False)
+    ref_student, ref_connector = copy.deepcopy(student), copy.deepcopy(connector)
+    distill = FeatureDistillation(
+        teacher, {"features.2": "features.2"}, weight=0.5, connectors={"features.2": connector}
+    )
+    fit(student, [distill], max_steps=2, accumulate_grad_batches=2)
+
+    params = [*ref_student.parameters(), *ref_connector.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    for i, (x, y) in enumerate(loader()):
+        with torch.no_grad():
+            target = teacher.features[:3](x)
+        feats = ref_student.features[:3](x)
+        logits = ref_student.head(F.relu(feats).mean((2, 3)))
+        loss = F.cross_entropy(logits, y) + 0.5 * F.mse_loss(ref_connector(feats), target)
+        (loss / 2).backward()
+        if i % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+    for got, want in zip([*student.parameters(), *connector.parameters()], params, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------- resume
+def _run(teacher: Teacher, epochs: int, ckpt: Path | None, save: Path | None) -> tuple[Any, ...]:
+    torch.manual_seed(1)
+    student = Student(lr=0.01, optimizer="adam", step_lr=True)
+    distill = FeatureDistillation(copy.deepcopy(teacher), PAIRS)
+    trainer = pl.Trainer(callbacks=[distill], max_epochs=epochs, **trainer_kwargs())
+    trainer.fit(student, loader(), ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    optimizer = trainer.optimizers[0]
+    connector = distill.connectors["features.2"].weight
+    return student, connector, optimizer.state[connector], optimizer.param_groups[1]["lr"]
+
+
+def test_resume_restores_connectors_and_their_optimizer_state(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    teacher = Teacher()
+    student_a, conn_a, state_a, lr_a = _run(teacher, 2, None, None)
+    path = tmp_path / "epoch1.ckpt"
+    _, conn_b, _, _ = _run(teacher, 1, None, path)
+    student_c, conn_c, state_c, lr_c = _run(teacher, 2, path, None)
+
+    assert not torch.equal(conn_b, conn_a)  # the second epoch changed the connector
+    torch.testing.assert_close(conn_c, conn_a)
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(state_c[key], state_a[key])
+    assert lr_c == lr_a == pytest.approx(0.01 * 0.5**8)  # the scheduler drives the connectors too
+    for got, want in zip(student_c.parameters(), student_a.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------- explicit form
+class ExplicitStudent(Student):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        return loss + distillation_loss(self)
+
+
+class ManualStudent(Student):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y) + distillation_loss(self)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+def test_explicit_term_in_training_step_equals_the_automatic_one() -> None:
+    teacher, auto_student = seeded()
+    explicit_student = copy.deepcopy(ExplicitStudent())
+    explicit_student.load_state_dict(auto_student.state_dict())
+    torch.manual_seed(5)  # the connectors are initialised from the random stream
+    fit(auto_student, [FeatureDistillation(copy.deepcopy(teacher), PAIRS)], max_steps=3)
+    distill = FeatureDistillation(copy.deepcopy(teacher), PAIRS, add_to_loss=False)
+    torch.manual_seed(5)
+    trainer = fit(explicit_student, [distill], max_steps=3)
+    assert "distill/total" in trainer.logged_metrics
+    for got, want in zip(explicit_student.parameters(), auto_student.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_manual_optimization_needs_the_explicit_form() -> None:
+    teacher, _ = seeded()
+    with pytest.raises(RecorderConfigError, match="Expected `add_to_loss=False` with manual"):
+        fit(ManualStudent(), [FeatureDistillation(teacher, PAIRS)], max_steps=1)
+    distill = FeatureDistillation(teacher, PAIRS, add_to_loss=False)
+    fit(ManualStudent(), [distill], max_steps=2)
+    assert distill.connectors["features.2"].weight.grad is not None
+
+
+def test_distillation_loss_errors() -> None:
+    teacher, _ = seeded()
+    with pytest.raises(RecorderStateError, match=r"Expected a FeatureDistillation\(\.\.\., add"):
+        fit(ExplicitStudent(), [FeatureDistillation(teacher, PAIRS)], max_steps=1)
+    distill = FeatureDistillation(teacher, PAIRS, add_to_loss=False)
+    with pytest.raises(RecorderStateError, match="inside `training_step` while"):
+        distill.loss()
+
+
+# --------------------------------------------------------------------------- teacher input
+class SubmoduleStudent(Student):
+    """Calls its submodules directly: the student's own forward never runs."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.features(x).mean((2, 3))), y)
+
+
+def test_teacher_input_maps_the_batch() -> None:
+    teacher, _ = seeded()
+    with pytest.raises(RecorderStateError, match="student's forward was never called"):
+        fit(SubmoduleStudent(), [FeatureDistillation(teacher, PAIRS)], max_steps=1)
+    distill = FeatureDistillation(teacher, PAIRS, teacher_input=lambda batch: batch[0] * 2)
+    fit(SubmoduleStudent(), [distill], max_steps=2)
+    assert teacher.calls == 2
+    assert teacher.last_input is not None
+    first_batch = list(loader())[1][0]
+    torch.testing.assert_close(teacher.last_input, first_batch * 2)
+
+
+# --------------------------------------------------------------------------- deliveries
+class SameInput(pl.Callback):
+    def __init__(self, teacher: Teacher) -> None:
+        self.teacher = teacher
+        self.same: list[bool] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, m: Any, out: Any, b: Any, i: int) -> None:
+        self.same.append(torch.equal(self.teacher.last_input, m.last_input))
+
+
+def test_deliveries_give_the_student_the_teachers_augmentation() -> None:
+    deliveries = {"noise": {"type": "FunctionOutputs", "source": "helpers.distill_models.jitter"}}
+    for config, expected in ((None, False), (deliveries, True)):
+        torch.manual_seed(0)
+        teacher, student = Teacher(use_jitter=True), Student(use_jitter=True)
+        watch = SameInput(teacher)
+        distill = FeatureDistillation(teacher, PAIRS, deliveries=config)
+        # Validation (no teacher there) calls jitter normally: no delivery error.
+        fit(student, [distill, watch], max_steps=3, val=loader(8), num_sanity_val_steps=1)
+        assert watch.same == [expected] * 3
+
+
+# --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"teacher": "resnet"}, "Expected `teacher` to be an nn.Module but got str"),
+        ({"pairs": {}}, "Expected `pairs` to be a non-empty mapping"),
+        ({"pairs": {"head": ""}}, "map non-empty module names to module names but got 'head': ''"),
+        ({"pairs": {"total": "head"}}, "no student module named 'total'"),
+        (
+            {"loss": {"haed": "mse"}},
+            "keys of `loss` to be student module names.*Closest pairs: 'head'",
+        ),
+        (
+            {"loss": {"head": "kl"}},
+            "Expected `loss` to give a value for every pair but 'features.2'",
+        ),
+        ({"loss": "msee"}, "Unknown loss type 'msee'.*Closest types: 'mse'"),
+        ({"weight": -1.0}, "weight of pair 'features.2' to be a non-negative number but got -1.0"),
+        ({"weight": {"head": 1.0}}, "Expected `weight` to give a value for every pair"),
+        ({"resize": 1}, "Expected `resize` to be a bool but got 1"),
+        ({"log_validation": "yes"}, "Expected `log_validation` to be a bool"),
+        ({"teacher_input": 3}, "Expected `teacher_input` to be a callable"),
+        ({"optimizer_idx": -1}, "Expected `optimizer_idx` to be a non-negative int"),
+        ({"connector_lr": "fast"}, "Expected `connector_lr` to be a non-negative number"),
+        ({"connectors": {"head2": "auto"}}, "keys of `connectors`.*Closest pairs: 'head'"),
+        ({"deliveries": {"d": {"type": "Function"}}}, "Unknown delivery type 'Function'"),
+        ({"log_prefix": ""}, "Expected `log_prefix` to be a non-empty str but got ''"),
+    ],
+)
+def test_invalid_arguments_raise_in_init(kwargs: dict[str, Any], match: str) -> None:
+    arguments: dict[str, Any] = {"teacher": Teacher(), "pairs": PAIRS, **kwargs}
+    with pytest.raises(RecorderConfigError, match=match):
+        FeatureDistillation(**arguments)
+
+
+def test_loss_options_for_every_named_loss_or_per_pair() -> None:
+    distill = FeatureDistillation(
+        Teacher(), {"head": "head"}, "kl", loss_options={"temperature": 2}
+    )
+    assert distill._runner.losses["head"].temperature == 2.0  # type: ignore[union-attr]
+    distill = FeatureDistillation(
+        Teacher(),
+        PAIRS,
+        loss={"features.2": "mse", "head": "kl"},
+        loss_options={"head": {"temperature": 3.0}},
+    )
+    assert isinstance(distill._runner.losses["features.2"], MSELoss)
+    assert distill._runner.losses["head"].temperature == 3.0  # type: ignore[union-attr]
+    custom = KLDivLoss(temperature=5.0)  # modules are used as they are
+    distill = FeatureDistillation(
+        Teacher(), PAIRS, loss={"features.2": "cosine", "head": custom}, loss_options={"dim": 1}
+    )
+    assert distill._runner.losses["head"] is custom
+    assert distill._runner.losses["features.2"].dim == 1  # type: ignore[union-attr]
+    with pytest.raises(RecorderConfigError, match="Expected no options for the 'mse' loss"):
+        FeatureDistillation(Teacher(), PAIRS, loss="mse", loss_options={"temperature": 2.0})
+
+
+class TeacherInside(Student):
+    def __init__(self, teacher: nn.Module) -> None:
+        super().__init__()
+        self.teacher = teacher
+
+
+class TupleStudent(Student):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return (super().training_step(batch, batch_idx),)
+
+
+def test_errors_found_when_fitting() -> None:
+    teacher, student = seeded()
+    with pytest.raises(UnknownSourceError, match=r"No module named 'feature\.2'.*'features\.2'"):
+        fit(student, [FeatureDistillation(teacher, {"feature.2": "features.2"})], max_steps=1)
+    with pytest.raises(RecorderConfigError, match="teacher to live outside the student"):
+        fit(TeacherInside(teacher), [FeatureDistillation(teacher, PAIRS)], max_steps=1)
+    with pytest.raises(RecorderConfigError, match="Expected `training_step` to return a loss"):
+        fit(TupleStudent(), [FeatureDistillation(teacher, PAIRS)], max_steps=1)
+    with pytest.raises(RecorderConfigError, match=r"same rank but got student \(8, 3\)"):
+        fit(Student(), [FeatureDistillation(teacher, {"head": "features.2"})], max_steps=1)
+    assert "training_step" not in student.__dict__
+
+
+def test_spatial_mismatch_fails_naming_both_shapes_or_is_resized() -> None:
+    strided = nn.Sequential(nn.Conv2d(1, 12, 3, stride=2, padding=1))  # (N, 12, 4, 4)
+    pairs = {"features.2": "0"}
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"same spatial size \(H, W\) but got student \(8, 6, 8, 8\) and teacher "
+        r"\(8, 12, 4, 4\)\. Pass `resize=True`",
+    ):
+        fit(Student(), [FeatureDistillation(strided, pairs)], max_steps=1)
+    distill = FeatureDistillation(strided, pairs, resize=True)
+    fit(Student(), [distill], max_steps=1)
+    assert distill.connectors["features.2"](torch.zeros(2, 6, 8, 8)).shape == (2, 12, 4, 4)
+
+
+def test_teacher_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    trained = Teacher()
+    torch.save(trained.state_dict(), tmp_path / "teacher.pt")
+    torch.save({"state_dict": trained.state_dict(), "epoch": 3}, tmp_path / "teacher.ckpt")
+    for name in ("teacher.pt", "teacher.ckpt"):
+        distill = FeatureDistillation(Teacher(), PAIRS, teacher_checkpoint=str(tmp_path / name))
+        for got, want in zip(distill.teacher.parameters(), trained.parameters(), strict=True):
+            assert torch.equal(got, want)
+    with pytest.raises(RecorderConfigError, match=r"Expected `teacher_checkpoint` .*missing\.pt"):
+        FeatureDistillation(Teacher(), PAIRS, teacher_checkpoint=str(tmp_path / "missing.pt"))
+    torch.save({"head.weight": torch.zeros(1)}, tmp_path / "wrong.pt")
+    with pytest.raises(RecorderConfigError, match="to hold the teacher's weights"):
+        FeatureDistillation(Teacher(), PAIRS, teacher_checkpoint=str(tmp_path / "wrong.pt"))
+
+
+# --------------------------------------------------------------------------- docs and example
+ROOT = Path(__file__).resolve().parents[2]
+
+MY_MODELS = """
+import random
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def random_flip(x):
+    return x.flip(-1) if random.random() < 0.5 else x
+
+
+def cnn(width):
+    return nn.Sequential(
+        nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1)
+    )
+
+
+class Teacher(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.features, self.head = cnn(width), nn.Linear(width, 3)
+
+    def forward(self, x):
+        self.seen = random_flip(x)
+        return self.head(self.features(self.seen).relu().mean((2, 3)))
+
+
+class Student(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.features, self.head = cnn(4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        self.seen = random_flip(x)
+        return self.head(self.features(self.seen).relu().mean((2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        data = TensorDataset(torch.randn(32, 1, 8, 8), torch.randint(0, 3, (32,)))
+        return DataLoader(data, batch_size=8)
+"""
+
+
+def test_docs_yaml_config_runs_with_lightning_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    page = (ROOT / "docs" / "distillation.md").read_text()
+    config = page.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "config.yaml").write_text(config)
+    package = tmp_path / "my_project"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "models.py").write_text(MY_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    try:
+        from my_project.models import Teacher as MyTeacher  # type: ignore[import-not-found]
+
+        torch.manual_seed(7)
+        trained = MyTeacher(width=16)
+        torch.save(trained.state_dict(), tmp_path / "teacher.pt")
+        cli = LightningCLI(run=False, args=["--config", "config.yaml"], save_config_callback=None)
+        (distill,) = [c for c in cli.trainer.callbacks if isinstance(c, FeatureDistillation)]
+        assert distill.pairs == {"features.2": "features.2", "head": "head"}
+        assert isinstance(distill._runner.losses["head"], KLDivLoss)
+        assert distill._runner.losses["head"].temperature == 4.0
+        assert distill._runner.weights == {"features.2": 0.5, "head": 1.0}
+        for got, want in zip(distill.teacher.parameters(), trained.parameters(), strict=True):
+            assert torch.equal(got, want)
+        cli.trainer.fit(cli.model)
+        assert {"distill/features.2", "distill/head", "distill/total"} <= set(
+            cli.trainer.logged_metrics
+        )
+        assert torch.equal(distill.teacher.seen, cli.model.seen)  # the delivery shared the flip
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "my_project"]:
+            del sys.modules[name]
+
+
+def test_example_distill_digits(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "distill_digits", ROOT / "examples" / "distill_digits.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(teacher_epochs=1, student_epochs=1, train_size=64)
+    assert list(results) == ["teacher", "student", "student + FeatureDistillation"]
+    assert all(0.0 <= value <= 1.0 for value in results.values())
+    out = capsys.readouterr().out
+    assert "digits: 64 training images, 540 test images" in out
+    assert "student + FeatureDistillation" in out
+
+
+def test_benchmark_measures_both_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "_test_bench_distillation", ROOT / "benchmarks" / "bench_distillation.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        result = bench.bench(bench.CASES[-1], steps=4, warmup=1, repeats=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(result) == {"callback_ms", "hand_ms", "ratio", "ratio_min", "ratio_max"}
+    assert result["callback_ms"] > 0 and result["hand_ms"] > 0
+    assert result["ratio_min"] <= result["ratio"] <= result["ratio_max"]
+
+
+def test_teacher_follows_the_student_precision() -> None:
+    teacher, student = seeded()
+    dtypes: list[torch.dtype] = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, m: Any, o: Any, b: Any, i: int) -> None:
+            dtypes.append(next(teacher.parameters()).dtype)
+            dtypes.append(distill.connectors["features.2"].weight.dtype)
+
+    distill = FeatureDistillation(teacher, PAIRS)
+    trainer = fit(student, [distill, Probe()], max_steps=1, precision="bf16-true")
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+    assert torch.isfinite(trainer.logged_metrics["distill/total"])
+
+
+def test_callback_pickles_and_deep_copies_before_fit() -> None:
+    # ddp_spawn pickles the callbacks into the worker processes.
+    deliveries = {"noise": {"type": "FunctionOutputs", "source": "helpers.distill_models.jitter"}}
+    distill = FeatureDistillation(Teacher(), PAIRS, deliveries=deliveries)
+    for clone in (pickle.loads(pickle.dumps(distill)), copy.deepcopy(distill)):
+        assert clone.pairs == PAIRS and clone.state_key == distill.state_key
+        assert "noise" in clone._runner.deliveries
+
+
+def test_docs_python_examples_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    page = ROOT / "docs" / "distillation.md"
+    assert len(python_blocks(page)) >= 6
+    namespace = run_page(page)
+    assert isinstance(namespace["distill"], FeatureDistillation)

@@ -1,0 +1,476 @@
+"""FeatureStatsMonitor on a real Trainer, read back from TensorBoard event files."""
+
+from __future__ import annotations
+
+import csv
+import doctest
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers.docs import DOCS, python_blocks, run_page
+from helpers.models import (
+    QUIET,
+    ProbeNet,
+    events,
+    features,
+    loader,
+    reference_stats,
+    scalars,
+)
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+import lightning_recorder.callbacks.stats_monitor as monitor_module
+from lightning_recorder import FeatureStatsMonitor
+from lightning_recorder._core.hooks import live_hooks
+from lightning_recorder.errors import RecorderConfigError, RecordModifiedError, UnknownSourceError
+
+STATS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
+MODULES = ("probe", "body.0", "body.1", "body.2")
+PARAMS = ("body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias")
+
+
+def approx(value: float) -> Any:
+    return pytest.approx(value, rel=2e-6, abs=1e-6)  # TensorBoard stores float32
+
+
+class Reference(pl.Callback):
+    """Plain torch hooks: every module output and parameter change of every training step."""
+
+    def __init__(self, modules: tuple[str, ...], params: tuple[str, ...]) -> None:
+        self.modules, self.params = modules, params
+        self.outputs: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self.before: dict[int, dict[str, torch.Tensor]] = {}
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+        self.hooks: dict[int, int] = {}  # forward hooks on `probe` during each training step
+        self._handles: list[Any] = []
+        self._step = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        named = dict(pl_module.named_modules())
+        for name in self.modules:
+            self._handles.append(named[name].register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            if module.training:
+                self.outputs.setdefault(self._step, {}).setdefault(name, []).append(
+                    output.detach().clone()
+                )
+
+        return hook
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._step = trainer.fit_loop.epoch_loop._batches_that_stepped
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
+        named = dict(pl_module.named_parameters())
+        self.before[self._step] = {n: named[n].detach().clone() for n in self.params}
+        self.grads[self._step] = {n: named[n].grad.detach().clone() for n in self.params}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        named = dict(pl_module.named_parameters())
+        self.after[self._step] = {n: named[n].detach().clone() for n in self.params}
+        self.hooks[self._step] = len(pl_module.probe._forward_hooks)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def train_data() -> torch.Tensor:
+    x = features(24, seed=1)
+    x[5, 0] = math.nan  # in batch 1, a logged step
+    x[6, 1] = math.inf
+    x[7, 3] = -math.inf
+    x[4] = 0.0
+    return x
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One fit: 2 epochs of 6 steps, statistics every 2 steps, validation on shifted data."""
+    root = tmp_path_factory.mktemp("tb")
+    monitor = FeatureStatsMonitor(["probe", "body.*"], every_n_steps=2, bins=8)
+    reference = Reference(MODULES, PARAMS)
+    logger = TensorBoardLogger(root, name="run")
+    trainer = pl.Trainer(
+        **QUIET,
+        logger=logger,
+        max_epochs=2,
+        log_every_n_steps=2,
+        num_sanity_val_steps=2,
+        callbacks=[monitor, reference],
+    )
+    val = features(8, offset=100.0, seed=2)
+    trainer.fit(ProbeNet(), loader(train_data()), loader(val))
+    return {
+        "log_dir": logger.log_dir,
+        "scalars": scalars(logger.log_dir),
+        "monitor": monitor,
+        "reference": reference,
+        "val": val,
+    }
+
+
+def test_tags_are_stage_module_statistic(run: dict[str, Any]) -> None:
+    ours = {t for t in run["scalars"] if t.startswith("stats/")}
+    expected = {f"stats/{s}/{m}/{k}" for s in ("train", "val") for m in MODULES for k in STATS}
+    expected |= {
+        f"stats/train/{p}/{k}" for p in PARAMS for k in ("norm", "grad_norm", "update_ratio")
+    }
+    assert ours == expected
+    hists = set(events(run["log_dir"]).Tags()["histograms"])
+    assert hists == {f"stats/{s}/{m}/histogram" for s in ("train", "val") for m in MODULES}
+
+
+def test_steps_line_up_with_lightning(run: dict[str, Any]) -> None:
+    got = run["scalars"]
+    assert sorted(got["train_loss"]) == [1, 3, 5, 7, 9, 11]
+    # Every training tag has every logged step (tags do not depend on the step or batch size).
+    for tag, series in got.items():
+        if tag.startswith("stats/train/"):
+            assert sorted(series) == [1, 3, 5, 7, 9, 11], tag
+    # Validation: at Lightning's own val steps, after each epoch; nothing from the sanity check.
+    assert sorted(got["val_loss"]) == [5, 11]
+    for tag, series in got.items():
+        if tag.startswith("stats/val/"):
+            assert sorted(series) == [5, 11], tag
+    assert run["monitor"].logged_steps == 6 and run["monitor"].last_logged_step == 11
+
+
+def test_hooks_only_on_logged_steps(run: dict[str, Any]) -> None:
+    # The reference's own hook, plus the monitor's on the steps it logs (every 2nd).
+    assert run["reference"].hooks == {k: 2 if k % 2 else 1 for k in range(12)}
+
+
+def test_feature_statistics_are_right(run: dict[str, Any]) -> None:
+    got, reference = run["scalars"], run["reference"]
+    x = train_data()
+    for step in (1, 3, 5, 7, 9, 11):
+        rows = x[4 * (step % 6) : 4 * (step % 6) + 4]
+        expected = reference_stats(rows)
+        for stat in STATS:
+            assert got[f"stats/train/probe/{stat}"][step] == approx(expected[stat]), (step, stat)
+        for module in MODULES[1:]:
+            (output,) = reference.outputs[step][module]
+            expected = reference_stats(output)
+            for stat in STATS:
+                assert got[f"stats/train/{module}/{stat}"][step] == approx(expected[stat])
+    assert got["stats/train/probe/nonfinite"][1] == 3
+    assert got["stats/train/probe/zero_fraction"][1] == approx(4 / 16)
+
+
+def test_validation_statistics_cover_the_whole_epoch_and_stay_apart(run: dict[str, Any]) -> None:
+    got = run["scalars"]
+    expected = reference_stats(run["val"])
+    for step in (5, 11):
+        for stat in STATS:
+            assert got[f"stats/val/probe/{stat}"][step] == approx(expected[stat])
+    # Validation inputs are near 100, training inputs near 0: no training value comes near.
+    assert max(got["stats/train/probe/max"].values()) < 10
+
+
+def test_parameter_norms_gradient_norms_and_update_ratios(run: dict[str, Any]) -> None:
+    got, ref = run["scalars"], run["reference"]
+    for step in (1, 3, 5, 7, 9, 11):
+        for name in PARAMS:
+            before, after = ref.before[step][name], ref.after[step][name]
+            assert got[f"stats/train/{name}/norm"][step] == approx(after.norm().item())
+            assert got[f"stats/train/{name}/grad_norm"][step] == approx(
+                ref.grads[step][name].norm().item()
+            )
+            ratio = ((after - before).norm() / before.norm()).item()
+            assert got[f"stats/train/{name}/update_ratio"][step] == pytest.approx(ratio, rel=1e-4)
+
+
+def test_histograms(run: dict[str, Any]) -> None:
+    acc = events(run["log_dir"])
+    series = {e.step: e.histogram_value for e in acc.Histograms("stats/train/probe/histogram")}
+    assert sorted(series) == [1, 3, 5, 7, 9, 11]
+    rows = train_data()[4:8]
+    finite = rows[torch.isfinite(rows)].double()
+    h = series[1]
+    assert h.num == finite.numel() == 13
+    assert (h.min, h.max) == (approx(finite.min().item()), approx(finite.max().item()))
+    assert h.sum == approx(finite.sum().item())
+    assert sum(h.bucket) == 13 and len(h.bucket) == 9  # 8 bins after an empty leading bucket
+    assert list(h.bucket[1:]) == torch.histogram(finite, 8).hist.tolist()
+    val = {e.step: e.histogram_value for e in acc.Histograms("stats/val/probe/histogram")}
+    assert sorted(val) == [5, 11]
+    assert val[5].num == 16  # the first validation batch
+    assert val[5].min > 90
+
+
+def test_float64_model(tmp_path: Path) -> None:
+    """Float64 outputs take the float64 bucketing; float64 parameters keep float64 norms."""
+    logger = TensorBoardLogger(tmp_path, name="f64")
+    monitor = FeatureStatsMonitor(["probe", "body.0"], every_n_steps=1, bins=4)
+    reference = Reference(("probe", "body.0"), ("body.0.weight", "body.0.bias"))
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor, reference])
+    x = features(8, seed=5).double() * 1e3 + 1e9  # a large offset: float64 all the way
+    trainer.fit(ProbeNet(lr=1e-12).double(), loader(x))
+    got = scalars(logger.log_dir)
+    hists = {
+        e.step: e.histogram_value
+        for e in events(logger.log_dir).Histograms("stats/train/probe/histogram")
+    }
+    for step in (0, 1):
+        rows = x[4 * step : 4 * step + 4]
+        assert got["stats/train/probe/std"][step] == approx(rows.std().item())
+        edges = torch.linspace(rows.min().item(), rows.max().item(), 5, dtype=torch.float64)
+        assert list(hists[step].bucket) == [0.0, *torch.histogram(rows, edges).hist.tolist()]
+        (output,) = reference.outputs[step]["body.0"]
+        assert got["stats/train/body.0/mean"][step] == approx(output.mean().item())
+        for name in ("body.0.weight", "body.0.bias"):
+            before, after = reference.before[step][name], reference.after[step][name]
+            assert got[f"stats/train/{name}/norm"][step] == approx(after.norm().item())
+            grad = reference.grads[step][name].norm().item()
+            assert got[f"stats/train/{name}/grad_norm"][step] == approx(grad)
+            ratio = ((after - before).norm() / before.norm()).item()
+            assert got[f"stats/train/{name}/update_ratio"][step] == approx(ratio)
+
+
+def test_gradient_accumulation_covers_every_micro_batch(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="acc")
+    monitor = FeatureStatsMonitor("probe", every_n_steps=1, stats=["mean", "std", "numel"])
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_steps=2, accumulate_grad_batches=2, callbacks=[monitor]
+    )
+    x = features(16, seed=3)
+    trainer.fit(ProbeNet(), loader(x))
+    got = scalars(logger.log_dir)
+    for step in (0, 1):
+        expected = reference_stats(x[8 * step : 8 * step + 8])
+        assert got["stats/train/probe/numel"][step] == 32
+        assert got["stats/train/probe/mean"][step] == approx(expected["mean"])
+        assert got["stats/train/probe/std"][step] == approx(expected["std"])
+    hist = events(logger.log_dir).Histograms("stats/train/probe/histogram")
+    assert [e.histogram_value.num for e in hist] == [16, 16]  # the last micro-batch
+
+
+def test_other_loggers_get_scalars_and_a_single_warning(tmp_path: Path) -> None:
+    csv_logger = CSVLogger(tmp_path, name="csv")
+    tb_logger = TensorBoardLogger(tmp_path, name="tb")
+    monitor = FeatureStatsMonitor("torch.nn.Linear", every_n_steps=1, parameters=False)
+    with pytest.warns(
+        UserWarning, match="histograms to TensorBoard loggers only; CSVLogger"
+    ) as rec:
+        trainer = pl.Trainer(
+            **QUIET, logger=[csv_logger, tb_logger], max_steps=2, callbacks=[monitor]
+        )
+        trainer.fit(ProbeNet(), loader(features(8)))
+        trainer.validate(ProbeNet(), loader(features(8)))
+    assert sum("TensorBoard loggers only" in str(w.message) for w in rec) == 1
+    with open(Path(csv_logger.log_dir) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {"stats/train/body.0/mean", "stats/train/body.2/nonfinite"} <= set(rows[0])
+    assert [r["step"] for r in rows if r["stats/train/body.0/mean"]] == ["0", "1"]
+    assert "stats/train/body.0/mean" in scalars(tb_logger.log_dir)
+
+
+def test_no_logger_fails_at_setup() -> None:
+    trainer = pl.Trainer(
+        **QUIET, logger=False, max_steps=1, callbacks=[FeatureStatsMonitor("probe")]
+    )
+    with pytest.raises(RecorderConfigError, match="Expected the Trainer to have a logger"):
+        trainer.fit(ProbeNet(), loader(features(8)))
+    assert live_hooks() == []
+
+
+def test_validate_then_fit_and_test(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="vf")
+    monitor = FeatureStatsMonitor(
+        [nn.Identity, "body.2"], every_n_steps=1, stages=["train", "val", "test"]
+    )
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor])
+    model, val = ProbeNet(), features(8, offset=5.0)
+    trainer.validate(model, loader(val))  # under torch.inference_mode()
+    trainer.fit(model, loader(features(8)), loader(val))
+    trainer.test(model, loader(features(4, offset=-7.0)))
+    got = scalars(logger.log_dir)
+    # Standalone validate at step 0; validation at the end of fit at Lightning's val step 1.
+    assert sorted(got["val_loss"]) == [0, 1]
+    assert got["stats/val/probe/mean"] == {
+        0: approx(val.mean().item()),
+        1: approx(val.mean().item()),
+    }
+    assert sorted(got["stats/train/probe/mean"]) == [0, 1]
+    assert got["stats/test/probe/mean"] == {2: approx(features(4, offset=-7.0).mean().item())}
+
+
+def test_checkpoint_resume_continues_counters(tmp_path: Path) -> None:
+    def fit(max_steps: int, ckpt: Path | None) -> tuple[FeatureStatsMonitor, dict[str, Any]]:
+        monitor = FeatureStatsMonitor("probe", every_n_steps=2)
+        logger = TensorBoardLogger(tmp_path, name="ckpt")
+        callbacks: list[pl.Callback] = [monitor, ModelCheckpoint(tmp_path, save_last=True)]
+        kwargs = {**QUIET, "enable_checkpointing": True}
+        trainer = pl.Trainer(**kwargs, logger=logger, max_steps=max_steps, callbacks=callbacks)
+        trainer.fit(ProbeNet(), loader(features(64)), ckpt_path=ckpt)
+        return monitor, scalars(logger.log_dir)
+
+    first, _ = fit(4, None)
+    assert (first.logged_steps, first.last_logged_step) == (2, 3)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"][first.state_key]
+    assert saved == {"recorded_steps": 2, "logged_steps": 2, "last_logged_step": 3}
+    resumed, got = fit(8, tmp_path / "last.ckpt")
+    assert (resumed.recorded_steps, resumed.logged_steps, resumed.last_logged_step) == (4, 4, 7)
+    assert sorted(got["stats/train/probe/mean"]) == [5, 7]
+
+
+def test_two_monitors_coexist(tmp_path: Path) -> None:
+    a = FeatureStatsMonitor("probe", every_n_steps=1, prefix="a", histograms=False)
+    b = FeatureStatsMonitor("probe", every_n_steps=2, prefix="b", histograms=False)
+    assert a.state_key != b.state_key
+    logger = TensorBoardLogger(tmp_path, name="two")
+    pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[a, b]).fit(
+        ProbeNet(), loader(features(8))
+    )
+    got = scalars(logger.log_dir)
+    assert sorted(got["a/train/probe/mean"]) == [0, 1] and sorted(got["b/train/probe/mean"]) == [1]
+    assert not events(logger.log_dir).Tags()["histograms"]
+
+
+class InPlace(ProbeNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+
+
+def test_output_modified_in_place(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="inplace")
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_steps=1, callbacks=[FeatureStatsMonitor("body.0", 1)]
+    )
+    with pytest.raises(RecordModifiedError, match=r"modified in place.*Pass clone=True"):
+        trainer.fit(InPlace(), loader(features(8)))
+    assert live_hooks() == []
+    monitor = FeatureStatsMonitor("body.0", every_n_steps=1, clone=True, parameters=False)
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor])
+    trainer.fit(InPlace(), loader(features(8)))
+    assert scalars(logger.log_dir)["stats/train/body.0/min"][0] < 0  # before the in-place ReLU
+
+
+def test_a_module_not_called_logs_nothing(tmp_path: Path) -> None:
+    class Spare(ProbeNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.spare = nn.Linear(2, 2)
+
+    logger = TensorBoardLogger(tmp_path, name="spare")
+    monitor = FeatureStatsMonitor(["spare", "probe"], every_n_steps=1)
+    pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor]).fit(
+        Spare(), loader(features(8))
+    )
+    got = scalars(logger.log_dir)
+    assert not [t for t in got if t.startswith("stats/train/spare/")]
+    assert set(t for t in got if "spare." in t) == {
+        "stats/train/spare.weight/norm",
+        "stats/train/spare.bias/norm",
+    }
+
+
+def test_unknown_source_fails_at_start(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="unknown")
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_steps=1, callbacks=[FeatureStatsMonitor(["probe", "bdy.*"])]
+    )
+    with pytest.raises(UnknownSourceError, match=r"'bdy.\*' matches no module.*Closest"):
+        trainer.fit(ProbeNet(), loader(features(8)))
+    assert live_hooks() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sources": []}, "Expected `sources` of FeatureStatsMonitor"),
+        ({"sources": [""]}, "Expected each of `sources`"),
+        ({"sources": [3]}, "Expected each of `sources`"),
+        ({"stats": ["mean", "median"]}, "hold only 'mean'.*but got 'median'"),
+        ({"bins": 0}, "`bins` of FeatureStatsMonitor to be a positive int"),
+        ({"histograms": "yes"}, "`histograms` of FeatureStatsMonitor to be a bool"),
+        ({"parameters": 1}, "`parameters` of FeatureStatsMonitor to be a bool"),
+        ({"prefix": "stats/"}, "`prefix` .* without a trailing '/'"),
+        ({"every_n_steps": -1}, "`every_n_steps` of FeatureStatsMonitor"),
+        ({"stages": ["training"]}, "`stages` of FeatureStatsMonitor to hold only"),
+    ],
+)
+def test_argument_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(RecorderConfigError, match=match):
+        FeatureStatsMonitor(**{"sources": "probe", **kwargs})
+
+
+def test_docstring_example() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = doctest.testmod(monitor_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_docs_page_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert python_blocks(DOCS / "feature_stats_monitor.md")
+    run_page(DOCS / "feature_stats_monitor.md")
+
+
+class _PlainWriter(SummaryWriter):
+    """A writer from another module: the monitor falls back to ``add_scalar`` per tag."""
+
+
+class _PlainLogger(TensorBoardLogger):
+    @property
+    def experiment(self) -> SummaryWriter:
+        if self._experiment is None:
+            self._experiment = _PlainWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def test_one_event_per_step_equals_one_write_per_tag(tmp_path: Path) -> None:
+    fast = TensorBoardLogger(tmp_path, name="fast", prefix="p")
+    plain = _PlainLogger(tmp_path, name="plain", prefix="p")
+    monitor = FeatureStatsMonitor("probe", every_n_steps=1, bins=4, parameters=False)
+    pl.Trainer(**QUIET, logger=[fast, plain], max_steps=2, callbacks=[monitor]).fit(
+        ProbeNet(), loader(features(8))
+    )
+    one, many = scalars(fast.log_dir), scalars(plain.log_dir)
+    assert {t for t in one if "stats" in t} == {f"p-stats/train/probe/{s}" for s in STATS}
+    assert {t: one[t] for t in one if "stats" in t} == {t: many[t] for t in many if "stats" in t}
+    tag = "p-stats/train/probe/histogram"
+    h1, h2 = events(fast.log_dir).Histograms(tag), events(plain.log_dir).Histograms(tag)
+    assert [e.step for e in h1] == [0, 1]
+    assert [(e.step, e.histogram_value) for e in h1] == [(e.step, e.histogram_value) for e in h2]
+
+
+def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_callbacks.py"
+    spec = importlib.util.spec_from_file_location("bench_callbacks", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    threads = torch.get_num_threads()
+    try:
+        spec.loader.exec_module(bench)
+        argv = ["--quick", "--default-malloc", "--json", str(tmp_path / "bench.json")]
+        result = bench.main(argv)  # the default malloc: this process goes on testing
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    rows = ("| amortised |", "| non-logging step |", "| logging step |", "| peak RSS")
+    for row in (*rows, "| logging step, `histograms=False` |", "| step, a callback that does"):
+        assert row in out
+    measures = {"amortised", "non-logging step", "logging step"}
+    for clock in result["ratio"].values():
+        assert set(clock) == {"monitor", "scalars only", "empty callback"}  # vs the baseline
+        assert all(set(by) == measures and min(by.values()) > 0 for by in clock.values())
+    assert result["ms"]["wall"]["monitor"]["logging step"] > 0
+    assert 0.9 < result["rss_ratio"] < 1.1
+    assert (tmp_path / "bench.json").exists() and result["malloc_pinned"] is False

@@ -1,0 +1,486 @@
+"""Tests of lightning_recorder.inspector: labels, summary, recording and post-processing."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import re
+
+import pytest
+import torch
+from helpers.docs import DOCS, doctest_room, python_blocks, run_page
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import lightning_recorder.inspector as inspector_module
+from lightning_recorder._core.hooks import live_hooks
+from lightning_recorder.errors import RecorderConfigError, RecorderStateError, UnknownSourceError
+from lightning_recorder.inspector import Inspector
+
+
+def toynet() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3), nn.ReLU())
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Shared(nn.Module):
+    """Calls `fc` and `act` twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.fc(x))
+        x = self.act(self.fc(x))
+        return self.out(x)
+
+
+class Interleaved(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.b = nn.ModuleDict({"x": nn.Linear(4, 4), "y": nn.Linear(4, 4)})
+        self.deep = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a[0](x)
+        x = self.b["x"](x)
+        x = self.a[1](x)
+        x = self.deep(x)
+        return self.b["y"](x)
+
+
+class Branchy(nn.Module):
+    """Runs `extra` only when the input sum is positive (dynamic control flow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.extra = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        return self.extra(x) if x.sum() > 0 else x
+
+
+# --- the seed's documented example -----------------------------------------------------------
+
+
+def test_scio_toy_example_records_the_direct_computation() -> None:
+    net = toynet()
+    rnet = Inspector(net, input_size=(1, 5))
+    assert "Currently recording: None" in repr(rnet)
+    rnet.record((0, 1), (1, 3))
+    assert "Currently recording: 0-1, 1-3" in repr(rnet)
+    x = torch.rand(1, 5)
+    out = rnet(x)
+    hidden = net[2](net[1](net[0](x)))
+    torch.testing.assert_close(out, net(x))
+    assert set(rnet.activations) == {(0, 1), (1, 3)}
+    torch.testing.assert_close(rnet.activations[(1, 3)], hidden)
+    torch.testing.assert_close(rnet.activations[(0, 1)], torch.relu(hidden))
+    assert rnet.activations["1-3"] is rnet.activations[(1, 3)]
+    assert rnet.activations[(1, 3)].grad_fn is not None  # attached, as in the seed
+    assert rnet.recording == ((0, 1), (1, 3))
+    assert dict(rnet.recorded_modules) == {(0, 1): net, (1, 3): net[2]}
+    assert list(rnet.recorded_params) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    rnet.release()
+
+
+def test_scio_summary_table_rows() -> None:
+    rnet = Inspector(toynet(), input_size=(1, 5))
+    rnet.record("1-3")
+    rule = "=" * 89
+    assert rnet.summary().splitlines() == [
+        "Inspector of Sequential",
+        rule,
+        "Layer (type (var_name): depth-idx)  Input Shape  Output Shape  Param #  Param %  Recorded",
+        rule,
+        "Sequential (Sequential): 0-1        [1, 5]       [1, 3]             --       --",
+        "├─Linear (0): 1-1                   [1, 5]       [1, 4]             24   61.54%",
+        "├─ReLU (1): 1-2                     [1, 4]       [1, 4]             --       --",
+        "├─Linear (2): 1-3                   [1, 4]       [1, 3]             15   38.46%  ✓",
+        "├─ReLU (3): 1-4                     [1, 3]       [1, 3]             --       --",
+        rule,
+        "Total params: 39",
+        "Trainable params: 39",
+        "Non-trainable params: 0",
+        rule,
+        "Currently recording: 1-3",
+        rule,
+    ]
+    assert repr(rnet) == rnet.summary()
+    rnet.release()
+
+
+def test_summary_shows_containers_repeated_calls_and_several_shapes() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return x, x[:, :2], x[:, :1]
+
+    net = nn.Sequential(Pair())
+    text = Inspector(net, input_size=(1, 3)).summary()
+    assert re.search(r"├─Pair \(0\): 1-1 +\[1, 3\] +\[1, 3\], \[1, 2\], … +--", text)
+    text = Inspector(Shared(), input_size=(1, 4)).summary()
+    assert re.search(r"├─Linear \(fc\): 1-3 .* \(recursive\)  +--$", text, flags=re.M)
+    assert re.search(r"├─Linear \(fc\): 1-1 .* 20   66.67%$", text, flags=re.M)
+    text = Inspector(Blocks(), input_size=(1, 4)).summary()
+    assert re.search(r"├─ModuleList \(blocks\): 1-2 +\(not called\) +-- +-- +--$", text, flags=re.M)
+    assert "│    │    ├─Linear (0): 3-3" in text
+
+
+# --- labels -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [toynet, Blocks, Shared, Interleaved])
+def test_labels_of_called_layers_match_torchinfo(make: type[nn.Module]) -> None:
+    torchinfo = pytest.importorskip("torchinfo")
+    net = make()
+    size = (1, 5) if isinstance(net, nn.Sequential) else (1, 4)
+    info = torchinfo.summary(net, input_size=size, verbose=0).summary_list
+    theirs = [(i.depth, i.depth_index, i.class_name) for i in info if i.executed]
+    layers = Inspector(net, input_size=size).layers
+    assert [(*r.label, r.type_name) for r in layers if r.called] == theirs
+    if make is not Interleaved:  # torchinfo repeats a container's last label there
+        assert [(*r.label, r.type_name) for r in layers] == [
+            (i.depth, i.depth_index, i.class_name) for i in info
+        ]
+
+
+def test_never_called_containers_get_rows_but_cannot_be_recorded() -> None:
+    rnet = Inspector(Interleaved(), input_size=(1, 4))
+    rows = [(r.text, r.name, r.called) for r in rnet.layers if r.label[0] == 1]
+    assert rows == [
+        ("1-1", "a", False),
+        ("1-2", "b", False),
+        ("1-3", "a", False),
+        ("1-4", "deep", True),
+        ("1-5", "b", False),
+    ]
+    with pytest.raises(
+        RecorderConfigError, match=r"1-2 \(ModuleDict 'b'\) is a container that is never called"
+    ):
+        rnet.record("1-2")
+    assert rnet.recording == () and live_hooks() == []
+
+
+def test_a_module_called_twice_gets_one_label_per_call() -> None:
+    net = Shared()
+    rnet = Inspector(net, input_size=(1, 4))
+    fc_rows = [(r.text, r.call) for r in rnet.layers if r.name == "fc"]
+    assert fc_rows == [("1-1", 0), ("1-3", 1)]
+    rnet.record("1-3", "1-4")
+    x = torch.randn(2, 4)
+    rnet(x)
+    first = torch.tanh(net.fc(x))
+    second = net.fc(first)
+    torch.testing.assert_close(rnet.activations["1-3"], second)
+    torch.testing.assert_close(rnet.activations["1-4"], torch.tanh(second))
+    assert list(rnet.recorded_modules.values()) == [net.fc, net.act]
+    assert list(rnet.recorded_params) == ["fc.weight", "fc.bias"]
+    rnet.release()
+
+
+def test_labels_are_parsed_from_tuples_lists_and_strings() -> None:
+    with Inspector(toynet(), input_size=(1, 5)) as rnet:
+        rnet.record([1, 3], " 1-1 ", (1, 3), "0-1")
+        assert rnet.recording == ((0, 1), (1, 1), (1, 3))  # call order, duplicates dropped
+        rnet.record()
+        assert rnet.recording == () and live_hooks() == []
+
+
+def test_label_errors() -> None:
+    with Inspector(toynet(), input_size=(1, 5)) as rnet:
+        with pytest.raises(
+            UnknownSourceError, match=r"No layer labelled 1-9 .*Closest layer labels:"
+        ):
+            rnet.record((1, 9))
+        with pytest.raises(UnknownSourceError, match=r"No layer labelled 3-1 in Sequential"):
+            rnet.record("3-1")
+        for bad in ("1.3", (1,), (1, True), 13, (1, -3)):
+            with pytest.raises(RecorderConfigError, match=r"Expected a layer label such as"):
+                rnet.record(bad)  # type: ignore[arg-type]
+        rnet.record("1-1")
+        with pytest.raises(UnknownSourceError):
+            rnet.record("1-1", "9-9")
+        assert rnet.recording == ((1, 1),)  # a failed call changes nothing
+        assert len(live_hooks()) == 2
+        with pytest.raises(KeyError, match=r"No entry for layer 1-2; entries: none"):
+            rnet.activations["1-2"]
+
+
+# --- forward: recording, post-processing, dont_record -----------------------------------------
+
+
+def test_one_postprocessor_for_every_recorded_layer_replaces_outputs() -> None:
+    net = toynet()
+    x = torch.rand(3, 5)
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("1-1", "1-3")
+        out = rnet(x, activation_postproc=lambda t: t * 0 + 1)
+        ones = torch.ones(3, 3)
+        torch.testing.assert_close(out, torch.relu(ones))
+        torch.testing.assert_close(rnet.activations["1-1"], net[0](x))  # recorded before
+        torch.testing.assert_close(rnet.activations["1-3"], net[2](torch.ones(3, 4)))
+
+
+def test_a_list_of_postprocessors_follows_call_order_and_none_keeps() -> None:
+    net = toynet()
+    x = torch.rand(2, 5)
+    seen: list[tuple[int, ...]] = []
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("1-3", "1-1")
+
+        def watch(t: torch.Tensor) -> None:
+            seen.append(tuple(t.shape))
+
+        out = rnet(x, activation_postproc=[lambda t: -t, watch])
+    assert seen == [(2, 3)]  # the second postprocessor belongs to 1-3, called second
+    torch.testing.assert_close(out, torch.relu(net[2](torch.relu(-net[0](x)))))
+
+
+def test_in_place_postprocessing_changes_the_record() -> None:
+    net = toynet()
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("1-1")
+        rnet(torch.rand(1, 5), activation_postproc=lambda t: t.zero_())
+        assert torch.count_nonzero(rnet.activations["1-1"]) == 0
+
+
+def test_postprocessor_errors() -> None:
+    with Inspector(toynet(), input_size=(1, 5)) as rnet:
+        rnet.record("1-1", "1-3")
+        with pytest.raises(
+            RecorderConfigError,
+            match=r"list of 2 callables, one per recorded layer \(1-1, 1-3\), but got",
+        ):
+            rnet(torch.rand(1, 5), activation_postproc=[torch.relu])
+        with pytest.raises(RecorderConfigError, match=r"Expected `activation_postproc`"):
+            rnet(torch.rand(1, 5), activation_postproc="relu")  # type: ignore[arg-type]
+
+
+def test_dont_record_keeps_previous_activations_and_still_postprocesses() -> None:
+    net = toynet()
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("0-1")
+        x = torch.rand(1, 5)
+        rnet(x)
+        kept = rnet.activations["0-1"]
+        out = rnet(torch.rand(1, 5), dont_record=True, activation_postproc=lambda t: t + 100)
+        assert rnet.activations["0-1"] is kept
+        assert bool((out >= 100).all())
+
+
+def test_missing_recorded_layer_raises_and_names_it() -> None:
+    net = Branchy()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        net.fc.bias.fill_(5.0)  # traced forward takes the branch
+    with Inspector(net, input_size=(1, 3)) as rnet:
+        rnet.record("1-1", "1-2")
+        rnet(torch.rand(1, 3))
+        with torch.no_grad():
+            net.fc.bias.fill_(-50.0)
+        with pytest.raises(
+            RecorderStateError,
+            match=r"1 did not: 1-2 is call 1 of Linear 'extra', which ran 0 time\(s\) in this "
+            r"forward\. Recorded layers that ran: 1-1\.",
+        ):
+            rnet(torch.rand(1, 3))
+        assert list(rnet.activations) == [(1, 1)]  # what that forward did record
+        rnet(torch.rand(1, 3), dont_record=True)  # nothing asked of that forward: no error
+
+
+def test_only_forwards_through_the_inspector_record() -> None:
+    net = toynet()
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("1-1")
+        net(torch.rand(1, 5))
+        assert len(rnet.activations) == 0
+
+
+def test_detach_option_and_gradients_through_activations() -> None:
+    net = toynet()
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("1-1")
+        rnet(torch.rand(2, 5))
+        rnet.activations["1-1"].pow(2).sum().backward()
+        assert net[0].weight.grad is not None
+    with Inspector(net, input_size=(1, 5), detach=True) as detached:
+        detached.record("1-1")
+        detached(torch.rand(2, 5))
+        assert detached.activations["1-1"].grad_fn is None
+
+
+def test_activations_and_recorded_modules_are_read_only() -> None:
+    with Inspector(toynet(), input_size=(1, 5)) as rnet:
+        rnet.record("1-1")
+        rnet(torch.rand(1, 5))
+        with pytest.raises(TypeError):
+            rnet.activations[(1, 1)] = torch.zeros(1)  # type: ignore[index]
+        with pytest.raises(TypeError):
+            rnet.recorded_modules[(1, 1)] = nn.ReLU()  # type: ignore[index]
+
+
+def test_recording_skips_activation_checkpoint_recomputation() -> None:
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    net = Checkpointed()
+    with Inspector(net, input_size=(1, 3)) as rnet:
+        rnet.record("2-1")
+        x = torch.rand(2, 3, requires_grad=True)
+        rnet(x).sum().backward()
+        torch.testing.assert_close(rnet.activations["2-1"], net.block[0](x))
+        assert x.grad is not None
+
+
+# --- construction -----------------------------------------------------------------------------
+
+
+def test_input_data_as_tensor_tuple_or_keywords_and_integer_dtypes() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return self.fc(self.emb(ids)) * scale
+
+    net = Two()
+    ids = torch.tensor([[1, 2, 3]])
+    by_tensor = Inspector(net, input_data=ids).layers
+    assert by_tensor[1].input_shapes == ((1, 3),) and by_tensor[2].output_shapes == ((1, 3, 2),)
+    assert Inspector(net, input_data=(ids, 2.0)).layers == by_tensor
+    assert Inspector(net, input_data={"ids": ids}).layers == by_tensor
+    assert Inspector(net, input_size=(1, 3), dtypes=[torch.long]).layers == by_tensor
+
+
+def test_construction_errors() -> None:
+    net = toynet()
+    with pytest.raises(RecorderConfigError, match=r"exactly one of `input_size`.*but got neither"):
+        Inspector(net)
+    with pytest.raises(RecorderConfigError, match=r"but got both"):
+        Inspector(net, input_size=(1, 5), input_data=torch.rand(1, 5))
+    with pytest.raises(RecorderConfigError, match=r"Expected `input_size` to be a shape such as"):
+        Inspector(net, input_size="1, 5")  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `dtypes` to be 1 torch.dtype"):
+        Inspector(net, input_size=(1, 5), dtypes=[torch.float32, torch.long])
+    with pytest.raises(RecorderConfigError, match=r"Expected `input_data` to be a tensor"):
+        Inspector(net, input_data=3)
+    with pytest.raises(RecorderConfigError, match=r"Expected `net` to be an nn.Module but got"):
+        Inspector("net")  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `mode` to be one of"):
+        Inspector(net, input_size=(1, 5), mode="test")  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `detach` to be a bool"):
+        Inspector(net, input_size=(1, 5), detach=1)  # type: ignore[arg-type]
+    net.train()
+    with pytest.raises(RecorderConfigError, match=r"the traced forward raised RuntimeError"):
+        Inspector(net, input_size=(1, 7))
+    assert live_hooks() == [] and net.training
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())
+
+
+def test_traced_forward_leaves_modes_buffers_and_random_state_as_found() -> None:
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Dropout(0.5))
+    net.train()
+    net[2].eval()  # mixed modes survive
+    stats = net[1].running_mean.clone(), net[1].num_batches_tracked.clone()
+    for mode in ("eval", "train", "same"):
+        torch.manual_seed(123)
+        Inspector(net, input_size=(4, 3), mode=mode)  # type: ignore[arg-type]
+        after = torch.rand(3)
+        torch.manual_seed(123)
+        assert torch.equal(after, torch.rand(3))
+        assert [m.training for m in net.modules()] == [True, True, True, False]
+        assert torch.equal(net[1].running_mean, stats[0])
+        assert torch.equal(net[1].num_batches_tracked, stats[1])
+
+
+# --- cleanup, module behaviour, copies ----------------------------------------------------------
+
+
+def test_release_context_and_gc_remove_every_hook() -> None:
+    net = Shared()
+    rnet = Inspector(net, input_size=(1, 4))
+    rnet.record("1-1", "1-3", "1-5")
+    assert len(live_hooks()) == 4  # fc (one module, two labels) and out: a pre-hook and a hook
+    rnet.release()
+    rnet.release()
+    assert live_hooks() == [] and rnet.recording == ()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())
+    rnet.record("0-1")
+    del rnet
+    gc.collect()
+    assert live_hooks() == []
+    with Inspector(net, input_size=(1, 4)) as rnet2:
+        rnet2.record("1-2")
+    assert live_hooks() == []
+
+
+def test_the_inspector_is_a_module_around_its_network() -> None:
+    net = toynet()
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        assert rnet.net is net
+        assert [p for p in rnet.parameters()] == list(net.parameters())
+        assert set(rnet.state_dict()) == {f"net.{k}" for k in net.state_dict()}
+        rnet.eval()
+        assert not net.training and not net[0].training
+        rnet.train()
+        assert net.training
+
+
+def test_deepcopy_and_pickle_keep_recording_and_leave_the_original_alone() -> None:
+    net = toynet()
+    x = torch.rand(1, 5)
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("1-3")
+        for twin in (copy.deepcopy(rnet), pickle.loads(pickle.dumps(rnet))):
+            assert twin.recording == ((1, 3),) and twin.net is not net
+            twin(x)
+            torch.testing.assert_close(twin.activations["1-3"], net[2](net[1](net[0](x))))
+            assert len(rnet.activations) == 0  # the original recorded nothing
+            twin.release()
+        plain = copy.deepcopy(net)  # the wrapped network alone copies too; its hooks are inert
+        torch.testing.assert_close(plain(x), net(x))
+        pickle.loads(pickle.dumps(net))
+
+
+# --- documentation ----------------------------------------------------------------------------
+
+
+def test_docstring_examples() -> None:
+    result = doctest_room(inspector_module)
+    assert result.attempted >= 7 and result.failed == 0
+
+
+def test_docs_page_examples_run() -> None:
+    assert len(python_blocks(DOCS / "inspector.md")) >= 3
+    run_page(DOCS / "inspector.md")
+    text = (DOCS / "inspector.md").read_text(encoding="utf-8")
+    shown = re.findall(r"```text\n(.*?)```", text, flags=re.S)[0]
+    assert shown.rstrip("\n") == repr(Inspector(toynet(), input_size=(1, 5)))

@@ -1,0 +1,93 @@
+"""The examples run as a new user runs them, and what they write is read back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers.models import events, scalars
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+STATS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
+MODULES = ("features.0", "features.1", "features.2", "features.3", "features.4", "classifier")
+
+
+def run_example(name: str, *args: str, cwd: Path) -> str:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_tensorboard_stats(tmp_path: Path) -> None:
+    out = run_example(
+        "tensorboard_stats.py",
+        "--max-epochs",
+        "1",
+        "--every-n-steps",
+        "5",
+        "--plot",
+        "p.png",
+        cwd=tmp_path,
+    )
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    assert f"TensorBoard logs: {Path('lightning_logs') / 'version_0'}" in out
+    assert "tensorboard --logdir lightning_logs" in out
+    assert "Last logged statistics (train at step 44, val at step 44)" in out
+    table = [line.split() for line in out.splitlines() if line.startswith(("train ", "val "))]
+    assert [(row[0], row[1]) for row in table] == [
+        (stage, module) for stage in ("train", "val") for module in sorted(MODULES)
+    ]
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+    got = scalars(log_dir)
+    steps = [4, 9, 14, 19, 24, 29, 34, 39, 44]  # 45 steps of 32 digits, every 5 steps
+    for module in MODULES:
+        for stat in STATS:
+            assert sorted(got[f"stats/train/{module}/{stat}"]) == steps
+            assert sorted(got[f"stats/val/{module}/{stat}"]) == [44]
+    for name in ("features.0.weight", "classifier.3.bias"):
+        for stat in ("norm", "grad_norm", "update_ratio"):
+            assert sorted(got[f"stats/train/{name}/{stat}"]) == steps
+    assert sorted(got["train_loss"]) == steps  # Lightning's own points, on the same axis
+
+    # The statistics agree with what the layers do, at every logged step.
+    for stage, step in [("train", s) for s in steps] + [("val", 44)]:
+
+        def value(module: str, stat: str, stage: str = stage, step: int = step) -> float:
+            return got[f"stats/{stage}/{module}/{stat}"][step]
+
+        for module in MODULES:
+            assert value(module, "nonfinite") == 0
+            assert value(module, "min") <= value(module, "mean") <= value(module, "max")
+            assert value(module, "std") > 0
+        for conv, relu in (("features.0", "features.1"), ("features.2", "features.3")):
+            assert value(conv, "zero_fraction") == 0 < value(relu, "zero_fraction") < 1
+            assert value(relu, "min") == 0 and value(relu, "max") == value(conv, "max")
+            assert value(relu, "abs_mean") == value(relu, "mean")
+        assert value("features.4", "max") == value("features.3", "max")  # max pooling
+        assert value("features.4", "zero_fraction") <= value("features.3", "zero_fraction")
+    hists = events(log_dir).Tags()["histograms"]
+    assert {f"stats/train/{m}/histogram" for m in MODULES} <= set(hists)
+
+
+def test_record_standalone() -> None:
+    import runpy
+
+    namespace = runpy.run_path(str(EXAMPLES / "record_standalone.py"))
+    dead = namespace["main"](epochs=2)
+    assert sorted(dead) == ["1", "3"]  # one stream per ReLU, named after it
+    assert all(0.0 <= fraction < 1.0 for fraction in dead.values())

@@ -1,0 +1,223 @@
+"""Function and method recorders: MMRazor's examples, patch sharing, restoration, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import toy as toy_module
+
+from lightning_recorder import (
+    FunctionInputsRecorder,
+    FunctionOutputsRecorder,
+    InvalidSourceError,
+    MethodInputsRecorder,
+    MethodOutputsRecorder,
+    NoRecordError,
+    NotInitializedError,
+)
+from lightning_recorder._core.patching import active_patches
+
+ORIGINAL_TOY_FUNC = toy_module.toy_func
+ORIGINAL_METHOD = toy_module.Toy.__dict__["toy_func"]
+
+
+def test_mmrazor_function_outputs_example() -> None:
+    r1 = FunctionOutputsRecorder("helpers.toy.toy_func")
+    r1.initialize()
+    with r1:
+        out1 = toy_module.toy_func()
+        out2 = toy_module.toy_func()
+        out3 = toy_module.toy_func()
+    data_buffer = r1.data_buffer
+    assert data_buffer == [out1, out2, out3]
+    assert r1.get_record_data(record_idx=2) == out3
+    r1.release()
+    assert toy_module.toy_func is ORIGINAL_TOY_FUNC
+
+
+def test_mmrazor_method_outputs_example() -> None:
+    toy = toy_module.Toy()
+    r1 = MethodOutputsRecorder("helpers.toy.Toy.toy_func")
+    r1.initialize()
+    with r1:
+        outs = [toy.toy_func() for _ in range(3)]
+    assert r1.data_buffer == outs
+    assert r1.get_record_data(record_idx=2) == outs[2]
+    r1.release()
+    assert toy_module.Toy.__dict__["toy_func"] is ORIGINAL_METHOD
+
+
+def test_nothing_recorded_outside_context_and_fresh_buffer() -> None:
+    rec = FunctionOutputsRecorder("helpers.toy.toy_func").initialize()
+    toy_module.toy_func()
+    with rec:
+        first = toy_module.toy_func()
+    toy_module.toy_func()
+    assert rec.data_buffer == [first]
+    with rec:
+        second = toy_module.toy_func()
+    assert rec.data_buffer == [second]
+    rec.release()
+
+
+def test_inputs_normalised_to_signature_order() -> None:
+    rec = FunctionInputsRecorder("helpers.toy.add").initialize()
+    with rec:
+        toy_module.add(1, 2)
+        toy_module.add(1, b=2)
+        toy_module.add(b=2, a=1)
+        toy_module.add(1)
+        toy_module.add(1, 2, 3, 4, scale=2.0, z=5.0, y=6.0)
+    records = rec.data_buffer
+    rec.release()
+    assert records[0] == records[1] == records[2] == (1, 2, 1.0)
+    assert records[0].names == ("a", "b", "scale")
+    assert records[3] == (1, 10.0, 1.0)
+    assert records[4].names == ("a", "b", "rest[0]", "rest[1]", "scale", "y", "z")
+    assert records[4]["z"] == 5.0
+
+
+def test_method_inputs_exclude_self_static_and_classmethods() -> None:
+    toy = toy_module.Toy()
+    scale = MethodInputsRecorder("helpers.toy.Toy.scale").initialize()
+    static = MethodOutputsRecorder("helpers.toy.Toy.static").initialize()
+    klass = MethodOutputsRecorder("helpers.toy.Toy.klass").initialize()
+    klass_in = MethodInputsRecorder("helpers.toy.Toy.klass").initialize()
+    with scale, static, klass, klass_in:
+        toy.scale(3.0, factor=4.0)
+        assert toy_module.Toy.static(1) == 2
+        assert toy.static(5) == 6
+        assert toy_module.SubToy.klass(7) == "SubToy:7"
+    assert scale.get_record_data().as_dict() == {"x": 3.0, "factor": 4.0}
+    assert static.data_buffer == [2, 6]
+    assert klass.data_buffer == ["SubToy:7"]
+    assert tuple(klass_in.get_record_data()) == (7,)
+    for rec in (klass_in, klass, static, scale):
+        rec.release()
+    assert isinstance(toy_module.Toy.__dict__["static"], staticmethod)
+    assert isinstance(toy_module.Toy.__dict__["klass"], classmethod)
+    assert toy_module.Toy.static(1) == 2
+
+
+def test_inherited_method_is_restored_by_deletion() -> None:
+    rec = MethodOutputsRecorder("helpers.toy.SubToy.scale").initialize()
+    assert "scale" in toy_module.SubToy.__dict__
+    with rec:
+        toy_module.SubToy().scale(2.0)
+        toy_module.Toy().scale(5.0)  # the base class is not patched
+    assert rec.data_buffer == [4.0]
+    rec.release()
+    assert "scale" not in toy_module.SubToy.__dict__
+
+
+@pytest.mark.parametrize("order", ["fifo", "lifo"])
+def test_two_recorders_share_a_patch_and_release_in_any_order(order: str) -> None:
+    a = FunctionOutputsRecorder("helpers.toy.toy_func").initialize()
+    b = FunctionOutputsRecorder("helpers.toy.toy_func", keep="last").initialize()
+    assert active_patches() == ["helpers.toy.toy_func"]
+    with a:
+        with b:
+            values = [toy_module.toy_func() for _ in range(2)]
+        values.append(toy_module.toy_func())
+    assert a.data_buffer == values
+    assert b.data_buffer == [values[1]]
+    first, second = (a, b) if order == "fifo" else (b, a)
+    first.release()
+    assert toy_module.toy_func is not ORIGINAL_TOY_FUNC  # the other still records
+    with second:
+        value = toy_module.toy_func()
+    assert second.data_buffer == [value]
+    second.release()
+    assert toy_module.toy_func is ORIGINAL_TOY_FUNC
+    assert active_patches() == []
+
+
+def test_exception_inside_context_then_release_restores() -> None:
+    rec = FunctionInputsRecorder("helpers.toy.raises").initialize()
+    with pytest.raises(ValueError, match="bad input 3"), rec:
+        toy_module.raises(3)
+    assert not rec.recording
+    assert tuple(rec.get_record_data()) == (3,)  # inputs are recorded before the call
+    rec.release()
+    assert active_patches() == []
+    with pytest.raises(ValueError, match="bad input 4"):
+        toy_module.raises(4)
+
+
+def test_function_bound_under_another_module_is_explained() -> None:
+    # uses_double calls toy_module.double; recording 'torch' paths is unrelated. Recording the
+    # function where it is *defined* but called through another reference finds nothing.
+    ref = toy_module.double
+    rec = FunctionOutputsRecorder("helpers.toy.double").initialize()
+    with rec:
+        ref(torch.ones(1))
+    with pytest.raises(NoRecordError, match="the module that uses the function"):
+        rec.get_record_data()
+    rec.release()
+
+
+def test_release_is_idempotent_and_reinitialize_works() -> None:
+    rec = FunctionOutputsRecorder("helpers.toy.toy_func").initialize()
+    rec.release()
+    rec.release()
+    rec.initialize()
+    rec.initialize()  # no second patch
+    with rec:
+        toy_module.toy_func()
+    assert len(rec.data_buffer) == 1
+    rec.release()
+    assert toy_module.toy_func is ORIGINAL_TOY_FUNC
+
+
+@pytest.mark.parametrize(
+    ("cls", "source", "match"),
+    [
+        (FunctionOutputsRecorder, "toy_func", r"dotted path such as 'pkg.module.func'"),
+        (FunctionOutputsRecorder, "no_such_pkg.func", r"no prefix of it imports"),
+        (
+            FunctionOutputsRecorder,
+            "helpers.toy.toy_fnc",
+            r"no function 'toy_fnc'.*'toy_func'",
+        ),
+        (
+            FunctionOutputsRecorder,
+            "helpers.toy.CONSTANT",
+            r"to be a function but it is a int",
+        ),
+        (FunctionOutputsRecorder, "helpers.toy.Toy", r"it is a type.*'MethodOutputs'"),
+        (FunctionOutputsRecorder, "helpers.toy.Toy.scale", r"MethodOutputsRecorder"),
+        (MethodOutputsRecorder, "helpers.toy.toy_func", r"name a method of a class"),
+        (MethodOutputsRecorder, "helpers.toy.Toy.scal", r"no method 'scal'.*'scale'"),
+        (
+            MethodOutputsRecorder,
+            "helpers.toy.Toy.prop",
+            r"to be a method but it is a property",
+        ),
+        (MethodOutputsRecorder, "helpers.toy.add.x", r"to be a class but it is a function"),
+    ],
+)
+def test_invalid_sources(cls: type, source: str, match: str) -> None:
+    rec = cls(source)
+    with pytest.raises(InvalidSourceError, match=match):
+        rec.initialize()
+    assert active_patches() == []
+    assert not rec.initialized
+
+
+def test_reading_before_initialize() -> None:
+    rec = FunctionOutputsRecorder("helpers.toy.toy_func")
+    with pytest.raises(NotInitializedError, match=r"call `initialize\(model\)` first"):
+        rec.get_record_data()
+    with pytest.raises(NotInitializedError, match="is not initialized"), rec:
+        pass
+
+
+def test_keyword_named_like_a_positional_only_parameter_keeps_both() -> None:
+    from lightning_recorder._core.structures import Binder
+
+    def f(a: int, /, **kw: int) -> None:
+        return None
+
+    record = Binder(f)((1,), {"a": 2})
+    assert record.names == ("a", "kw['a']")
+    assert record.as_dict() == {"a": 1, "kw['a']": 2}

@@ -1,0 +1,199 @@
+"""RecorderManager: config dicts, registry, errors, all-or-nothing initialization."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import MappingProxyType
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_recorder import (
+    DuplicateNameError,
+    ModuleOutputsRecorder,
+    RecorderConfigError,
+    RecorderManager,
+    UnknownRecorderTypeError,
+    UnknownSourceError,
+    recorder_types,
+    register_recorder,
+)
+from lightning_recorder._core.hooks import live_hooks
+from lightning_recorder.recorders._registry import RECORDERS
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(OrderedDict(conv1=nn.Conv2d(1, 2, 1), conv2=nn.Conv2d(2, 1, 1)))
+
+
+def test_short_and_full_type_names_any_mapping() -> None:
+    configs = MappingProxyType(
+        {
+            "a": OrderedDict(type="ModuleOutputs", source="conv1"),
+            "b": {"type": "ModuleOutputsRecorder", "source": "conv2", "detach": True},
+            "c": {"type": "ModuleInputs", "source": "conv2"},
+            "p": {"type": "Parameter", "source": "conv1.weight"},
+        }
+    )
+    manager = RecorderManager(configs)
+    model = make_model()
+    manager.initialize(model)
+    x = torch.randn(1, 1, 2, 2)
+    with manager:
+        out = model(x)
+    assert manager.recording is False
+    assert torch.equal(manager.get_recorder("b").get_record_data(), out)
+    assert manager.get_recorder("b").get_record_data().grad_fn is None
+    assert torch.equal(manager.get_recorder("c").get_record_data(data_idx=0), model.conv1(x))
+    assert list(manager.recorders) == ["a", "b", "c", "p"]
+    assert [name for name, _ in manager.streams()] == ["a", "b", "c", "p"]
+    with pytest.raises(TypeError):
+        manager.recorders["z"] = ModuleOutputsRecorder("conv1")  # type: ignore[index]
+    manager.release()
+    assert live_hooks() == []
+
+
+def test_initialize_failure_leaves_nothing_installed() -> None:
+    manager = RecorderManager(
+        [
+            ("ok", {"type": "ModuleOutputs", "source": "conv1"}),
+            ("bad", {"type": "ModuleOutputs", "source": "conv3"}),
+        ]
+    )
+    with pytest.raises(UnknownSourceError, match=r"'conv3'.*'conv1'"):
+        manager.initialize(make_model())
+    assert live_hooks() == []
+    assert not manager.initialized
+
+
+def test_register_custom_recorder_type() -> None:
+    class AbsOutputsRecorder(ModuleOutputsRecorder):
+        short_name = "AbsOutputs"
+
+        def capture(self, stream, value):  # type: ignore[no-untyped-def]
+            super().capture(stream, value.abs())
+
+    try:
+        register_recorder(AbsOutputsRecorder)
+        assert recorder_types()["AbsOutputs"] is AbsOutputsRecorder
+        with pytest.raises(DuplicateNameError, match=r"'AbsOutputsRecorder' is already registered"):
+
+            @register_recorder
+            class AbsOutputsRecorder(ModuleOutputsRecorder):  # type: ignore[no-redef]
+                short_name = "AbsOutputs"
+
+        manager = RecorderManager({"abs": {"type": "AbsOutputs", "source": "conv2"}})
+        model = make_model()
+        manager.initialize(model)
+        with manager:
+            out = model(torch.randn(1, 1, 2, 2))
+        assert torch.equal(manager.get_recorder("abs").get_record_data(), out.abs())
+        manager.release()
+    finally:
+        RECORDERS._types.pop("AbsOutputs", None)
+        RECORDERS._types.pop("AbsOutputsRecorder", None)
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "match"),
+    [
+        ({"type": "ModuleOutput", "source": "x"}, UnknownRecorderTypeError, r"'ModuleOutputs'"),
+        (
+            {"source": "x"},
+            UnknownRecorderTypeError,
+            r"'type' key; valid recorder types: .*ModuleInputs",
+        ),
+        ({"type": "ModuleOutputs"}, RecorderConfigError, r"'source' key"),
+        (
+            {"type": "ModuleOutputs", "source": "x", "clone_": True},
+            RecorderConfigError,
+            r"Unknown option\(s\) 'clone_'.*Closest options: 'clone'",
+        ),
+        ("conv1", RecorderConfigError, r"to be a mapping such as"),
+    ],
+)
+def test_bad_configs(config: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        RecorderManager({"r": config})  # type: ignore[dict-item]
+
+
+def test_duplicate_names_and_unknown_recorder_name() -> None:
+    with pytest.raises(DuplicateNameError, match=r"'r' already exists"):
+        RecorderManager(
+            [
+                ("r", {"type": "ModuleOutputs", "source": "conv1"}),
+                ("r", {"type": "ModuleOutputs", "source": "conv2"}),
+            ]
+        )
+    manager = RecorderManager({"conv1_rec": {"type": "ModuleOutputs", "source": "conv1"}})
+    with pytest.raises(RecorderConfigError, match=r"No recorder named 'conv_rec'.*'conv1_rec'"):
+        manager.get_recorder("conv_rec")
+    assert "conv1_rec" in manager and len(manager) == 1
+
+
+def test_register_rejects_non_recorders() -> None:
+    with pytest.raises(RecorderConfigError, match="Expected a BaseRecorder subclass"):
+        register_recorder(dict)  # type: ignore[type-var]
+
+
+def test_suspend_removes_hooks_until_start() -> None:
+    configs = {
+        "out": {"type": "ModuleOutputs", "source": "conv1"},
+        "inp": {"type": "ModuleInputs", "source": "conv2"},
+        "outgrad": {"type": "ModuleOutputGrads", "source": "conv1"},
+        "ingrad": {"type": "ModuleInputGrads", "source": "conv2"},
+        "wgrad": {"type": "ParameterGrad", "source": "conv1.weight"},
+        "relu": {"type": "FunctionOutputs", "source": "torch.nn.functional.relu"},
+    }
+    model = make_model()
+    x = torch.randn(2, 1, 3, 3)
+    manager = RecorderManager(configs)
+    manager.suspend()  # not initialized: nothing to do
+    manager.initialize(model)
+    installed = len(live_hooks())
+    assert installed == 5  # the function recorder patches instead
+    manager.suspend()
+    manager.suspend()  # idempotent
+    assert live_hooks() == []
+    assert not model.conv1._forward_hooks and not model.conv2._forward_pre_hooks
+    assert all(r.suspended for n, r in manager.recorders.items() if n != "relu")
+    model(x).sum().backward()  # runs as without recorders
+    with manager:  # reinstalled when recording starts
+        assert len(live_hooks()) == installed
+        manager.suspend()  # does nothing while recording
+        assert len(live_hooks()) == installed
+        out = model(x)
+        torch.nn.functional.relu(out)
+        out.sum().backward()
+    assert torch.equal(manager.get_recorder("out").get_record_data(), model.conv1(x))
+    assert manager.get_recorder("inp").get_record_data(data_idx=0).shape == (2, 2, 3, 3)
+    assert manager.get_recorder("outgrad").get_record_data().shape == (2, 2, 3, 3)
+    assert manager.get_recorder("ingrad").get_record_data().shape == (2, 2, 3, 3)
+    assert torch.equal(manager.get_recorder("wgrad").get_record_data(), model.conv1.weight.grad)
+    assert manager.get_recorder("relu").get_record_data().shape == (2, 1, 3, 3)
+    manager.suspend()
+    assert torch.equal(
+        manager.get_recorder("out").get_record_data(), model.conv1(x)
+    )  # records stay readable
+    manager.release()
+    assert live_hooks() == []
+    manager.initialize(model)  # a suspended, released manager starts afresh
+    assert len(live_hooks()) == installed
+    manager.release()
+
+
+def test_a_resumed_hook_runs_after_hooks_added_since() -> None:
+    model = make_model()
+    manager = RecorderManager({"out": {"type": "ModuleOutputs", "source": "conv1"}})
+    manager.initialize(model)
+    manager.suspend()
+    model.conv1.register_forward_hook(lambda module, args, out: out * 2)
+    x = torch.randn(1, 1, 2, 2)
+    with manager:
+        model(x)
+    assert torch.equal(
+        manager.get_recorder("out").get_record_data(),
+        2 * nn.functional.conv2d(x, model.conv1.weight, model.conv1.bias),
+    )
+    manager.release()

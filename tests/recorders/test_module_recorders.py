@@ -1,0 +1,568 @@
+"""Module, parameter and gradient recorders: semantics, options, guarantees and errors."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import pickle
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_recorder import (
+    ModuleInputGradsRecorder,
+    ModuleInputsRecorder,
+    ModuleOutputGradsRecorder,
+    ModuleOutputsRecorder,
+    NoRecordError,
+    NotInitializedError,
+    ParameterGradRecorder,
+    ParameterRecorder,
+    RecorderConfigError,
+    RecorderManager,
+    RecorderStateError,
+    RecordModifiedError,
+    UnknownSourceError,
+)
+from lightning_recorder._core.hooks import live_hooks
+
+
+class ToyModel(nn.Module):
+    """MMRazor's documented toy model: conv1 is called twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 1, 1)
+        self.conv2 = nn.Conv2d(1, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1 = self.conv1(x)
+        x2 = self.conv1(x + 1)
+        return self.conv2(x1 + x2)
+
+
+def test_mmrazor_module_outputs_example() -> None:
+    model = ToyModel()
+    r1 = ModuleOutputsRecorder("conv1")
+    r1.initialize(model)
+    x = torch.randn(1, 1, 1, 1)
+    with r1:
+        model(x)
+    assert len(r1.data_buffer) == 2
+    assert torch.equal(r1.data_buffer[0], model.conv1(x))
+    assert torch.equal(r1.data_buffer[1], model.conv1(x + 1))
+    assert r1.data_buffer[0].grad_fn is not None  # attached to autograd by default
+    r1.release()
+    assert live_hooks() == []
+    assert len(model.conv1._forward_hooks) == 0
+
+
+def test_mmrazor_parameter_example() -> None:
+    model = nn.Sequential(OrderedDict(toy_conv=nn.Conv2d(1, 1, 1)))
+    r1 = ParameterRecorder("toy_conv.weight")
+    r1.initialize(model)
+    assert torch.equal(r1.data_buffer[0], model.toy_conv.weight)
+    assert r1.data_buffer[0] is model.toy_conv.weight
+    snap = ParameterRecorder("toy_conv.weight", clone=True).initialize(model)
+    with snap, torch.no_grad():
+        model.toy_conv.weight.add_(1.0)
+    assert torch.equal(snap.get_record_data() + 1.0, model.toy_conv.weight)
+    r1.release()
+    snap.release()
+
+
+def test_mmrazor_manager_example() -> None:
+    from helpers import toy as toy_module
+
+    class ToyModelWithMethod(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 1, 1)
+            self.conv2 = nn.Conv2d(1, 1, 1)
+            self.toy = toy_module.Toy()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv2(self.conv1(x)) + self.toy.toy_func()
+
+    manager = RecorderManager(
+        {
+            "conv1_rec": {"type": "ModuleOutputs", "source": "conv1"},
+            "conv2_rec": {"type": "ModuleOutputs", "source": "conv2"},
+            "func_rec": {"type": "MethodOutputs", "source": "helpers.toy.Toy.toy_func"},
+        }
+    )
+    model = ToyModelWithMethod()
+    manager.initialize(model)
+    x = torch.rand(1, 1, 1, 1)
+    with manager:
+        out = model(x)
+    conv2_out = manager.get_recorder("conv2_rec").get_record_data()
+    func_out = manager.get_recorder("func_rec").get_record_data()
+    assert torch.equal(out, conv2_out + func_out)
+    manager.release()
+
+
+def test_k_calls_give_k_records_in_order_and_fresh_buffers() -> None:
+    lin = nn.Linear(2, 2)
+    model = nn.Sequential(OrderedDict(lin=lin))
+    rec = ModuleOutputsRecorder("lin").initialize(model)
+    xs = [torch.randn(1, 2) for _ in range(3)]
+    lin(xs[0])  # outside: not recorded
+    with rec:
+        for x in xs:
+            lin(x)
+    assert [torch.equal(r, lin(x)) for r, x in zip(rec.data_buffer, xs, strict=True)] == [True] * 3
+    with rec:
+        lin(xs[0])
+    assert len(rec.data_buffer) == 1
+    rec.reset_data_buffer()
+    assert rec.data_buffer == []
+    rec.release()
+
+
+def test_initialize_twice_adds_no_second_hook_and_moves_between_models() -> None:
+    a, b = ToyModel(), ToyModel()
+    rec = ModuleOutputsRecorder("conv2")
+    rec.initialize(a)
+    rec.initialize(a)
+    assert len(a.conv2._forward_hooks) == 1
+    rec.initialize(b)
+    assert len(a.conv2._forward_hooks) == 0 and len(b.conv2._forward_hooks) == 1
+    rec.release()
+
+
+def test_release_after_exception_in_forward() -> None:
+    class Boom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin(x)
+            raise RuntimeError("boom")
+
+    model = Boom()
+    manager = RecorderManager(
+        {
+            "o": {"type": "ModuleOutputs", "source": "lin"},
+            "i": {"type": "ModuleInputs", "source": "lin"},
+        }
+    )
+    manager.initialize(model)
+    with pytest.raises(RuntimeError, match="boom"), manager:
+        model(torch.randn(1, 2))
+    assert not manager.recording
+    assert len(manager.get_recorder("o").data_buffer) == 1
+    manager.release()
+    assert live_hooks() == []
+
+
+def test_inplace_modification_detected_and_clone_avoids_it() -> None:
+    model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU(inplace=True))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+    plain = ModuleOutputsRecorder("0").initialize(model)
+    cloned = ModuleOutputsRecorder("0", clone=True).initialize(model)
+    x = torch.linspace(-1.0, 1.0, 18).view(2, 1, 3, 3)
+    with plain, cloned:
+        model(x)
+    with pytest.raises(RecordModifiedError, match=r"modified in place.*clone=True"):
+        plain.get_record_data()
+    with pytest.raises(RecordModifiedError, match="ReLU"):
+        _ = plain.data_buffer
+    assert torch.allclose(cloned.get_record_data(), model[0](x))
+    assert (cloned.get_record_data() < 0).any()
+    plain.release()
+    cloned.release()
+
+
+def test_model_pickles_and_deep_copies_after_recording() -> None:
+    model = ToyModel()
+    manager = RecorderManager(
+        {
+            "out": {"type": "ModuleOutputs", "source": "conv1"},
+            "inp": {"type": "ModuleInputs", "source": "conv2"},
+            "grad": {"type": "ModuleOutputGrads", "source": "conv2"},
+        }
+    )
+    manager.initialize(model)
+    with manager:
+        model(torch.randn(1, 1, 2, 2)).sum().backward()
+    clone = copy.deepcopy(model)
+    restored = pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    for other in (clone, restored):
+        out = other(torch.randn(1, 1, 2, 2))  # the copies' hooks are inert
+        assert out.shape == (1, 1, 2, 2)
+    assert len(manager.get_recorder("out").data_buffer) == 2  # the copies did not record
+    manager.release()
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: tuple[torch.Tensor, ...]
+    extra: torch.Tensor | None = None
+
+
+class Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Output:
+        h = self.lin(x)
+        return Output(logits=h * 2, hidden=(h, h + 1), extra=None)
+
+
+class Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Structured()
+        self.other = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return self.block(x, mask=torch.ones(1))
+
+
+@pytest.mark.parametrize(
+    ("path", "expect"),
+    [
+        ("logits", lambda o: o.logits),
+        ("hidden.1", lambda o: o.hidden[1]),
+        (("hidden", 0), lambda o: o.hidden[0]),
+    ],
+)
+def test_path_into_dataclass_outputs(path: object, expect: object) -> None:
+    model = Holder()
+    rec = ModuleOutputsRecorder("block", path=path).initialize(model)  # type: ignore[arg-type]
+    with rec:
+        out = model(torch.randn(2, 3))
+    assert torch.equal(rec.get_record_data(), expect(out))  # type: ignore[operator]
+    rec.release()
+
+
+def test_path_errors_name_what_exists() -> None:
+    model = Holder()
+    rec = ModuleOutputsRecorder("block", path="hiden").initialize(model)
+    with (
+        pytest.raises(RecorderConfigError, match=r"'hiden' does not exist.*fields logits, hidden"),
+        rec,
+    ):
+        model(torch.randn(2, 3))
+    rec.release()
+
+
+def test_inputs_with_kwargs_and_argument_path() -> None:
+    model = Holder()
+    rec = ModuleInputsRecorder("block").initialize(model)
+    mask = ModuleInputsRecorder("block", path="mask").initialize(model)
+    x = torch.randn(2, 3)
+    with rec, mask:
+        model(x)
+        model.block(x, torch.ones(1))
+    first, second = rec.data_buffer
+    assert first.names == ("x", "mask") and second.names == ("x", "mask")
+    assert first[0] is x and torch.equal(first["mask"], torch.ones(1))
+    assert rec.get_record_data(0, data_idx="mask") is first[1]
+    assert torch.equal(mask.get_record_data(1), torch.ones(1))
+    rec.release()
+    mask.release()
+
+
+def test_hugging_face_model_output_fields() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class HF(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> object:
+            h = self.enc(x)
+            return BaseModelOutput(last_hidden_state=h, hidden_states=(x, h))
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = HF()
+
+        def forward(self, x: torch.Tensor) -> object:
+            return self.model(x)
+
+    assert transformers.__version__
+    net = Wrap()
+    last = ModuleOutputsRecorder("model", path="last_hidden_state").initialize(net)
+    states = ModuleOutputsRecorder("model", path="hidden_states.0", detach=True).initialize(net)
+    whole = ModuleOutputsRecorder("model", detach=True).initialize(net)
+    x = torch.randn(2, 4)
+    with last, states, whole:
+        out = net(x)
+    assert torch.equal(last.get_record_data(), out.last_hidden_state)
+    assert torch.equal(states.get_record_data(), x)
+    assert type(whole.get_record_data()).__name__ == "BaseModelOutput"
+    assert whole.get_record_data().last_hidden_state.grad_fn is None
+    for rec in (last, states, whole):
+        rec.release()
+
+
+def test_detach_device_dtype_options() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    rec = ModuleOutputsRecorder("0", detach=True, device="cpu", dtype="float64").initialize(model)
+    with rec:
+        out = model(torch.randn(1, 2))
+    record = rec.get_record_data()
+    assert record.dtype == torch.float64 and record.grad_fn is None
+    assert torch.allclose(record, out.double())
+    rec.release()
+
+
+@pytest.mark.parametrize(
+    ("keep", "expected"), [("all", [0, 1, 2, 3]), ("first", [0]), ("last", [3]), (2, [0, 1])]
+)
+def test_keep_option(keep: object, expected: list[int]) -> None:
+    model = nn.Sequential(nn.Identity())
+    rec = ModuleOutputsRecorder("0", keep=keep).initialize(model)  # type: ignore[arg-type]
+    with rec:
+        for i in range(4):
+            model(torch.tensor(float(i)))
+    assert [int(r) for r in rec.data_buffer] == expected
+    assert rec.streams["0"].num_calls == 4
+    rec.release()
+
+
+def test_pattern_and_type_selection_give_named_streams() -> None:
+    model = nn.Sequential(
+        OrderedDict(
+            features=nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU(), nn.Conv2d(2, 2, 1)),
+            head=nn.Linear(2, 2),
+        )
+    )
+    by_glob = ModuleOutputsRecorder("features.*").initialize(model)
+    by_type = ModuleOutputsRecorder(nn.Conv2d).initialize(model)
+    by_name = ModuleOutputsRecorder("torch.nn.Conv2d").initialize(model)
+    by_types = ModuleOutputsRecorder((nn.Conv2d, nn.Linear)).initialize(model)
+    assert list(by_glob.streams) == ["features.0", "features.1", "features.2"]
+    assert list(by_type.streams) == ["features.0", "features.2"]
+    assert list(by_name.streams) == ["features.0", "features.2"]
+    assert list(by_types.streams) == ["features.0", "features.2", "head"]
+    x = torch.randn(1, 1, 2, 2)
+    with by_glob:
+        model.features(x)
+    assert torch.equal(by_glob.get_record_data(source="features.0"), model.features[0](x))
+    with pytest.raises(RecorderStateError, match=r"records 3 sources.*streams\[name\]"):
+        _ = by_glob.data_buffer
+    with pytest.raises(RecorderConfigError, match=r"no stream 'features.3'.*'features.0'"):
+        by_glob.get_record_data(source="features.3")
+    for rec in (by_glob, by_type, by_name, by_types):
+        rec.release()
+
+
+def test_wrapper_prefixes_are_ignored() -> None:
+    inner = ToyModel()
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.module(x)
+
+    wrapped = Wrapper()
+    rec = ModuleOutputsRecorder("conv2").initialize(wrapped)
+    prefixed = ModuleOutputsRecorder("module.conv2").initialize(wrapped)
+    with rec, prefixed:
+        out = wrapped(torch.randn(1, 1, 1, 1))
+    assert torch.equal(rec.get_record_data(), out)
+    assert torch.equal(prefixed.get_record_data(), out)
+    rec.release()
+    prefixed.release()
+
+
+def test_compiled_model_names_resolve() -> None:
+    model = ToyModel()
+    compiled = torch.compile(model, backend="eager")
+    rec = ModuleOutputsRecorder("conv2").initialize(compiled)
+    with rec:
+        out = compiled(torch.randn(1, 1, 1, 1))
+    assert torch.allclose(rec.get_record_data(), out)
+    rec.release()
+
+
+def test_activation_checkpoint_recomputation_not_double_counted() -> None:
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    model = nn.Sequential(OrderedDict(block=block, head=nn.Linear(4, 1)))
+    rec = ModuleOutputsRecorder("block.0").initialize(model)
+    for use_reentrant in (False, True):
+        x = torch.randn(3, 4, requires_grad=True)
+        with rec:
+            h = checkpoint(block, x, use_reentrant=use_reentrant)
+            model.head(h).sum().backward()
+        assert len(rec.data_buffer) == 1, use_reentrant
+    rec.release()
+
+
+def test_gradient_recorders_match_autograd() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    out_grad = ModuleOutputGradsRecorder("0").initialize(model)
+    in_grad = ModuleInputGradsRecorder("2").initialize(model)
+    param_grad = ParameterGradRecorder("*.weight").initialize(model)
+    x = torch.randn(5, 3)
+    with out_grad, in_grad, param_grad:
+        model(x).pow(2).sum().backward()
+    # Reference by hand.
+    ref = [p.grad.clone() for p in (model[0].weight, model[2].weight)]  # type: ignore[union-attr]
+    model.zero_grad()
+    h = model[0](x)
+    h.retain_grad()
+    a = torch.relu(h)
+    a.retain_grad()
+    model[2](a).pow(2).sum().backward()
+    assert torch.allclose(out_grad.get_record_data(), h.grad)  # type: ignore[arg-type]
+    assert torch.allclose(in_grad.get_record_data(), a.grad)  # type: ignore[arg-type]
+    assert torch.allclose(param_grad.get_record_data(source="0.weight"), ref[0])
+    assert torch.allclose(param_grad.get_record_data(source="2.weight"), ref[1])
+    for rec in (out_grad, in_grad, param_grad):
+        rec.release()
+
+
+def test_input_grad_is_the_part_through_this_module() -> None:
+    class Fork(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 1)
+            self.b = nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) + 3 * self.b(x)
+
+    model = Fork()
+    rec = ModuleInputGradsRecorder("a").initialize(model)
+    x = torch.randn(4, 2, requires_grad=True)
+    with rec:
+        model(x).sum().backward()
+    assert torch.allclose(rec.get_record_data(), model.a.weight.expand(4, 2))
+    rec.release()
+
+
+def test_gradients_need_backward_inside_context() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    rec = ModuleOutputGradsRecorder("0").initialize(model)
+    with rec:
+        out = model(torch.randn(1, 2))
+    out.sum().backward()
+    with pytest.raises(NoRecordError, match=r"inside the same context"):
+        rec.get_record_data()
+    rec.release()
+
+
+def test_grad_of_structured_output_requires_path() -> None:
+    model = Holder()
+    rec = ModuleOutputGradsRecorder("block").initialize(model)
+    with pytest.raises(RecorderConfigError, match=r"holds 3 tensors; choose one with `path`"), rec:
+        model(torch.randn(2, 3))
+    rec.release()
+
+
+def test_parameter_grad_accumulation_records_each_backward() -> None:
+    model = nn.Sequential(nn.Linear(2, 1, bias=False))
+    rec = ParameterGradRecorder("0.weight").initialize(model)
+    x = torch.ones(1, 2)
+    with rec:
+        model(x).sum().backward()
+        model(x).sum().backward()
+    first, second = rec.data_buffer
+    assert torch.equal(second, 2 * first)
+    rec.release()
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: ModuleOutputsRecorder("conv3"), r"No module named 'conv3'.*'conv1'"),
+        (lambda: ModuleOutputsRecorder("conv*x"), r"pattern 'conv\*x' matches no module"),
+        (lambda: ModuleOutputsRecorder(nn.LSTM), r"No module of type LSTM.*Conv2d"),
+        (lambda: ParameterRecorder("conv1.weigth"), r"No parameter named.*'conv1.weight'"),
+        (lambda: ParameterGradRecorder("conv9.bias"), r"No parameter named 'conv9.bias'"),
+    ],
+)
+def test_unknown_names_list_closest(factory: object, match: str) -> None:
+    rec = factory()  # type: ignore[operator]
+    with pytest.raises(UnknownSourceError, match=match):
+        rec.initialize(ToyModel())
+    assert live_hooks() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"source": ""}, r"root module itself cannot be recorded"),
+        ({"source": "conv1", "keep": 0}, r"Expected `keep` to be 'all', 'first', 'last'"),
+        ({"source": "conv1", "dtype": "float17"}, r"Expected `dtype` to be a torch.dtype"),
+        ({"source": "conv1", "device": "gpu9"}, r"Expected `device` to be a torch.device"),
+        ({"source": "conv1", "clone": "yes"}, r"Expected `clone` to be a bool"),
+        ({"source": "conv1", "path": 1.5}, r"Expected `path` to be an int, a str"),
+    ],
+)
+def test_bad_options(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(RecorderConfigError, match=match):
+        ModuleOutputsRecorder(**kwargs)  # type: ignore[arg-type]
+
+
+def test_initialize_needs_a_model_and_reading_needs_initialize() -> None:
+    rec = ModuleOutputsRecorder("conv1")
+    with pytest.raises(NotInitializedError, match="has not been initialized"):
+        _ = rec.data_buffer
+    with pytest.raises(
+        RecorderConfigError, match=r"expected `initialize\(model\)` with an nn.Module"
+    ):
+        rec.initialize()
+    rec.initialize(ToyModel())
+    with pytest.raises(NoRecordError, match=r"recorded nothing for 'conv1' yet.*only inside"):
+        rec.get_record_data()
+    with rec:
+        pass
+    with pytest.raises(NoRecordError, match=r"never called by the forward"):
+        rec.get_record_data()
+    rec.release()
+
+
+def test_record_and_data_index_errors() -> None:
+    model = ToyModel()
+    rec = ModuleOutputsRecorder("conv1").initialize(model)
+    inputs = ModuleInputsRecorder("conv1").initialize(model)
+    with rec, inputs:
+        model(torch.randn(1, 1, 1, 1))
+    assert torch.equal(rec.get_record_data(-1), rec.data_buffer[1])
+    with pytest.raises(NoRecordError, match=r"`record_idx` in \[-2, 1\] but got 2.*2 record"):
+        rec.get_record_data(2)
+    with pytest.raises(NoRecordError, match=r"`data_idx` to index record 0.*Arguments of length 1"):
+        inputs.get_record_data(0, data_idx=3)
+    with pytest.raises(IndexError):  # NoRecordError is also an IndexError
+        rec.get_record_data(5)
+    with pytest.raises(RecorderStateError, match="do not nest"), rec, rec:
+        pass
+    rec.release()
+    inputs.release()
+
+
+def test_records_free_with_the_buffer() -> None:
+    import weakref
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    rec = ModuleOutputsRecorder("0").initialize(model)
+    with rec:
+        model(torch.randn(1, 2))
+    ref = weakref.ref(rec.get_record_data())
+    rec.reset_data_buffer()
+    assert ref() is None
+    rec.release()
