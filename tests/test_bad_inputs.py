@@ -480,7 +480,7 @@ FUNCTION_SOURCES: list[tuple[str, Any, str, str | None]] = [
         r"'toy_module.tripple'.*no function 'tripple'.*'double'",
         None,
     ),
-    ("constant", "toy_module.CONSTANT", r"'toy_module.CONSTANT'.*function", None),
+    ("constant", "toy_module.CONSTANT", r"'toy_module.CONSTANT' to be a function.*int", None),
 ]
 for cls_name in ("FunctionOutputs", "FunctionInputs"):
     rec_cls = RECORDERS[cls_name][0]
@@ -708,7 +708,7 @@ case(
     "RecorderManager-duplicate-name",
     lambda: lr.RecorderManager([("a", GOOD), ("a", GOOD)]),
     DuplicateNameError,
-    r"'a'.*(twice|already|unique)",
+    r"recorder named 'a' already exists.*names must be unique",
 )
 case(
     "RecorderManager-name-int",
@@ -726,7 +726,7 @@ case(
     "RecorderManager-add_recorder-duplicate",
     lambda: lr.RecorderManager({"a": GOOD}).add_recorder("a", GOOD),
     DuplicateNameError,
-    r"'a'.*(twice|already|unique)",
+    r"recorder named 'a' already exists.*names must be unique",
 )
 case(
     "RecorderManager-get_recorder-unknown",
@@ -904,13 +904,13 @@ case(
     "RecorderCallback-get_recorder-before-fit",
     lambda: rc().get_recorder("feat"),
     NotInitializedError,
-    r"(fit|setup|initialize)",
+    r"no recorders outside a run.*when fit, validate",
 )
 case(
     "RecorderCallback-get_record_data-before-fit",
     lambda: rc().get_record_data("feat"),
     RecorderStateError,
-    r"(fit|setup|initialize)",
+    r"no recorders outside a run.*when fit, validate",
 )
 
 
@@ -1010,7 +1010,7 @@ case(
     "FeatureStatsMonitor-no-logger-at-fit",
     lambda: fit(fsm("probe"), logger=False),
     RecorderConfigError,
-    r"logger.*(TensorBoardLogger|logger=)",
+    r"Expected the Trainer to have a logger.*pass a logger such as TensorBoardLogger",
 )
 
 # --------------------------------------------------------------------------- FeatureDistillation
@@ -1048,7 +1048,7 @@ case(
 for suffix, value, match, pending in [
     ("nan", NAN, r"`weight`.*finite.*nan", "pending: weight=nan is accepted"),
     ("inf", INF, r"`weight`.*finite.*inf", "pending: weight=inf is accepted"),
-    ("negative", -1.0, r"weight.*non-negative", None),
+    ("negative", -1.0, r"weight`? of pair 'features.0'.*non-negative number.*-1.0", None),
     ("str", "1", r"weight.*non-negative number", None),
     ("bool", True, r"weight.*non-negative number", None),
     (
@@ -1360,7 +1360,7 @@ case(
     "get_loss-callable-unknown-option",
     lambda: lr.get_loss(lambda s, t: (s - t).sum(), scale=2),
     RecorderConfigError,
-    r"'scale'",
+    r"options of <lambda>.*'scale'",
 )
 for loss_name, option in (("kl", "temperature"), ("at", "p")):
     for suffix, value, pending in [
@@ -1628,14 +1628,18 @@ for suffix, value, match, pending in [
         r"`tensors`.*iterable of tensors.*NoneType",
         "pending: raw TypeError 'NoneType' object is not iterable",
     ),
-    ("list-of-int", [5], r"`tensors`.*tensors.*int", "pending: raw error on the int item"),
     (
-        "tensor",
-        t(3),
-        r"`tensors`.*iterable of tensors.*a single Tensor",
-        "pending: a single tensor is iterated row by row",
+        "list-of-int",
+        [5],
+        r"`tensors`.*tensors.*int",
+        "pending: the error names `t`, an argument the caller never wrote",
     ),
-    ("empty", [], r"`tensors`.*non-empty", "pending: an empty iterable is accepted"),
+    (
+        "empty",
+        [],
+        r"`tensors`.*non-empty",
+        "pending: an empty iterable gives 0 (decision: make it an error)",
+    ),
 ]:
     case(
         f"global_norm-{suffix}",
@@ -2302,7 +2306,7 @@ for suffix, value, error, match, pending in [
         "duplicate-name",
         [("d", {"type": "FunctionOutputs", "source": "toy_module.double"})] * 2,
         DuplicateNameError,
-        r"'d'",
+        r"delivery named 'd' already exists.*names must be unique",
         None,
     ),
     (
