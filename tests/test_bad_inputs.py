@@ -446,14 +446,14 @@ case(
     "ParameterGradRecorder-frozen-parameter-named-exactly",
     lambda: init(lr.ParameterGradRecorder("fc1.weight"), net(frozen=("fc1.weight",))),
     RecorderConfigError,
-    r"`source`.*'fc1.weight'.*(requires_grad|frozen).*trainable",
+    r"`source`.*'fc1.weight'.*(trainable.*frozen|frozen.*trainable)",
     "pending: torch's 'cannot register a hook on a tensor that doesn't require gradient'",
 )
 case(
     "ParameterGradRecorder-pattern-matches-only-frozen",
     lambda: init(lr.ParameterGradRecorder("fc1.*"), net(frozen=("fc1.weight", "fc1.bias"))),
     RecorderConfigError,
-    r"`source`.*'fc1.\*'.*(requires_grad|frozen).*trainable",
+    r"`source`.*'fc1.\*'.*(trainable.*frozen|frozen.*trainable)",
     "pending: torch's 'cannot register a hook on a tensor that doesn't require gradient'",
 )
 case(
@@ -463,7 +463,7 @@ case(
         probe_net(frozen=("body.0.weight",)),
     ),
     RecorderConfigError,
-    r"`source`.*'body.0.weight'.*(requires_grad|frozen).*trainable",
+    r"`source`.*'body.0.weight'.*(trainable.*frozen|frozen.*trainable)",
     "pending: torch's 'cannot register a hook on a tensor that doesn't require gradient'",
 )
 
@@ -1136,7 +1136,7 @@ for suffix, value, match, pending in [
     (
         "int",
         5,
-        r"`connectors`.*None, 'auto', 'identity'",
+        r"`connectors`.*'auto'.*'identity'",
         "pending: accepted until the first features arrive",
     ),
     (
