@@ -94,6 +94,14 @@ def student() -> Student:
 
 X = torch.randn(3, 4)
 
+# Files the cases write go under one folder, removed when the interpreter exits.
+_SCRATCH = tempfile.TemporaryDirectory(prefix="bad_inputs_")
+
+
+def scratch() -> str:
+    """A new empty folder under the shared scratch folder."""
+    return tempfile.mkdtemp(dir=_SCRATCH.name)
+
 
 def hooks_left(model: nn.Module) -> list[str]:
     """Names of the hooks left on ``model``'s modules and parameters."""
@@ -155,7 +163,7 @@ def fit(
     data = distill_loader(8, 4) if distill else probe_loader(features(8))
     log: Any = False
     if logger:
-        log = TensorBoardLogger(tempfile.mkdtemp(prefix="bad_inputs_"), name="", version="")
+        log = TensorBoardLogger(scratch(), name="", version="")
     trainer = pl.Trainer(
         **QUIET,
         devices=1,
@@ -169,7 +177,7 @@ def fit(
 
 
 def garbage_file(suffix: str = ".ckpt") -> str:
-    path = Path(tempfile.mkdtemp(prefix="bad_inputs_")) / f"garbage{suffix}"
+    path = Path(scratch()) / f"garbage{suffix}"
     path.write_bytes(b"this is not a checkpoint\x00\x01\x02")
     return str(path)
 
@@ -1223,13 +1231,13 @@ def garbage_bytes() -> str:
 
 
 def garbage_text() -> str:
-    path = Path(tempfile.mkdtemp(prefix="bad_inputs_")) / "garbage.ckpt"
+    path = Path(scratch()) / "garbage.ckpt"
     path.write_text("hello world")
     return str(path)
 
 
 def unsafe_pickle() -> str:
-    path = Path(tempfile.mkdtemp(prefix="bad_inputs_")) / "garbage.ckpt"
+    path = Path(scratch()) / "garbage.ckpt"
     torch.save({"state_dict": _Unsafe()}, path)
     return str(path)
 
@@ -1274,7 +1282,7 @@ case(
 
 
 def wrong_weights_file() -> str:
-    path = Path(tempfile.mkdtemp(prefix="bad_inputs_")) / "other.pt"
+    path = Path(scratch()) / "other.pt"
     torch.save(nn.Linear(2, 2).state_dict(), path)
     return str(path)
 
@@ -1907,7 +1915,7 @@ case(
 )
 case(
     "load_collected-empty-directory",
-    lambda: bulk.load_collected(tempfile.mkdtemp(prefix="bad_inputs_")),
+    lambda: bulk.load_collected(scratch()),
     RecorderConfigError,
     r"`directory`.*saved with `save\(\)`",
 )
