@@ -1,7 +1,7 @@
 """scio's ``Recorder`` tests, re-expressed with this package's ``Inspector``.
 
 Source: https://github.com/ThalesGroup/scio at commit 3aceaf464195cb9bc0d915a498e9a2817ee29144,
-files ``test/scio/recorder/test_recorder.py`` (21 test functions), ``test/scio/recorder/
+files ``test/scio/recorder/test_recorder.py`` (22 test functions), ``test/scio/recorder/
 test_conftest.py`` (1) and their fixtures ``test/scio/recorder/conftest.py`` and
 ``test/scio/conftest.py`` (``Net3DFactory``); expected outputs in ``test/expected/test_recorder_*``;
 the behaviours they rely on are in ``scio/recorder.py``.
@@ -493,7 +493,7 @@ def test_missing_activation(
     pattern = ".*".join(f"{depth}-{idx}" for depth, idx in skipped)
     with pytest.raises(RuntimeError, match=f"every recorded layer to run.*{pattern}"):
         rnet(data)
-    with pytest.raises(RecorderStateError):
+    with pytest.raises(RecorderStateError, match="The control flow differs from the traced"):
         rnet(data)
 
 
