@@ -209,6 +209,8 @@ def gpt2_config(**overrides: Any) -> Any:
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
     }
     options.update(overrides)
     return transformers.GPT2Config(**options)
