@@ -393,7 +393,9 @@ class StepCapture(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *a: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *a: Any
+    ) -> None:
         self.losses[self._step] = float(outputs["loss"])
         self._step = -1
 
@@ -409,5 +411,9 @@ def pick(value: Any, path: Any) -> torch.Tensor:
     for key in keys:
         if isinstance(key, str) and key.isdigit():
             key = int(key)
-        value = value[key] if not isinstance(key, str) or not hasattr(value, key) else getattr(value, key)
+        value = (
+            value[key]
+            if not isinstance(key, str) or not hasattr(value, key)
+            else getattr(value, key)
+        )
     return value

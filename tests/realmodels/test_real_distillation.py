@@ -175,7 +175,9 @@ def test_nonfinite_teacher_feature_today_gives_nan_loss() -> None:
     assert torch.isnan(trainer.logged_metrics["distill/net.layer2"])
 
 
-@pytest.mark.xfail(strict=True, reason="pending: the teacher's own error does not name teacher_input")
+@pytest.mark.xfail(
+    strict=True, reason="pending: the teacher's own error does not name teacher_input"
+)
 def test_teacher_that_cannot_take_the_input_points_to_teacher_input() -> None:
     distill = FeatureDistillation(BertEncoder().net, {"net.layer1": "embeddings"})
     trainer = pl.Trainer(**QUIET, logger=False, max_steps=1, callbacks=[distill])

@@ -171,7 +171,9 @@ def test_star_crosses_dots_as_documented() -> None:
 @pytest.mark.xfail(strict=True, reason="pending: no one-level pattern form (proposed: 're:')")
 def test_regex_source_selects_one_level() -> None:
     model = ImageClassifier(resnet_basic())
-    manager = RecorderManager({"blocks": {"type": "ModuleOutputs", "source": r"re:net\.layer\d\.0"}})
+    manager = RecorderManager(
+        {"blocks": {"type": "ModuleOutputs", "source": r"re:net\.layer\d\.0"}}
+    )
     manager.initialize(model)
     try:
         streams = [stream.name for _, stream in manager.streams()]
@@ -222,7 +224,9 @@ def test_unknown_name_suggests_the_name_under_the_lightning_module(tmp_path: Pat
         trainer.fit(ImageClassifier(resnet_basic()), image_loader())
 
 
-@pytest.mark.xfail(strict=True, reason="pending: error does not say names are relative to pl_module")
+@pytest.mark.xfail(
+    strict=True, reason="pending: error does not say names are relative to pl_module"
+)
 def test_unknown_name_error_says_names_are_relative_to_the_lightning_module(
     tmp_path: Path,
 ) -> None:

@@ -11,13 +11,12 @@ import torch
 from _callback_models import scalars
 from lightning.pytorch.loggers import TensorBoardLogger
 from realmodels.models import (
+    GPT2LM,
     QUIET,
     BertClassifier,
     BertEncoder,
-    GPT2LM,
     StepCapture,
     modules_of_type,
-    pick,
     stats_of,
     token_loader,
 )
