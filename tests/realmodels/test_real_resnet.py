@@ -211,7 +211,7 @@ def test_parameters_can_be_limited_by_pattern(tmp_path: Path) -> None:
 
 
 def test_parameters_option_rejects_non_bool_today() -> None:
-    with pytest.raises(RecorderConfigError, match="`parameters`.*bool"):
+    with pytest.raises(RecorderConfigError, match=r"`parameters`.*bool"):
         FeatureStatsMonitor(["net.layer2.0"], parameters="weights")  # type: ignore[arg-type]
 
 
@@ -241,7 +241,7 @@ def test_unknown_name_error_says_names_are_relative_to_the_lightning_module(
 # ------------------------------------------------------------------ 6. bf16-mixed on CPU
 def test_bf16_mixed_statistics_finite_and_correct(tmp_path: Path) -> None:
     model = ImageClassifier(resnet_basic())
-    names = list(modules_of_type(model, nn.Conv2d)) + ["net.fc"]
+    names = [*modules_of_type(model, nn.Conv2d), "net.fc"]
     monitor = FeatureStatsMonitor([nn.Conv2d, "net.fc"], histograms=False)
     logged, reference, _ = fit_monitored(tmp_path, monitor, names, model, precision="bf16-mixed")
     assert reference.outputs[1]["net.conv1"][0].dtype == torch.bfloat16  # autocast was on

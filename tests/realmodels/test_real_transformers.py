@@ -153,7 +153,8 @@ def test_recorder_callback_path_into_bert_outputs() -> None:
 
 @pytest.mark.xfail(strict=True, reason="pending: FeatureStatsMonitor sources take no `path`")
 def test_monitor_path_into_bert_outputs(tmp_path: Path) -> None:
-    # Proposed form, as RecorderCallback's configs: {"source": ..., "path": ...}; tag "{module}/{path}"
+    # Proposed form, as RecorderCallback's configs: {"source": ..., "path": ...};
+    # tags "{prefix}/{stage}/{module}/{path}/{stat}"
     sources = [{"source": s, "path": p} for s, p in PATHS]
     monitor = FeatureStatsMonitor(sources, histograms=False, parameters=False)
     model = BertEncoder()
