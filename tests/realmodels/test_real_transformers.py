@@ -142,13 +142,17 @@ def test_recorder_callback_path_into_bert_outputs() -> None:
         f"r{i}": {"type": "ModuleOutputs", "source": s, "path": p, "keep": "first"}
         for i, (s, p) in enumerate(PATHS)
     }
-    trainer = pl.Trainer(**QUIET, logger=False, max_steps=1, callbacks=[RecorderCallback(configs)])
+    attention = StepCapture(["net.encoder.layer.0.attention.self"], path=0)
+    trainer = pl.Trainer(
+        **QUIET, logger=False, max_steps=1, callbacks=[RecorderCallback(configs), attention]
+    )
     trainer.fit(Reader(), token_loader())
     # same weights, same inputs, same float32 kernels in eval-free (dropout 0) mode: equal to
     # rounding; 1e-6 allows a different kernel choice between the two calls
     torch.testing.assert_close(seen["r0"], seen["last"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(seen["r1"], seen["h2"], rtol=1e-6, atol=1e-6)
-    assert seen["r2"].shape == seen["last"].shape
+    first_call = attention.outputs[0]["net.encoder.layer.0.attention.self"][0]
+    torch.testing.assert_close(seen["r2"], first_call, rtol=0, atol=0)  # the same tensor
 
 
 @pytest.mark.xfail(strict=True, reason="pending: FeatureStatsMonitor sources take no `path`")
@@ -207,7 +211,8 @@ def test_checkpointed_block_recorded_once(tmp_path: Path) -> None:
 def test_gpt2_gradient_checkpointing_statistics(tmp_path: Path) -> None:
     model = GPT2LM(checkpointing=True)
     assert model.model.is_gradient_checkpointing
-    names = ["model.transformer.h.0", "model.transformer.h.1", "model.transformer.ln_f"]
+    inner = ["model.transformer.h.0.ln_1", "model.transformer.h.1.mlp.c_fc"]
+    names = ["model.transformer.h.0", "model.transformer.h.1", *inner]
     monitor = FeatureStatsMonitor(
         names, histograms=False, parameters=False, stats=[*STATS, "numel"]
     )
@@ -215,7 +220,10 @@ def test_gpt2_gradient_checkpointing_statistics(tmp_path: Path) -> None:
     logged = fit(tmp_path, model, monitor, reference)
     batch, seq, width = 4, 8, 32
     for step in (1, 3):
+        # the blocks' forwards are checkpointed: their inner modules run again in backward
+        assert [len(reference.outputs[step][n]) for n in inner] == [2, 2]
         for name in names:
             numel = logged[monitor.tag("train", name, "numel")][step]
-            assert numel == batch * seq * width  # one call per step, not two
+            mult = 4 if name.endswith("c_fc") else 1  # the MLP's inner width is 4 * n_embd
+            assert numel == batch * seq * width * mult  # one call per step, not two
         check(logged, monitor, {n: reference.outputs[step][n][:1] for n in names}, step)
