@@ -307,43 +307,6 @@ class GPT2LM(pl.LightningModule):
 
 
 # ---------------------------------------------------------------------- references
-class OutputCapture:
-    """Plain forward hooks: a copy of every output of the named modules, taken in the hook.
-
-    The copy is taken before anything after the module runs, so it holds what the module
-    produced even when a later in-place op rewrites the tensor. ``active`` gates recording.
-    """
-
-    def __init__(self, model: nn.Module, names: list[str], training_only: bool = True) -> None:
-        modules = dict(model.named_modules())
-        self.outputs: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-        self.training_only = training_only
-        self.active = True
-        self._handles = [modules[name].register_forward_hook(self._hook(name)) for name in names]
-
-    def _hook(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.active and (module.training or not self.training_only):
-                tensor = output if isinstance(output, torch.Tensor) else output[0]
-                self.outputs[name].append(tensor.detach().clone())
-
-        return hook
-
-    def clear(self) -> None:
-        for values in self.outputs.values():
-            values.clear()
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def __enter__(self) -> OutputCapture:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1).double() for t in tensors])
 
