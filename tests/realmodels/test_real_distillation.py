@@ -21,7 +21,7 @@ from realmodels.models import (
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_recorder.distillation import FeatureDistillation
+from lightning_recorder import FeatureDistillation
 from lightning_recorder.errors import RecorderConfigError
 
 pytest.importorskip("transformers")

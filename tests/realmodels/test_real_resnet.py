@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _callback_models import scalars
+from helpers.models import scalars
 from lightning.pytorch.loggers import TensorBoardLogger
 from realmodels.models import (
     QUIET,
