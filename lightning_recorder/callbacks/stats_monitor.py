@@ -20,16 +20,19 @@ from ..errors import RecorderConfigError
 from ..recorders import RecordStream
 from ..stats import STAT_NAMES, StatName
 from ..stats.batched import (
+    HistogramRow,
     Workspace,
     empty_state,
     finalize_host,
     foreach_norms,
     gather_merged,
-    histogram_rows,
+    histogram_rows_cpu,
+    histograms_device,
     host_floats,
     merge,
     merged,
     native_state,
+    raw_table,
     upcast,
 )
 from ._lightning import Stage, step_axis, write_tensorboard
@@ -306,7 +309,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._states[stage] = batch if so_far is None else merge(torch.stack([so_far, batch]))
         if stage == "train":
             if completes:
-                self._log_train(trainer, self._histograms(trainer, stage, parts, batch))
+                self._log_train(trainer, parts, batch)
         elif self._eval_hists is None:  # the first batch of the evaluation epoch
             self._eval_hists = self._histograms(trainer, stage, parts, batch)
 
@@ -324,18 +327,37 @@ class FeatureStatsMonitor(RecorderCallback):
             self._grad_norms.update(zip(names, foreach_norms(grads), strict=True))
             self._before.update((name, self._params[name].clone()) for name in names)
 
+    def _histogram_table(
+        self, parts: list[list[Tensor]], states: Tensor
+    ) -> Tensor | list[HistogramRow] | None:
+        """The histograms of this batch's records (a collective under DDP): rows on the host from
+        CPU data, one table still on the device otherwise (nothing read yet); ``None`` without
+        histograms to write."""
+        if not self._write_histograms:
+            return None
+        # every rank; buckets in the data's precision, like the statistics
+        if states.device.type == "cpu":
+            work = cast(Workspace, self._work)
+            return histogram_rows_cpu(
+                parts, states, self.bins, sync=True, group=None, work=work, exact=False
+            )
+        return raw_table(*histograms_device(parts, states, self.bins, sync=True, group=None))
+
     def _histograms(
         self, trainer: pl.Trainer, stage: Stage, parts: list[list[Tensor]], states: Tensor
     ) -> dict[str, dict[str, Any]]:
         """TensorBoard histograms of this batch's records (a collective under DDP)."""
-        if not self._write_histograms:
+        table = self._histogram_table(parts, states)
+        if table is None or not trainer.is_global_zero:
             return {}
-        # every rank; buckets in the data's precision, like the statistics
-        rows = histogram_rows(
-            parts, states, self.bins, sync=True, group=None, work=self._work, exact=False
-        )
-        if not trainer.is_global_zero:
-            return {}
+        if isinstance(table, Tensor):
+            table = [HistogramRow.from_flat(row, self.bins) for row in table.tolist()]
+        return self._histogram_kwargs(stage, table)
+
+    def _histogram_kwargs(
+        self, stage: Stage, rows: list[HistogramRow]
+    ) -> dict[str, dict[str, Any]]:
+        """``add_histogram_raw`` keyword arguments by tag, from the host rows of the histograms."""
         hists: dict[str, dict[str, Any]] = {}
         for module, row in zip(self._streams, rows, strict=True):
             kwargs = row.raw_kwargs()
@@ -343,35 +365,51 @@ class FeatureStatsMonitor(RecorderCallback):
                 hists[self.tag(stage, module, "histogram")] = kwargs
         return hists
 
+    def _gathered(self, trainer: pl.Trainer, stage: Stage) -> Tensor:
+        """The ``(modules, 9)`` streaming states of ``stage`` over every rank, reset (a
+        collective under DDP); still on the device."""
+        state = self._states.pop(stage, None)
+        if state is None:
+            state = empty_state(trainer.lightning_module.device).repeat(len(self._streams), 1)
+        return gather_merged(state)  # one gather for every module, on every rank
+
     def _compute(self, trainer: pl.Trainer, stage: Stage) -> dict[str, float]:
         """The statistics of ``stage`` by tag, reset; a collective under DDP, empty off rank 0.
 
         Modules that saw no element (not called) are left out.
         """
-        state = self._states.pop(stage, None)
-        if state is None:
-            state = empty_state(trainer.lightning_module.device).repeat(len(self._streams), 1)
-        state = gather_merged(state)  # one gather for every module, on every rank
+        state = self._gathered(trainer, stage)
         if not trainer.is_global_zero:
             return {}
+        return self._stat_scalars(stage, state.tolist())
+
+    def _stat_scalars(self, stage: Stage, rows: list[list[float]]) -> dict[str, float]:
+        """The statistics by tag from the host rows of the gathered states."""
         scalars: dict[str, float] = {}
-        for module, row in zip(self._streams, state.tolist(), strict=True):
+        for module, row in zip(self._streams, rows, strict=True):
             values = finalize_host(row, correction=1)
             if values["numel"] > 0:
                 scalars.update((self.tag(stage, module, stat), values[stat]) for stat in self.stats)
         return scalars
 
-    def _parameter_scalars(self) -> dict[str, float]:
-        """Norms of the monitored parameters; gradient norms and update ratios of those stepped."""
+    def _parameter_tensors(self) -> tuple[list[str], list[Tensor]]:
+        """The names of the stepped parameters, and the 0-d tensors of
+        :meth:`_parameter_scalars` (still on the device): the norm of every monitored parameter,
+        then of each stepped one's value before the step and its change, then its gradient norm.
+        """
         names = list(self._params)
         stepped = [name for name in names if name in self._before]
         before = upcast([self._before[name] for name in stepped])
-        with torch.no_grad():  # few calls: one foreach norm for every tensor, one host copy
+        with torch.no_grad():  # few calls: one foreach norm for every tensor
             after = upcast([self._params[name] for name in stepped])
             change = foreach_sub(after, before) if stepped else []
             norms = foreach_norms([*self._params.values(), *before, *change])
-            grads = [self._grad_norms[name] for name in stepped]
-            values = host_floats([*norms, *grads])
+        return stepped, [*norms, *(self._grad_norms[name] for name in stepped)]
+
+    def _parameter_scalars(self, stepped: list[str], values: list[float]) -> dict[str, float]:
+        """Norms of the monitored parameters; gradient norms and update ratios of those stepped,
+        from the host values of :meth:`_parameter_tensors`."""
+        names = list(self._params)
         k, n = len(names), len(stepped)
         sizes, changes, grad_norms = (
             values[k : k + n],
@@ -387,11 +425,32 @@ class FeatureStatsMonitor(RecorderCallback):
             scalars[self.tag("train", name, "update_ratio")] = delta / (size + 1e-12)
         return scalars
 
-    def _log_train(self, trainer: pl.Trainer, hists: dict[str, dict[str, Any]]) -> None:
+    def _log_train(self, trainer: pl.Trainer, parts: list[list[Tensor]], batch: Tensor) -> None:
+        """Log a training step: its histograms, statistics and parameter norms reach the host in
+        one copy (the collectives under DDP run first, on every rank)."""
         step = step_axis(trainer)
-        scalars = self._compute(trainer, "train")
-        if trainer.is_global_zero and self._params:
-            scalars.update(self._parameter_scalars())
+        table = self._histogram_table(parts, batch)
+        state = self._gathered(trainer, "train")
+        scalars: dict[str, float] = {}
+        hists: dict[str, dict[str, Any]] = {}
+        if trainer.is_global_zero:
+            stepped, norms = self._parameter_tensors() if self._params else ([], [])
+            on_device = [table] if isinstance(table, Tensor) else []
+            values = host_floats([*on_device, state, *norms])  # the step's one host copy
+            at = 0
+            if isinstance(table, Tensor):
+                width = table.shape[1]
+                at = table.numel()
+                table = [
+                    HistogramRow.from_flat(values[i : i + width], self.bins)
+                    for i in range(0, at, width)
+                ]
+            if table is not None:
+                hists = self._histogram_kwargs("train", table)
+            rows = [values[at + 9 * i : at + 9 * (i + 1)] for i in range(state.shape[0])]
+            scalars = self._stat_scalars("train", rows)
+            if self._params:
+                scalars.update(self._parameter_scalars(stepped, values[at + state.numel() :]))
         self._before, self._grad_norms = {}, {}
         self._write(trainer, scalars, hists, step)
         self.logged_steps += 1

@@ -46,8 +46,10 @@ F64 = torch.float64
 def empty_state(device: torch.device | str | None = None) -> Tensor:
     """The packed state of no data, filled on the device (no host-to-device copy)."""
     state = torch.zeros(9, dtype=F64, device=device)
-    state[MIN] = math.inf
-    state[MAX] = -math.inf
+    # fill_ through a view: ``state[MIN] = math.inf`` copies the scalar from the host (a
+    # synchronising copy on CUDA)
+    state.select(0, MIN).fill_(math.inf)
+    state.select(0, MAX).fill_(-math.inf)
     return state
 
 
@@ -663,11 +665,18 @@ def histograms_device(
     return packed[:, :bins], edges, vmin, vmax, packed[:, bins:]
 
 
+def raw_table(counts: Tensor, edges: Tensor, vmin: Tensor, vmax: Tensor, sums: Tensor) -> Tensor:
+    """The rows of :func:`histogram_rows` as one ``(m, 2 * bins + 6)`` tensor on the device,
+    from the tensors of :func:`histograms_device` (read it to the host with one copy); each row
+    is ``[num, sum, sum_squares, min, max, *edges, *counts]`` (:meth:`HistogramRow.from_flat`)."""
+    return torch.cat([sums, vmin[:, None], vmax[:, None], edges, counts], 1)
+
+
 def raw_rows(
     counts: Tensor, edges: Tensor, vmin: Tensor, vmax: Tensor, sums: Tensor
 ) -> list[HistogramRow]:
     """The rows of :func:`histogram_rows` from the tensors of :func:`histograms_device`."""
-    flat = torch.cat([sums, vmin[:, None], vmax[:, None], edges, counts], 1).tolist()
+    flat = raw_table(counts, edges, vmin, vmax, sums).tolist()
     bins = counts.shape[1]
     return [HistogramRow.from_flat(row, bins) for row in flat]
 

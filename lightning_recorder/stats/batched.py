@@ -9,7 +9,9 @@ states cross ranks in one gather and reach the host in one copy:
 * :func:`merge` — Chan's merge along the leading dimension; :func:`gather_merged` — the same over
   every rank (a collective);
 * :func:`finalize_host` — a host row of the state to the statistics of :data:`STAT_NAMES`;
-* :func:`histogram_rows` — the histograms of ``m`` sets of tensors as :class:`HistogramRow` s;
+* :func:`histogram_rows` — the histograms of ``m`` sets of tensors as :class:`HistogramRow` s
+  (:func:`histogram_rows_cpu` on the host, :func:`histograms_device` and :func:`raw_table` on
+  the data's device without reading anything back);
 * :func:`foreach_norms` / :func:`host_floats` — norms of many tensors in one call, and 0-d
   tensors to the host in one copy.
 """
@@ -30,9 +32,12 @@ from ._kernels import (
     empty_state,
     finalize_host,
     histogram_rows,
+    histogram_rows_cpu,
+    histograms_device,
     merge,
     merged,
     native_state,
+    raw_table,
 )
 
 __all__ = [
@@ -43,10 +48,13 @@ __all__ = [
     "foreach_norms",
     "gather_merged",
     "histogram_rows",
+    "histogram_rows_cpu",
+    "histograms_device",
     "host_floats",
     "merge",
     "merged",
     "native_state",
+    "raw_table",
     "upcast",
 ]
 
@@ -74,10 +82,13 @@ def foreach_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 def host_floats(tensors: Sequence[Tensor]) -> list[float]:
-    """The values of 0-d tensors (on one device, or moved to the first one) as floats."""
+    """The elements of tensors of any shapes (on one device, or moved to the first one's), in
+    order, as floats: one device-to-host copy for all of them.
+
+    Float32 (and narrower) values convert to float64 exactly, so each float is the tensor's value.
+    """
     if not tensors:
         return []
     device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        tensors = [t.to(device) for t in tensors]
-    return torch.stack(list(tensors)).tolist()
+    flat = [t.reshape(-1).to(device=device, dtype=torch.float64) for t in tensors]
+    return torch.cat(flat).tolist()
