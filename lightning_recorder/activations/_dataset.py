@@ -87,7 +87,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         >>> from lightning_recorder.activations import ShardWriter
         >>> directory = tempfile.mkdtemp()
         >>> with ShardWriter(directory) as writer:
-        ...     writer.write("feat", "fc", torch.arange(6.0).view(3, 2), sample_index=[7, 8, 9])
+        ...     _ = writer.write("feat", "fc", torch.arange(6.0).view(3, 2), sample_index=[7, 8, 9])
         >>> data = ActivationDataset(directory, sources="feat")
         >>> data[1]["activation"], data[1]["sample_index"]
         (tensor([2., 3.]), 8)
@@ -273,7 +273,7 @@ def concat_activations(
         >>> from lightning_recorder.activations import ShardWriter
         >>> directory = tempfile.mkdtemp()
         >>> with ShardWriter(directory) as writer:
-        ...     writer.write("feat", "fc", torch.ones(2, 3), sample_index=[1, 0])
+        ...     _ = writer.write("feat", "fc", torch.ones(2, 3), sample_index=[1, 0])
         >>> concat_activations(directory, "feat").shape
         torch.Size([2, 3])
     """

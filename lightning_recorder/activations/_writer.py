@@ -106,7 +106,7 @@ class ShardWriter:
         >>> from lightning_recorder.activations import ActivationDataset, ShardWriter
         >>> directory = tempfile.mkdtemp()
         >>> with ShardWriter(directory, run="demo") as writer:
-        ...     writer.write("feat", "layer", torch.ones(4, 3), stage="predict",
+        ...     _ = writer.write("feat", "layer", torch.ones(4, 3), stage="predict",
         ...                  sample_index=[0, 1, 2, 3])
         >>> len(ActivationDataset(directory))
         4
