@@ -55,7 +55,9 @@ def _as_set(value: object, name: str) -> set[Any] | None:
         return {value}
     if isinstance(value, Iterable):
         return set(value)
-    raise RecorderConfigError(f"Expected `{name}` to be a value or a list of them but got {value!r}.")
+    raise RecorderConfigError(
+        f"Expected `{name}` to be a value or a list of them but got {value!r}."
+    )
 
 
 class ActivationDataset(Dataset[dict[str, Any]]):
@@ -127,14 +129,31 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         chunks: list[dict[str, Any]] = []
         for entry in entries:
             for chunk in entry["chunks"]:
-                chunk = {**chunk, "run": entry["run"], "rank": entry["rank"], "shard": entry["shard"]}
+                chunk = {
+                    **chunk,
+                    "run": entry["run"],
+                    "rank": entry["rank"],
+                    "shard": entry["shard"],
+                }
                 if self._keep(chunk):
                     chunks.append(chunk)
         #: Every chunk kept: one tensor of a shard (one source in one batch) with its provenance.
         self.chunks = chunks
         rows = [
-            (c["run"], c["stage"], c["source"], c["module"], c["epoch"], c["global_step"], s,
-             c["call"], c["rank"], c["batch_idx"], n, r)
+            (
+                c["run"],
+                c["stage"],
+                c["source"],
+                c["module"],
+                c["epoch"],
+                c["global_step"],
+                s,
+                c["call"],
+                c["rank"],
+                c["batch_idx"],
+                n,
+                r,
+            )
             for n, c in enumerate(chunks)
             for r, s in enumerate(c["sample_index"])
         ]
@@ -152,8 +171,13 @@ class ActivationDataset(Dataset[dict[str, Any]]):
 
     def _keep(self, chunk: dict[str, Any]) -> bool:
         fields = {
-            "runs": "run", "stages": "stage", "steps": "global_step", "epochs": "epoch",
-            "ranks": "rank", "modules": "module", "sources": "source",
+            "runs": "run",
+            "stages": "stage",
+            "steps": "global_step",
+            "epochs": "epoch",
+            "ranks": "rank",
+            "modules": "module",
+            "sources": "source",
         }
         return all(chunk[fields[k]] in v for k, v in self.filters.items())
 

@@ -48,7 +48,9 @@ class _Manager(Protocol):  # what a RecorderManager offers
 
 def _positive(value: object, name: str, owner: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RecorderConfigError(f"Expected `{name}` of {owner} to be a positive int but got {value!r}.")
+        raise RecorderConfigError(
+            f"Expected `{name}` of {owner} to be a positive int but got {value!r}."
+        )
     return value
 
 
@@ -127,14 +129,16 @@ class ShardWriter:
         owner = type(self).__name__
         self.run = new_run_id() if run is None else check_run_id(run, owner)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise RecorderConfigError(f"Expected `rank` of {owner} to be an int >= 0 but got {rank!r}.")
+            raise RecorderConfigError(
+                f"Expected `rank` of {owner} to be an int >= 0 but got {rank!r}."
+            )
         self.rank = rank
         self.max_shard_bytes = _positive(max_shard_bytes, "max_shard_bytes", owner)
         self.max_queue_bytes = _positive(max_queue_bytes, "max_queue_bytes", owner)
         if queue_full not in _QUEUE_FULL:
             raise RecorderConfigError(
-                f"Expected `queue_full` of {owner} to be one of {', '.join(map(repr, _QUEUE_FULL))} "
-                f"but got {queue_full!r}."
+                f"Expected `queue_full` of {owner} to be one of "
+                f"{', '.join(map(repr, _QUEUE_FULL))} but got {queue_full!r}."
             )
         self.queue_full: QueueFull = queue_full
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
@@ -229,7 +233,14 @@ class ShardWriter:
         if sample_index is None:
             index = [-1] * rows
         else:
-            index = [int(i) for i in (sample_index.tolist() if isinstance(sample_index, torch.Tensor) else sample_index)]
+            index = [
+                int(i)
+                for i in (
+                    sample_index.tolist()
+                    if isinstance(sample_index, torch.Tensor)
+                    else sample_index
+                )
+            ]
             if len(index) != rows:
                 raise RecorderConfigError(
                     f"Expected `sample_index` to have one entry per row of {where}, {rows}, but "
@@ -237,7 +248,9 @@ class ShardWriter:
                 )
         event = None
         if tensor.device.type != "cpu":
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+            host = torch.empty(
+                tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available()
+            )
             host.copy_(tensor, non_blocking=True)
             if tensor.device.type == "cuda":
                 event = torch.cuda.Event()
@@ -490,7 +503,12 @@ class ShardWriter:
                 }
             )
         shard = name + SHARD_SUFFIX
-        metadata = {"format": FORMAT, "version": str(VERSION), "run": self.run, "rank": str(self.rank)}
+        metadata = {
+            "format": FORMAT,
+            "version": str(VERSION),
+            "run": self.run,
+            "rank": str(self.rank),
+        }
         storage = self.storage
         if storage.local:
             tmp = storage.join(shard) + TMP_SUFFIX

@@ -193,22 +193,18 @@ class ActivationWriter(RecorderCallback):
                 f"Expected `every_n_steps` of {owner} to be a positive int but got None."
             )
         super().__init__(recorders, stages, every_n_steps, name=name, keep_hooks=keep_hooks)
-        if sample_index is not None and not isinstance(sample_index, (str, int)):
-            if not callable(sample_index) or isinstance(sample_index, bool):
-                raise RecorderConfigError(
-                    f"Expected `sample_index` of {owner} to be None, a batch key or position, or "
-                    f"a function (batch, batch_idx) -> indices but got {sample_index!r}."
-                )
-        if isinstance(sample_index, bool):
+        valid_index = sample_index is None or (
+            not isinstance(sample_index, bool)
+            and (isinstance(sample_index, (str, int)) or callable(sample_index))
+        )
+        if not valid_index:
             raise RecorderConfigError(
                 f"Expected `sample_index` of {owner} to be None, a batch key or position, or a "
                 f"function (batch, batch_idx) -> indices but got {sample_index!r}."
             )
         self.sample_index = sample_index
         specs = {
-            key: {
-                k: v for k, v in config.items() if k in ("tokens", "mean", "transform", "dtype")
-            }
+            key: {k: v for k, v in config.items() if k in ("tokens", "mean", "transform", "dtype")}
             for key, config in configs.items()
         }
         if dtype is not None:
@@ -274,7 +270,9 @@ class ActivationWriter(RecorderCallback):
         batch, batch_idx, dataloader_idx = self._batch
         how = self.sample_index
         if how is None:
-            return _batch_indices(trainer, batch_idx, dataloader_idx) if stage == "predict" else None
+            return (
+                _batch_indices(trainer, batch_idx, dataloader_idx) if stage == "predict" else None
+            )
         if isinstance(how, (str, int)):
             return _pick(batch, how)
         return how(batch, batch_idx)
@@ -301,7 +299,11 @@ class ActivationWriter(RecorderCallback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
     ) -> None:
         self._batch = (batch, batch_idx, 0)
@@ -309,24 +311,41 @@ class ActivationWriter(RecorderCallback):
 
     @override
     def on_validation_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-        batch_idx: int, dataloader_idx: int = 0,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         self._batch = (batch, batch_idx, dataloader_idx)
-        super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+        super().on_validation_batch_end(
+            trainer, pl_module, outputs, batch, batch_idx, dataloader_idx
+        )
 
     @override
     def on_test_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-        batch_idx: int, dataloader_idx: int = 0,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         self._batch = (batch, batch_idx, dataloader_idx)
         super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     @override
     def on_predict_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-        batch_idx: int, dataloader_idx: int = 0,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         self._batch = (batch, batch_idx, dataloader_idx)
         super().on_predict_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import json
+import multiprocessing
+import os
 import threading
 from pathlib import Path
 
@@ -56,9 +58,12 @@ def test_manager_loop_reads_back_bit_exact(tmp_path: Path) -> None:
                 index = torch.arange(4 * batch_idx, 4 * batch_idx + 4)
                 with manager:
                     model(data[index])
-                assert writer.write_records(
-                    manager, stage="predict", batch_idx=batch_idx, sample_index=index
-                ) == 2
+                assert (
+                    writer.write_records(
+                        manager, stage="predict", batch_idx=batch_idx, sample_index=index
+                    )
+                    == 2
+                )
     finally:
         manager.release()
     assert writer.shards_written > 1  # rolled over at 300 bytes
@@ -83,8 +88,16 @@ def test_manager_loop_reads_back_bit_exact(tmp_path: Path) -> None:
 def test_shards_are_plain_safetensors_with_a_json_index(tmp_path: Path) -> None:
     values = torch.arange(12, dtype=torch.float32).view(3, 4)
     with ShardWriter(tmp_path, run="spec", rank=2) as writer:
-        writer.write("feat", "fc", values, stage="val", global_step=7, epoch=1, batch_idx=4,
-                     sample_index=[10, 11, 12])
+        writer.write(
+            "feat",
+            "fc",
+            values,
+            stage="val",
+            global_step=7,
+            epoch=1,
+            batch_idx=4,
+            sample_index=[10, 11, 12],
+        )
     assert _files(tmp_path, "") == [
         "spec-rank00002-000000.index.json",
         "spec-rank00002-000000.safetensors",
@@ -152,7 +165,7 @@ def test_full_queue_policies(tmp_path: Path, policy: str) -> None:
             assert not writer.write("s", "m", batch)
             assert writer.dropped == 1
         else:
-            with pytest.raises(RecorderStateError, match="queue of .* is full"):
+            with pytest.raises(RecorderStateError, match=r"queue of .* is full"):
                 writer.write("s", "m", batch)
     finally:
         writer.gate.set()
@@ -235,7 +248,7 @@ def test_thread_error_reaches_the_caller(tmp_path: Path) -> None:
 
     writer = Failing(tmp_path, max_shard_bytes=1)
     writer.write("s", "m", torch.zeros(2))
-    with pytest.raises(RecorderStateError, match="failed to write a shard: No space left"):
+    with pytest.raises(RecorderStateError, match=r"failed to write a shard: No space left"):
         writer.close()
     assert writer._thread is not None and not writer._thread.is_alive()
 
@@ -243,33 +256,33 @@ def test_thread_error_reaches_the_caller(tmp_path: Path) -> None:
 def test_bad_arguments(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(RecorderConfigError, match="to be a writable directory"):
+    with pytest.raises(RecorderConfigError, match=r"to be a writable directory"):
         ShardWriter(blocker / "sub")
-    with pytest.raises(RecorderConfigError, match="Expected `queue_full` .* but got 'block'"):
+    with pytest.raises(RecorderConfigError, match=r"Expected `queue_full` .* but got 'block'"):
         ShardWriter(tmp_path, queue_full="block")  # type: ignore[arg-type]
-    with pytest.raises(RecorderConfigError, match="Expected `max_queue_bytes` .* got 0"):
+    with pytest.raises(RecorderConfigError, match=r"Expected `max_queue_bytes` .* got 0"):
         ShardWriter(tmp_path, max_queue_bytes=0)
-    with pytest.raises(RecorderConfigError, match="Expected `run` .* got 'a/b'"):
+    with pytest.raises(RecorderConfigError, match=r"Expected `run` .* got 'a/b'"):
         ShardWriter(tmp_path, run="a/b")
-    with pytest.raises(RecorderConfigError, match="among tokens, mean, transform, dtype"):
+    with pytest.raises(RecorderConfigError, match=r"among tokens, mean, transform, dtype"):
         ShardWriter(tmp_path, sources={"s": {"average": 1}})
-    with pytest.raises(RecorderConfigError, match="other than 0"):
+    with pytest.raises(RecorderConfigError, match=r"other than 0"):
         ShardWriter(tmp_path, sources={"s": {"mean": [0, 1]}})
-    with pytest.raises(RecorderConfigError, match="Expected `dtype` .* got 'half_float'"):
+    with pytest.raises(RecorderConfigError, match=r"Expected `dtype` .* got 'half_float'"):
         ShardWriter(tmp_path, sources={"s": {"dtype": "half_float"}})
     assert _files(tmp_path, "") == ["file"]  # nothing left behind
     writer = ShardWriter(tmp_path, sources={"s": {"transform": lambda t: t.sum()}})
-    with pytest.raises(RecorderConfigError, match="one entry per row .* 2, but got 3"):
+    with pytest.raises(RecorderConfigError, match=r"one entry per row .* 2, but got 3"):
         writer.write("x", "m", torch.zeros(2, 2), sample_index=[0, 1, 2])
-    with pytest.raises(RecorderConfigError, match="return a tensor with 2 rows"):
+    with pytest.raises(RecorderConfigError, match=r"return a tensor with 2 rows"):
         writer.write("s", "m", torch.zeros(2, 2))
-    with pytest.raises(RecorderConfigError, match="dtype the shard format stores"):
+    with pytest.raises(RecorderConfigError, match=r"dtype the shard format stores"):
         writer.write("x", "m", torch.zeros(2, dtype=torch.complex64))
-    with pytest.raises(RecorderConfigError, match="to be a tensor but got tuple"):
+    with pytest.raises(RecorderConfigError, match=r"to be a tensor but got tuple"):
         writer.write("x", "m", (torch.zeros(2),))  # type: ignore[arg-type]
     assert writer._thread is None  # nothing was queued: no thread started
     writer.close()
-    with pytest.raises(RecorderStateError, match="is closed"):
+    with pytest.raises(RecorderStateError, match=r"is closed"):
         writer.write("x", "m", torch.zeros(2))
 
 
@@ -279,8 +292,14 @@ def test_dataset_filters_and_errors(tmp_path: Path) -> None:
     for rank in (0, 1):
         with ShardWriter(tmp_path, run="f", rank=rank) as writer:
             for step in (0, 1):
-                writer.write("a", "m1", torch.full((2, 2), 10.0 * rank + step), stage="train",
-                             global_step=step, sample_index=[0, 1])
+                writer.write(
+                    "a",
+                    "m1",
+                    torch.full((2, 2), 10.0 * rank + step),
+                    stage="train",
+                    global_step=step,
+                    sample_index=[0, 1],
+                )
                 writer.write("b", "m2", torch.zeros(2, 3), stage="val", global_step=step)
     assert len(ActivationDataset(tmp_path)) == 16
     only = ActivationDataset(tmp_path, "a", steps=1, ranks=[1])
@@ -288,11 +307,11 @@ def test_dataset_filters_and_errors(tmp_path: Path) -> None:
     assert len(ActivationDataset(tmp_path, stages="val", modules="m2")) == 8
     with pytest.raises(RecorderConfigError, match=r"`sources` .* \['a', 'b'\] but got \['c'\]"):
         ActivationDataset(tmp_path, "c")
-    with pytest.raises(RecorderConfigError, match="choose one of"):
+    with pytest.raises(RecorderConfigError, match=r"choose one of"):
         ActivationDataset(tmp_path).concat()
-    with pytest.raises(RecorderConfigError, match="share one shape"):
+    with pytest.raises(RecorderConfigError, match=r"share one shape"):
         _mixed_shapes(tmp_path)
-    with pytest.raises(RecorderConfigError, match="Expected filters among"):
+    with pytest.raises(RecorderConfigError, match=r"Expected filters among"):
         concat_activations(tmp_path, "a", step=1)
 
 
@@ -313,3 +332,32 @@ def test_dataset_in_a_dataloader(tmp_path: Path) -> None:
     batches = list(loader)
     assert torch.equal(torch.cat([b["activation"] for b in batches]), x)
     assert torch.cat([b["sample_index"] for b in batches]).tolist() == list(range(10))
+
+
+def _write_then_die(directory: str) -> None:
+    writer = ShardWriter(directory, run="kill", max_shard_bytes=4000)
+    for i in range(40):
+        writer.write("s", "m", torch.full((10, 100), float(i)), batch_idx=i)
+        if i == 12:
+            writer.flush()  # the shards of batches 0-12 are surely complete
+        if i == 25:
+            os._exit(3)  # no flush, no close: the process dies with the thread mid-work
+
+
+def test_killed_process_leaves_only_complete_shards_listed(tmp_path: Path) -> None:
+    process = multiprocessing.get_context("fork").Process(
+        target=_write_then_die, args=(str(tmp_path),)
+    )
+    process.start()
+    process.join(60)
+    assert process.exitcode == 3
+    for index in tmp_path.glob("*.index.json"):  # every listed shard opens and is complete
+        entry = json.loads(index.read_text())
+        with safe_open(str(tmp_path / entry["shard"]), framework="pt") as handle:
+            assert sorted(handle.keys()) == sorted(c["key"] for c in entry["chunks"])
+    dataset = ActivationDataset(tmp_path)
+    batches = sorted({c["batch_idx"] for c in dataset.chunks})
+    assert batches == list(range(len(batches))) and 13 <= len(batches) <= 26
+    for chunk in dataset.chunks:
+        expected = torch.full((10, 100), float(chunk["batch_idx"]))
+        assert torch.equal(dataset._chunk_tensor(chunk), expected)
