@@ -33,7 +33,7 @@ import os
 import re
 import struct
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
 }
 _STORABLE = set(DTYPES.values())
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def new_run_id() -> str:
@@ -131,6 +132,42 @@ def read_header(buffer: memoryview | bytes) -> tuple[int, dict[str, Any]]:
     return 8 + size, json.loads(bytes(buffer[8 : 8 + size]))
 
 
+def write_safetensors(
+    handle: Any, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]
+) -> int:
+    """Write ``tensors`` (contiguous, on the CPU) to ``handle`` in the safetensors format.
+
+    The layout of ``safetensors.torch.save_file``: the header's length, the header (JSON,
+    padded with spaces to a multiple of 8 bytes), then each tensor's bytes, larger elements
+    first so that every tensor starts aligned to its element size. Each tensor is written from
+    its own memory (no copy into one buffer); the file's ``write`` releases the GIL.
+
+    Returns:
+        The number of bytes written.
+    """
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key in order:
+        tensor = tensors[key]
+        end = offset + tensor.nbytes
+        header[key] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    handle.write(struct.pack("<Q", len(text)))
+    handle.write(text)
+    for key in order:
+        tensor = tensors[key]
+        if tensor.numel():
+            handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return 8 + len(text) + offset
+
+
 # ---------------------------------------------------------------------------------- filesystem
 class Storage:
     """A directory on a local disk or on any filesystem ``fsspec`` knows (``memory://``, ``s3://``).
@@ -190,17 +227,20 @@ class Storage:
                 f"not: {err}"
             ) from err
 
-    def write_atomic(self, name: str, data: bytes | memoryview) -> None:
+    def write_atomic(self, name: str, write: Callable[[Any], object], fsync: bool) -> None:
+        """Write a file through ``write(handle)`` under a temporary name, then rename it."""
         final = self.join(name)
         tmp = final + TMP_SUFFIX
         if self.local:
             with open(tmp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+                write(handle)
+                if fsync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
             os.replace(tmp, final)
         else:
-            self.fs.pipe_file(tmp, bytes(data))
+            with self.fs.open(tmp, "wb") as handle:
+                write(handle)
             self.fs.mv(tmp, final)
 
     def names(self) -> list[str]:

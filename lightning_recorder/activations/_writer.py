@@ -27,6 +27,7 @@ from ._format import (
     new_run_id,
     parse_stem,
     stem,
+    write_safetensors,
 )
 from ._spec import SourceSpec
 
@@ -52,18 +53,6 @@ def _positive(value: object, name: str, owner: str) -> int:
             f"Expected `{name}` of {owner} to be a positive int but got {value!r}."
         )
     return value
-
-
-def _save_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    from safetensors.torch import save
-
-    return save(tensors, metadata=metadata)
-
-
-def _save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, path, metadata=metadata)
 
 
 class ShardWriter:
@@ -97,6 +86,10 @@ class ShardWriter:
         max_queue_bytes: the most bytes waiting in the queue.
         queue_full: what :meth:`write` does when the queue is full.
         generation: tag of the shards written (see :meth:`checkpoint`, :meth:`discard_from`).
+        fsync: flush every file to the disk before renaming it, so that the index survives a
+            power loss or an operating-system crash too; without it a crash of the process
+            still leaves only complete shards listed (the renames keep their order in the
+            page cache), and writing is faster.
 
     Raises:
         RecorderConfigError: an argument is invalid, or ``directory`` cannot be written (at
@@ -125,6 +118,7 @@ class ShardWriter:
         max_queue_bytes: int = 512 * _MiB,
         queue_full: QueueFull = "wait",
         generation: int = 0,
+        fsync: bool = True,
     ) -> None:
         owner = type(self).__name__
         self.run = new_run_id() if run is None else check_run_id(run, owner)
@@ -154,12 +148,11 @@ class ShardWriter:
         self._specs = {
             name: SourceSpec(opts, f"source {name!r}") for name, opts in (sources or {}).items()
         }
-        try:
-            import safetensors.torch  # noqa: F401
-        except ImportError as err:  # pragma: no cover - an optional dependency
+        if not isinstance(fsync, bool):
             raise RecorderConfigError(
-                f"{owner} writes safetensors files: install the `safetensors` package."
-            ) from err
+                f"Expected `fsync` of {owner} to be a bool but got {fsync!r}."
+            )
+        self.fsync = fsync
         self.storage = Storage(directory, owner)
         self.storage.make_writable(owner)
         #: Batches not written because the queue was full (``queue_full="drop"``).
@@ -215,61 +208,9 @@ class ShardWriter:
                 ``queue_full="raise"``, or the thread failed (its error is the cause).
         """
         self._check_alive()
-        spec = self._specs.get(source)
-        if not isinstance(tensor, torch.Tensor):
-            raise RecorderConfigError(
-                f"Expected the activations of source {source!r} (module {module!r}) to be a tensor "
-                f"but got {type(tensor).__name__}; choose one inside a structured output with "
-                "the `path` option."
-            )
-        tensor = tensor.detach()
-        if spec is not None:
-            tensor = spec.apply(tensor)
-        where = f"source {source!r} (module {module!r})"
-        check_storable(tensor.dtype, where)
-        if tensor.dim() == 0:
-            tensor = tensor.reshape(1)
-        rows = tensor.shape[0]
-        if sample_index is None:
-            index = [-1] * rows
-        else:
-            index = [
-                int(i)
-                for i in (
-                    sample_index.tolist()
-                    if isinstance(sample_index, torch.Tensor)
-                    else sample_index
-                )
-            ]
-            if len(index) != rows:
-                raise RecorderConfigError(
-                    f"Expected `sample_index` to have one entry per row of {where}, {rows}, but "
-                    f"got {len(index)}; the rows of a record are along its dimension 0."
-                )
-        event = None
-        if tensor.device.type != "cpu":
-            host = torch.empty(
-                tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available()
-            )
-            host.copy_(tensor, non_blocking=True)
-            if tensor.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-            tensor = host
-        elif not tensor.is_contiguous() or tensor.untyped_storage().nbytes() > tensor.nbytes:
-            tensor = tensor.contiguous() if not tensor.is_contiguous() else tensor.clone()
-        meta = {
-            "source": source,
-            "module": module,
-            "stage": stage,
-            "global_step": int(global_step),
-            "epoch": int(epoch),
-            "batch_idx": int(batch_idx),
-            "dataloader_idx": int(dataloader_idx),
-            "call": int(call),
-            "sample_index": index,
-        }
-        return self._put(("chunk", meta, tensor, event), tensor.nbytes)
+        base = self._base(stage, global_step, epoch, batch_idx, dataloader_idx)
+        chunk = self._chunk(source, module, tensor, base, self._index(sample_index), call)
+        return self._put(("chunks", [chunk]), chunk[1].nbytes)
 
     def write_records(
         self,
@@ -287,31 +228,95 @@ class ShardWriter:
         with its ``streams()``): the recorder name is the source, the stream name the module.
 
         Call it after the forward, before the records are reset. Records of one stream in one
-        forward are its calls (``call`` 0, 1, …).
+        forward are its calls (``call`` 0, 1, …). The batch's tensors are queued together.
 
         Returns:
-            The number of tensors queued.
+            The number of tensors queued (0 when ``queue_full="drop"`` dropped the batch).
         """
+        self._check_alive()
         wanted = None if names is None else set(names)
-        count = 0
-        for source, stream in manager.streams():
-            if wanted is not None and source not in wanted:
-                continue
-            for call, record in enumerate(stream.data_buffer):
-                queued = self.write(
-                    source,
-                    stream.name,
-                    record,
-                    stage=stage,
-                    global_step=global_step,
-                    epoch=epoch,
-                    batch_idx=batch_idx,
-                    dataloader_idx=dataloader_idx,
-                    sample_index=sample_index,
-                    call=call,
-                )
-                count += queued
-        return count
+        base = self._base(stage, global_step, epoch, batch_idx, dataloader_idx)
+        index = self._index(sample_index)
+        chunks = [
+            self._chunk(source, stream.name, record, base, index, call)
+            for source, stream in manager.streams()
+            if wanted is None or source in wanted
+            for call, record in enumerate(stream.data_buffer)
+        ]
+        if not chunks:
+            return 0
+        queued = self._put(("chunks", chunks), sum(c[1].nbytes for c in chunks))
+        return len(chunks) if queued else 0
+
+    @staticmethod
+    def _base(
+        stage: str, global_step: int, epoch: int, batch_idx: int, dataloader_idx: int
+    ) -> dict[str, Any]:
+        return {
+            "stage": stage,
+            "global_step": int(global_step),
+            "epoch": int(epoch),
+            "batch_idx": int(batch_idx),
+            "dataloader_idx": int(dataloader_idx),
+        }
+
+    @staticmethod
+    def _index(sample_index: Sequence[int] | torch.Tensor | None) -> list[int] | None:
+        if sample_index is None:
+            return None
+        if isinstance(sample_index, torch.Tensor):
+            return [int(i) for i in sample_index.reshape(-1).tolist()]
+        return [int(i) for i in sample_index]
+
+    def _chunk(
+        self,
+        source: str,
+        module: str,
+        tensor: torch.Tensor,
+        base: dict[str, Any],
+        index: list[int] | None,
+        call: int,
+    ) -> tuple[dict[str, Any], torch.Tensor, Any]:
+        """Validate and prepare one tensor: ``(metadata, host tensor, copy event or None)``."""
+        where = f"source {source!r} (module {module!r})"
+        if not isinstance(tensor, torch.Tensor):
+            raise RecorderConfigError(
+                f"Expected the activations of {where} to be a tensor but got "
+                f"{type(tensor).__name__}; choose one inside a structured output with the "
+                "`path` option."
+            )
+        tensor = tensor.detach()
+        spec = self._specs.get(source)
+        if spec is not None:
+            tensor = spec.apply(tensor)
+        check_storable(tensor.dtype, where)
+        if tensor.dim() == 0:
+            tensor = tensor.reshape(1)
+        rows = tensor.shape[0]
+        if index is None:
+            index = [-1] * rows
+        elif len(index) != rows:
+            raise RecorderConfigError(
+                f"Expected `sample_index` to have one entry per row of {where}, {rows}, but got "
+                f"{len(index)}; the rows of a record are along its dimension 0."
+            )
+        event = None
+        if tensor.device.type != "cpu":  # copied without blocking; the thread waits for it
+            host = torch.empty(
+                tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available()
+            )
+            host.copy_(tensor, non_blocking=True)
+            if tensor.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            tensor = host
+        elif not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        elif tensor.untyped_storage().nbytes() > tensor.nbytes:  # a view would keep (and the
+            tensor = tensor.clone()  # queue not count) the whole of its base alive
+        meta = {"source": source, "module": module, **base, "call": int(call)}
+        meta["sample_index"] = index
+        return meta, tensor, event
 
     def _put(self, item: tuple[Any, ...], nbytes: int) -> bool:
         with self._cond:
@@ -453,14 +458,14 @@ class ShardWriter:
                 if kind == "stop":
                     return
                 if self._error is None:
-                    if kind == "chunk":
-                        _, meta, tensor, event, nbytes = item
-                        if event is not None:
-                            event.synchronize()
-                        self._pending.append((meta, tensor))
-                        self._pending_bytes += nbytes
-                        if self._pending_bytes >= self.max_shard_bytes:
-                            self._commit()
+                    if kind == "chunks":
+                        for meta, tensor, event in item[1]:
+                            if event is not None:
+                                event.synchronize()
+                            self._pending.append((meta, tensor))
+                            self._pending_bytes += tensor.nbytes
+                            if self._pending_bytes >= self.max_shard_bytes:
+                                self._commit()
                     elif kind == "flush":
                         self._commit()
             except BaseException as err:  # kept, raised to the producer on its next call
@@ -509,21 +514,13 @@ class ShardWriter:
             "run": self.run,
             "rank": str(self.rank),
         }
-        storage = self.storage
-        if storage.local:
-            tmp = storage.join(shard) + TMP_SUFFIX
-            _save_file(tensors, tmp, metadata)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, storage.join(shard))
-            size = os.path.getsize(storage.join(shard))
-        else:
-            data = _save_tensors(tensors, metadata)
-            storage.write_atomic(shard, data)
-            size = len(data)
+        storage, written = self.storage, [0]
+
+        def write_shard(handle: Any) -> None:
+            written[0] = write_safetensors(handle, tensors, metadata)
+
+        storage.write_atomic(shard, write_shard, self.fsync)
+        size = written[0]
         entry = {
             "format": FORMAT,
             "version": VERSION,
@@ -535,8 +532,10 @@ class ShardWriter:
             "bytes": size,
             "chunks": chunks,
         }
-        storage.write_atomic(name + INDEX_SUFFIX, encode_index(entry))
-        storage.sync_directory()
+        index = encode_index(entry)
+        storage.write_atomic(name + INDEX_SUFFIX, lambda handle: handle.write(index), self.fsync)
+        if self.fsync:
+            storage.sync_directory()
         self.rows_written += sum(len(c["sample_index"]) for c in chunks)
         self.bytes_written += size
         self.shards_written += 1

@@ -125,6 +125,8 @@ class ActivationWriter(RecorderCallback):
         max_queue_bytes: the most bytes waiting to be written.
         queue_full: when the queue is full, ``"wait"`` for room, ``"drop"`` the batch (counted
             in ``writer.dropped``) or ``"raise"``.
+        fsync: flush each file to the disk before renaming it (the index then survives an
+            operating-system crash or power loss too; a crash of the process needs no fsync).
         clone: record a copy of each output (for outputs changed in place afterwards, e.g. by
             ``ReLU(inplace=True)``).
         name: distinguishes two writers with the same configuration.
@@ -172,6 +174,7 @@ class ActivationWriter(RecorderCallback):
         max_shard_bytes: int = 256 * _MiB,
         max_queue_bytes: int = 512 * _MiB,
         queue_full: Literal["wait", "drop", "raise"] = "wait",
+        fsync: bool = True,
         clone: bool = False,
         name: str | None = None,
         keep_hooks: bool | None = None,
@@ -216,6 +219,7 @@ class ActivationWriter(RecorderCallback):
             "max_shard_bytes": max_shard_bytes,
             "max_queue_bytes": max_queue_bytes,
             "queue_full": queue_full,
+            "fsync": fsync,
         }
         # Validates every option and that the directory is writable; no thread starts until a
         # batch is written, and this one is replaced (by rank) in `setup`.
