@@ -184,6 +184,10 @@ class ActivationDataset(Dataset[dict[str, Any]]):
     def __len__(self) -> int:
         return len(self._rows)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Memory maps do not pickle (DataLoader workers started by spawn): each copy reopens.
+        return {**self.__dict__, "_shards": {}}
+
     def _shard(self, name: str) -> _Shard:
         shard = self._shards.get(name)
         if shard is None:

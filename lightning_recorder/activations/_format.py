@@ -61,7 +61,7 @@ DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F64": torch.float64,
 }
-_STORABLE = set(DTYPES.values())
+STORABLE = frozenset(DTYPES.values())
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -82,8 +82,8 @@ def check_run_id(run: object, owner: str) -> str:
 
 def check_storable(dtype: torch.dtype, where: str) -> None:
     """Raise unless safetensors can store ``dtype``."""
-    if dtype not in _STORABLE:
-        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in _STORABLE))
+    if dtype not in STORABLE:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in STORABLE))
         raise RecorderConfigError(
             f"Expected the activations of {where} to have a dtype the shard format stores "
             f"({names}) but got {dtype}; cast them with the `dtype` option."

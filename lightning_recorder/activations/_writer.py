@@ -17,6 +17,7 @@ from ._format import (
     FORMAT,
     INDEX_SUFFIX,
     SHARD_SUFFIX,
+    STORABLE,
     TMP_SUFFIX,
     VERSION,
     Storage,
@@ -53,6 +54,10 @@ def _positive(value: object, name: str, owner: str) -> int:
             f"Expected `{name}` of {owner} to be a positive int but got {value!r}."
         )
     return value
+
+
+def _where(source: str, module: str) -> str:
+    return f"source {source!r} (module {module!r})"
 
 
 class ShardWriter:
@@ -278,18 +283,19 @@ class ShardWriter:
         call: int,
     ) -> tuple[dict[str, Any], torch.Tensor, Any]:
         """Validate and prepare one tensor: ``(metadata, host tensor, copy event or None)``."""
-        where = f"source {source!r} (module {module!r})"
         if not isinstance(tensor, torch.Tensor):
             raise RecorderConfigError(
-                f"Expected the activations of {where} to be a tensor but got "
+                f"Expected the activations of {_where(source, module)} to be a tensor but got "
                 f"{type(tensor).__name__}; choose one inside a structured output with the "
                 "`path` option."
             )
-        tensor = tensor.detach()
+        if tensor.requires_grad:
+            tensor = tensor.detach()
         spec = self._specs.get(source)
         if spec is not None:
             tensor = spec.apply(tensor)
-        check_storable(tensor.dtype, where)
+        if tensor.dtype not in STORABLE:
+            check_storable(tensor.dtype, _where(source, module))
         if tensor.dim() == 0:
             tensor = tensor.reshape(1)
         rows = tensor.shape[0]
@@ -297,8 +303,9 @@ class ShardWriter:
             index = [-1] * rows
         elif len(index) != rows:
             raise RecorderConfigError(
-                f"Expected `sample_index` to have one entry per row of {where}, {rows}, but got "
-                f"{len(index)}; the rows of a record are along its dimension 0."
+                f"Expected `sample_index` to have one entry per row of "
+                f"{_where(source, module)}, {rows}, but got {len(index)}; the rows of a record "
+                "are along its dimension 0."
             )
         event = None
         if tensor.device.type != "cpu":  # copied without blocking; the thread waits for it
@@ -314,7 +321,7 @@ class ShardWriter:
             tensor = tensor.contiguous()
         elif tensor.untyped_storage().nbytes() > tensor.nbytes:  # a view would keep (and the
             tensor = tensor.clone()  # queue not count) the whole of its base alive
-        meta = {"source": source, "module": module, **base, "call": int(call)}
+        meta = {"source": source, "module": module, **base, "call": call}
         meta["sample_index"] = index
         return meta, tensor, event
 

@@ -6,6 +6,7 @@ import ast
 import json
 import multiprocessing
 import os
+import pickle
 import threading
 from pathlib import Path
 
@@ -328,7 +329,11 @@ def test_dataset_in_a_dataloader(tmp_path: Path) -> None:
     with ShardWriter(tmp_path, max_shard_bytes=40) as writer:
         for i in range(0, 10, 2):
             writer.write("s", "m", x[i : i + 2].clone(), sample_index=[i, i + 1])
-    loader = torch.utils.data.DataLoader(ActivationDataset(tmp_path), batch_size=4)
+    dataset = ActivationDataset(tmp_path)
+    assert torch.equal(dataset[3]["activation"], x[3])  # opens (maps) a shard
+    copy = pickle.loads(pickle.dumps(dataset))  # as DataLoader workers started by spawn get it
+    assert torch.equal(copy[9]["activation"], x[9])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4)
     batches = list(loader)
     assert torch.equal(torch.cat([b["activation"] for b in batches]), x)
     assert torch.cat([b["sample_index"] for b in batches]).tolist() == list(range(10))
@@ -361,3 +366,32 @@ def test_killed_process_leaves_only_complete_shards_listed(tmp_path: Path) -> No
     for chunk in dataset.chunks:
         expected = torch.full((10, 100), float(chunk["batch_idx"]))
         assert torch.equal(dataset._chunk_tensor(chunk), expected)
+
+
+def test_every_dtype_reads_back_with_the_reference_reader(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(0)
+    values = {
+        "bool": torch.rand(3, 5, generator=g) > 0.5,
+        "uint8": torch.randint(0, 255, (3, 7), generator=g, dtype=torch.uint8),
+        "int8": torch.randint(-128, 127, (3, 1), generator=g, dtype=torch.int8),
+        "int16": torch.randint(-999, 999, (3, 2, 3), generator=g, dtype=torch.int16),
+        "int32": torch.randint(-999, 999, (3,), generator=g, dtype=torch.int32),
+        "int64": torch.randint(-999, 999, (3, 3), generator=g),
+        "float16": torch.randn(3, 5, generator=g).half(),
+        "bfloat16": torch.randn(3, 3, generator=g).bfloat16(),
+        "float32": torch.randn(3, 0, generator=g),  # empty rows
+        "float64": torch.randn(3, 4, generator=g, dtype=torch.float64),
+    }
+    with ShardWriter(tmp_path, run="dtypes") as writer:
+        for name, tensor in values.items():
+            writer.write(name, "m", tensor, sample_index=[0, 1, 2])
+    (shard,) = tmp_path.glob("*.safetensors")
+    loaded = load_file(str(shard))  # safetensors validates the header, offsets and size
+    dataset = ActivationDataset(tmp_path)
+    for chunk in dataset.chunks:
+        expected = values[chunk["source"]]
+        assert torch.equal(loaded[chunk["key"]], expected), chunk["key"]
+        assert torch.equal(dataset._chunk_tensor(chunk), expected)  # our memory-mapped view
+        assert dataset._chunk_tensor(chunk).dtype == expected.dtype
