@@ -128,7 +128,9 @@ class ActivationWriter(RecorderCallback):
         fsync: flush each file to the disk before renaming it (the index then survives an
             operating-system crash or power loss too; a crash of the process needs no fsync).
         clone: record a copy of each output (for outputs changed in place afterwards, e.g. by
-            ``ReLU(inplace=True)``).
+            ``ReLU(inplace=True)``). Outside inference mode such a change raises
+            :class:`~lightning_recorder.RecordModifiedError`; under ``torch.inference_mode()``
+            (Lightning's default for ``predict``) it cannot be detected, so set ``clone``.
         name: distinguishes two writers with the same configuration.
         keep_hooks: see :class:`~lightning_recorder.RecorderCallback`.
 
