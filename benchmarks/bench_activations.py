@@ -18,6 +18,11 @@ Two measurements:
   fsync``), each in interleaved repeats; MB/s is the median, the ratio the median of per-repeat
   ratios.
 
+A third table times ``trainer.predict`` itself, with and without the ``ActivationWriter``
+callback writing every leaf output (per-batch wall time from a timing callback, the first batch
+of each run left out; the two trainers take turns, 12 batches each, in a new random order every
+round).
+
 Targets (issue 17): step-time ratio ``writer / none`` <= 1.10; writer throughput >= 0.80 of
 the floor.
 
@@ -41,6 +46,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -172,6 +178,72 @@ def step_times(
     return medians, ratios, cpu_ratios, writers[True]
 
 
+class _StepClock(pl.Callback):
+    """Wall time between consecutive predict batch starts (the first batch of a run skipped)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._last: float | None = None
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last = None
+
+    def on_predict_batch_start(self, *args: object, **kwargs: object) -> None:
+        now = CLOCK()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+
+
+class _Predictor(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.net(batch[0])
+
+
+def lightning_steps(rounds: int, directory: Path) -> dict[str, tuple[float, float]]:
+    """``trainer.predict`` with and without ``ActivationWriter`` (every leaf output), in turns:
+    median ms/step and the median of per-round ratios to ``none``."""
+    from lightning_recorder.callbacks.activation_writer import ActivationWriter
+
+    model = _Predictor().eval()
+    leaves = [n for n, m in model.named_modules() if n and not list(m.children())]
+    data = torch.utils.data.TensorDataset(torch.randn(BATCH * 12, 3, 32, 32))
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
+    quiet = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+    }
+    clocks = {"none": _StepClock(), "writer": _StepClock()}
+    writer = ActivationWriter(leaves, directory, max_shard_bytes=SHARD_BYTES)
+    trainers = {
+        "none": pl.Trainer(**quiet, callbacks=[clocks["none"]]),
+        "writer": pl.Trainer(**quiet, callbacks=[writer, clocks["writer"]]),
+    }
+    per_round: dict[str, list[float]] = {name: [] for name in trainers}
+    names = list(trainers)
+    order = random.Random(2)
+    for _ in range(rounds):
+        order.shuffle(names)
+        for name in names:
+            before = len(clocks[name].times)
+            trainers[name].predict(model, loader, return_predictions=False)
+            per_round[name].append(statistics.median(clocks[name].times[before:]))
+    return {
+        name: (
+            statistics.median(samples) * 1e3,
+            statistics.median(t / b for t, b in zip(samples, per_round["none"], strict=True)),
+        )
+        for name, samples in per_round.items()
+    }
+
+
 def _activations(steps: int) -> list[dict[str, torch.Tensor]]:
     model = make_model().eval()
     manager = _manager(model)
@@ -285,6 +357,7 @@ def main(quick: bool = False) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_activations_") as tmp:
         root = Path(tmp)
         medians, ratios, cpu_ratios, writer = step_times(rounds, root / "steps")
+        in_lightning = lightning_steps(max(rounds // 5, 4), root / "lightning")
         tp = throughput(steps, repeats, root)
     per_step = writer.bytes_written / max(writer.rows_written / BATCH / 13, 1) / 1e6
     print(f"bench_activations: CNN predict step, batch {BATCH}x3x32x32, all 13 leaf outputs")
@@ -309,6 +382,14 @@ def main(quick: bool = False) -> None:
                 result,
             ]
         )
+    print(_table(rows))
+    print("\nin trainer.predict (ActivationWriter on every leaf module; wall time per step):")
+    rows = [["variant", "ms/step", "vs none", "target", "result"]]
+    for name, (ms, ratio) in in_lightning.items():
+        target, result = "-", "-"
+        if name == "writer":
+            target, result = "<= 1.10", "pass" if ratio <= 1.10 else "FAIL"
+        rows.append([name, f"{ms:.3f}", f"{ratio:.3f}", target, result])
     print(_table(rows))
     total = tp.pop("_bytes")[0]
     print(f"\nthroughput: {total:.0f} MB in {SHARD_BYTES >> 20} MiB shards, {repeats} repeats")
