@@ -330,7 +330,7 @@ class ShardWriter:
             if self._thread is None:
                 self._start()
             limit = self.max_queue_bytes
-            if self._queue and self._queued_bytes + nbytes > limit:
+            if nbytes and self._queue and self._queued_bytes + nbytes > limit:
                 if self.queue_full == "drop":
                     self.dropped += 1
                     return False

@@ -174,6 +174,35 @@ def test_full_queue_policies(tmp_path: Path, policy: str) -> None:
     assert len(ActivationDataset(tmp_path)) == 20  # the two batches the queue took
 
 
+@pytest.mark.parametrize("policy", ["drop", "raise"])
+def test_a_batch_larger_than_the_queue_and_flush_are_never_refused(
+    tmp_path: Path, policy: str
+) -> None:
+    writer = _Blocked(tmp_path, max_shard_bytes=1, max_queue_bytes=1000, queue_full=policy)
+    try:
+        assert writer.write("s", "m", torch.zeros(10, 10))  # held by the thread at the gate
+        assert writer.entered.wait(10)
+        assert writer.write("s", "m", torch.zeros(50, 10))  # 2000 bytes, alone in the queue
+        assert writer.queued_bytes == 2400
+        errors: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                writer.flush()  # the queue is over its limit: a flush still goes in
+            except BaseException as err:
+                errors.append(err)
+
+        flushed = threading.Thread(target=flush)
+        flushed.start()
+        writer.gate.set()
+        flushed.join(10)
+        assert not flushed.is_alive() and not errors and writer.dropped == 0
+    finally:
+        writer.gate.set()
+        writer.close()
+    assert len(ActivationDataset(tmp_path)) == 60
+
+
 def test_queue_waits_for_room_and_bounds_memory(tmp_path: Path) -> None:
     writer = _Blocked(tmp_path, max_shard_bytes=1, max_queue_bytes=1000, queue_full="wait")
     seen: list[int] = []
