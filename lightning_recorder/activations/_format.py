@@ -164,7 +164,7 @@ def write_safetensors(
     for key in order:
         tensor = tensors[key]
         if tensor.numel():
-            handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
     return 8 + len(text) + offset
 
 
