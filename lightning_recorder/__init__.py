@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._core.structures import Arguments
+from .activations import ActivationDataset, ShardWriter, concat_activations
 from .bulk import (
     CollectedRecord,
     ForwardInputsCollector,
@@ -75,6 +76,7 @@ from .stats import (
 
 if TYPE_CHECKING:  # resolved lazily below: they import Lightning or torchmetrics
     from .callbacks import (
+        ActivationWriter,
         FeatureDistillation,
         FeatureStatsMonitor,
         RecorderCallback,
@@ -84,6 +86,7 @@ if TYPE_CHECKING:  # resolved lazily below: they import Lightning or torchmetric
 
 #: Names whose modules import Lightning or torchmetrics, and where they live.
 _LAZY = {
+    "ActivationWriter": "lightning_recorder.callbacks",
     "FeatureDistillation": "lightning_recorder.callbacks",
     "FeatureStatsMonitor": "lightning_recorder.callbacks",
     "RecorderCallback": "lightning_recorder.callbacks",
@@ -113,6 +116,8 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "STAT_NAMES",
+    "ActivationDataset",
+    "ActivationWriter",
     "Arguments",
     "AttentionTransferLoss",
     "BaseRecorder",
@@ -157,12 +162,14 @@ __all__ = [
     "RecorderError",
     "RecorderManager",
     "RecorderStateError",
+    "ShardWriter",
     "UnknownRecorderTypeError",
     "UnknownSourceError",
     "__version__",
     "attention_transfer_loss",
     "build_connector",
     "build_recorder",
+    "concat_activations",
     "cosine_loss",
     "distillation_loss",
     "feature_stats",

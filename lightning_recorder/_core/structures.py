@@ -282,10 +282,8 @@ def snapshot(value: Any) -> Versions:
     left out: their in-place changes cannot be detected.
     """
     if isinstance(value, torch.Tensor):
-        try:
-            return value._version
-        except RuntimeError:  # an inference tensor
-            return None
+        # An inference tensor has no version counter; asking first is cheaper than the error.
+        return None if value.is_inference() else value._version
     pairs = [(t, t._version) for t in iter_tensors(value) if not t.is_inference()]
     return pairs or None
 

@@ -3,17 +3,21 @@
 * :mod:`.recorder` — :class:`RecorderCallback`: recorders driven by the Trainer's loops;
 * :mod:`.stats_monitor` — :class:`FeatureStatsMonitor`: feature, parameter and gradient
   statistics logged every N steps (built on :class:`RecorderCallback`);
-* :mod:`.distillation` — :class:`FeatureDistillation`: a frozen teacher distilled into the student.
+* :mod:`.distillation` — :class:`FeatureDistillation`: a frozen teacher distilled into the student;
+* :mod:`.activation_writer` — :class:`ActivationWriter`: recorded outputs written to sharded
+  safetensors files with their provenance (``lightning_recorder.activations`` reads them back).
 
 ``_lightning`` holds every read of Lightning's private state, so that a change in Lightning
 touches one file.
 """
 
+from .activation_writer import ActivationWriter
 from .distillation import FeatureDistillation, LossSpec, distillation_loss
 from .recorder import RecorderCallback
 from .stats_monitor import FeatureStatsMonitor
 
 __all__ = [
+    "ActivationWriter",
     "FeatureDistillation",
     "FeatureStatsMonitor",
     "LossSpec",

@@ -121,3 +121,16 @@ def write_tensorboard(
         histo.bucket.extend(kw["bucket_counts"])
     if summary.value:
         writer._get_file_writer().add_summary(summary, step)
+
+
+def predict_batch_indices(
+    trainer: pl.Trainer, batch_idx: int, dataloader_idx: int
+) -> list[int] | None:
+    """The dataset indices of a predict batch, from the batch sampler Lightning wraps."""
+    loader = getattr(getattr(trainer, "predict_loop", None), "_combined_loader", None)
+    try:
+        dataloader = loader.flattened[dataloader_idx]  # type: ignore[union-attr]
+        seen = dataloader.batch_sampler.seen_batch_indices
+        return list(seen[batch_idx])
+    except (AttributeError, IndexError, TypeError):
+        return None

@@ -6,6 +6,8 @@ import lightning_recorder
 
 EXPECTED = [
     "STAT_NAMES",
+    "ActivationDataset",
+    "ActivationWriter",
     "Arguments",
     "AttentionTransferLoss",
     "BaseRecorder",
@@ -50,12 +52,14 @@ EXPECTED = [
     "RecorderError",
     "RecorderManager",
     "RecorderStateError",
+    "ShardWriter",
     "UnknownRecorderTypeError",
     "UnknownSourceError",
     "__version__",
     "attention_transfer_loss",
     "build_connector",
     "build_recorder",
+    "concat_activations",
     "cosine_loss",
     "distillation_loss",
     "feature_stats",

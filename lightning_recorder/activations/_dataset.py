@@ -1,0 +1,313 @@
+"""`ActivationDataset`: the rows of an activation directory as a map-style torch Dataset."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from ..errors import NoRecordError, RecorderConfigError
+from ._format import DTYPES, Storage, iter_index, read_header
+
+_FILTERS = ("runs", "stages", "steps", "epochs", "ranks", "modules", "sources")
+
+
+class _Shard:
+    """The tensors of one shard: views into a memory map (local) or into its bytes (remote)."""
+
+    def __init__(self, storage: Storage, name: str) -> None:
+        if storage.local:
+            with open(storage.join(name), "rb") as handle:
+                # ACCESS_COPY: a private, writable map, so torch.frombuffer warns of nothing and
+                # a write to a returned row changes neither the file nor other readers.
+                buffer: Any = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        else:
+            buffer = bytearray(storage.read(name))
+        start, header = read_header(memoryview(buffer))
+        self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
+        self._start = start
+        self._header = header
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        found = self._cache.get(key)
+        if found is None:
+            info = self._header[key]
+            begin, end = info["data_offsets"]
+            raw = self._bytes[self._start + begin : self._start + end]
+            dtype = DTYPES[info["dtype"]]
+            try:
+                found = raw.view(dtype).view(info["shape"])
+            except RuntimeError:  # a misaligned offset: copy instead of viewing
+                found = raw.clone().view(dtype).view(info["shape"])
+            self._cache[key] = found
+        return found
+
+
+def _as_set(value: object, name: str) -> set[Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, int)):
+        return {value}
+    if isinstance(value, Iterable):
+        return set(value)
+    raise RecorderConfigError(
+        f"Expected `{name}` to be a value or a list of them but got {value!r}."
+    )
+
+
+class ActivationDataset(Dataset[dict[str, Any]]):
+    """The activations written by :class:`~lightning_recorder.activations.ShardWriter` (or the
+    ``ActivationWriter`` callback), one item per row: one sample's activation of one source.
+
+    Only complete shards are read (those with an index file). Local shards are memory-mapped:
+    an item is a view into the file's pages, read when touched. Items are dicts::
+
+        {"activation": tensor, "run": ..., "stage": ..., "global_step": ..., "epoch": ...,
+         "batch_idx": ..., "dataloader_idx": ..., "rank": ..., "sample_index": ...,
+         "source": ..., "module": ..., "call": ...}
+
+    so a ``DataLoader`` collates them. Rows are ordered by run, stage, source, module, epoch,
+    step, sample index, call, rank: under DDP the rows of one step come out in dataset order.
+
+    Args:
+        directory: the directory (a path or an ``fsspec`` URL).
+        sources: keep these sources (names given to the writer).
+        stages, steps, epochs, ranks, modules, runs: keep only rows with these values (one
+            value or a list each).
+
+    Raises:
+        RecorderConfigError: the directory holds no activation index, or a filter is invalid.
+
+    Example:
+        >>> import tempfile
+        >>> import torch
+        >>> from lightning_recorder.activations import ShardWriter
+        >>> directory = tempfile.mkdtemp()
+        >>> with ShardWriter(directory) as writer:
+        ...     _ = writer.write("feat", "fc", torch.arange(6.0).view(3, 2), sample_index=[7, 8, 9])
+        >>> data = ActivationDataset(directory, sources="feat")
+        >>> data[1]["activation"], data[1]["sample_index"]
+        (tensor([2., 3.]), 8)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        sources: str | Sequence[str] | None = None,
+        *,
+        stages: str | Sequence[str] | None = None,
+        steps: int | Sequence[int] | None = None,
+        epochs: int | Sequence[int] | None = None,
+        ranks: int | Sequence[int] | None = None,
+        modules: str | Sequence[str] | None = None,
+        runs: str | Sequence[str] | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        self.storage = Storage(directory, owner)
+        entries = list(iter_index(self.storage))
+        if not entries:
+            raise RecorderConfigError(
+                f"Expected `directory` of {owner} to hold activation shards with index files "
+                f"(*.index.json) but {self.storage.url!r} has none."
+            )
+        filters = {
+            "runs": _as_set(runs, "runs"),
+            "stages": _as_set(stages, "stages"),
+            "steps": _as_set(steps, "steps"),
+            "epochs": _as_set(epochs, "epochs"),
+            "ranks": _as_set(ranks, "ranks"),
+            "modules": _as_set(modules, "modules"),
+            "sources": _as_set(sources, "sources"),
+        }
+        self.filters = {k: v for k, v in filters.items() if v is not None}
+        self._shards: dict[str, _Shard] = {}
+        chunks: list[dict[str, Any]] = []
+        for entry in entries:
+            for chunk in entry["chunks"]:
+                chunk = {
+                    **chunk,
+                    "run": entry["run"],
+                    "rank": entry["rank"],
+                    "shard": entry["shard"],
+                }
+                if self._keep(chunk):
+                    chunks.append(chunk)
+        #: Every chunk kept: one tensor of a shard (one source in one batch) with its provenance.
+        self.chunks = chunks
+        rows = [
+            (
+                c["run"],
+                c["stage"],
+                c["source"],
+                c["module"],
+                c["epoch"],
+                c["global_step"],
+                s,
+                c["call"],
+                c["rank"],
+                c["batch_idx"],
+                n,
+                r,
+            )
+            for n, c in enumerate(chunks)
+            for r, s in enumerate(c["sample_index"])
+        ]
+        rows.sort()
+        self._rows = [(row[-2], row[-1]) for row in rows]
+        names = {"sources": "source", "modules": "module", "stages": "stage"}
+        for key, field in names.items():
+            wanted = self.filters.get(key)
+            have = {c[field] for e in entries for c in e["chunks"]}
+            if wanted and not wanted & have:
+                raise RecorderConfigError(
+                    f"Expected `{key}` of {owner} to name some of {sorted(have)} but got "
+                    f"{sorted(wanted)}."
+                )
+
+    def _keep(self, chunk: dict[str, Any]) -> bool:
+        fields = {
+            "runs": "run",
+            "stages": "stage",
+            "steps": "global_step",
+            "epochs": "epoch",
+            "ranks": "rank",
+            "modules": "module",
+            "sources": "source",
+        }
+        return all(chunk[fields[k]] in v for k, v in self.filters.items())
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Memory maps do not pickle (DataLoader workers started by spawn): each copy reopens.
+        return {**self.__dict__, "_shards": {}}
+
+    def _shard(self, name: str) -> _Shard:
+        shard = self._shards.get(name)
+        if shard is None:
+            shard = self._shards[name] = _Shard(self.storage, name)
+        return shard
+
+    def _chunk_tensor(self, chunk: dict[str, Any]) -> torch.Tensor:
+        return self._shard(chunk["shard"]).tensor(chunk["key"])
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        if not -len(self._rows) <= idx < len(self._rows):
+            raise NoRecordError(f"Expected an index in [0, {len(self._rows)}) but got {idx}.")
+        number, row = self._rows[idx]
+        chunk = self.chunks[number]
+        return {
+            "activation": self._chunk_tensor(chunk)[row],
+            "run": chunk["run"],
+            "stage": chunk["stage"],
+            "global_step": chunk["global_step"],
+            "epoch": chunk["epoch"],
+            "batch_idx": chunk["batch_idx"],
+            "dataloader_idx": chunk["dataloader_idx"],
+            "rank": chunk["rank"],
+            "sample_index": chunk["sample_index"][row],
+            "source": chunk["source"],
+            "module": chunk["module"],
+            "call": chunk["call"],
+        }
+
+    @property
+    def sample_indices(self) -> torch.Tensor:
+        """The sample index of every row, in row order (``-1`` where unknown)."""
+        return torch.tensor(
+            [self.chunks[n]["sample_index"][r] for n, r in self._rows], dtype=torch.long
+        )
+
+    def provenance(self) -> list[dict[str, Any]]:
+        """The provenance of every row (an item without its activation), in row order."""
+        keys = ("run", "stage", "global_step", "epoch", "batch_idx", "rank", "source", "module")
+        out = []
+        for n, r in self._rows:
+            chunk = self.chunks[n]
+            row = {k: chunk[k] for k in keys}
+            row["sample_index"] = chunk["sample_index"][r]
+            row["shape"] = chunk["shape"][1:]
+            out.append(row)
+        return out
+
+    def concat(self, source: str | None = None) -> torch.Tensor:
+        """The activations of one source (or module) as one tensor, rows in row order.
+
+        Args:
+            source: a source name, or a module name; may be left out when the dataset holds
+                one source.
+
+        Raises:
+            RecorderConfigError: several sources and none chosen, an unknown name, or rows of
+                different shapes.
+        """
+        sources = {self.chunks[n]["source"] for n, _ in self._rows}
+        modules = {self.chunks[n]["module"] for n, _ in self._rows}
+        if source is None:
+            if len(sources) != 1:
+                raise RecorderConfigError(
+                    f"Expected `source` to choose one of {sorted(sources)} but got None."
+                )
+            field, source = "source", next(iter(sources))
+        elif source in sources:
+            field = "source"
+        elif source in modules:
+            field = "module"
+        else:
+            raise RecorderConfigError(
+                f"Expected `source` to be one of the sources {sorted(sources)} or modules "
+                f"{sorted(modules)} but got {source!r}."
+            )
+        rows = [(n, r) for n, r in self._rows if self.chunks[n][field] == source]
+        shapes = {tuple(self.chunks[n]["shape"][1:]) for n, _ in rows}
+        if len(shapes) > 1:
+            raise RecorderConfigError(
+                f"Expected the rows of {source!r} to share one shape to be concatenated but got "
+                f"{sorted(shapes)}; filter the dataset, or read the rows one by one."
+            )
+        # Runs of consecutive rows of one chunk are copied as slices, not row by row.
+        pieces: list[torch.Tensor] = []
+        start = 0
+        while start < len(rows):
+            n, r = rows[start]
+            end = start + 1
+            while end < len(rows) and rows[end] == (n, r + end - start):
+                end += 1
+            pieces.append(self._chunk_tensor(self.chunks[n])[r : r + end - start])
+            start = end
+        return torch.cat(pieces)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.storage.url!r}, rows={len(self)})"
+
+
+def concat_activations(
+    directory: str | os.PathLike[str], source: str | None = None, **filters: Any
+) -> torch.Tensor:
+    """One source's activations in ``directory`` as one tensor (when it fits in memory).
+
+    ``filters`` are those of :class:`ActivationDataset` (``stages=``, ``steps=``, ``ranks=`` …);
+    rows come in its order (for one predict run: by sample index).
+
+    Example:
+        >>> import tempfile
+        >>> import torch
+        >>> from lightning_recorder.activations import ShardWriter
+        >>> directory = tempfile.mkdtemp()
+        >>> with ShardWriter(directory) as writer:
+        ...     _ = writer.write("feat", "fc", torch.ones(2, 3), sample_index=[1, 0])
+        >>> concat_activations(directory, "feat").shape
+        torch.Size([2, 3])
+    """
+    unknown = sorted(set(filters) - set(_FILTERS) - {"sources"})
+    if unknown:
+        raise RecorderConfigError(
+            f"Expected filters among {', '.join(_FILTERS)} but got {', '.join(unknown)}."
+        )
+    return ActivationDataset(directory, **filters).concat(source)

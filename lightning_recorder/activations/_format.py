@@ -1,0 +1,286 @@
+"""The on-disk format of an activation dataset: shard files, their index files, the directory.
+
+A dataset directory holds, for every shard, two files with the same stem::
+
+    {run}-rank{rank:05d}-{seq:06d}.safetensors   # the tensors (safetensors format)
+    {run}-rank{rank:05d}-{seq:06d}.index.json    # what each tensor holds (written after it)
+
+An index file exists only for a complete shard: the shard is written under a temporary name,
+flushed to disk and renamed, and only then is its index file written (the same way). A reader
+lists the index files; a shard without one (a crash between the two writes) is not part of the
+dataset. One small index file per shard, rather than one appended index, because an append is
+not atomic on a local disk and does not exist on object stores (``s3://``, ``gs://``), while
+writing a whole small file is; each rank writes only its own files, so ranks never share one.
+
+Every index file is one JSON object (see :data:`FORMAT`, :data:`VERSION`)::
+
+    {"format": "lightning_recorder.activations", "version": 1,
+     "run": "...", "rank": 0, "seq": 3, "shard": "<file name>", "bytes": 123,
+     "generation": 0,
+     "chunks": [{"key": "features.2#0", "source": "feat", "module": "features.2",
+                 "stage": "predict", "global_step": 0, "epoch": 0, "batch_idx": 5,
+                 "dataloader_idx": 0, "call": 0, "dtype": "float32", "shape": [32, 64],
+                 "sample_index": [160, 161, ...]}, ...]}
+
+A *chunk* is one tensor of the shard: the activations of one source in one batch, rows along
+its first dimension; row ``i`` is sample ``sample_index[i]`` and has shape ``shape[1:]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import RecorderConfigError
+
+FORMAT = "lightning_recorder.activations"
+VERSION = 1
+SHARD_SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".index.json"
+TMP_SUFFIX = ".tmp"
+_STEM = re.compile(r"^(?P<run>.+)-rank(?P<rank>\d{5})-(?P<seq>\d{6})$")
+_RUN = re.compile(r"^[A-Za-z0-9_.]+$")
+
+#: The torch dtypes safetensors stores, by their safetensors names.
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+STORABLE = frozenset(DTYPES.values())
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def new_run_id() -> str:
+    """A fresh run id: unique enough that two runs writing to one directory never collide."""
+    return uuid.uuid4().hex[:12]
+
+
+def check_run_id(run: object, owner: str) -> str:
+    """Validate a user-given run id (it becomes part of file names)."""
+    if not isinstance(run, str) or not _RUN.match(run):
+        raise RecorderConfigError(
+            f"Expected `run` of {owner} to be a non-empty str of letters, digits, '_' and '.' "
+            f"(it becomes part of file names) but got {run!r}."
+        )
+    return run
+
+
+def check_storable(dtype: torch.dtype, where: str) -> None:
+    """Raise unless safetensors can store ``dtype``."""
+    if dtype not in STORABLE:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in STORABLE))
+        raise RecorderConfigError(
+            f"Expected the activations of {where} to have a dtype the shard format stores "
+            f"({names}) but got {dtype}; cast them with the `dtype` option."
+        )
+
+
+def stem(run: str, rank: int, seq: int) -> str:
+    return f"{run}-rank{rank:05d}-{seq:06d}"
+
+
+def parse_stem(name: str) -> tuple[str, int, int] | None:
+    """``(run, rank, seq)`` of a shard or index file name, or ``None`` for other files."""
+    for suffix in (INDEX_SUFFIX, SHARD_SUFFIX):
+        if name.endswith(suffix):
+            match = _STEM.match(name[: -len(suffix)])
+            if match is None:
+                return None
+            return match["run"], int(match["rank"]), int(match["seq"])
+    return None
+
+
+def encode_index(entry: Mapping[str, Any]) -> bytes:
+    return json.dumps(entry, separators=(",", ":")).encode()
+
+
+def decode_index(data: bytes, name: str) -> dict[str, Any]:
+    entry = json.loads(data)
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        raise RecorderConfigError(f"Expected {name} to be an activation index file but it is not.")
+    if entry.get("version", 0) > VERSION:
+        raise RecorderConfigError(
+            f"Expected {name} to have format version <= {VERSION} but got {entry['version']}: "
+            "it was written by a newer lightning_recorder."
+        )
+    return entry
+
+
+def read_header(buffer: memoryview | bytes) -> tuple[int, dict[str, Any]]:
+    """``(offset of the data, header)`` of a safetensors file held in ``buffer``.
+
+    The format: 8 bytes little-endian header length ``n``, ``n`` bytes of JSON
+    (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, the
+    offsets relative to the end of the header), then the data.
+    """
+    (size,) = struct.unpack("<Q", bytes(buffer[:8]))
+    return 8 + size, json.loads(bytes(buffer[8 : 8 + size]))
+
+
+def write_safetensors(
+    handle: Any, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]
+) -> int:
+    """Write ``tensors`` (contiguous, on the CPU) to ``handle`` in the safetensors format.
+
+    The layout of ``safetensors.torch.save_file``: the header's length, the header (JSON,
+    padded with spaces to a multiple of 8 bytes), then each tensor's bytes, larger elements
+    first so that every tensor starts aligned to its element size. Each tensor is written from
+    its own memory (no copy into one buffer); the file's ``write`` releases the GIL.
+
+    Returns:
+        The number of bytes written.
+    """
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key in order:
+        tensor = tensors[key]
+        end = offset + tensor.nbytes
+        header[key] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    handle.write(struct.pack("<Q", len(text)))
+    handle.write(text)
+    for key in order:
+        tensor = tensors[key]
+        if tensor.numel():
+            handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return 8 + len(text) + offset
+
+
+# ---------------------------------------------------------------------------------- filesystem
+class Storage:
+    """A directory on a local disk or on any filesystem ``fsspec`` knows (``memory://``, ``s3://``).
+
+    Local files are written to a temporary name, ``fsync``-ed and renamed (atomic on POSIX);
+    other filesystems get a write to a temporary name and a move (an object store writes an
+    object atomically anyway).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], owner: str) -> None:
+        if not isinstance(directory, (str, os.PathLike)) or str(directory) == "":
+            raise RecorderConfigError(
+                f"Expected `directory` of {owner} to be a path or an fsspec URL such as "
+                f"'memory://acts' but got {directory!r}."
+            )
+        text = os.fspath(directory)
+        self.url = text
+        self.local = "://" not in text or text.startswith("file://")
+        if self.local:
+            self.fs: Any = None
+            self.path = os.path.abspath(text.removeprefix("file://"))
+        else:
+            try:
+                from fsspec.core import url_to_fs
+            except ImportError as err:  # pragma: no cover - fsspec comes with lightning
+                raise RecorderConfigError(
+                    f"Expected `directory` of {owner} to be a local path: {text!r} needs fsspec, "
+                    "which is not installed."
+                ) from err
+            try:
+                self.fs, self.path = url_to_fs(text)
+            except (ValueError, ImportError) as err:
+                raise RecorderConfigError(
+                    f"Expected `directory` of {owner} to be a path or an fsspec URL but got "
+                    f"{text!r}: {err}"
+                ) from err
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name) if self.local else f"{self.path}/{name}"
+
+    def make_writable(self, owner: str) -> None:
+        """Create the directory and check that a file can be written in it."""
+        probe = self.join(f".write-test-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+        try:
+            if self.local:
+                os.makedirs(self.path, exist_ok=True)
+                with open(probe, "wb") as handle:
+                    handle.write(b"")
+                os.remove(probe)
+            else:
+                self.fs.makedirs(self.path, exist_ok=True)
+                self.fs.pipe_file(probe, b"")
+                self.fs.rm_file(probe)
+        except OSError as err:
+            raise RecorderConfigError(
+                f"Expected `directory` of {owner} to be a writable directory but {self.url!r} is "
+                f"not: {err}"
+            ) from err
+
+    def write_atomic(self, name: str, write: Callable[[Any], object], fsync: bool) -> None:
+        """Write a file through ``write(handle)`` under a temporary name, then rename it."""
+        final = self.join(name)
+        tmp = final + TMP_SUFFIX
+        if self.local:
+            with open(tmp, "wb") as handle:
+                write(handle)
+                if fsync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            os.replace(tmp, final)
+        else:
+            with self.fs.open(tmp, "wb") as handle:
+                write(handle)
+            self.fs.mv(tmp, final)
+
+    def names(self) -> list[str]:
+        """The file names in the directory (none if it does not exist)."""
+        if self.local:
+            try:
+                return sorted(os.listdir(self.path))
+            except FileNotFoundError:
+                return []
+        if not self.fs.exists(self.path):
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False))
+
+    def read(self, name: str) -> bytes:
+        if self.local:
+            with open(self.join(name), "rb") as handle:
+                return handle.read()
+        return bytes(self.fs.cat_file(self.join(name)))
+
+    def remove(self, name: str) -> None:
+        try:
+            if self.local:
+                os.remove(self.join(name))
+            else:
+                self.fs.rm_file(self.join(name))
+        except FileNotFoundError:
+            pass
+
+    def sync_directory(self) -> None:
+        """Make the renames durable (local disks only)."""
+        if self.local and hasattr(os, "O_DIRECTORY"):
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def iter_index(storage: Storage) -> Iterator[dict[str, Any]]:
+    """Every index entry of the directory (one per complete shard), in file-name order."""
+    for name in storage.names():
+        if name.endswith(INDEX_SUFFIX):
+            yield decode_index(storage.read(name), name)

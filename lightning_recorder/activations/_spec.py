@@ -1,0 +1,116 @@
+"""What is written of one source: a token subset, a mean over dimensions, a function, a dtype.
+
+The options of a source, applied in this order to each recorded tensor (rows along dim 0):
+
+* ``tokens``: keep these positions of dimension 1 (an int keeps one and drops the dimension,
+  e.g. ``0`` for a CLS token or ``-1`` for the last one; a list keeps several);
+* ``mean``: average over these dimensions (an int or a list; never dimension 0, the rows);
+* ``transform``: any function from tensor to tensor that keeps the rows;
+* ``dtype``: cast to this dtype (e.g. ``"float16"``); values are otherwise written as recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import RecorderConfigError
+
+OPTIONS = ("tokens", "mean", "transform", "dtype")
+
+
+def parse_dtype(value: object, where: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    found = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else None
+    if not isinstance(found, torch.dtype):
+        raise RecorderConfigError(
+            f"Expected `dtype` of {where} to be a torch.dtype or its name (e.g. 'float16') but "
+            f"got {value!r}."
+        )
+    return found
+
+
+def _dims(value: object, where: str, name: str) -> tuple[int, ...]:
+    items = (value,) if isinstance(value, int) else value
+    if (
+        not isinstance(items, Sequence)
+        or not items
+        or any(isinstance(d, bool) or not isinstance(d, int) for d in items)
+    ):
+        raise RecorderConfigError(
+            f"Expected `{name}` of {where} to be an int or a non-empty list of ints but got "
+            f"{value!r}."
+        )
+    return tuple(items)
+
+
+class SourceSpec:
+    """The per-source options, validated once; :meth:`apply` runs them on a batch's tensor."""
+
+    __slots__ = ("dtype", "mean", "tokens", "transform", "where")
+
+    def __init__(self, options: Mapping[str, Any], where: str) -> None:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise RecorderConfigError(
+                f"Expected the options of {where} to be among {', '.join(OPTIONS)} but got "
+                f"{', '.join(map(repr, unknown))}."
+            )
+        self.where = where
+        tokens = options.get("tokens")
+        self.tokens: int | tuple[int, ...] | None = None
+        if tokens is not None:
+            self.tokens = tokens if isinstance(tokens, int) else _dims(tokens, where, "tokens")
+            if isinstance(tokens, bool):
+                _dims(tokens, where, "tokens")
+        mean = options.get("mean")
+        self.mean = None if mean is None else _dims(mean, where, "mean")
+        if self.mean is not None and 0 in self.mean:
+            raise RecorderConfigError(
+                f"Expected `mean` of {where} to name dimensions other than 0 (the rows) but got "
+                f"{mean!r}."
+            )
+        transform = options.get("transform")
+        if transform is not None and not callable(transform):
+            raise RecorderConfigError(
+                f"Expected `transform` of {where} to be a callable from tensor to tensor but got "
+                f"{transform!r}."
+            )
+        self.transform: Callable[[torch.Tensor], torch.Tensor] | None = transform
+        self.dtype = parse_dtype(options.get("dtype"), where)
+
+    @property
+    def identity(self) -> bool:
+        return self.tokens is None and self.mean is None and self.transform is None
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tokens is not None:
+            if tensor.dim() < 2:
+                raise RecorderConfigError(
+                    f"Expected the activations of {self.where} to have a dimension 1 for `tokens` "
+                    f"but got shape {tuple(tensor.shape)}."
+                )
+            index = self.tokens if isinstance(self.tokens, int) else list(self.tokens)
+            tensor = tensor[:, index]
+        if self.mean is not None:
+            tensor = tensor.mean(dim=self.mean)
+        if self.transform is not None:
+            rows = tensor.shape[0]
+            tensor = self.transform(tensor)
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or len(tensor) != rows:
+                raise RecorderConfigError(
+                    f"Expected `transform` of {self.where} to return a tensor with {rows} rows "
+                    f"(dimension 0 kept) but got {_describe(tensor)}."
+                )
+        if self.dtype is not None and tensor.dtype != self.dtype:
+            tensor = tensor.to(self.dtype)
+        return tensor
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

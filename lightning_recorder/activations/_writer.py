@@ -1,0 +1,551 @@
+"""`ShardWriter`: activations written to shards by a background thread through a bounded queue."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal, Protocol
+
+import torch
+
+from ..errors import RecorderConfigError, RecorderStateError
+from ._format import (
+    FORMAT,
+    INDEX_SUFFIX,
+    SHARD_SUFFIX,
+    STORABLE,
+    TMP_SUFFIX,
+    VERSION,
+    Storage,
+    check_run_id,
+    check_storable,
+    decode_index,
+    encode_index,
+    new_run_id,
+    parse_stem,
+    stem,
+    write_safetensors,
+)
+from ._spec import SourceSpec
+
+QueueFull = Literal["wait", "drop", "raise"]
+_QUEUE_FULL = ("wait", "drop", "raise")
+_MiB = 1 << 20
+
+
+class _Stream(Protocol):  # what a RecordStream offers (duck-typed: no recorder import here)
+    name: str
+
+    @property
+    def data_buffer(self) -> list[Any]: ...
+
+
+class _Manager(Protocol):  # what a RecorderManager offers
+    def streams(self) -> Iterable[tuple[str, _Stream]]: ...
+
+
+def _positive(value: object, name: str, owner: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecorderConfigError(
+            f"Expected `{name}` of {owner} to be a positive int but got {value!r}."
+        )
+    return value
+
+
+def _where(source: str, module: str) -> str:
+    return f"source {source!r} (module {module!r})"
+
+
+class ShardWriter:
+    """Write activations to sharded safetensors files from a background thread.
+
+    :meth:`write` (or :meth:`write_records`, for every stream of a
+    :class:`~lightning_recorder.RecorderManager`) puts one batch's tensor on a queue and returns;
+    a thread takes it from there, collects tensors into a shard and, when the shard reaches
+    ``max_shard_bytes``, writes it (see :mod:`lightning_recorder.activations` for the format).
+    The caller waits only when the queue holds ``max_queue_bytes`` already (``queue_full``
+    chooses: ``"wait"`` for room, ``"drop"`` the batch and count it in :attr:`dropped`, or
+    ``"raise"``). Memory held: at most ``max_queue_bytes`` queued (one batch more when a single
+    batch is larger) plus the shard being filled (``max_shard_bytes`` and one batch).
+
+    CPU tensors are queued without a copy when they own their memory: do not modify them in
+    place after :meth:`write`. Tensors on an accelerator are copied to the host without
+    blocking and the thread waits for the copy.
+
+    Each process writes its own files (``rank`` is part of their names): no gather, no shared
+    file. A shard and then its index file are each written under a temporary name, flushed and
+    renamed, so a crash leaves complete shards and index files that list exactly them.
+
+    Args:
+        directory: a local path or an ``fsspec`` URL (``"memory://acts"``, ``"s3://bucket/x"``).
+        run: the run id, part of every file name and index entry (default: a fresh random id).
+        rank: the process's rank, part of every file name.
+        sources: per-source options ``{source: {"tokens": ..., "mean": ..., "transform": ...,
+            "dtype": ...}}`` (see :mod:`lightning_recorder.activations`), applied by
+            :meth:`write` before queueing.
+        max_shard_bytes: start a new shard when the current one holds this many bytes.
+        max_queue_bytes: the most bytes waiting in the queue.
+        queue_full: what :meth:`write` does when the queue is full.
+        generation: tag of the shards written (see :meth:`checkpoint`, :meth:`discard_from`).
+        fsync: flush every file to the disk before renaming it, so that the index survives a
+            power loss or an operating-system crash too; without it a crash of the process
+            still leaves only complete shards listed (the renames keep their order in the
+            page cache), and writing is faster.
+
+    Raises:
+        RecorderConfigError: an argument is invalid, or ``directory`` cannot be written (at
+            construction, before any thread starts).
+
+    Example:
+        >>> import tempfile
+        >>> import torch
+        >>> from lightning_recorder.activations import ActivationDataset, ShardWriter
+        >>> directory = tempfile.mkdtemp()
+        >>> with ShardWriter(directory, run="demo") as writer:
+        ...     _ = writer.write("feat", "layer", torch.ones(4, 3), stage="predict",
+        ...                  sample_index=[0, 1, 2, 3])
+        >>> len(ActivationDataset(directory))
+        4
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        run: str | None = None,
+        rank: int = 0,
+        sources: Mapping[str, Mapping[str, Any]] | None = None,
+        max_shard_bytes: int = 256 * _MiB,
+        max_queue_bytes: int = 512 * _MiB,
+        queue_full: QueueFull = "wait",
+        generation: int = 0,
+        fsync: bool = True,
+    ) -> None:
+        owner = type(self).__name__
+        self.run = new_run_id() if run is None else check_run_id(run, owner)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise RecorderConfigError(
+                f"Expected `rank` of {owner} to be an int >= 0 but got {rank!r}."
+            )
+        self.rank = rank
+        self.max_shard_bytes = _positive(max_shard_bytes, "max_shard_bytes", owner)
+        self.max_queue_bytes = _positive(max_queue_bytes, "max_queue_bytes", owner)
+        if queue_full not in _QUEUE_FULL:
+            raise RecorderConfigError(
+                f"Expected `queue_full` of {owner} to be one of "
+                f"{', '.join(map(repr, _QUEUE_FULL))} but got {queue_full!r}."
+            )
+        self.queue_full: QueueFull = queue_full
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+            raise RecorderConfigError(
+                f"Expected `generation` of {owner} to be an int >= 0 but got {generation!r}."
+            )
+        self.generation = generation
+        if sources is not None and not isinstance(sources, Mapping):
+            raise RecorderConfigError(
+                f"Expected `sources` of {owner} to be a dict {{source: options}} but got "
+                f"{sources!r}."
+            )
+        self._specs = {
+            name: SourceSpec(opts, f"source {name!r}") for name, opts in (sources or {}).items()
+        }
+        if not isinstance(fsync, bool):
+            raise RecorderConfigError(
+                f"Expected `fsync` of {owner} to be a bool but got {fsync!r}."
+            )
+        self.fsync = fsync
+        self.storage = Storage(directory, owner)
+        self.storage.make_writable(owner)
+        #: Batches not written because the queue was full (``queue_full="drop"``).
+        self.dropped = 0
+        #: Seconds :meth:`write` spent waiting for room in the queue.
+        self.wait_seconds = 0.0
+        #: Rows, bytes and shards written (committed) so far.
+        self.rows_written = 0
+        self.bytes_written = 0
+        self.shards_written = 0
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._queued_bytes = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._seq: int | None = None  # next shard number (found on the first commit)
+        self._pending: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self._pending_bytes = 0
+
+    # ------------------------------------------------------------------ producer side
+    def write(
+        self,
+        source: str,
+        module: str,
+        tensor: torch.Tensor,
+        *,
+        stage: str = "predict",
+        global_step: int = 0,
+        epoch: int = 0,
+        batch_idx: int = 0,
+        dataloader_idx: int = 0,
+        sample_index: Sequence[int] | torch.Tensor | None = None,
+        call: int = 0,
+    ) -> bool:
+        """Queue one batch's activations of one source (rows along dimension 0).
+
+        Args:
+            source: the source name (a key of ``sources``, or any name).
+            module: the module (or stream) the tensor comes from.
+            tensor: the activations; the source's options are applied first.
+            stage, global_step, epoch, batch_idx, dataloader_idx: provenance of the batch.
+            sample_index: the dataset index of each row (default: ``-1``, unknown).
+            call: which call of the module in the forward (0 for the first).
+
+        Returns:
+            Whether the batch was queued (false only when ``queue_full="drop"`` dropped it).
+
+        Raises:
+            RecorderConfigError: the tensor cannot be stored, or ``sample_index`` has the wrong
+                length.
+            RecorderStateError: the writer is closed, the queue is full under
+                ``queue_full="raise"``, or the thread failed (its error is the cause).
+        """
+        self._check_alive()
+        base = self._base(stage, global_step, epoch, batch_idx, dataloader_idx)
+        chunk = self._chunk(source, module, tensor, base, self._index(sample_index), call)
+        return self._put(("chunks", [chunk]), chunk[1].nbytes)
+
+    def write_records(
+        self,
+        manager: _Manager,
+        *,
+        stage: str = "predict",
+        global_step: int = 0,
+        epoch: int = 0,
+        batch_idx: int = 0,
+        dataloader_idx: int = 0,
+        sample_index: Sequence[int] | torch.Tensor | None = None,
+        names: Iterable[str] | None = None,
+    ) -> int:
+        """Queue every record of a :class:`~lightning_recorder.RecorderManager` (or of anything
+        with its ``streams()``): the recorder name is the source, the stream name the module.
+
+        Call it after the forward, before the records are reset. Records of one stream in one
+        forward are its calls (``call`` 0, 1, …). The batch's tensors are queued together.
+
+        Returns:
+            The number of tensors queued (0 when ``queue_full="drop"`` dropped the batch).
+        """
+        self._check_alive()
+        wanted = None if names is None else set(names)
+        base = self._base(stage, global_step, epoch, batch_idx, dataloader_idx)
+        index = self._index(sample_index)
+        chunks = [
+            self._chunk(source, stream.name, record, base, index, call)
+            for source, stream in manager.streams()
+            if wanted is None or source in wanted
+            for call, record in enumerate(stream.data_buffer)
+        ]
+        if not chunks:
+            return 0
+        queued = self._put(("chunks", chunks), sum(c[1].nbytes for c in chunks))
+        return len(chunks) if queued else 0
+
+    @staticmethod
+    def _base(
+        stage: str, global_step: int, epoch: int, batch_idx: int, dataloader_idx: int
+    ) -> dict[str, Any]:
+        return {
+            "stage": stage,
+            "global_step": int(global_step),
+            "epoch": int(epoch),
+            "batch_idx": int(batch_idx),
+            "dataloader_idx": int(dataloader_idx),
+        }
+
+    @staticmethod
+    def _index(sample_index: Sequence[int] | torch.Tensor | None) -> list[int] | None:
+        if sample_index is None:
+            return None
+        if isinstance(sample_index, torch.Tensor):
+            return [int(i) for i in sample_index.reshape(-1).tolist()]
+        return [int(i) for i in sample_index]
+
+    def _chunk(
+        self,
+        source: str,
+        module: str,
+        tensor: torch.Tensor,
+        base: dict[str, Any],
+        index: list[int] | None,
+        call: int,
+    ) -> tuple[dict[str, Any], torch.Tensor, Any]:
+        """Validate and prepare one tensor: ``(metadata, host tensor, copy event or None)``."""
+        if not isinstance(tensor, torch.Tensor):
+            raise RecorderConfigError(
+                f"Expected the activations of {_where(source, module)} to be a tensor but got "
+                f"{type(tensor).__name__}; choose one inside a structured output with the "
+                "`path` option."
+            )
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        spec = self._specs.get(source)
+        if spec is not None:
+            tensor = spec.apply(tensor)
+        if tensor.dtype not in STORABLE:
+            check_storable(tensor.dtype, _where(source, module))
+        if tensor.dim() == 0:
+            tensor = tensor.reshape(1)
+        rows = tensor.shape[0]
+        if index is None:
+            index = [-1] * rows
+        elif len(index) != rows:
+            raise RecorderConfigError(
+                f"Expected `sample_index` to have one entry per row of "
+                f"{_where(source, module)}, {rows}, but got {len(index)}; the rows of a record "
+                "are along its dimension 0."
+            )
+        event = None
+        if tensor.device.type != "cpu":  # copied without blocking; the thread waits for it
+            host = torch.empty(
+                tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available()
+            )
+            host.copy_(tensor, non_blocking=True)
+            if tensor.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            tensor = host
+        elif not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        elif tensor.untyped_storage().nbytes() > tensor.nbytes:  # a view would keep (and the
+            tensor = tensor.clone()  # queue not count) the whole of its base alive
+        meta = {"source": source, "module": module, **base, "call": call}
+        meta["sample_index"] = index
+        return meta, tensor, event
+
+    def _put(self, item: tuple[Any, ...], nbytes: int) -> bool:
+        with self._cond:
+            if self._thread is None:
+                self._start()
+            limit = self.max_queue_bytes
+            if nbytes and self._queue and self._queued_bytes + nbytes > limit:
+                if self.queue_full == "drop":
+                    self.dropped += 1
+                    return False
+                if self.queue_full == "raise":
+                    raise RecorderStateError(
+                        f"The queue of {self!r} is full ({self._queued_bytes} of {limit} bytes "
+                        "queued): the disk does not keep up. Raise `max_queue_bytes`, write "
+                        "fewer or smaller activations, or pass queue_full='wait'."
+                    )
+                start = time.perf_counter()
+                while self._queue and self._queued_bytes + nbytes > limit and self._error is None:
+                    self._cond.wait()
+                self.wait_seconds += time.perf_counter() - start
+                self._raise_error()
+            self._queue.append((*item, nbytes))
+            self._queued_bytes += nbytes
+            self._cond.notify_all()
+        return True
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"{self!r}", daemon=True)
+        self._thread.start()
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise RecorderStateError(f"{self!r} is closed: create a new writer to write more.")
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RecorderStateError(
+                f"{self!r} failed to write a shard: {self._error}"
+            ) from self._error
+
+    # ------------------------------------------------------------------ control
+    def flush(self) -> None:
+        """Write everything queued and the shard being filled; return when it is on disk."""
+        self._raise_error()
+        if self._thread is None:
+            return
+        done = threading.Event()
+        self._put(("flush", done), 0)
+        while not done.wait(0.1):
+            if self._error is not None or not self._thread.is_alive():
+                break
+        self._raise_error()
+
+    def checkpoint(self) -> int:
+        """Write everything (:meth:`flush`) and start a new generation; return its number.
+
+        Shards written from now on carry the new number: a run resumed from a checkpoint that
+        stored it removes them with :meth:`discard_from`, since it writes those steps again.
+        """
+        self.flush()
+        self.generation += 1
+        return self.generation
+
+    def discard_from(self, generation: int) -> int:
+        """Remove this run's and rank's shards of ``generation`` or later; return how many.
+
+        The index file goes first, so an interruption leaves a shard that no index lists. Also
+        removes this run's and rank's temporary files and shards without an index (left by a
+        crash). Call it before writing.
+        """
+        storage, removed = self.storage, 0
+        names = storage.names()
+        indexed = set()
+        for name in names:
+            parsed = parse_stem(name)
+            if parsed is None or parsed[:2] != (self.run, self.rank):
+                continue
+            if name.endswith(INDEX_SUFFIX):
+                entry = decode_index(storage.read(name), name)
+                if entry.get("generation", 0) >= generation:
+                    storage.remove(name)
+                    storage.remove(entry["shard"])
+                    removed += 1
+                else:
+                    indexed.add(entry["shard"])
+        prefix = f"{self.run}-rank{self.rank:05d}-"
+        for name in names:
+            orphan = name.endswith(SHARD_SUFFIX) and name not in indexed
+            if name.startswith(prefix) and (name.endswith(TMP_SUFFIX) or orphan):
+                storage.remove(name)
+        self.generation = max(self.generation, generation)
+        return removed
+
+    def close(self) -> None:
+        """Write everything and stop the thread (idempotent).
+
+        Raises:
+            RecorderStateError: the thread failed to write a shard.
+        """
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            thread = self._thread
+            if thread is not None:
+                with self._cond:
+                    self._queue.append(("stop", 0))
+                    self._cond.notify_all()
+                thread.join()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes waiting in the queue now."""
+        return self._queued_bytes
+
+    # ------------------------------------------------------------------ writer thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                item = self._queue.popleft()
+            kind = item[0]
+            try:
+                if kind == "stop":
+                    return
+                if self._error is None:
+                    if kind == "chunks":
+                        for meta, tensor, event in item[1]:
+                            if event is not None:
+                                event.synchronize()
+                            self._pending.append((meta, tensor))
+                            self._pending_bytes += tensor.nbytes
+                            if self._pending_bytes >= self.max_shard_bytes:
+                                self._commit()
+                    elif kind == "flush":
+                        self._commit()
+            except BaseException as err:  # kept, raised to the producer on its next call
+                self._error = err
+                self._pending, self._pending_bytes = [], 0
+            finally:
+                if kind == "flush":
+                    item[1].set()
+                with self._cond:
+                    self._queued_bytes -= item[-1]
+                    self._cond.notify_all()
+
+    def _next_seq(self) -> int:
+        if self._seq is None:
+            taken = [
+                parsed[2]
+                for parsed in map(parse_stem, self.storage.names())
+                if parsed is not None and parsed[:2] == (self.run, self.rank)
+            ]
+            self._seq = max(taken, default=-1) + 1
+        seq, self._seq = self._seq, self._seq + 1
+        return seq
+
+    def _commit(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        name = stem(self.run, self.rank, self._next_seq())
+        tensors: dict[str, torch.Tensor] = {}
+        chunks: list[dict[str, Any]] = []
+        for number, (meta, tensor) in enumerate(pending):
+            key = f"{meta['source']}/{meta['module']}/{number}"
+            tensors[key] = tensor
+            chunks.append(
+                {
+                    "key": key,
+                    **meta,
+                    "dtype": str(tensor.dtype).removeprefix("torch."),
+                    "shape": list(tensor.shape),
+                }
+            )
+        shard = name + SHARD_SUFFIX
+        metadata = {
+            "format": FORMAT,
+            "version": str(VERSION),
+            "run": self.run,
+            "rank": str(self.rank),
+        }
+        storage, written = self.storage, [0]
+
+        def write_shard(handle: Any) -> None:
+            written[0] = write_safetensors(handle, tensors, metadata)
+
+        storage.write_atomic(shard, write_shard, self.fsync)
+        size = written[0]
+        entry = {
+            "format": FORMAT,
+            "version": VERSION,
+            "run": self.run,
+            "rank": self.rank,
+            "seq": int(name.rsplit("-", 1)[1]),
+            "generation": self.generation,
+            "shard": shard,
+            "bytes": size,
+            "chunks": chunks,
+        }
+        index = encode_index(entry)
+        storage.write_atomic(name + INDEX_SUFFIX, lambda handle: handle.write(index), self.fsync)
+        if self.fsync:
+            storage.sync_directory()
+        self.rows_written += sum(len(c["sample_index"]) for c in chunks)
+        self.bytes_written += size
+        self.shards_written += 1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.storage.url!r}, run={self.run!r}, rank={self.rank})"

@@ -1,0 +1,359 @@
+"""`ActivationWriter`: module outputs written to an activation dataset while a Trainer runs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from typing_extensions import override
+
+from ..activations import ShardWriter
+from ..errors import RecorderConfigError, RecorderError
+from ._lightning import Stage, predict_batch_indices, step_axis
+from .recorder import RecorderCallback
+
+__all__ = ["ActivationWriter"]
+
+ModuleSource = str | type[nn.Module]
+SampleIndex = Callable[[Any, int], Sequence[int] | torch.Tensor] | str | int | None
+_SOURCE_KEYS = ("source", "path", "tokens", "mean", "transform", "dtype")
+_MiB = 1 << 20
+
+
+def _source_name(source: ModuleSource) -> str:
+    return source if isinstance(source, str) else f"{source.__module__}.{source.__qualname__}"
+
+
+def _parse_sources(sources: object, owner: str) -> dict[str, dict[str, Any]]:
+    """``{source name: {"source": ..., options}}`` from the accepted forms of ``sources``."""
+    if isinstance(sources, Mapping):
+        items: list[tuple[str, Any]] = list(sources.items())
+    elif isinstance(sources, (str, type)):
+        items = [(_source_name(sources), sources)]
+    elif isinstance(sources, Sequence) and all(isinstance(s, (str, type)) for s in sources):
+        items = [(_source_name(s), s) for s in sources]
+    else:
+        items = []
+    if not items:
+        raise RecorderConfigError(
+            f"Expected `sources` of {owner} to be a module name, glob pattern or module type, a "
+            f"list of them, or a dict {{name: {{'source': ..., 'path': ..., 'mean': ...}}}} but "
+            f"got {sources!r}."
+        )
+    parsed: dict[str, dict[str, Any]] = {}
+    for name, config in items:
+        if isinstance(config, (str, type)):
+            config = {"source": config}
+        if not isinstance(name, str) or not name or not isinstance(config, Mapping):
+            raise RecorderConfigError(
+                f"Expected each entry of `sources` of {owner} to map a name to a module source "
+                f"or a dict such as {{'source': 'layer1', 'mean': 1}} but got {name!r}: "
+                f"{config!r}."
+            )
+        unknown = sorted(set(config) - set(_SOURCE_KEYS))
+        if unknown or "source" not in config:
+            raise RecorderConfigError(
+                f"Expected `sources[{name!r}]` of {owner} to have a 'source' and options among "
+                f"{', '.join(_SOURCE_KEYS[1:])} but got {dict(config)!r}."
+            )
+        parsed[name] = dict(config)
+    return parsed
+
+
+def _pick(batch: Any, key: str | int) -> Any:
+    try:
+        return batch[key]
+    except (KeyError, IndexError, TypeError) as err:
+        raise RecorderConfigError(
+            f"Expected the batch to hold the sample indices at `sample_index`={key!r} but it "
+            f"does not ({type(batch).__name__})."
+        ) from err
+
+
+class ActivationWriter(RecorderCallback):
+    """Write the outputs of chosen modules to an activation dataset (sharded safetensors files).
+
+    For every recorded batch of the chosen ``stages`` the outputs of the ``sources`` are handed
+    to a :class:`~lightning_recorder.activations.ShardWriter`: a background thread writes them,
+    so the step does not wait for the disk unless the queue (``max_queue_bytes``) is full. Each
+    rank writes its own shards (nothing is gathered), each with an index file recording, for
+    every row, the run, stage, global step, epoch, batch index, rank, sample index, module and
+    shape. Read them back with :class:`~lightning_recorder.activations.ActivationDataset`.
+
+    **Which batches.** Every batch of an evaluation stage in ``stages`` (never the sanity
+    check); training batches every ``every_n_steps`` optimizer steps. The hooks are removed
+    between recorded batches (see :class:`~lightning_recorder.RecorderCallback`).
+
+    **Sample indices.** In ``predict`` they are the dataset indices Lightning's batch sampler
+    drew (right under DDP too). Elsewhere pass ``sample_index``: a key or position of the batch
+    holding them, or a function ``(batch, batch_idx) -> indices``; without it they are ``-1``.
+
+    **Crash and resume.** A shard and then its index file are written under temporary names and
+    renamed, so after a crash the index files list exactly the complete shards. Saving a
+    checkpoint writes everything queued first; a run resumed from that checkpoint keeps the run
+    id and removes what was written after it (those steps run again), so no row is written
+    twice.
+
+    Args:
+        sources: module names from ``named_modules()``, glob patterns (``"features.*"``) or module
+            types, one or a list; or ``{name: {"source": ..., **options}}`` with options
+            ``path`` (into a structured output), ``tokens`` (positions of dimension 1 to keep),
+            ``mean`` (dimensions to average), ``transform`` (a function of the tensor) and
+            ``dtype``.
+        directory: where to write: a local path or an ``fsspec`` URL.
+        stages: the loops to write: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
+        every_n_steps: write training batches every N optimizer steps.
+        dtype: cast every source without its own ``dtype`` (e.g. ``"float16"``).
+        sample_index: where the sample indices are (see above).
+        run: the run id in file names and index (default: a random id, kept across resume).
+        max_shard_bytes: roll over to a new shard at this size.
+        max_queue_bytes: the most bytes waiting to be written.
+        queue_full: when the queue is full, ``"wait"`` for room, ``"drop"`` the batch (counted
+            in ``writer.dropped``) or ``"raise"``.
+        fsync: flush each file to the disk before renaming it (the index then survives an
+            operating-system crash or power loss too; a crash of the process needs no fsync).
+        clone: record a copy of each output (for outputs changed in place afterwards, e.g. by
+            ``ReLU(inplace=True)``). Outside inference mode such a change raises
+            :class:`~lightning_recorder.RecordModifiedError`; under ``torch.inference_mode()``
+            (Lightning's default for ``predict``) it cannot be detected, so set ``clone``.
+        name: distinguishes two writers with the same configuration.
+        keep_hooks: see :class:`~lightning_recorder.RecorderCallback`.
+
+    Raises:
+        RecorderConfigError: an argument is invalid or ``directory`` is not writable (at
+            construction); a source matches no module (``UnknownSourceError``, when the run
+            starts, naming the closest names).
+
+    Example:
+        >>> import tempfile
+        >>> import lightning.pytorch as pl
+        >>> import torch
+        >>> from torch import nn
+        >>> from lightning_recorder.activations import ActivationDataset
+        >>> class Net(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        ...     def predict_step(self, batch, batch_idx):
+        ...         return self.body(batch[0])
+        >>> directory = tempfile.mkdtemp()
+        >>> writer = ActivationWriter(["body.1"], directory)
+        >>> data = torch.utils.data.DataLoader(
+        ...     torch.utils.data.TensorDataset(torch.randn(10, 4)), batch_size=4)
+        >>> trainer = pl.Trainer(callbacks=[writer], logger=False, enable_progress_bar=False,
+        ...     enable_model_summary=False)
+        >>> _ = trainer.predict(Net(), data)
+        >>> dataset = ActivationDataset(directory)
+        >>> len(dataset), dataset.concat("body.1").shape
+        (10, torch.Size([10, 8]))
+    """
+
+    def __init__(
+        self,
+        sources: ModuleSource | Sequence[ModuleSource] | Mapping[str, Any],
+        directory: str | os.PathLike[str],
+        stages: Stage | Sequence[Stage] = ("predict",),
+        every_n_steps: int = 1,
+        *,
+        dtype: torch.dtype | str | None = None,
+        sample_index: SampleIndex = None,
+        run: str | None = None,
+        max_shard_bytes: int = 256 * _MiB,
+        max_queue_bytes: int = 512 * _MiB,
+        queue_full: Literal["wait", "drop", "raise"] = "wait",
+        fsync: bool = True,
+        clone: bool = False,
+        name: str | None = None,
+        keep_hooks: bool | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        configs = _parse_sources(sources, owner)
+        recorders = {
+            key: {
+                "type": "ModuleOutputs",
+                "source": config["source"],
+                "detach": True,
+                "clone": clone,
+                "path": config.get("path"),
+            }
+            for key, config in configs.items()
+        }
+        if every_n_steps is None:
+            raise RecorderConfigError(
+                f"Expected `every_n_steps` of {owner} to be a positive int but got None."
+            )
+        super().__init__(recorders, stages, every_n_steps, name=name, keep_hooks=keep_hooks)
+        valid_index = sample_index is None or (
+            not isinstance(sample_index, bool)
+            and (isinstance(sample_index, (str, int)) or callable(sample_index))
+        )
+        if not valid_index:
+            raise RecorderConfigError(
+                f"Expected `sample_index` of {owner} to be None, a batch key or position, or a "
+                f"function (batch, batch_idx) -> indices but got {sample_index!r}."
+            )
+        self.sample_index = sample_index
+        specs = {
+            key: {k: v for k, v in config.items() if k in ("tokens", "mean", "transform", "dtype")}
+            for key, config in configs.items()
+        }
+        if dtype is not None:
+            for spec in specs.values():
+                spec.setdefault("dtype", dtype)
+        self.directory = directory
+        self._writer_options: dict[str, Any] = {
+            "sources": specs,
+            "max_shard_bytes": max_shard_bytes,
+            "max_queue_bytes": max_queue_bytes,
+            "queue_full": queue_full,
+            "fsync": fsync,
+        }
+        # Validates every option and that the directory is writable; no thread starts until a
+        # batch is written, and this one is replaced (by rank) in `setup`.
+        self.writer: ShardWriter = ShardWriter(directory, run=run, **self._writer_options)
+        self.run: str | None = run
+        self._restored: tuple[str, int] | None = None  # (run, generation) from a checkpoint
+        self._batch: tuple[Any, int, int] = (None, 0, 0)
+        self._failing = False
+
+    def _make_state_key(self) -> str:
+        if self.name is not None:
+            return self._generate_state_key(name=self.name)
+        sources = {k: repr(v.get("source")) for k, v in self._configs.items()}
+        return self._generate_state_key(
+            sources=sources, directory=os.fspath(self.directory), stages=self.stages
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.run is None:  # one id for all ranks, chosen by rank 0
+            self.run = trainer.strategy.broadcast(self.writer.run, src=0)
+        self._failing = False
+        self.writer = ShardWriter(
+            self.directory, run=self.run, rank=trainer.global_rank, **self._writer_options
+        )
+
+    def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        restored, self._restored = self._restored, None
+        if restored is not None:  # resumed: this run's shards after the checkpoint are stale
+            self.run, generation = restored
+            self.writer.run = self.run
+            self.writer.discard_from(generation)
+
+    def _on_detach(self) -> None:
+        try:
+            self.writer.close()
+        except RecorderError:
+            if not self._failing:
+                raise
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._failing = True  # write what is queued; the run's own error is the one to see
+        super().on_exception(trainer, pl_module, exception)
+
+    # ------------------------------------------------------------------ per batch
+    def _indices(self, trainer: pl.Trainer, stage: Stage) -> Any:
+        batch, batch_idx, dataloader_idx = self._batch
+        how = self.sample_index
+        if how is None:
+            return (
+                predict_batch_indices(trainer, batch_idx, dataloader_idx)
+                if stage == "predict"
+                else None
+            )
+        if isinstance(how, (str, int)):
+            return _pick(batch, how)
+        return how(batch, batch_idx)
+
+    def _after_batch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
+    ) -> None:
+        _, batch_idx, dataloader_idx = self._batch
+        # train: optimizer steps done before this batch, Lightning's step axis
+        step = step_axis(trainer) if stage == "train" else trainer.global_step
+        self.writer.write_records(
+            self.manager,
+            stage=stage,
+            global_step=step,
+            epoch=trainer.current_epoch,
+            batch_idx=batch_idx,
+            dataloader_idx=dataloader_idx,
+            sample_index=self._indices(trainer, stage),
+        )
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._batch = (batch, batch_idx, 0)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch = (batch, batch_idx, dataloader_idx)
+        super().on_validation_batch_end(
+            trainer, pl_module, outputs, batch, batch_idx, dataloader_idx
+        )
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch = (batch, batch_idx, dataloader_idx)
+        super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch = (batch, batch_idx, dataloader_idx)
+        super().on_predict_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Every rank saves a checkpoint's state: each writes what it has queued, and the
+        # shards written after this point get the next generation number.
+        generation = self.writer.checkpoint()
+        return {**super().state_dict(), "run": self.run, "generation": generation}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        run, generation = state_dict.get("run"), state_dict.get("generation")
+        if isinstance(run, str) and isinstance(generation, int):
+            self._restored = (run, generation)

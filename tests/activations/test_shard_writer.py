@@ -1,0 +1,427 @@
+"""The activation writer around plain PyTorch: format, roll-over, queue, crash, resume, errors."""
+
+from __future__ import annotations
+
+import ast
+import json
+import multiprocessing
+import os
+import pickle
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_recorder
+from lightning_recorder import RecorderConfigError, RecorderManager, RecorderStateError
+from lightning_recorder.activations import ActivationDataset, ShardWriter, concat_activations
+
+ROOM = Path(lightning_recorder.__file__).parent / "activations"
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _files(directory: Path, suffix: str) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(suffix))
+
+
+def test_room_imports_neither_lightning_nor_recorder_modules() -> None:
+    for path in ROOM.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = ("." * node.level) + (node.module or "")
+                assert not module.startswith("lightning"), (path.name, module)
+                if node.level == 2:  # from ..x: only the error classes
+                    assert module == "..errors", (path.name, module)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("lightning") for a in node.names), path.name
+
+
+def test_manager_loop_reads_back_bit_exact(tmp_path: Path) -> None:
+    model = _net()
+    data = torch.randn(20, 6)
+    manager = RecorderManager(
+        {
+            "hidden": {"type": "ModuleOutputs", "source": "1", "detach": True},
+            "logits": {"type": "ModuleOutputs", "source": "2", "detach": True},
+        }
+    )
+    manager.initialize(model)
+    try:
+        with ShardWriter(tmp_path, run="plain", max_shard_bytes=300) as writer:
+            for batch_idx in range(5):
+                index = torch.arange(4 * batch_idx, 4 * batch_idx + 4)
+                with manager:
+                    model(data[index])
+                assert (
+                    writer.write_records(
+                        manager, stage="predict", batch_idx=batch_idx, sample_index=index
+                    )
+                    == 2
+                )
+    finally:
+        manager.release()
+    assert writer.shards_written > 1  # rolled over at 300 bytes
+    with torch.no_grad():  # the same modules, the same CPU kernels, the same inputs
+        hidden = model[1](model[0](data))
+        logits = model[2](hidden)
+    assert torch.equal(concat_activations(tmp_path, "hidden"), hidden)
+    assert torch.equal(concat_activations(tmp_path, "logits"), logits)
+    dataset = ActivationDataset(tmp_path, sources="hidden")
+    assert len(dataset) == 20
+    item = dataset[13]
+    assert torch.equal(item["activation"], hidden[13])
+    assert (item["sample_index"], item["batch_idx"], item["module"], item["run"]) == (
+        13,
+        3,
+        "1",
+        "plain",
+    )
+    assert dataset.provenance()[13]["shape"] == [8]
+
+
+def test_shards_are_plain_safetensors_with_a_json_index(tmp_path: Path) -> None:
+    safe_open = pytest.importorskip("safetensors").safe_open  # the reference reader
+    values = torch.arange(12, dtype=torch.float32).view(3, 4)
+    with ShardWriter(tmp_path, run="spec", rank=2) as writer:
+        writer.write(
+            "feat",
+            "fc",
+            values,
+            stage="val",
+            global_step=7,
+            epoch=1,
+            batch_idx=4,
+            sample_index=[10, 11, 12],
+        )
+    assert _files(tmp_path, "") == [
+        "spec-rank00002-000000.index.json",
+        "spec-rank00002-000000.safetensors",
+    ]
+    entry = json.loads((tmp_path / "spec-rank00002-000000.index.json").read_text())
+    (chunk,) = entry["chunks"]
+    assert entry["shard"] == "spec-rank00002-000000.safetensors"
+    assert (entry["run"], entry["rank"], entry["generation"]) == ("spec", 2, 0)
+    assert chunk["key"] == "feat/fc/0"
+    assert chunk["stage"] == "val" and chunk["global_step"] == 7 and chunk["epoch"] == 1
+    assert chunk["batch_idx"] == 4 and chunk["sample_index"] == [10, 11, 12]
+    assert chunk["shape"] == [3, 4] and chunk["dtype"] == "float32"
+    with safe_open(str(tmp_path / entry["shard"]), framework="pt") as handle:
+        assert handle.metadata()["run"] == "spec"
+        assert torch.equal(handle.get_tensor(chunk["key"]), values)
+
+
+def test_source_options_tokens_mean_transform_dtype(tmp_path: Path) -> None:
+    x = torch.randn(4, 5, 6)
+    sources = {
+        "cls": {"tokens": 0},
+        "pooled": {"mean": 1, "dtype": "float16"},
+        "pair": {"tokens": [0, -1], "transform": lambda t: t.flatten(1)},
+    }
+    with ShardWriter(tmp_path, sources=sources) as writer:
+        for source in sources:
+            writer.write(source, "enc", x, sample_index=range(4))
+    assert torch.equal(concat_activations(tmp_path, "cls"), x[:, 0])
+    # x.mean(1) then the cast, on the same tensor: the path the writer takes, exactly.
+    assert torch.equal(concat_activations(tmp_path, "pooled"), x.mean(1).half())
+    assert torch.equal(concat_activations(tmp_path, "pair"), x[:, [0, -1]].flatten(1))
+
+
+def test_views_are_copied_so_the_queue_counts_what_it_holds(tmp_path: Path) -> None:
+    big = torch.randn(64, 100)
+    with ShardWriter(tmp_path, sources={"first": {"tokens": 0}}) as writer:
+        writer.write("first", "m", big.view(64, 10, 10), sample_index=range(64))
+        writer.write("row", "m", big[:2], sample_index=[0, 1])
+    assert torch.equal(concat_activations(tmp_path, "first"), big.view(64, 10, 10)[:, 0])
+    assert torch.equal(concat_activations(tmp_path, "row"), big[:2])
+
+
+class _Blocked(ShardWriter):
+    """A writer whose thread waits for a gate before writing each shard."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def _commit(self) -> None:
+        self.entered.set()
+        self.gate.wait(10)
+        super()._commit()
+
+
+@pytest.mark.parametrize("policy", ["drop", "raise"])
+def test_full_queue_policies(tmp_path: Path, policy: str) -> None:
+    writer = _Blocked(tmp_path, max_shard_bytes=1, max_queue_bytes=1000, queue_full=policy)
+    try:
+        batch = torch.zeros(10, 10)  # 400 bytes
+        assert writer.write("s", "m", batch)  # taken by the thread, which then waits at the gate
+        assert writer.entered.wait(10)  # the thread holds the first batch (400 bytes counted)
+        assert writer.write("s", "m", batch)  # 800 bytes queued
+        if policy == "drop":
+            assert not writer.write("s", "m", batch)
+            assert writer.dropped == 1
+        else:
+            with pytest.raises(RecorderStateError, match=r"queue of .* is full"):
+                writer.write("s", "m", batch)
+    finally:
+        writer.gate.set()
+        writer.close()
+    assert len(ActivationDataset(tmp_path)) == 20  # the two batches the queue took
+
+
+@pytest.mark.parametrize("policy", ["drop", "raise"])
+def test_a_batch_larger_than_the_queue_and_flush_are_never_refused(
+    tmp_path: Path, policy: str
+) -> None:
+    writer = _Blocked(tmp_path, max_shard_bytes=1, max_queue_bytes=1000, queue_full=policy)
+    try:
+        assert writer.write("s", "m", torch.zeros(10, 10))  # held by the thread at the gate
+        assert writer.entered.wait(10)
+        assert writer.write("s", "m", torch.zeros(50, 10))  # 2000 bytes, alone in the queue
+        assert writer.queued_bytes == 2400
+        errors: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                writer.flush()  # the queue is over its limit: a flush still goes in
+            except BaseException as err:
+                errors.append(err)
+
+        flushed = threading.Thread(target=flush)
+        flushed.start()
+        writer.gate.set()
+        flushed.join(10)
+        assert not flushed.is_alive() and not errors and writer.dropped == 0
+    finally:
+        writer.gate.set()
+        writer.close()
+    assert len(ActivationDataset(tmp_path)) == 60
+
+
+def test_queue_waits_for_room_and_bounds_memory(tmp_path: Path) -> None:
+    writer = _Blocked(tmp_path, max_shard_bytes=1, max_queue_bytes=1000, queue_full="wait")
+    seen: list[int] = []
+    producer = threading.Thread(
+        target=lambda: [
+            (writer.write("s", "m", torch.full((10, 10), float(i))), seen.append(i))
+            for i in range(6)
+        ]
+    )
+    producer.start()
+    producer.join(0.5)
+    assert producer.is_alive() and writer.queued_bytes <= 1000  # blocked: the queue is full
+    writer.gate.set()
+    producer.join(10)
+    writer.close()
+    assert seen == list(range(6))
+    values = concat_activations(tmp_path, "s")
+    assert values.shape == (60, 10) and writer.wait_seconds > 0
+
+
+def test_crash_leaves_complete_shards_and_an_exact_index(tmp_path: Path) -> None:
+    with ShardWriter(tmp_path, run="crash", max_shard_bytes=1) as writer:
+        for i in range(3):
+            writer.write("s", "m", torch.full((2, 3), float(i)), batch_idx=i)
+    # A crash while writing the fourth shard: its temporary file, and a third shard whose index
+    # was never written.
+    (tmp_path / "crash-rank00000-000003.safetensors.tmp").write_bytes(b"partial")
+    (tmp_path / "crash-rank00000-000002.index.json").unlink()
+    dataset = ActivationDataset(tmp_path)
+    assert sorted({c["batch_idx"] for c in dataset.chunks}) == [0, 1]
+    assert torch.equal(dataset.concat(), torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))
+    # The same run resumed cleans up what the crash left, then continues the numbering.
+    resumed = ShardWriter(tmp_path, run="crash")
+    resumed.discard_from(1)
+    assert _files(tmp_path, ".tmp") == []
+    assert _files(tmp_path, ".safetensors") == [
+        "crash-rank00000-000000.safetensors",
+        "crash-rank00000-000001.safetensors",
+    ]
+    with resumed:
+        resumed.write("s", "m", torch.full((2, 3), 2.0), batch_idx=2)
+    assert sorted({c["batch_idx"] for c in ActivationDataset(tmp_path).chunks}) == [0, 1, 2]
+
+
+def test_generations_make_resume_free_of_duplicates(tmp_path: Path) -> None:
+    writer = ShardWriter(tmp_path, run="gen")
+    writer.write("s", "m", torch.zeros(1, 2), global_step=0)
+    saved = writer.checkpoint()  # what a checkpoint stores
+    writer.write("s", "m", torch.ones(1, 2), global_step=1)  # written after the checkpoint
+    writer.close()
+    again = ShardWriter(tmp_path, run="gen")
+    assert again.discard_from(saved) == 1
+    with again:
+        again.write("s", "m", torch.ones(1, 2), global_step=1)
+    dataset = ActivationDataset(tmp_path)
+    assert [row["global_step"] for row in dataset.provenance()] == [0, 1]
+
+
+def test_fsspec_memory_filesystem(tmp_path: Path) -> None:
+    url = f"memory://{tmp_path.name}/acts"
+    x = torch.randn(5, 3)
+    with ShardWriter(url, max_shard_bytes=1) as writer:
+        for i in range(5):
+            writer.write("s", "m", x[i : i + 1], sample_index=[i])
+    assert writer.shards_written == 5
+    assert torch.equal(concat_activations(url, "s"), x)
+
+
+def test_thread_error_reaches_the_caller(tmp_path: Path) -> None:
+    class Failing(ShardWriter):
+        def _commit(self) -> None:
+            raise OSError("No space left on device")
+
+    writer = Failing(tmp_path, max_shard_bytes=1)
+    writer.write("s", "m", torch.zeros(2))
+    with pytest.raises(RecorderStateError, match=r"failed to write a shard: No space left"):
+        writer.close()
+    assert writer._thread is not None and not writer._thread.is_alive()
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(RecorderConfigError, match=r"to be a writable directory"):
+        ShardWriter(blocker / "sub")
+    with pytest.raises(RecorderConfigError, match=r"Expected `queue_full` .* but got 'block'"):
+        ShardWriter(tmp_path, queue_full="block")  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `max_queue_bytes` .* got 0"):
+        ShardWriter(tmp_path, max_queue_bytes=0)
+    with pytest.raises(RecorderConfigError, match=r"Expected `run` .* got 'a/b'"):
+        ShardWriter(tmp_path, run="a/b")
+    with pytest.raises(RecorderConfigError, match=r"among tokens, mean, transform, dtype"):
+        ShardWriter(tmp_path, sources={"s": {"average": 1}})
+    with pytest.raises(RecorderConfigError, match=r"other than 0"):
+        ShardWriter(tmp_path, sources={"s": {"mean": [0, 1]}})
+    with pytest.raises(RecorderConfigError, match=r"Expected `dtype` .* got 'half_float'"):
+        ShardWriter(tmp_path, sources={"s": {"dtype": "half_float"}})
+    assert _files(tmp_path, "") == ["file"]  # nothing left behind
+    writer = ShardWriter(tmp_path, sources={"s": {"transform": lambda t: t.sum()}})
+    with pytest.raises(RecorderConfigError, match=r"one entry per row .* 2, but got 3"):
+        writer.write("x", "m", torch.zeros(2, 2), sample_index=[0, 1, 2])
+    with pytest.raises(RecorderConfigError, match=r"return a tensor with 2 rows"):
+        writer.write("s", "m", torch.zeros(2, 2))
+    with pytest.raises(RecorderConfigError, match=r"dtype the shard format stores"):
+        writer.write("x", "m", torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(RecorderConfigError, match=r"to be a tensor but got tuple"):
+        writer.write("x", "m", (torch.zeros(2),))  # type: ignore[arg-type]
+    assert writer._thread is None  # nothing was queued: no thread started
+    writer.close()
+    with pytest.raises(RecorderStateError, match=r"is closed"):
+        writer.write("x", "m", torch.zeros(2))
+
+
+def test_dataset_filters_and_errors(tmp_path: Path) -> None:
+    with pytest.raises(RecorderConfigError, match=r"has none"):
+        ActivationDataset(tmp_path)
+    for rank in (0, 1):
+        with ShardWriter(tmp_path, run="f", rank=rank) as writer:
+            for step in (0, 1):
+                writer.write(
+                    "a",
+                    "m1",
+                    torch.full((2, 2), 10.0 * rank + step),
+                    stage="train",
+                    global_step=step,
+                    sample_index=[0, 1],
+                )
+                writer.write("b", "m2", torch.zeros(2, 3), stage="val", global_step=step)
+    assert len(ActivationDataset(tmp_path)) == 16
+    only = ActivationDataset(tmp_path, "a", steps=1, ranks=[1])
+    assert len(only) == 2 and torch.equal(only.concat(), torch.full((2, 2), 11.0))
+    assert len(ActivationDataset(tmp_path, stages="val", modules="m2")) == 8
+    with pytest.raises(RecorderConfigError, match=r"`sources` .* \['a', 'b'\] but got \['c'\]"):
+        ActivationDataset(tmp_path, "c")
+    with pytest.raises(RecorderConfigError, match=r"choose one of"):
+        ActivationDataset(tmp_path).concat()
+    with pytest.raises(RecorderConfigError, match=r"share one shape"):
+        _mixed_shapes(tmp_path)
+    with pytest.raises(RecorderConfigError, match=r"Expected filters among"):
+        concat_activations(tmp_path, "a", step=1)
+
+
+def _mixed_shapes(tmp_path: Path) -> None:
+    directory = tmp_path / "mixed"
+    with ShardWriter(directory) as writer:
+        writer.write("s", "m", torch.zeros(1, 2))
+        writer.write("s", "m", torch.zeros(1, 3))
+    ActivationDataset(directory).concat("s")
+
+
+def test_dataset_in_a_dataloader(tmp_path: Path) -> None:
+    x = torch.randn(10, 4)
+    with ShardWriter(tmp_path, max_shard_bytes=40) as writer:
+        for i in range(0, 10, 2):
+            writer.write("s", "m", x[i : i + 2].clone(), sample_index=[i, i + 1])
+    dataset = ActivationDataset(tmp_path)
+    assert torch.equal(dataset[3]["activation"], x[3])  # opens (maps) a shard
+    copy = pickle.loads(pickle.dumps(dataset))  # as DataLoader workers started by spawn get it
+    assert torch.equal(copy[9]["activation"], x[9])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4)
+    batches = list(loader)
+    assert torch.equal(torch.cat([b["activation"] for b in batches]), x)
+    assert torch.cat([b["sample_index"] for b in batches]).tolist() == list(range(10))
+
+
+def _write_then_die(directory: str) -> None:
+    writer = ShardWriter(directory, run="kill", max_shard_bytes=4000)
+    for i in range(40):
+        writer.write("s", "m", torch.full((10, 100), float(i)), batch_idx=i)
+        if i == 12:
+            writer.flush()  # the shards of batches 0-12 are surely complete
+        if i == 25:
+            os._exit(3)  # no flush, no close: the process dies with the thread mid-work
+
+
+def test_killed_process_leaves_only_complete_shards_listed(tmp_path: Path) -> None:
+    safe_open = pytest.importorskip("safetensors").safe_open  # the reference reader
+    process = multiprocessing.get_context("fork").Process(
+        target=_write_then_die, args=(str(tmp_path),)
+    )
+    process.start()
+    process.join(60)
+    assert process.exitcode == 3
+    for index in tmp_path.glob("*.index.json"):  # every listed shard opens and is complete
+        entry = json.loads(index.read_text())
+        with safe_open(str(tmp_path / entry["shard"]), framework="pt") as handle:
+            assert sorted(handle.keys()) == sorted(c["key"] for c in entry["chunks"])
+    dataset = ActivationDataset(tmp_path)
+    batches = sorted({c["batch_idx"] for c in dataset.chunks})
+    assert batches == list(range(len(batches))) and 13 <= len(batches) <= 26
+    for chunk in dataset.chunks:
+        expected = torch.full((10, 100), float(chunk["batch_idx"]))
+        assert torch.equal(dataset._chunk_tensor(chunk), expected)
+
+
+def test_every_dtype_reads_back_with_the_reference_reader(tmp_path: Path) -> None:
+    load_file = pytest.importorskip("safetensors.torch").load_file  # the reference reader
+
+    g = torch.Generator().manual_seed(0)
+    values = {
+        "bool": torch.rand(3, 5, generator=g) > 0.5,
+        "uint8": torch.randint(0, 255, (3, 7), generator=g, dtype=torch.uint8),
+        "int8": torch.randint(-128, 127, (3, 1), generator=g, dtype=torch.int8),
+        "int16": torch.randint(-999, 999, (3, 2, 3), generator=g, dtype=torch.int16),
+        "int32": torch.randint(-999, 999, (3,), generator=g, dtype=torch.int32),
+        "int64": torch.randint(-999, 999, (3, 3), generator=g),
+        "float16": torch.randn(3, 5, generator=g).half(),
+        "bfloat16": torch.randn(3, 3, generator=g).bfloat16(),
+        "float32": torch.randn(3, 0, generator=g),  # empty rows
+        "float64": torch.randn(3, 4, generator=g, dtype=torch.float64),
+    }
+    with ShardWriter(tmp_path, run="dtypes") as writer:
+        for name, tensor in values.items():
+            writer.write(name, "m", tensor, sample_index=[0, 1, 2])
+    (shard,) = tmp_path.glob("*.safetensors")
+    loaded = load_file(str(shard))  # safetensors validates the header, offsets and size
+    dataset = ActivationDataset(tmp_path)
+    for chunk in dataset.chunks:
+        expected = values[chunk["source"]]
+        assert torch.equal(loaded[chunk["key"]], expected), chunk["key"]
+        assert torch.equal(dataset._chunk_tensor(chunk), expected)  # our memory-mapped view
+        assert dataset._chunk_tensor(chunk).dtype == expected.dtype

@@ -1,0 +1,277 @@
+"""ActivationWriter in real Trainer runs: read-back, DDP, crash, resume, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_recorder import RecorderConfigError, RecordModifiedError, UnknownSourceError
+from lightning_recorder.activations import ActivationDataset, concat_activations
+from lightning_recorder.callbacks.activation_writer import ActivationWriter
+
+QUIET: dict[str, Any] = {
+    "accelerator": "cpu",
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+}
+HERE = Path(__file__).resolve().parent
+
+
+class Net(pl.LightningModule):
+    """A small CNN with a tuple-returning block, trainable and predictable."""
+
+    def __init__(self, crash_at: int | None = None, crash_stage: str = "predict") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.act = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.head = nn.Linear(12, 4)
+        self.crash_at, self.crash_stage = crash_at, crash_stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.act(self.conv(x))).flatten(1))
+
+    def _maybe_crash(self, stage: str, counter: int) -> None:
+        if stage == self.crash_stage and counter == self.crash_at:
+            raise RuntimeError(f"boom at {counter}")
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._maybe_crash("train", self.global_step)
+        return self(batch[0]).square().mean()
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self(batch[0])
+
+    def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._maybe_crash("predict", batch_idx)
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Indexed(Dataset[tuple[torch.Tensor, int]]):
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.x[i], i
+
+
+def images(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 1, 6, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def direct(model: Net, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        conv = model.conv(x)
+        act = model.act(conv)
+        pool = model.pool(act)
+        return {"conv": conv, "act": act, "pool": pool, "head": model.head(pool.flatten(1))}
+
+
+def shard_header(path: Path) -> dict[str, Any]:
+    """A shard's safetensors header ``{key: {"dtype", "shape", "data_offsets"}}``, read with the
+    reference reader when installed, else from the documented layout (json and struct)."""
+    try:
+        from safetensors import safe_open
+    except ImportError:  # the layout: u64 little-endian header size, then the JSON header
+        data = path.read_bytes()
+        size = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8 : 8 + size])
+        header.pop("__metadata__", None)
+        assert 8 + size + max([v["data_offsets"][1] for v in header.values()] + [0]) == len(data)
+        return header
+    with safe_open(str(path), framework="pt") as handle:
+        return {k: {"shape": list(handle.get_slice(k).get_shape())} for k in handle.keys()}  # noqa: SIM118
+
+
+def check_index_is_exact(directory: Path) -> None:
+    """Every index file names a shard that exists, opens, and holds exactly the listed tensors."""
+    for index in directory.glob("*.index.json"):
+        entry = json.loads(index.read_text())
+        header = shard_header(directory / entry["shard"])
+        assert sorted(header) == sorted(c["key"] for c in entry["chunks"])
+        for chunk in entry["chunks"]:
+            assert header[chunk["key"]]["shape"] == chunk["shape"]
+
+
+def test_predict_reads_back_bit_exact(tmp_path: Path) -> None:
+    model, x = Net(), images(22)
+    writer = ActivationWriter(
+        ["conv", "act", "pool", "head"], tmp_path / "acts", max_shard_bytes=2000
+    )
+    trainer = pl.Trainer(**QUIET, callbacks=[writer])
+    trainer.predict(model, DataLoader(TensorDataset(x), batch_size=5), return_predictions=False)
+    assert writer.writer.shards_written > 2  # rolled over
+    dataset = ActivationDataset(tmp_path / "acts")
+    assert len(dataset) == 4 * 22
+    for chunk in dataset.chunks:  # each batch against the same modules on the same batch
+        rows = x[chunk["sample_index"]]
+        expected = direct(model, rows)[chunk["module"]]
+        got = dataset._chunk_tensor(chunk)
+        assert torch.equal(got, expected), chunk["key"]
+        assert chunk["stage"] == "predict" and chunk["rank"] == 0
+        assert chunk["batch_idx"] == chunk["sample_index"][0] // 5
+    pool = concat_activations(tmp_path / "acts", "pool")
+    assert pool.shape == (22, 3, 2, 2)
+    assert ActivationDataset(tmp_path / "acts", "pool").sample_indices.tolist() == list(range(22))
+    assert {row["run"] for row in dataset.provenance()} == {writer.run}
+    check_index_is_exact(tmp_path / "acts")
+
+
+def test_structured_output_options_and_dtype(tmp_path: Path) -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.fc(x)
+            return {"hidden": h.view(-1, 3, 2), "score": h.sum(1)}
+
+    class Wrap(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.pair = Pair()
+
+        def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> Any:
+            return self.pair(batch[0])
+
+    model, x = Wrap(), torch.randn(8, 4)
+    sources = {
+        "first": {"source": "pair", "path": "hidden", "tokens": 0},
+        "pooled": {"source": "pair", "path": "hidden", "mean": 1, "dtype": "bfloat16"},
+        "score": {"source": "pair", "path": "score"},
+    }
+    writer = ActivationWriter(sources, tmp_path, dtype="float16")
+    pl.Trainer(**QUIET, callbacks=[writer]).predict(model, DataLoader(TensorDataset(x), 4))
+    with torch.no_grad():
+        hidden = torch.cat([model.pair.fc(x[i : i + 4]).view(-1, 3, 2) for i in (0, 4)])
+    # The same operations on the same batches as the writer ran: exact in the stored dtype.
+    assert torch.equal(concat_activations(tmp_path, "first"), hidden[:, 0].half())
+    assert torch.equal(concat_activations(tmp_path, "pooled"), hidden.mean(1).bfloat16())
+    score = concat_activations(tmp_path, "score")
+    assert score.dtype == torch.float16 and score.shape == (8,)
+
+
+def test_training_every_n_steps_with_sample_index_and_val(tmp_path: Path) -> None:
+    x = images(16)
+    loader = DataLoader(Indexed(x), batch_size=4, shuffle=True)
+    writer = ActivationWriter(
+        "pool", tmp_path, stages=("train", "val"), every_n_steps=2, sample_index=1
+    )
+    trainer = pl.Trainer(**QUIET, callbacks=[writer], max_epochs=2, num_sanity_val_steps=2)
+    trainer.fit(Net(), loader, DataLoader(Indexed(x[:8]), batch_size=4))
+    rows = ActivationDataset(tmp_path).provenance()
+    train = [r for r in rows if r["stage"] == "train"]
+    assert sorted({r["global_step"] for r in train}) == [1, 3, 5, 7]  # (k + 1) % 2 == 0
+    for step in (1, 3, 5, 7):  # each training batch is 4 distinct samples of the epoch
+        indices = [r["sample_index"] for r in train if r["global_step"] == step]
+        assert len(set(indices)) == 4
+    val = [r for r in rows if r["stage"] == "val"]
+    assert Counter(r["global_step"] for r in val) == {4: 8, 8: 8}  # no sanity-check rows
+    assert sorted(r["sample_index"] for r in val if r["global_step"] == 4) == list(range(8))
+
+
+def test_resume_from_checkpoint_without_duplicates(tmp_path: Path) -> None:
+    x, acts = images(32), tmp_path / "acts"
+    loader = DataLoader(Indexed(x), batch_size=4)
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    first = ActivationWriter("pool", acts, stages="train", sample_index=1)
+    trainer = pl.Trainer(
+        **{**QUIET, "enable_checkpointing": True}, callbacks=[first, checkpoints], max_steps=8
+    )
+    with pytest.raises(RuntimeError, match=r"boom at 7"):
+        trainer.fit(Net(crash_at=7, crash_stage="train"), loader)
+    steps = [r["global_step"] for r in ActivationDataset(acts).provenance()]
+    assert sorted(set(steps)) == list(range(7))  # what ran before the crash was written
+    resumed = ActivationWriter("pool", acts, stages="train", sample_index=1)
+    trainer = pl.Trainer(
+        **{**QUIET, "enable_checkpointing": True}, callbacks=[resumed], max_steps=8
+    )
+    trainer.fit(Net(), loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=6.ckpt")
+    rows = ActivationDataset(acts).provenance()
+    assert {r["run"] for r in rows} == {first.run} == {resumed.run}
+    keys = Counter((r["global_step"], r["sample_index"]) for r in rows)
+    assert max(keys.values()) == 1  # no duplicates
+    assert sorted({step for step, _ in keys}) == list(range(8))
+    for step in range(8):  # one batch of 4 per step (the resumed steps re-read the loader)
+        assert len([i for s, i in keys if s == step]) == 4
+    check_index_is_exact(acts)
+
+
+def test_crash_mid_predict_leaves_complete_shards_and_exact_index(tmp_path: Path) -> None:
+    x = images(40)
+    writer = ActivationWriter(["conv", "head"], tmp_path, max_shard_bytes=3000)
+    trainer = pl.Trainer(**QUIET, callbacks=[writer])
+    with pytest.raises(RuntimeError, match=r"boom at 5"):
+        trainer.predict(Net(crash_at=5), DataLoader(TensorDataset(x), batch_size=4))
+    assert writer.writer._thread is not None and not writer.writer._thread.is_alive()
+    check_index_is_exact(tmp_path)
+    assert not list(tmp_path.glob("*.tmp"))
+    dataset = ActivationDataset(tmp_path, "head")
+    assert dataset.sample_indices.tolist() == list(range(20))  # batches 0-4, each once
+    assert torch.equal(
+        dataset.concat(), torch.cat([direct(Net(), x[i : i + 4])["head"] for i in range(0, 20, 4)])
+    )
+
+
+def test_bad_inputs(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(RecorderConfigError, match=r"to be a writable directory"):
+        ActivationWriter("conv", blocker / "acts")
+    with pytest.raises(RecorderConfigError, match=r"Expected `queue_full` .* but got 'block'"):
+        ActivationWriter("conv", tmp_path, queue_full="block")  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `sources` of ActivationWriter"):
+        ActivationWriter([], tmp_path)
+    with pytest.raises(RecorderConfigError, match=r"options among path, tokens.* 'reduce'"):
+        ActivationWriter({"f": {"source": "conv", "reduce": "mean"}}, tmp_path)
+    with pytest.raises(RecorderConfigError, match=r"Expected `stages` of ActivationWriter"):
+        ActivationWriter("conv", tmp_path, stages="predicting")  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `sample_index`"):
+        ActivationWriter("conv", tmp_path, sample_index=True)  # type: ignore[arg-type]
+    writer = ActivationWriter(["conv", "head_typo"], tmp_path / "unknown")
+    trainer = pl.Trainer(**QUIET, callbacks=[writer])
+    with pytest.raises(UnknownSourceError, match=r"head_typo.*'head'"):
+        trainer.predict(Net(), DataLoader(TensorDataset(images(4)), batch_size=4))
+    assert writer.writer._thread is None  # nothing started, nothing written
+    assert not list((tmp_path / "unknown").iterdir())
+
+
+def test_in_place_change_after_the_recorded_module_is_caught_or_cloned(tmp_path: Path) -> None:
+    class InPlace(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = nn.ReLU(inplace=True)
+
+    x = images(4)
+    writer = ActivationWriter("conv", tmp_path / "a")
+    # Tensors made under inference mode (Lightning's default for predict) have no version
+    # counter, so the check needs `inference_mode=False`; `clone=True` works either way.
+    trainer = pl.Trainer(**QUIET, callbacks=[writer], inference_mode=False)
+    with pytest.raises(RecordModifiedError, match=r"clone=True"):
+        trainer.predict(InPlace(), DataLoader(TensorDataset(x), 4))
+    writer = ActivationWriter("conv", tmp_path / "b", clone=True)
+    pl.Trainer(**QUIET, callbacks=[writer]).predict(InPlace(), DataLoader(TensorDataset(x), 4))
+    with torch.no_grad():
+        expected = InPlace().conv(x)
+    assert torch.equal(concat_activations(tmp_path / "b", "conv"), expected)
