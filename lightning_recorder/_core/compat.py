@@ -60,3 +60,15 @@ def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def foreach_sub(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
     """``a[i] - b[i]`` for every ``i``, in one call (torch's private ``_foreach_sub``)."""
     return list(torch._foreach_sub(a, b))
+
+
+def dtensor_type() -> type | None:
+    """``DTensor`` (``torch.distributed.tensor``, ``torch.distributed._tensor`` before 2.4)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
