@@ -35,6 +35,7 @@ from ..stats.batched import (
     raw_table,
     upcast,
 )
+from ..stats.sharded import any_sharded, full_values, is_sharded, shard_for_stats
 from ._lightning import Stage, step_axis, write_tensorboard
 from .recorder import RecorderCallback
 
@@ -61,9 +62,15 @@ def _source_key(source: ModuleSource) -> str:
 
 
 def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
-    """The real-valued tensors of every record of a stream (structured outputs flattened)."""
+    """The real-valued tensors of every record of a stream (structured outputs flattened); of a
+    ``DTensor``, the part this rank contributes (see ``stats.sharded.shard_for_stats``)."""
     for record in stream.data_buffer:
         for tensor in iter_tensors(record):
+            if is_sharded(tensor):
+                part = shard_for_stats(tensor)
+                if part is None:
+                    continue
+                tensor = part
             if not tensor.is_complex():
                 yield tensor
 
@@ -228,6 +235,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._params: dict[str, nn.Parameter] = {}
         self._before: dict[str, Tensor] = {}
         self._grad_norms: dict[str, Tensor] = {}
+        self._sharded = False  # monitored parameters are DTensors (norms are collectives)
         self._eval_hists: dict[str, dict[str, Any]] | None = None
 
     def tag(self, stage: Stage, name: str, stat: str) -> str:
@@ -281,10 +289,12 @@ class FeatureStatsMonitor(RecorderCallback):
                 for name, param in named_parameters(pl_module).items()
                 if name.startswith(prefixes)
             }
+        self._sharded = any_sharded(self._params.values())  # FSDP2 / tensor parallel
 
     @override
     def _on_detach(self) -> None:
         self._streams, self._states, self._params, self._work = {}, {}, {}, None
+        self._sharded = False
         self._before, self._grad_norms, self._eval_hists = {}, {}, None
 
     # ------------------------------------------------------------------ statistics
@@ -317,14 +327,18 @@ class FeatureStatsMonitor(RecorderCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._active != "train" or not trainer.is_global_zero:
+        # Sharded parameters: their norms are collectives, so every rank computes them.
+        if self._active != "train" or not (trainer.is_global_zero or self._sharded):
             return
         names = [n for n, p in self._params.items() if p.grad is not None and n not in self._before]
         if not names:
             return
         with torch.no_grad():
             grads = [cast(Tensor, self._params[name].grad) for name in names]
-            self._grad_norms.update(zip(names, foreach_norms(grads), strict=True))
+            norms = foreach_norms(grads)
+            if self._sharded:
+                norms = full_values(norms)  # collectives, on every rank in the same order
+            self._grad_norms.update(zip(names, norms, strict=True))
             self._before.update((name, self._params[name].clone()) for name in names)
 
     def _histogram_table(
@@ -404,6 +418,8 @@ class FeatureStatsMonitor(RecorderCallback):
             after = upcast([self._params[name] for name in stepped])
             change = foreach_sub(after, before) if stepped else []
             norms = foreach_norms([*self._params.values(), *before, *change])
+            if self._sharded:
+                norms = full_values(norms)  # collectives, on every rank in the same order
         return stepped, [*norms, *(self._grad_norms[name] for name in stepped)]
 
     def _parameter_scalars(self, stepped: list[str], values: list[float]) -> dict[str, float]:
@@ -433,8 +449,12 @@ class FeatureStatsMonitor(RecorderCallback):
         state = self._gathered(trainer, "train")
         scalars: dict[str, float] = {}
         hists: dict[str, dict[str, Any]] = {}
+        sharded_norms = self._parameter_tensors() if self._params and self._sharded else None
         if trainer.is_global_zero:
-            stepped, norms = self._parameter_tensors() if self._params else ([], [])
+            if sharded_norms is not None:
+                stepped, norms = sharded_norms
+            else:
+                stepped, norms = self._parameter_tensors() if self._params else ([], [])
             on_device = [table] if isinstance(table, Tensor) else []
             values = host_floats([*on_device, state, *norms])  # the step's one host copy
             at = 0

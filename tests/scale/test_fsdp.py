@@ -47,7 +47,7 @@ def _run(out: Path, *flags: str) -> dict[str, dict[int, float]]:
 
 def _reference() -> list[dict[str, float]]:
     """Per step, every logged value of the unsharded model trained on both ranks' rows."""
-    model = body()
+    model = nn.ModuleDict({"body": body()})
     x, y = data()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     outputs: dict[str, torch.Tensor] = {}
@@ -59,7 +59,7 @@ def _reference() -> list[dict[str, float]]:
     for k in range(STEPS):
         rows = torch.arange(8 * k, 8 * k + 8)
         optimizer.zero_grad()
-        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        nn.functional.mse_loss(model["body"](x[rows]), y[rows]).backward()
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         grads = {n: p.grad.norm().item() for n, p in model.named_parameters()}
         optimizer.step()
@@ -96,3 +96,26 @@ def test_monitor_under_fsdp2_logs_the_full_tensors(tmp_path: Path) -> None:
                 continue
             assert tag in got, f"{tag} not logged; logged: {sorted(got)[:12]}"
             assert got[tag][step] == pytest.approx(value, rel=1e-5, abs=1e-7), (tag, step)
+
+
+@pytest.mark.slow
+def test_distillation_with_a_sharded_student_matches_the_unsharded_run(tmp_path: Path) -> None:
+    got = _run(tmp_path, "--distill")
+    student = body()
+    teacher = body(width=32, seed=3).eval()
+    x, y = data()
+    optimizer = torch.optim.SGD(student.parameters(), lr=LR)
+    for k in range(STEPS):
+        rows = torch.arange(8 * k, 8 * k + 8)
+        optimizer.zero_grad()
+        out = student(x[rows])
+        with torch.no_grad():
+            target = teacher(x[rows])
+        # Each rank adds 0.5 * MSE of its own rows; DDP-style averaging of equal-size ranks
+        # gives the mean of the two ranks' terms, i.e. the term over the union.
+        term = 0.5 * nn.functional.mse_loss(out, target)
+        (nn.functional.mse_loss(out, y[rows]) + term).backward()
+        # Rank 0 logs the term of its own rows (8k, 8k + 2, …: every other row of the union).
+        rank0 = 0.5 * nn.functional.mse_loss(out[0::2], target[0::2]).item()
+        assert got["distill/body.2"][k] == pytest.approx(rank0, rel=1e-5), k
+        optimizer.step()
