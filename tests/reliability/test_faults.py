@@ -13,7 +13,11 @@ resume from a mid-epoch checkpoint) check the data the same way.
 
 from __future__ import annotations
 
+import csv
+import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,8 +220,6 @@ def assert_clean(model: nn.Module, distill_teacher: nn.Module) -> None:
 
 def logged(trainer: pl.Trainer) -> dict[int, dict[str, float]]:
     """The CSV logger's rows: {step: {name: value}}."""
-    import csv
-
     rows: dict[int, dict[str, float]] = {}
     path = Path(trainer.logger.log_dir) / "metrics.csv"  # type: ignore[union-attr]
     with open(path) as f:
@@ -369,3 +371,64 @@ def test_resume_from_a_mid_epoch_checkpoint(tmp_path: Path) -> None:
     rec = RecorderCallback.of(second, name="rec")
     assert rec.recorded_steps == 6  # 3 before the checkpoint (restored) + 3 after
     assert_clean(model, distill_teacher)
+
+
+# --------------------------------------------------------------------------------- DDP
+SCRIPT = Path(__file__).resolve().parent / "ddp_faults_script.py"
+
+
+def ddp_run(out: Path, mode: str) -> list[dict[str, Any]]:
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), mode],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def assert_ranks_clean(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert rank["live_hooks"] == [] and rank["patches"] == []
+        assert rank["module_hooks"] == []
+        assert rank["teacher_requires_grad"]
+
+
+@pytest.mark.slow
+def test_ddp_uneven_last_batches_log_the_union_of_both_ranks(tmp_path: Path) -> None:
+    ranks = ddp_run(tmp_path, "uneven")
+    assert [r["status"] for r in ranks] == ["ok", "ok"]
+    assert_ranks_clean(ranks)
+    assert [len(r["batches"][1]) for r in ranks] == [1, 1]  # the uneven last batches
+    rows = {}
+    with open(tmp_path / "ddp" / "version_0" / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
+    for step in (0, 1):
+        union = torch.cat([r["batches"][step] for r in ranks])
+        expected = reference_stats(union)
+        for stat in ("mean", "min", "max"):
+            torch.testing.assert_close(  # float32 statistics synced over ranks vs float64
+                float(rows[step][f"stats/train/probe/{stat}"]),
+                expected[stat],
+                rtol=1e-5,
+                atol=1e-6,
+            )
+
+
+@pytest.mark.slow
+def test_ddp_one_failing_rank_leaves_nothing_installed_on_either(tmp_path: Path) -> None:
+    ranks = ddp_run(tmp_path, "fail")
+    assert ranks[1]["status"].startswith("Boom"), ranks[1]["status"]
+    assert ranks[0]["status"] != "ok"  # the other rank stops at the collective's timeout
+    assert_ranks_clean(ranks)
