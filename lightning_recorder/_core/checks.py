@@ -22,7 +22,9 @@ def closest(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
     >>> closest("conv1", ["conv1", "conv2", "fc"])
     ['conv1', 'conv2']
     """
-    pool = [c for c in candidates if c]
+    if not isinstance(name, str):
+        return []
+    pool = [c for c in candidates if isinstance(c, str) and c]
     matches = difflib.get_close_matches(name, pool, n=n, cutoff=0.5)
     if len(matches) < n:
         tail = name.rsplit(".", 1)[-1]
@@ -163,12 +165,40 @@ def parse_dtype(dtype: torch.dtype | str | None, name: str = "dtype") -> torch.d
 
 def parse_device(device: torch.device | str | None, name: str = "device") -> torch.device | None:
     """A ``torch.device`` from a device or a device string (``"cpu"``, ``"cuda:0"``)."""
-    if device is None or isinstance(device, torch.device):
-        return device
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as err:
+    if device is None:
+        return None
+    if not isinstance(device, torch.device):
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise RecorderConfigError(
+                f"Expected `{name}` to be a torch.device or a device string such as 'cpu' but "
+                f"got {device!r}."
+            ) from err
+    check_device_available(device, name)
+    return device
+
+
+def check_device_available(device: torch.device, name: str = "device") -> None:
+    """Raise unless ``device`` exists on this machine (``cpu`` and ``meta`` always do).
+
+    A device type without a ``torch.<type>`` backend module (``xla`` …) is not checked.
+    """
+    if device.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, device.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if not callable(is_available):
+        return
+    if not is_available():
         raise RecorderConfigError(
-            f"Expected `{name}` to be a torch.device or a device string such as 'cpu' but got "
-            f"{device!r}."
-        ) from err
+            f"Expected `{name}` to be an available device but got {str(device)!r}: "
+            f"{device.type.upper()} is not available here (torch.{device.type}.is_available() is "
+            "False); use 'cpu' or leave the device unset."
+        )
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and callable(count) and device.index >= count():
+        raise RecorderConfigError(
+            f"Expected `{name}` to be an available device but got {str(device)!r}: only "
+            f"{count()} {device.type} device(s) are available here."
+        )

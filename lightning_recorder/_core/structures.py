@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..errors import RecorderConfigError
+from ..errors import NoRecordError, RecorderConfigError
+from .checks import suggestion
 
 
 def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
@@ -54,6 +55,11 @@ class Arguments(tuple):
     def __new__(cls, values: Sequence[Any], names: Sequence[str]) -> Arguments:
         obj = super().__new__(cls, values)
         obj.names = tuple(names)
+        if len(obj.names) != len(obj):
+            raise RecorderConfigError(
+                f"Expected `names` to hold one name per value ({len(obj)}) but got "
+                f"{len(obj.names)}: {obj.names!r}."
+            )
         return obj
 
     def __getitem__(self, key: Any) -> Any:
@@ -61,8 +67,10 @@ class Arguments(tuple):
             try:
                 return tuple.__getitem__(self, self.names.index(key))
             except ValueError:
-                raise KeyError(
-                    f"No argument named {key!r}; arguments are {', '.join(self.names)}."
+                # NoRecordError is an IndexError (a LookupError), as for a missing position.
+                raise NoRecordError(
+                    f"No argument named {key!r}; arguments are {', '.join(self.names)}. "
+                    f"{suggestion(key, self.names, 'argument names')}"
                 ) from None
         return tuple.__getitem__(self, key)
 

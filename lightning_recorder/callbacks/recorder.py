@@ -8,10 +8,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import Self, override
 
 from .._core.checks import check_positive_int
 from .._core.compat import is_compiled
+from .._core.names import named_modules
 from ..errors import NoRecordError, NotInitializedError, RecorderConfigError, RecorderStateError
 from ..recorders import BaseRecorder, RecorderManager
 from ._lightning import Stage, check_stages, completes_step, is_due, step_axis
@@ -35,8 +37,12 @@ class RecorderCallback(Callback):
     reinstalled when the next recorded step starts, so that a step that records nothing runs
     the model as it would run without the callback (an idle hook still costs every call of its
     module PyTorch's slow call path). A compiled model keeps its hooks throughout:
-    ``torch.compile`` traces them once, and removing them would make it recompile.
-    ``keep_hooks`` overrides the choice.
+    ``torch.compile`` traces them once, and removing them would make it recompile. It also
+    keeps them *recording* in every batch of a recorded stage, and drops the records of the
+    batches that are not chosen at the batch end: dynamo guards on the hooks' on/off flag, so
+    a flag that changed between batches would compile the model a second time. The price is
+    the capture (``detach``/``clone``) in those batches. ``keep_hooks`` overrides the choice
+    (``True`` keeps and records, ``False`` suspends).
 
     **Reading records.** Inside ``training_step`` (after the forward), in ``on_*_batch_end`` hooks
     of the module and of callbacks, the records of the current step are readable; one line::
@@ -135,6 +141,11 @@ class RecorderCallback(Callback):
             k: copy.deepcopy(dict(v)) for k, v in recorders.items()
         }
         self.stages: tuple[Stage, ...] = check_stages(stages, owner)
+        if not self.stages:
+            raise RecorderConfigError(
+                f"Expected `stages` of {owner} to hold at least one of 'train', 'val', 'test', "
+                f"'predict' but got {stages!r}: with no stage, nothing would be recorded."
+            )
         self.every_n_steps: int | None = every_n_steps
         self.name = name
         self.keep_hooks = keep_hooks
@@ -145,6 +156,12 @@ class RecorderCallback(Callback):
         self._active: Stage | None = None  # the stage recording the current batch
         self._holding = False  # records of a finished batch are still readable
         self._suspend_idle = False  # suspend the hooks between recorded batches (this run)
+        self._record_idle = False  # record unchosen batches too, and drop them (compiled)
+        self._idle = False  # the current batch records only to keep the flag on
+        self._module: pl.LightningModule | None = None  # the module the recorders are on
+        self._called: set[tuple[str, str]] = set()  # (recorder, stream) recorded in training
+        self._silent: set[tuple[str, str]] = set()  # (recorder, stream) already reported
+        self._train_step = 0  # the optimizer step of the current training batch
 
     # ------------------------------------------------------------------ public API
     @property
@@ -274,8 +291,14 @@ class RecorderCallback(Callback):
         manager = RecorderManager(self._configs)
         manager.initialize(pl_module)  # releases what it installed if a source is missing
         self._manager = manager
+        self._module = pl_module
+        self._called, self._silent = set(), set()
         keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
         self._suspend_idle = not keep
+        # Compiled: the recorders stay on in every batch (records of unchosen batches are
+        # dropped at the batch end), so the hooks' on/off flag that dynamo guards on never
+        # changes and the model compiles once.
+        self._record_idle = keep
         try:
             self._on_attach(trainer, pl_module)
         except BaseException:
@@ -286,7 +309,8 @@ class RecorderCallback(Callback):
 
     def _detach(self) -> None:
         manager, self._manager = self._manager, None
-        self._active, self._holding = None, False
+        self._module = None
+        self._active, self._holding, self._idle = None, False, False
         if manager is not None:
             manager.stop()
             manager.reset_data_buffer()
@@ -307,12 +331,12 @@ class RecorderCallback(Callback):
     # ------------------------------------------------------------------ per batch
     def _free(self) -> None:
         """Stop recording and free the records of the previous batch (idempotent, cheap)."""
-        if self._active is not None or self._holding:
+        if self._active is not None or self._holding or self._idle:
             manager = self._manager
             if manager is not None:
                 manager.stop()
                 manager.reset_data_buffer()
-            self._active, self._holding = None, False
+            self._active, self._holding, self._idle = None, False, False
 
     def _batch_start(self, stage: Stage, records: bool) -> None:
         """Free the last batch's records; record this one, or suspend the hooks if it is not."""
@@ -323,6 +347,9 @@ class RecorderCallback(Callback):
         if records:
             manager.start()  # reinstalls suspended hooks
             self._active = stage
+        elif self._record_idle:
+            manager.start()  # compiled: the same flag value in every batch (dropped at its end)
+            self._idle = True
         elif self._suspend_idle:
             manager.suspend()  # idempotent, cheap when already suspended
 
@@ -333,9 +360,55 @@ class RecorderCallback(Callback):
             return
         self._manager.stop()
         self._active, self._holding = None, True
-        if stage == "train" and completes:
-            self.recorded_steps += 1
+        if stage == "train":
+            self._report_silent_modules()
+            if completes:
+                self.recorded_steps += 1
         self._after_batch(trainer, pl_module, stage, completes)
+
+    def _report_silent_modules(self) -> None:
+        """Warn once per module that recorded in earlier training steps and not in this one.
+
+        The usual cause is a module replaced in the model after the recorders were installed
+        (``model.body[0] = nn.Linear(...)``): the hooks stay on the old object.
+        """
+        manager, module = self._manager, self._module
+        if manager is None or module is None:
+            return
+        current: dict[str, Any] | None = None
+        for rec_name, recorder in manager.recorders.items():
+            hooked = getattr(recorder, "hooked_modules", None)
+            if not hooked:
+                continue
+            for name, stream in recorder.streams.items():
+                key = (rec_name, name)
+                if stream.num_calls:
+                    self._called.add(key)
+                    continue
+                if key in self._silent:
+                    continue
+                if current is None:
+                    current = named_modules(module)
+                replaced = name in hooked and current.get(name) is not hooked[name]
+                self._silent.add(key)  # checked once: the walk above is not repeated
+                if not replaced and key not in self._called:
+                    continue  # never called so far: a module unused in training is not news
+                if replaced:
+                    why = (
+                        f"the module {name!r} was replaced in the model (or removed) after the "
+                        "recorders were installed at the start of the run, and the hooks are on "
+                        "the old module. Replace modules before fit, or in configure_model"
+                    )
+                else:
+                    why = (
+                        f"the module {name!r} recorded in earlier training steps but was not "
+                        "called in this one (a branch not taken, or a module the forward no "
+                        "longer uses)"
+                    )
+                rank_zero_warn(
+                    f"{self!r}: recorder {rec_name!r} recorded nothing in training step "
+                    f"{self._train_step}: {why}. Reported once."
+                )
 
     def _records_eval(self, trainer: pl.Trainer, stage: Stage) -> bool:
         return stage in self.stages and not trainer.sanity_checking
@@ -344,9 +417,8 @@ class RecorderCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_start(
-            "train", "train" in self.stages and is_due(step_axis(trainer), self._every)
-        )
+        self._train_step = step = step_axis(trainer)
+        self._batch_start("train", "train" in self.stages and is_due(step, self._every))
 
     @override
     def on_train_batch_end(
@@ -359,6 +431,8 @@ class RecorderCallback(Callback):
     ) -> None:
         if self._active == "train":
             self._end(trainer, pl_module, "train", completes_step(trainer))
+        elif self._idle:
+            self._free()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -393,6 +467,8 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        if self._idle:
+            self._free()
         self._end(trainer, pl_module, "val", True)
 
     @override
@@ -424,6 +500,8 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        if self._idle:
+            self._free()
         self._end(trainer, pl_module, "test", True)
 
     @override
@@ -455,6 +533,8 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        if self._idle:
+            self._free()
         self._end(trainer, pl_module, "predict", True)
 
     @override

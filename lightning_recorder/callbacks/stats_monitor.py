@@ -195,6 +195,17 @@ class FeatureStatsMonitor(RecorderCallback):
                 _source_key(source),
                 {"type": "ModuleOutputs", "source": source, "detach": True, "clone": clone},
             )
+        valid_stats = ", ".join(map(repr, STAT_NAMES))
+        if not isinstance(stats, (str, Sequence)) or isinstance(stats, bytes):
+            raise RecorderConfigError(
+                f"Expected `stats` of {owner} to be a non-empty list of {valid_stats} but got "
+                f"{stats!r}."
+            )
+        if not stats:
+            raise RecorderConfigError(
+                f"Expected `stats` of {owner} to hold at least one of {valid_stats} but got "
+                f"{stats!r}."
+            )
         stat_names = [cast(StatName, stats)] if isinstance(stats, str) else list(stats)
         for stat in stat_names:
             if stat not in STAT_NAMES:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._core.checks import suggestion
+from .._core.checks import check_bool, suggestion
 from ..errors import RecorderConfigError
 
 __all__ = ["ConnectorSpec", "build_connector", "resolve_connector"]
@@ -117,6 +117,7 @@ def build_connector(
         >>> build_connector((4, 196, 384), (1, 196, 384))  # only non-batch dims matter
         Identity()
     """
+    check_bool(resize, "resize")
     s = _as_shape("student_shape", student_shape)
     t = _as_shape("teacher_shape", teacher_shape)
     shapes = f"student {s} and teacher {t}"
@@ -173,7 +174,8 @@ def resolve_connector(
     Args:
         spec: ``None`` or ``"auto"``: :func:`build_connector` from the two tensors' shapes;
             ``"identity"``: no connector (:class:`torch.nn.Identity`), e.g. for attention
-            transfer, which compares maps with different channel counts; an
+            transfer, which compares maps with different channel counts (features of different
+            ranks, or vectors of different widths, are rejected); an
             :class:`torch.nn.Module`: used as is; any other callable: a factory called as
             ``spec(student_feature.shape, teacher_feature.shape)`` that returns a module
             (:func:`build_connector` itself, or a class whose constructor takes two shapes).
@@ -201,6 +203,7 @@ def resolve_connector(
         >>> resolve_connector(factory, s, t)
         Conv2d(16, 32, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
     """
+    check_bool(resize, "resize")
     for name, value in (("student_feature", student_feature), ("teacher_feature", teacher_feature)):
         if not isinstance(value, Tensor):
             raise RecorderConfigError(
@@ -211,6 +214,25 @@ def resolve_connector(
         return module.to(student_feature.device)
 
 
+def check_connector_spec(spec: object, name: str = "connectors") -> None:
+    """Raise unless ``spec`` is something :func:`resolve_connector` accepts (checked early)."""
+    if spec is None or isinstance(spec, nn.Module):
+        return
+    if isinstance(spec, str):
+        key = spec.strip().lower()
+        if key in _SPEC_NAMES:
+            return
+        hint = " " + suggestion(key, _SPEC_NAMES, "names")
+    elif callable(spec):
+        return
+    else:
+        hint = ""
+    raise RecorderConfigError(
+        f"Expected `{name}` to be one of {', '.join(map(repr, _SPEC_NAMES))}, None, an nn.Module "
+        f"or a factory callable(student_shape, teacher_shape) but got {spec!r}.{hint}"
+    )
+
+
 def _resolve(spec: object, s: torch.Size, t: torch.Size, resize: bool) -> nn.Module:
     if spec is None:
         return build_connector(s, t, resize=resize)
@@ -219,6 +241,14 @@ def _resolve(spec: object, s: torch.Size, t: torch.Size, resize: bool) -> nn.Mod
         if key == "auto":
             return build_connector(s, t, resize=resize)
         if key == "identity":
+            # Maps and tokens may differ in channels (attention transfer compares them);
+            # vectors of different widths, or features of different ranks, never fit.
+            if tuple(s[1:]) != tuple(t[1:]) and (len(s) != len(t) or len(s) < 3):
+                raise RecorderConfigError(
+                    "Expected the student and teacher features to have the same shape for "
+                    f"connector 'identity' but got {tuple(s)} and {tuple(t)}; use 'auto' to learn "
+                    "a projection."
+                )
             return nn.Identity()
         raise RecorderConfigError(
             f"Expected the connector to be one of {', '.join(map(repr, _SPEC_NAMES))}, None, an "

@@ -96,6 +96,13 @@ def _same_shape(student: Tensor, teacher: Tensor, hint: str = _CONNECTOR_HINT) -
         )
 
 
+def _check_dim(dim: object) -> None:
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+        raise RecorderConfigError(
+            f"Expected `dim` to be an int or None but got {type(dim).__name__} {dim!r}."
+        )
+
+
 def _channel_dim(x: Tensor, dim: int | None, loss: str) -> int:
     """The channel (class) dim: 1 for (N, C) and (N, C, H, W), last for (N, L, C)."""
     if x.ndim < 2:
@@ -105,6 +112,7 @@ def _channel_dim(x: Tensor, dim: int | None, loss: str) -> int:
         )
     if dim is None:
         return 2 if x.ndim == 3 else 1
+    _check_dim(dim)
     if not -x.ndim <= dim < x.ndim:
         raise RecorderConfigError(
             f"Expected `dim` to be in [{-x.ndim}, {x.ndim - 1}] for features of shape "
@@ -365,6 +373,7 @@ class CosineLoss(nn.Module):
     """
 
     def __init__(self, dim: int | None = None) -> None:
+        _check_dim(dim)
         super().__init__()
         self.dim = dim
 
@@ -428,6 +437,7 @@ class KLDivLoss(nn.Module):
     """
 
     def __init__(self, temperature: float = 1.0, dim: int | None = None) -> None:
+        _check_dim(dim)
         super().__init__()
         self.temperature = _check_positive("temperature", temperature)
         self.dim = dim

@@ -13,12 +13,15 @@ patches installed, gated by a flag), and *records* only while its context is act
 from __future__ import annotations
 
 import abc
+import threading
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType, TracebackType
 from typing import Any, ClassVar, Literal
 
 import torch
+from torch.compiler import is_compiling
 
 from .._core.checks import check_bool, parse_device, parse_dtype, suggestion
 from .._core.hooks import HookSet, WeakHook
@@ -41,6 +44,23 @@ from ..errors import (
 )
 
 Keep = Literal["all", "first", "last"] | int
+
+# Guards the check-then-start of a recording context, so that two threads entering the same
+# recorder (or manager) at once cannot both succeed. Module level: recorders stay picklable.
+_CONTEXT_LOCK = threading.RLock()
+
+
+def _this_thread() -> tuple[int, str]:
+    thread = threading.current_thread()
+    return thread.ident or 0, thread.name
+
+
+def held_elsewhere(recorder: BaseRecorder) -> str | None:
+    """The name of another thread recording with ``recorder`` now, else ``None``."""
+    holder = recorder._holder
+    if recorder._recording and holder is not None and holder[0] != threading.get_ident():
+        return holder[1]
+    return None
 
 
 class RecordStream:
@@ -94,6 +114,11 @@ class RecordStream:
             except ReferenceError:  # the recorder is gone; the stream outlived it
                 why = f"{self._label} recorded nothing for {self.name!r}."
             raise NoRecordError(why)
+        if isinstance(record_idx, bool) or not isinstance(record_idx, int):
+            raise RecorderConfigError(
+                f"Expected `record_idx` to be an int (negative counts from the end) but got "
+                f"{type(record_idx).__name__} {record_idx!r}."
+            )
         if not -len(records) <= record_idx < len(records):
             raise NoRecordError(
                 f"Expected `record_idx` in [-{len(records)}, {len(records) - 1}] but got "
@@ -105,6 +130,8 @@ class RecordStream:
         if data_idx is None:
             return record
         try:
+            if isinstance(record, torch.Tensor) and not isinstance(data_idx, int):
+                raise TypeError  # a tensor is indexed by position only (no deprecated x[seq])
             return record[data_idx]
         except (IndexError, KeyError, TypeError):
             size = f" of length {len(record)}" if hasattr(record, "__len__") else ""
@@ -134,9 +161,12 @@ class RecorderHook(WeakHook["BaseRecorder"]):
         self._stream = stream
 
     def recorder(self) -> BaseRecorder | None:
-        """The recorder when it is recording now, else ``None`` (also in checkpoint re-runs)."""
+        """The recorder when it is recording now in this thread, else ``None`` (also in
+        checkpoint re-runs)."""
         rec = self.live()
-        return rec if rec is not None and rec._recording else None
+        if rec is None or not rec._recording:
+            return None
+        return rec if rec.records_this_thread() else None
 
     def on_grad(self, owner: BaseRecorder, grad: torch.Tensor, key: Any) -> None:
         """Record a gradient that arrived for the recording session ``key``."""
@@ -218,6 +248,8 @@ class BaseRecorder(abc.ABC):
         self._initialized = False
         self._entered = 0
         self._session = 0
+        self._holder: tuple[int, str] | None = None  # (ident, name) of the recording thread
+        self._warned_thread = False
         self._model: torch.nn.Module | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -304,13 +336,37 @@ class BaseRecorder(abc.ABC):
             self.hooks.suspend()
 
     def start(self) -> None:
-        """Start recording into fresh buffers. Does nothing if already recording."""
+        """Start recording into fresh buffers. Does nothing if already recording.
+
+        A recording belongs to the thread that started it: starting (or entering) the recorder
+        from another thread while it records raises, so that two threads never write their
+        records into one buffer.
+
+        Raises:
+            NotInitializedError: :meth:`initialize` was not called.
+            RecorderStateError: another thread is recording with this recorder.
+        """
         if not self._initialized:
             raise NotInitializedError(
                 f"{self!r} is not initialized: call `initialize(model)` before recording."
             )
-        if self._recording:
-            return
+        with _CONTEXT_LOCK:
+            self._check_thread()
+            if self._recording:
+                return
+            self._holder = _this_thread()
+            self._start()
+
+    def _check_thread(self) -> None:
+        other = held_elsewhere(self)
+        if other is not None:
+            raise RecorderStateError(
+                f"{self!r} is recording in thread {other!r}: a recorder records for one thread "
+                "at a time, so that records of two threads never mix. Give each thread its own "
+                "recorder (or manager), or wait until the other thread leaves the context."
+            )
+
+    def _start(self) -> None:
         self.hooks.resume()
         self._session += 1
         self._entered += 1
@@ -322,16 +378,40 @@ class BaseRecorder(abc.ABC):
     def _on_start(self) -> None:
         """Called when recording starts (ParameterRecorder records here)."""
 
+    def records_this_thread(self) -> bool:
+        """Whether a call in the current thread belongs to the recording (call while recording).
+
+        A call of the source from a thread other than the one that started the recording is not
+        recorded, and reported once with a warning: records of two threads never mix. (Inside
+        ``torch.compile`` the check is left out: the traced graph runs in the caller's thread.)
+        """
+        holder = self._holder
+        if holder is None or is_compiling() or holder[0] == threading.get_ident():
+            return True
+        if not self._warned_thread:
+            self._warned_thread = True
+            warnings.warn(
+                f"{self!r} records for thread {holder[1]!r}; a call of its source in thread "
+                f"{threading.current_thread().name!r} was not recorded (reported once). Record "
+                "in the thread that runs the model (nn.DataParallel runs replicas in worker "
+                "threads: use DistributedDataParallel).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return False
+
     def stop(self) -> None:
         """Stop recording; records stay readable. Does nothing if not recording."""
         self._recording = False
 
     def __enter__(self) -> BaseRecorder:
-        if self._recording:
-            raise RecorderStateError(
-                f"{self!r} is already recording: recorder contexts do not nest."
-            )
-        self.start()
+        with _CONTEXT_LOCK:
+            self._check_thread()
+            if self._recording:
+                raise RecorderStateError(
+                    f"{self!r} is already recording: recorder contexts do not nest."
+                )
+            self.start()
         return self
 
     def __exit__(

@@ -25,12 +25,42 @@ from typing import Any
 
 from torch import nn
 
-from .._core.registry import add_named, apply_all, get_named, named_items
-from ..errors import RecorderStateError
+from .._core.registry import add_named, apply_all, get_named
+from ..errors import RecorderConfigError, RecorderStateError
 from ._registry import build_recorder
-from .base import BaseRecorder, RecordStream
+from .base import _CONTEXT_LOCK, BaseRecorder, RecordStream, held_elsewhere
 
 __all__ = ["RecorderManager"]
+
+
+_EXAMPLE = "{'feat': {'type': 'ModuleOutputs', 'source': 'layer1'}}"
+
+
+def _pairs(recorders: object) -> list[tuple[str, Any]]:
+    """The ``(name, config)`` pairs of the ``recorders`` argument, checked."""
+    if recorders is None:
+        return []
+    if isinstance(recorders, Mapping):
+        pairs = list(recorders.items())
+    elif isinstance(recorders, Iterable) and not isinstance(recorders, (str, bytes)):
+        pairs = list(recorders)
+        for idx, item in enumerate(pairs):
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise RecorderConfigError(
+                    f"Expected `recorders` to be a mapping {{name: config}} or an iterable of "
+                    f"(name, config) pairs but item {idx} is {item!r}, not a (name, config) pair."
+                )
+    else:
+        raise RecorderConfigError(
+            f"Expected `recorders` to be a mapping {{name: config}} or an iterable of "
+            f"(name, config) pairs but got {type(recorders).__name__} {recorders!r}."
+        )
+    if not pairs:
+        raise RecorderConfigError(
+            f"Expected `recorders` to be a non-empty mapping such as {_EXAMPLE} but got "
+            f"{recorders!r}; leave it out (None) to add recorders later with `add_recorder`."
+        )
+    return pairs
 
 
 class RecorderManager:
@@ -41,9 +71,16 @@ class RecorderManager:
             class name, e.g. ``"ModuleOutputs"`` or ``"ModuleOutputsRecorder"``), ``source`` and
             options — or a recorder instance. An iterable of ``(name, config)`` pairs also works.
 
+            ``None`` (the default) starts empty, for :meth:`add_recorder`; an explicitly empty
+            mapping or iterable is an error, since it would silently record nothing.
+
     Raises:
         DuplicateNameError: a name appears twice.
-        UnknownRecorderTypeError, RecorderConfigError: a config is wrong.
+        UnknownRecorderTypeError, RecorderConfigError: a config is wrong, or ``recorders`` is
+            empty or not a mapping or an iterable of ``(name, config)`` pairs.
+
+    A manager records for one thread at a time: entering it from a second thread while the first
+    records raises :class:`~lightning_recorder.errors.RecorderStateError` naming the first.
     """
 
     def __init__(
@@ -53,7 +90,7 @@ class RecorderManager:
         | None = None,
     ) -> None:
         self._recorders: dict[str, BaseRecorder] = {}
-        for name, config in named_items(recorders):
+        for name, config in _pairs(recorders):
             self.add_recorder(name, config)
 
     def add_recorder(self, name: str, config: Mapping[str, Any] | BaseRecorder) -> BaseRecorder:
@@ -71,6 +108,12 @@ class RecorderManager:
         Raises:
             RecorderConfigError: no such name (the message lists the closest names).
         """
+        if not isinstance(name, str):
+            names = ", ".join(repr(n) for n in self._recorders) or "none"
+            raise RecorderConfigError(
+                f"Expected `name` to be a str but got {type(name).__name__} {name!r}. Recorder "
+                f"names: {names}."
+            )
         return get_named(self._recorders, name, "recorder")
 
     def streams(self) -> Iterator[tuple[str, RecordStream]]:
@@ -105,9 +148,16 @@ class RecorderManager:
         return any(r.recording for r in self._recorders.values())
 
     def start(self) -> None:
-        """Start every recorder (idempotent); if one cannot start, none is left recording."""
-        idle = [r for r in self._recorders.values() if not r.recording]
-        apply_all(idle, BaseRecorder.start, BaseRecorder.stop)
+        """Start every recorder (idempotent); if one cannot start, none is left recording.
+
+        Raises:
+            RecorderStateError: another thread records with one of the recorders.
+        """
+        with _CONTEXT_LOCK:
+            for recorder in self._recorders.values():
+                recorder._check_thread()
+            idle = [r for r in self._recorders.values() if not r.recording]
+            apply_all(idle, BaseRecorder.start, BaseRecorder.stop)
 
     def suspend(self) -> None:
         """Remove the hooks of every idle recorder until :meth:`start` reinstalls them.
@@ -128,12 +178,21 @@ class RecorderManager:
             recorder.reset_data_buffer()
 
     def __enter__(self) -> RecorderManager:
-        for recorder in self._recorders.values():
-            if recorder.recording:
-                raise RecorderStateError(
-                    f"{recorder!r} is already recording: manager contexts do not nest."
-                )
-        self.start()
+        with _CONTEXT_LOCK:  # the check and the start are one step for other threads
+            for recorder in self._recorders.values():
+                other = held_elsewhere(recorder)
+                if other is not None:
+                    raise RecorderStateError(
+                        f"{recorder!r} of this manager is recording in thread {other!r}: a "
+                        "manager records for one thread at a time, so that records of two threads "
+                        "never mix. Give each thread its own manager, or wait until the other "
+                        "thread leaves the context."
+                    )
+                if recorder.recording:
+                    raise RecorderStateError(
+                        f"{recorder!r} is already recording: manager contexts do not nest."
+                    )
+            self.start()
         return self
 
     def __exit__(

@@ -8,18 +8,23 @@ stream per matched module, named after it.
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._core.checks import suggestion
 from .._core.hooks import GradSink
 from .._core.names import as_module_type, canonical_name, is_glob, named_modules, select
 from .._core.structures import Binder, iter_tensors
 from ..errors import RecorderConfigError
 from ._registry import register_recorder
 from .base import BaseRecorder, RecorderHook, RecordStream
+
+_VAR_POS = inspect.Parameter.VAR_POSITIONAL
+_VAR_KW = inspect.Parameter.VAR_KEYWORD
 
 __all__ = [
     "ModuleInputGradsRecorder",
@@ -38,8 +43,21 @@ class _ModuleRecorder(BaseRecorder):
                 f"Expected `source` to be a module name, a glob pattern or a module type but got "
                 f"{source!r}. The root module itself cannot be recorded: name a submodule."
             )
+        if isinstance(source, type) and not issubclass(source, nn.Module):
+            raise RecorderConfigError(
+                f"Expected `source` to be a module name, a glob pattern or a module type (an "
+                f"nn.Module subclass) but got the class {source.__name__}."
+            )
+        if isinstance(source, tuple) and (
+            not source or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in source)
+        ):
+            raise RecorderConfigError(
+                f"Expected `source` to be a module name, a glob pattern or a module type (or a "
+                f"non-empty tuple of nn.Module types) but got {source!r}."
+            )
         super().__init__(source, **options)
         self._type = as_module_type(source)
+        self._hooked: dict[str, nn.Module] = {}
         self._group = self._type is not None or (isinstance(source, str) and is_glob(source))
 
     @property
@@ -62,9 +80,44 @@ class _ModuleRecorder(BaseRecorder):
             names = select(modules, self.source, "module")
         for name in names:
             self._install(name, modules[name], self.add_stream(name))
+            self._hooked[name] = modules[name]
+
+    @property
+    def hooked_modules(self) -> dict[str, nn.Module]:
+        """``{stream name: module}``: the module objects the hooks are on (empty once released).
+
+        A module replaced in the model afterwards (``model.body[0] = nn.Linear(...)``) is not
+        recorded: its name now points to another object. Compare with ``named_modules()``.
+        """
+        return dict(self._hooked)
+
+    def _teardown(self) -> None:
+        super()._teardown()
+        self._hooked = {}
 
     def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
         raise NotImplementedError
+
+    def _check_argument(self, module: nn.Module, binder: Binder) -> None:
+        """Raise unless the first ``path`` item names an argument of ``module.forward``."""
+        key = self.path[0] if self.path else None
+        sig = binder._sig
+        if key is None or sig is None:
+            return
+        params = list(sig.parameters.values())
+        kinds = {p.kind for p in params}
+        names = [p.name for p in params if p.kind not in (_VAR_POS, _VAR_KW)]
+        where = f"{type(module).__name__}.forward({', '.join(sig.parameters)})"
+        if isinstance(key, str) and key not in names and _VAR_KW not in kinds:
+            raise RecorderConfigError(
+                f"Expected `path` of {type(self).__name__} to start with an argument of {where} "
+                f"but got {key!r}. {suggestion(key, names, 'argument names')}"
+            )
+        if isinstance(key, int) and not kinds & {_VAR_POS, _VAR_KW} and key >= len(names):
+            raise RecorderConfigError(
+                f"Expected `path` of {type(self).__name__} to start with a position below "
+                f"{len(names)} (the arguments of {where}) but got {key!r}."
+            )
 
     def _empty_hint(self) -> str:
         return (
@@ -156,7 +209,9 @@ class ModuleInputsRecorder(_ModuleRecorder):
     short_name = "ModuleInputs"
 
     def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
-        hook = _InputHook(self, stream, Binder(module.forward))
+        binder = Binder(module.forward)
+        self._check_argument(module, binder)
+        hook = _InputHook(self, stream, binder)
         self.hooks.install(partial(module.register_forward_pre_hook, hook, with_kwargs=True))
 
 
@@ -293,7 +348,9 @@ class ModuleInputGradsRecorder(_ModuleRecorder):
             )
 
     def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
-        binder_names = list(Binder(module.forward)._kinds)
+        binder = Binder(module.forward)
+        self._check_argument(module, binder)
+        binder_names = list(binder._kinds)
         hook = _InputGradHook(self, stream, binder_names)
         self.hooks.install(partial(module.register_forward_pre_hook, hook, with_kwargs=True))
 

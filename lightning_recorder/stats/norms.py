@@ -47,16 +47,31 @@ def global_norm(tensors: Iterable[Tensor]) -> Tensor:
 
     Returns:
         A 0-d ``float32`` tensor (``float64`` if any input is), on the first tensor's device;
-        0 when there is no tensor.
+        0 when there is no tensor (the norm of an empty set, as in
+        ``torch.nn.utils.clip_grad_norm_``): ``global_norm(p.grad for p in params if p.grad is
+        not None)`` before any backward is 0.
 
     Raises:
-        RecorderConfigError: if an element is not a real tensor.
+        RecorderConfigError: if ``tensors`` is not an iterable, or an element is not a real
+            tensor.
 
     Example:
         >>> global_norm([torch.tensor([3.0]), torch.tensor([[4.0]])]).item()
         5.0
     """
-    norms = [tensor_norm(t) for t in tensors]
+    if not isinstance(tensors, Iterable):
+        raise RecorderConfigError(
+            "Expected `tensors` to be an iterable of tensors (e.g. p.grad for p in "
+            f"model.parameters()) but got {type(tensors).__name__} {tensors!r}."
+        )
+    norms = []
+    for idx, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise RecorderConfigError(
+                f"Expected `tensors` to hold only tensors (torch.Tensor) but item {idx} is "
+                f"{type(t).__name__} {t!r}."
+            )
+        norms.append(torch.linalg.vector_norm(_norm_input(t, f"tensors[{idx}]")))
     if not norms:
         return torch.zeros(())
     dtype = F64 if any(n.dtype == F64 for n in norms) else torch.float32
@@ -92,6 +107,6 @@ def update_ratio(before: Tensor, after: Tensor, eps: float = 1e-12) -> Tensor:
             f"Expected `after` to have the shape of `before`, {tuple(b.shape)}, "
             f"but got {tuple(a.shape)}."
         )
-    if not eps >= 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise RecorderConfigError(f"Expected `eps` to be a non-negative number but got {eps!r}.")
     return torch.linalg.vector_norm(a - b) / (torch.linalg.vector_norm(b) + eps)

@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import pickle
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -385,16 +386,20 @@ def test_deliveries_give_the_student_the_teachers_augmentation() -> None:
             "Expected `loss` to give a value for every pair but 'features.2'",
         ),
         ({"loss": "msee"}, "Unknown loss type 'msee'.*Closest types: 'mse'"),
-        ({"weight": -1.0}, "weight of pair 'features.2' to be a non-negative number but got -1.0"),
+        (
+            {"weight": -1.0},
+            "weight` of pair 'features.2' to be a finite non-negative number but got -1.0",
+        ),
         ({"weight": {"head": 1.0}}, "Expected `weight` to give a value for every pair"),
         ({"resize": 1}, "Expected `resize` to be a bool but got 1"),
         ({"log_validation": "yes"}, "Expected `log_validation` to be a bool"),
         ({"teacher_input": 3}, "Expected `teacher_input` to be a callable"),
         ({"optimizer_idx": -1}, "Expected `optimizer_idx` to be a non-negative int"),
-        ({"connector_lr": "fast"}, "Expected `connector_lr` to be a non-negative number"),
+        ({"connector_lr": "fast"}, "Expected `connector_lr` to be a finite non-negative number"),
         ({"connectors": {"head2": "auto"}}, "keys of `connectors`.*Closest pairs: 'head'"),
         ({"deliveries": {"d": {"type": "Function"}}}, "Unknown delivery type 'Function'"),
         ({"log_prefix": ""}, "Expected `log_prefix` to be a non-empty str but got ''"),
+        ({"on_nonfinite": "loud"}, "Expected `on_nonfinite` to be one of 'warn', 'raise'"),
     ],
 )
 def test_invalid_arguments_raise_in_init(kwargs: dict[str, Any], match: str) -> None:
@@ -636,3 +641,75 @@ def test_docs_python_examples_run_in_order(tmp_path: Path, monkeypatch: pytest.M
     assert len(python_blocks(page)) >= 6
     namespace = run_page(page)
     assert isinstance(namespace["distill"], FeatureDistillation)
+
+
+# ------------------------------------------------------------------ non-finite values
+def nan_head(teacher: Teacher, from_call: int = 0) -> Teacher:
+    """The teacher's head returns NaN from its ``from_call``-th call on."""
+    calls = {"n": 0}
+
+    def poison(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        calls["n"] += 1
+        return out * float("nan") if calls["n"] > from_call else out
+
+    teacher.head.register_forward_hook(poison)
+    return teacher
+
+
+def test_nonfinite_teacher_feature_warns_once_naming_the_pair_and_the_step() -> None:
+    teacher, student = seeded()
+    distill = FeatureDistillation(nan_head(teacher, from_call=1), PAIRS)
+    with pytest.warns(UserWarning, match=r"non-finite") as caught:
+        fit(student, [distill], max_steps=2)
+    messages = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+    assert len(messages) == 1, messages  # step 1 is bad (after it the student is NaN too)
+    assert "teacher features of pair 'head' -> 'head' (training step 1)" in messages[0]
+    assert "features.2" not in messages[0]  # the finite pair is not named
+
+
+def test_nonfinite_raise_stops_the_run_and_ignore_checks_nothing() -> None:
+    teacher, student = seeded()
+    distill = FeatureDistillation(nan_head(teacher), PAIRS, on_nonfinite="raise")
+    with pytest.raises(RecorderStateError, match=r"non-finite.*'head' -> 'head'.*step 0"):
+        fit(student, [distill], max_steps=2)
+    assert distill._runner.module is None  # uninstalled on the error
+    teacher, student = seeded()
+    quiet = FeatureDistillation(nan_head(teacher), PAIRS, on_nonfinite="ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*(val_dataloader|LeafSpec|log_every_n).*")
+        fit(student, [quiet], max_steps=2)
+    assert quiet._runner._nonfinite is None  # no flags kept
+
+
+def test_nonfinite_flags_stay_on_the_device_until_a_logging_step() -> None:
+    # On a CPU the flags are read after every step; this checks the accelerator rule without
+    # one: flags accumulate (device side, or-ed) between reads and are read at the steps given.
+    teacher, _ = seeded()
+    distill = FeatureDistillation(nan_head(teacher, from_call=1), PAIRS)
+    runner = distill._runner
+    runner.pairs = {"head": "head"}
+    flags = [torch.tensor([[False, False]]), torch.tensor([[True, True]])]
+    runner._nonfinite = flags[0] | flags[1]
+    runner._nonfinite_step = 2
+    with pytest.warns(UserWarning, match=r"pair 'head' -> 'head' \(training steps 2-4\)"):
+        runner.check_nonfinite(5)
+    assert runner._nonfinite is None and runner._nonfinite_step == 5
+
+
+def test_teacher_that_cannot_take_the_student_input_points_to_teacher_input() -> None:
+    class TokenTeacher(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+
+        def forward(self, ids: Tensor) -> Tensor:
+            return self.embed(ids)
+
+    _, student = seeded()
+    distill = FeatureDistillation(TokenTeacher(), {"head": "embed"})
+    with pytest.raises(
+        RecorderConfigError, match=r"could not take the student's input.*teacher_input="
+    ):
+        fit(student, [distill], max_steps=1)
+    assert distill._runner.module is None

@@ -165,7 +165,6 @@ def nan_teacher() -> NaNTeacher:
     return teacher
 
 
-@pytest.mark.xfail(strict=True, reason="pending: no warning on non-finite teacher features")
 def test_nonfinite_teacher_feature_warns_naming_the_pair() -> None:
     distill = FeatureDistillation(nan_teacher(), {"net.layer2": "inner.layer2"})
     trainer = pl.Trainer(**QUIET, logger=False, max_steps=2, callbacks=[distill])
@@ -183,9 +182,6 @@ def test_nonfinite_teacher_feature_today_gives_nan_loss() -> None:
     assert torch.isnan(trainer.logged_metrics["distill/net.layer2"])
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pending: the teacher's own error does not name teacher_input"
-)
 def test_teacher_that_cannot_take_the_input_points_to_teacher_input() -> None:
     distill = FeatureDistillation(BertEncoder().net, {"net.layer1": "embeddings"})
     trainer = pl.Trainer(**QUIET, logger=False, max_steps=1, callbacks=[distill])

@@ -132,7 +132,6 @@ def test_compiled_monitored_loss_equals_unmonitored(compiled: dict) -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, reason="pending: the recorder's on/off flag makes dynamo recompile")
 def test_compiled_monitored_network_compiles_once(compiled: dict) -> None:
     graphs, _ = compiled[True]
     assert graphs == 1

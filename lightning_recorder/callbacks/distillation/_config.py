@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
@@ -61,15 +62,35 @@ def add_term(output: Any, term: Tensor) -> Any:
 
 
 def load_teacher(teacher: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Load the teacher's weights from a state dict (or a Lightning checkpoint) saved at ``path``.
+
+    Only tensors and plain containers are loaded (``weights_only=True``); whatever else fails is
+    reported as a package error without torch's advice to load the file unsafely.
+    """
+    where = f"Expected `teacher_checkpoint` {os.fspath(path)!r} to hold the teacher's weights"
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
-            state = state["state_dict"]
-        teacher.load_state_dict(state)
-    except (OSError, RuntimeError, TypeError, ValueError, AttributeError) as err:
+    except OSError as err:
+        raise RecorderConfigError(f"{where} but it could not be opened: {err}") from None
+    except Exception as err:  # unreadable, or unsafe to unpickle: one message
         raise RecorderConfigError(
-            f"Expected `teacher_checkpoint` {os.fspath(path)!r} to hold the teacher's weights (a "
-            f"state dict, or a Lightning checkpoint of the teacher) but loading failed: {err}"
+            f"{where} (a state dict of tensors, or a Lightning checkpoint of the teacher) but it "
+            f"could not be read as one ({type(err).__name__}). Only tensors and plain containers "
+            "are loaded; save the teacher's state_dict() rather than the module."
+        ) from None
+    if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
+        state = state["state_dict"]
+    if not isinstance(state, Mapping):
+        raise RecorderConfigError(
+            f"{where} (a state dict, or a Lightning checkpoint of the teacher) but it holds a "
+            f"{type(state).__name__}."
+        )
+    try:
+        teacher.load_state_dict(state)
+    except (RuntimeError, TypeError, ValueError, AttributeError) as err:
+        raise RecorderConfigError(
+            f"{where} (a state dict, or a Lightning checkpoint of the teacher) but loading "
+            f"failed: {err}"
         ) from err
 
 
@@ -81,6 +102,8 @@ def check_arguments(
     optimizer_idx: object,
     connector_lr: object,
     log_prefix: object,
+    teacher_checkpoint: object = None,
+    loss_options: object = None,
 ) -> None:
     """Raise a :class:`RecorderConfigError` for the first invalid constructor argument."""
     if not isinstance(teacher, nn.Module):
@@ -117,10 +140,24 @@ def check_arguments(
     if connector_lr is not None and (
         isinstance(connector_lr, bool)
         or not isinstance(connector_lr, (int, float))
+        or not math.isfinite(connector_lr)
         or connector_lr < 0
     ):
         raise RecorderConfigError(
-            f"Expected `connector_lr` to be a non-negative number or None but got {connector_lr!r}."
+            "Expected `connector_lr` to be a finite non-negative number or None but got "
+            f"{connector_lr!r}."
+        )
+    if teacher_checkpoint is not None and not isinstance(teacher_checkpoint, (str, os.PathLike)):
+        raise RecorderConfigError(
+            "Expected `teacher_checkpoint` to be a path (str or os.PathLike) to the teacher's "
+            f"state dict, or None, but got {type(teacher_checkpoint).__name__} "
+            f"{teacher_checkpoint!r}."
+        )
+    if loss_options is not None and not isinstance(loss_options, Mapping):
+        raise RecorderConfigError(
+            "Expected `loss_options` to be a mapping of keyword options such as "
+            "{'temperature': 4.0} (or one such mapping per pair) or None, but got "
+            f"{type(loss_options).__name__} {loss_options!r}."
         )
     if not isinstance(log_prefix, str) or not log_prefix:
         raise RecorderConfigError(
@@ -132,9 +169,14 @@ def weights_per_pair(weight: object, pairs: Mapping[str, str]) -> dict[str, floa
     """One non-negative float weight per pair."""
     weights: dict[str, float] = {}
     for pair, value in per_pair(weight, pairs, "weight", None).items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+        ):
             raise RecorderConfigError(
-                f"Expected the weight of pair {pair!r} to be a non-negative number but got "
+                f"Expected `weight` of pair {pair!r} to be a finite non-negative number but got "
                 f"{value!r}."
             )
         weights[pair] = float(value)

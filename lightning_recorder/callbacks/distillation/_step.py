@@ -10,15 +10,16 @@ freed). Entering and leaving are idempotent: Lightning's batch hooks do not alwa
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from ..._core.hooks import HookSet
 from ...distill import DistillDeliveryManager, LossFn
-from ...errors import RecorderConfigError, RecorderStateError
+from ...errors import RecorderConfigError, RecorderError, RecorderStateError
 from ...recorders import RecorderManager
 from ._bank import ConnectorBank
 from ._config import feature
@@ -35,6 +36,8 @@ class StepRunner:
         weights: the weight of each pair.
         bank: the connectors.
         deliveries: the deliveries (possibly empty).
+        on_nonfinite: what a non-finite teacher feature or term does: ``"warn"`` (once per
+            pair), ``"raise"`` or ``"ignore"``.
     """
 
     def __init__(
@@ -45,8 +48,15 @@ class StepRunner:
         weights: Mapping[str, float],
         bank: ConnectorBank,
         deliveries: DistillDeliveryManager,
+        on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
     ) -> None:
         self.teacher = teacher
+        self.on_nonfinite = on_nonfinite
+        # Device-side flags, one row per pair: (teacher feature non-finite, term non-finite),
+        # or-ed over the steps since the last check; read on the host only by check_nonfinite.
+        self._nonfinite: Tensor | None = None
+        self._nonfinite_step = 0  # the first training step the current flags cover
+        self._reported: set[str] = set()
         self.pairs = dict(pairs)
         self.losses = dict(losses)
         self.weights = dict(weights)
@@ -163,8 +173,13 @@ class StepRunner:
         if self.phase is not None and not self._teacher_ran:
             self.run_teacher(args, kwargs)
 
-    def run_teacher(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Run the teacher on ``(args, kwargs)`` without a graph, recording its pairs."""
+    def run_teacher(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, own_input: bool = False
+    ) -> None:
+        """Run the teacher on ``(args, kwargs)`` without a graph, recording its pairs.
+
+        ``own_input``: the input comes from ``teacher_input`` (else from the student's forward).
+        """
         teacher, deliveries = self.teacher, self.deliveries
         if self.phase not in self._recorders:
             return
@@ -179,6 +194,26 @@ class StepRunner:
         try:
             with torch.no_grad():
                 teacher(*args, **kwargs)
+        except RecorderError:
+            raise
+        except Exception as err:
+            name = type(teacher).__name__
+            if own_input:
+                hint = (
+                    f"The teacher ({name}) failed on the input that `teacher_input=` gave it "
+                    f"({_describe(args, kwargs)}): check that it returns what the teacher's "
+                    "forward takes."
+                )
+            else:
+                hint = (
+                    f"The teacher ({name}) could not take the student's input "
+                    f"({_describe(args, kwargs)}): FeatureDistillation runs the teacher on "
+                    "what the student's forward receives. Pass `teacher_input=` (a callable "
+                    "batch -> the teacher's input) to give the teacher its own input."
+                )
+            raise RecorderConfigError(
+                f"{hint} The teacher raised {type(err).__name__}: {err}"
+            ) from err
         finally:
             recorders.stop()
             if len(deliveries):
@@ -210,7 +245,51 @@ class StepRunner:
             t = feature(teacher.get_recorder(pair).get_record_data(), "teacher", t_name)
             connector = self.bank.get(pair, s, t)
             terms[pair] = self.losses[pair](connector(s), t) * self.weights[pair]
+        if self.on_nonfinite != "ignore" and self.phase == "train":
+            self._flag_nonfinite(terms)
         return terms
+
+    def _flag_nonfinite(self, terms: Mapping[str, Tensor]) -> None:
+        """Or this step's non-finite flags into the device-side flags (no host sync)."""
+        teacher = self._recorders["train"][1]
+        rows = []
+        with torch.no_grad():
+            for pair, t_name in self.pairs.items():
+                t = feature(teacher.get_recorder(pair).get_record_data(), "teacher", t_name)
+                rows.append(
+                    torch.stack(
+                        [~torch.isfinite(t).all(), ~torch.isfinite(terms[pair].detach()).all()]
+                    )
+                )
+            flags = torch.stack(rows)
+        self._nonfinite = flags if self._nonfinite is None else self._nonfinite | flags
+
+    def check_nonfinite(self, step: int) -> None:
+        """Read the non-finite flags on the host (a sync on an accelerator): warn or raise for
+        each pair seen non-finite for the first time, then start new flags at ``step``."""
+        flags, self._nonfinite = self._nonfinite, None
+        first, self._nonfinite_step = self._nonfinite_step, step
+        if flags is None or self.on_nonfinite == "ignore":
+            return
+        rows = flags.tolist()
+        for (pair, t_name), (bad_teacher, bad_term) in zip(self.pairs.items(), rows, strict=True):
+            if not (bad_teacher or bad_term) or pair in self._reported:
+                continue
+            what = "teacher features" if bad_teacher else "distillation term"
+            when = f"step {first}" if step - first <= 1 else f"steps {first}-{step - 1}"
+            message = (
+                f"FeatureDistillation: non-finite values (NaN or inf) in the {what} of pair "
+                f"{pair!r} -> {t_name!r} (training {when}); the distillation loss is non-finite."
+                + (
+                    " Check the teacher (its weights, its input, its precision)."
+                    if bad_teacher
+                    else " Check the student's features and the loss's options."
+                )
+            )
+            if self.on_nonfinite == "raise":
+                raise RecorderStateError(message + " (on_nonfinite='raise')")
+            self._reported.add(pair)
+            rank_zero_warn(message + " Reported once per pair; on_nonfinite='raise' stops.")
 
     def log(self, terms: Mapping[str, Tensor], prefix: str, on_step: bool) -> Tensor:
         """Log every term and their sum through the LightningModule; return the sum."""
@@ -227,3 +306,15 @@ class StepRunner:
                 module.log(f"{prefix}/{pair}", value.detach(), **options)
             module.log(f"{prefix}/total", total.detach(), **options)
         return total
+
+
+def _describe(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    """A short description of call arguments: types and tensor shapes."""
+
+    def one(value: Any) -> str:
+        if isinstance(value, Tensor):
+            return f"Tensor{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        return type(value).__name__
+
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts) or "no arguments"

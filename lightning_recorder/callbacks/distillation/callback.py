@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
+from ...distill.connectors import check_connector_spec
 from ...errors import RecorderConfigError, RecorderStateError
 from ._bank import ConnectorBank
 from ._config import (
@@ -82,11 +83,21 @@ class FeatureDistillation(Callback):
             "max_keep_data": …}}``: outputs recorded in the teacher's pass are replayed in the
             student's (see :class:`lightning_recorder.DistillDeliveryManager`).
         log_prefix: the prefix of the logged names.
+        on_nonfinite: what a non-finite (NaN or inf) teacher feature or distillation term does
+            in training: ``"warn"`` (default) warns once per pair, naming it; ``"raise"`` stops
+            the run with a :class:`~lightning_recorder.errors.RecorderStateError`;
+            ``"ignore"`` checks nothing. The check costs no host sync on a step that Lightning
+            does not log: the flags stay on the device and are read every
+            ``log_every_n_steps`` steps (when Lightning reads logged values anyway) and at the
+            end of each epoch; on the CPU they are read after every step. So on an accelerator
+            the warning or error may come up to ``log_every_n_steps - 1`` steps after the step
+            that produced the non-finite value (the message gives the range of steps).
 
     Raises:
         RecorderConfigError: an argument is invalid (checked here), or, when fitting, a module
-            name is unknown, shapes cannot be connected, or the teacher is a submodule of the
-            student.
+            name is unknown, shapes cannot be connected, the teacher is a submodule of the
+            student, or the teacher cannot take the student's input (pass ``teacher_input=``).
+        RecorderStateError: with ``on_nonfinite="raise"``, a non-finite teacher feature or term.
 
     Example:
         >>> import lightning.pytorch as pl, torch
@@ -133,6 +144,7 @@ class FeatureDistillation(Callback):
         log_validation: bool = False,
         deliveries: Mapping[str, Mapping[str, Any] | DistillDelivery] | None = None,
         log_prefix: str = "distill",
+        on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
     ) -> None:
         super().__init__()
         check_arguments(
@@ -143,7 +155,19 @@ class FeatureDistillation(Callback):
             optimizer_idx,
             connector_lr,
             log_prefix,
+            teacher_checkpoint,
+            loss_options,
         )
+        if on_nonfinite not in ("warn", "raise", "ignore"):
+            raise RecorderConfigError(
+                "Expected `on_nonfinite` to be one of 'warn', 'raise', 'ignore' but got "
+                f"{on_nonfinite!r}."
+            )
+        if deliveries is not None and not isinstance(deliveries, Mapping):
+            raise RecorderConfigError(
+                "Expected `deliveries` to be a mapping {name: config} or None but got "
+                f"{type(deliveries).__name__} {deliveries!r}."
+            )
         self.teacher = teacher
         self.pairs = dict(pairs)
         self.add_to_loss = add_to_loss
@@ -152,9 +176,10 @@ class FeatureDistillation(Callback):
         self.optimizer_idx = optimizer_idx
         self.log_prefix = log_prefix
         losses = losses_per_pair(loss, loss_options, self.pairs)
-        self._bank = ConnectorBank(
-            per_pair(connectors, self.pairs, "connectors", "auto"), resize, connector_lr
-        )
+        connector_specs = per_pair(connectors, self.pairs, "connectors", "auto")
+        for spec in connector_specs.values():
+            check_connector_spec(spec, "connectors")
+        self._bank = ConnectorBank(connector_specs, resize, connector_lr)
         self._runner = StepRunner(
             teacher,
             self.pairs,
@@ -162,6 +187,7 @@ class FeatureDistillation(Callback):
             weights_per_pair(weight, self.pairs),
             self._bank,
             DistillDeliveryManager(deliveries),
+            on_nonfinite,
         )
         if teacher_checkpoint is not None:
             load_teacher(teacher, teacher_checkpoint)
@@ -231,6 +257,28 @@ class FeatureDistillation(Callback):
             self._bank.all_reduce_grads()
 
     @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        runner = self._runner
+        if runner._nonfinite is None:
+            return
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
+        step = trainer.global_step  # optimizer steps completed, this one included
+        on_host = runner._nonfinite.device.type == "cpu"
+        if on_host or step % every == 0 or trainer.is_last_batch:
+            runner.check_nonfinite(step)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._runner.check_nonfinite(trainer.global_step)
+
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.log_validation and not trainer.sanity_checking:
             self._runner.install(trainer, pl_module, validation=True)
@@ -249,7 +297,7 @@ class FeatureDistillation(Callback):
             return
         self._runner.begin("val")
         if self.teacher_input is not None:
-            self._runner.run_teacher((self.teacher_input(batch),), {})
+            self._runner.run_teacher((self.teacher_input(batch),), {}, own_input=True)
 
     @override
     def on_validation_batch_end(
@@ -306,7 +354,7 @@ class FeatureDistillation(Callback):
         try:
             if self.teacher_input is not None:
                 batch = args[0] if args else kwargs.get("batch")
-                runner.run_teacher((self.teacher_input(batch),), {})
+                runner.run_teacher((self.teacher_input(batch),), {}, own_input=True)
             output = inner(*args, **kwargs)
             runner.end_capture()
             if self.add_to_loss and output is not None:
@@ -345,6 +393,11 @@ def distillation_loss(pl_module: pl.LightningModule) -> Tensor:
     Raises:
         RecorderStateError: no such callback is attached to the trainer, or no step is running.
     """
+    if not isinstance(pl_module, pl.LightningModule):
+        raise RecorderConfigError(
+            "Expected `pl_module` to be the LightningModule being trained (call "
+            f"distillation_loss(self) inside training_step) but got {type(pl_module).__name__}."
+        )
     callbacks: list[Callback] = getattr(pl_module._trainer, "callbacks", [])
     found = [cb for cb in callbacks if isinstance(cb, FeatureDistillation) and not cb.add_to_loss]
     if not found:
