@@ -216,7 +216,6 @@ def test_function_outputs_recorded_only_in_context() -> None:
         recorder.release()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: function patches last until release(), not exit")
 def test_function_patch_restored_on_exit() -> None:
     original = toys.identity
     recorder = FunctionOutputsRecorder(f"{TOYS}.identity").initialize()
@@ -284,7 +283,6 @@ def test_method_outputs_recorded_only_in_context() -> None:
         recorder.release()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: method patches last until release(), not exit")
 def test_method_patch_restored_on_exit() -> None:
     original = toys.Counter.__dict__["tick"]
     recorder = MethodOutputsRecorder(f"{TOYS}.Counter.tick").initialize()
@@ -298,9 +296,6 @@ def test_method_patch_restored_on_exit() -> None:
         recorder.release()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pending: initialized function/method recorders cannot be copied"
-)
 @pytest.mark.parametrize(
     ("cls", "source"),
     [
@@ -338,7 +333,10 @@ def test_module_outputs_initialize_checks_model() -> None:
     recorder.release()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: public prepare_from_model(model) on recorders")
+@pytest.mark.xfail(
+    strict=True,
+    reason="pending: prepare_from_model() of module and parameter recorders needs model=None",
+)
 def test_prepare_from_model_public() -> None:
     model = ConvPair()
     with pytest.raises(RecorderConfigError, match="model"):
@@ -594,7 +592,6 @@ def test_method_delivery_record_then_replay() -> None:
         counter.draw()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: func_path=/method_path= keyword arguments")
 def test_delivery_path_keywords() -> None:
     with pytest.raises(InvalidSourceError, match="but got 1"):
         FunctionOutputsDelivery(max_keep_data=1, func_path=1)  # type: ignore[call-arg]
@@ -664,9 +661,6 @@ class LinearWithRecorders(nn.Module):
             return self.linear(x)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pending: a model holding an initialized function recorder cannot be copied"
-)
 def test_ema_copy_of_model_with_function_inputs_recorder(tmp_path: object) -> None:
     model = LinearWithRecorders()
     ema = None
