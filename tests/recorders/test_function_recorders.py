@@ -285,3 +285,42 @@ def test_copies_are_fresh_recorders(persistent: bool) -> None:
             dup.release()
         rec.release()
     assert active_patches() == []
+
+
+def test_torch_c_functions_are_normalised_like_python_functions() -> None:
+    x, w, b = torch.randn(2, 3), torch.randn(4, 3), torch.randn(4)
+    relu = FunctionInputsRecorder("torch.relu").initialize()
+    linear = FunctionInputsRecorder("torch.nn.functional.linear").initialize()
+    try:
+        with relu, linear:
+            torch.relu(x)
+            torch.relu(input=x)
+            torch.nn.functional.linear(x, w, b)
+            torch.nn.functional.linear(x, w, bias=b)
+            torch.nn.functional.linear(bias=b, weight=w, input=x)
+            torch.nn.functional.linear(x, w)  # the schema's default fills in bias=None
+        for i in range(2):
+            record = relu.get_record_data(i)
+            assert record.names == ("input",)
+            assert record["input"] is x
+        for i in range(3):
+            record = linear.get_record_data(i)
+            assert record.names == ("input", "weight", "bias")
+            assert (record[0], record[1], record[2]) == (x, w, b)
+        assert linear.get_record_data(3).as_dict() == {"input": x, "weight": w, "bias": None}
+    finally:
+        relu.release()
+        linear.release()
+
+
+def test_binder_overloads_and_callables_without_signature() -> None:
+    from lightning_recorder._core.structures import Binder
+
+    x = torch.ones(2, 3)
+    total = Binder(torch.sum)  # overloads: sum(input, *, dtype) and sum(input, dim, keepdim, …)
+    assert total((x, 1), {}).as_dict() == total((x,), {"dim": 1}).as_dict()
+    assert total((x,), {}).names == ("input", "dtype")
+    method = Binder(torch.Tensor.relu, drop_first=True)
+    assert method((), {}).names == ()
+    # A builtin with neither a signature nor a schema: positions, then sorted keywords.
+    assert Binder(max)((3, 1), {"key": abs}).names == ("args[0]", "args[1]", "key")
