@@ -314,6 +314,25 @@ def build_delivery(config: Mapping[str, Any] | DistillDelivery, name: str = "") 
     return build_from_config(DELIVERIES, config, where, renames=_PATH_ALIASES)
 
 
+def _checked_pairs(deliveries: Any) -> Any:
+    """``None``, a mapping, or the list of an iterable's ``(name, config)`` pairs."""
+    if deliveries is None or isinstance(deliveries, Mapping):
+        return deliveries
+    if isinstance(deliveries, (str, bytes)) or not isinstance(deliveries, Iterable):
+        raise RecorderConfigError(
+            "Expected `deliveries` to be a mapping {name: config} or an iterable of "
+            f"(name, config) pairs but got {type(deliveries).__name__} {deliveries!r}."
+        )
+    pairs = list(deliveries)
+    for number, item in enumerate(pairs):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise RecorderConfigError(
+                "Expected `deliveries` to be a mapping {name: config} or an iterable of "
+                f"(name, config) pairs but item {number} is {item!r}, not a (name, config) pair."
+            )
+    return pairs
+
+
 class DistillDeliveryManager:
     """Several named deliveries, switched and entered together.
 
@@ -348,7 +367,7 @@ class DistillDeliveryManager:
     ) -> None:
         self._deliveries: dict[str, DistillDelivery] = {}
         self._override_data = False
-        for name, config in named_items(deliveries):
+        for name, config in named_items(_checked_pairs(deliveries)):
             add_named(self._deliveries, name, partial(build_delivery, config, name), "delivery")
 
     @property

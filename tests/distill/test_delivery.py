@@ -301,3 +301,14 @@ def test_mmrazor_path_keywords() -> None:
         FunctionOutputsDelivery("helpers.toy.toy_func", func_path="helpers.toy.toy_func")
     with pytest.raises(RecorderConfigError, match=r"`source` \(or `method_path`\)"):
         MethodOutputsDelivery()
+
+
+def test_manager_rejects_what_is_not_named_configs() -> None:
+    from lightning_recorder import RecorderConfigError
+
+    with pytest.raises(RecorderConfigError, match=r"`deliveries` to be a mapping.*int 5"):
+        DistillDeliveryManager(5)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"item 0 is 'a', not a \(name, config\) pair"):
+        DistillDeliveryManager(["a"])  # type: ignore[list-item]
+    pairs = (("d", {"type": "FunctionOutputs", "source": "helpers.toy.toy_func"}) for _ in "x")
+    assert list(DistillDeliveryManager(pairs).deliveries) == ["d"]  # a generator works
