@@ -4,10 +4,12 @@
   how a forward re-run by activation checkpointing is told apart from a real call.
 * :func:`is_compiled` — whether ``torch.compile`` compiles a module or a part of it.
 * :func:`distributed_active` — the one "is a process group running" test.
+* :func:`torch_op_signatures` — argument names of torch C functions, from their ATen schemas.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -72,3 +74,44 @@ def dtensor_type() -> type | None:
         except ImportError:
             return None
     return DTensor
+
+
+def torch_op_signatures(fn: Any) -> tuple[inspect.Signature, ...]:
+    """Python signatures of a torch C function or ``Tensor`` method, from its ATen schemas.
+
+    ``inspect.signature`` fails on ``torch.relu`` or ``torch.nn.functional.linear``; their
+    arguments are named by the operator's schemas (torch's private
+    ``_jit_get_schemas_for_operator``). One signature per overload, ``out=`` overloads last; the
+    schema's ``self`` is named ``input`` for functions, as torch's Python binding accepts it.
+    Empty when ``fn`` is not torch's or has no schema.
+    """
+    objclass = getattr(fn, "__objclass__", None)
+    is_method = objclass is not None and objclass.__name__ == "TensorBase"
+    module = getattr(fn, "__module__", None) or ""
+    if not (is_method or module == "torch" or module.startswith("torch.")):
+        return ()
+    name = getattr(fn, "__name__", None)
+    get_schemas = getattr(torch._C, "_jit_get_schemas_for_operator", None)
+    if not isinstance(name, str) or get_schemas is None:
+        return ()
+    try:
+        schemas = list(get_schemas(f"aten::{name}"))
+    except Exception:  # an unknown operator name, or a torch whose binding changed
+        return ()
+    signatures = []
+    for schema in sorted(schemas, key=lambda s: "out" in s.overload_name):
+        params = []
+        try:
+            for arg in schema.arguments:
+                arg_name = "input" if arg.name == "self" and not is_method else arg.name
+                kind = (
+                    inspect.Parameter.KEYWORD_ONLY
+                    if arg.kwarg_only
+                    else inspect.Parameter.POSITIONAL_OR_KEYWORD
+                )
+                default = arg.default_value if arg.has_default_value() else inspect.Parameter.empty
+                params.append(inspect.Parameter(arg_name, kind, default=default))
+            signatures.append(inspect.Signature(params))
+        except (AttributeError, ValueError, TypeError):  # an unusual schema: skip it
+            continue
+    return tuple(signatures)

@@ -155,6 +155,8 @@ def resolve(path: Any, want: Literal["function", "method"]) -> Target:
             f"Expected {'.'.join([module.__name__, *rest[:-1]])!r} to be a class but it is a "
             f"{type(owner).__name__}; to record a function use FunctionOutputsRecorder."
         )
+    if _immutable(owner):
+        raise _immutable_error(path, owner)
     raw = _get(owner, rest[-1], path, "method")
     if isinstance(raw, staticmethod):
         return Target(path, owner, rest[-1], raw, raw.__func__, "staticmethod")
@@ -165,6 +167,23 @@ def resolve(path: Any, want: Literal["function", "method"]) -> Target:
             f"Expected {path!r} to be a method but it is a {type(raw).__name__}."
         )
     return Target(path, owner, rest[-1], raw, raw, "method")
+
+
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE (Python >= 3.10)
+
+
+def _immutable(cls: type) -> bool:
+    """Whether the attributes of ``cls`` cannot be set (a builtin or C extension type)."""
+    return bool(cls.__flags__ & _IMMUTABLE_TYPE) or not hasattr(cls, "__dict__")
+
+
+def _immutable_error(path: str, owner: Any) -> InvalidSourceError:
+    name = getattr(owner, "__qualname__", repr(owner))
+    return InvalidSourceError(
+        f"Expected `source` {path!r} to name a method of a Python class, but {name} is a builtin "
+        "(C) type whose methods cannot be patched; record the Python function or module that "
+        "calls it instead."
+    )
 
 
 def _make_wrapper(target: Target, patch_box: list[Patch]) -> Any:
@@ -208,7 +227,10 @@ def acquire(target: Target, sink: Sink) -> None:
         installed = _make_wrapper(target, box)
         patch = Patch(target.owner, target.attr, original, installed)
         box.append(patch)
-        setattr(target.owner, target.attr, installed)
+        try:
+            setattr(target.owner, target.attr, installed)
+        except TypeError as err:  # an immutable type resolve() did not recognise
+            raise _immutable_error(target.path, target.owner) from err
         _ACTIVE[key] = patch
     patch.set_sinks((*patch.sinks, sink))
 

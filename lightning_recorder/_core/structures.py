@@ -15,6 +15,7 @@ import torch
 
 from ..errors import NoRecordError, RecorderConfigError
 from .checks import suggestion
+from .compat import torch_op_signatures
 
 
 def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
@@ -95,46 +96,61 @@ _SIMPLE_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL
 class Binder:
     """Normalises ``(args, kwargs)`` of calls to one callable into :class:`Arguments`.
 
+    The order and names come from ``inspect.signature``; for a torch C function or ``Tensor``
+    method (``torch.relu``, ``F.linear``), which has none, from its ATen schemas, trying each
+    overload in turn. A call no signature accepts (or a callable with none) is recorded as
+    ``args[0]``, ``args[1]`` … then keyword arguments sorted by name.
+
     Args:
         fn: the callable whose signature orders the arguments.
         drop_first: drop the first parameter (``self`` / ``cls``) from the signature.
     """
 
-    __slots__ = ("_fast_names", "_kinds", "_sig")
+    __slots__ = ("_all_kinds", "_fast_names", "_kinds", "_sigs")
 
     def __init__(self, fn: Callable[..., Any], drop_first: bool = False) -> None:
         try:
-            sig: inspect.Signature | None = inspect.signature(fn)
+            sigs: tuple[inspect.Signature, ...] = (inspect.signature(fn),)
         except (TypeError, ValueError):
-            sig = None
-        if sig is not None and drop_first:
-            params = list(sig.parameters.values())[1:]
-            sig = sig.replace(parameters=params)
-        self._sig = sig
-        self._kinds: dict[str, Any] = (
-            {p.name: p.kind for p in sig.parameters.values()} if sig is not None else {}
+            sigs = torch_op_signatures(fn)
+        if drop_first:
+            sigs = tuple(sig.replace(parameters=list(sig.parameters.values())[1:]) for sig in sigs)
+        self._sigs = sigs
+        self._all_kinds: tuple[dict[str, Any], ...] = tuple(
+            {p.name: p.kind for p in sig.parameters.values()} for sig in sigs
         )
-        # Fast path: every parameter positional, no defaults needed when all are passed.
-        if sig is not None and all(p.kind in _SIMPLE_KINDS for p in sig.parameters.values()):
-            self._fast_names: tuple[str, ...] | None = tuple(sig.parameters)
+        #: The parameter kinds of the first signature, by name (read by the module recorders).
+        self._kinds: dict[str, Any] = self._all_kinds[0] if sigs else {}
+        # Fast path: one signature, every parameter positional, all of them passed.
+        if len(sigs) == 1 and all(p.kind in _SIMPLE_KINDS for p in sigs[0].parameters.values()):
+            self._fast_names: tuple[str, ...] | None = tuple(sigs[0].parameters)
         else:
             self._fast_names = None
+
+    @property
+    def signature(self) -> inspect.Signature | None:
+        """The callable's (first) signature, or ``None`` when it has none."""
+        return self._sigs[0] if self._sigs else None
 
     def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Arguments:
         fast = self._fast_names
         if fast is not None and not kwargs and len(args) == len(fast):
             return Arguments(args, fast)
-        if self._sig is None:
-            return self._fallback(args, kwargs)
-        try:
-            bound = self._sig.bind(*args, **kwargs)
-        except TypeError:
-            return self._fallback(args, kwargs)
+        for sig, kinds in zip(self._sigs, self._all_kinds, strict=True):
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:
+                continue
+            return self._ordered(bound, kinds)
+        return self._fallback(args, kwargs)
+
+    @staticmethod
+    def _ordered(bound: inspect.BoundArguments, kinds: dict[str, Any]) -> Arguments:
         bound.apply_defaults()
         values: list[Any] = []
         names: list[str] = []
         for name, value in bound.arguments.items():
-            kind = self._kinds[name]
+            kind = kinds[name]
             if kind is _VAR_POS:
                 for i, item in enumerate(value):
                     values.append(item)
@@ -143,7 +159,7 @@ class Binder:
                 for key in sorted(value):
                     values.append(value[key])
                     # A key may repeat a positional-only parameter's name: keep names unique.
-                    names.append(key if key not in self._kinds else f"{name}[{key!r}]")
+                    names.append(key if key not in kinds else f"{name}[{key!r}]")
             else:
                 values.append(value)
                 names.append(name)

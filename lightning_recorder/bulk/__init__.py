@@ -32,6 +32,10 @@ be given by position, as in torchfunc):
 * ``dtype``: cast recorded floating-point tensors to this dtype.
 * ``path``: what to record from a structured value: a position, an argument name, a key or a
   field, or a dotted chain (default: see the collector).
+* ``data_method``: torchfunc's choice of what a sample is: ``"sample"`` (the first item of the
+  data: ``inputs[0]``, a tensor output's first row, the output gradient) or ``"batch"`` (all of
+  it: the inputs tuple, the whole output, the ``(grad,)`` tuple). ``None`` (default) keeps the
+  collector's own pick; exclusive with ``path``; ``set_data_method`` switches it later.
 """
 
 from ._collector import (

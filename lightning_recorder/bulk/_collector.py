@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -28,11 +28,15 @@ from ._subrecorders import (
     OutputsHook,
     Reduction,
     SubRecorder,
+    check_data_method,
     choose,
     release_all,
 )
 
-_INDEX_FILE = "index.json"
+# A dot-file, so that globbing the folder (``*``, ``*.pt``) sees the tensor files only, as in
+# torchfunc; ``index.json`` is the name older versions wrote, still read.
+_INDEX_FILE = ".index.json"
+_OLD_INDEX_FILES = ("index.json",)
 _FORMAT = "lightning_recorder.bulk"
 
 __all__ = [
@@ -53,16 +57,19 @@ class CollectedRecord:
 
     Attributes:
         index: the subrecorder's index (its file is ``{index}.pt``).
-        name: the module's name in ``model.named_modules()`` (``""`` for the model itself).
-        type: the module's class, fully qualified (e.g. ``"torch.nn.modules.linear.Linear"``).
-        samples: how many samples were recorded.
+        name: the module's name in ``model.named_modules()`` (``""`` for the model itself);
+            ``None`` for a folder saved without its index (``save(..., index=False)``).
+        type: the module's class, fully qualified (e.g. ``"torch.nn.modules.linear.Linear"``);
+            ``None`` without the index.
+        samples: how many samples were recorded; without the index, the length of a list of
+            samples, else ``None``.
         data: the list of samples, their fold, or what ``apply`` made of them.
     """
 
     index: int
-    name: str
-    type: str
-    samples: int
+    name: str | None
+    type: str | None
+    samples: int | None
     data: Any
 
 
@@ -79,8 +86,15 @@ class _Collector:
         device: torch.device | str | None = None,
         dtype: torch.dtype | str | None = None,
         path: PathKey | tuple[PathKey, ...] | None = None,
+        data_method: Literal["sample", "batch"] | None = None,
     ) -> None:
         check_callable(condition, "condition", "a zero-argument callable")
+        check_data_method(data_method)
+        if data_method is not None and path is not None:
+            raise RecorderConfigError(
+                f"Expected either `path` or `data_method` but got both: {path!r} and "
+                f"{data_method!r}."
+            )
         check_callable(reduction, "reduction", "a two-argument callable")
         for flag_name, flag in (("detach", detach), ("clone", clone)):
             if not isinstance(flag, bool):
@@ -94,6 +108,7 @@ class _Collector:
         self.path = parse_path(path)
         transform = make_transform(detach, clone, parse_device(device), parse_dtype(dtype))
         self._options = Options(condition, reduction, transform, not clone)
+        self.data_method = data_method
         self._slots: list[SubRecorder] = []
         # A collector dropped without release() must not leave hooks on a live model.
         weakref.finalize(self, release_all, self._slots)
@@ -146,6 +161,7 @@ class _Collector:
         try:
             for name, module in choose(entries, how, types, indices):
                 slot = SubRecorder(self._options, type(self).__name__, canonical_name(name), module)
+                slot.data_method = self.data_method
                 added.append(slot)
                 self._install(slot, module)
         except BaseException:
@@ -156,6 +172,22 @@ class _Collector:
 
     def _install(self, slot: SubRecorder, module: nn.Module) -> None:
         raise NotImplementedError
+
+    def set_data_method(self, data_method: Literal["sample", "batch"]) -> None:
+        """Switch every subrecorder to torchfunc's ``data_method`` (``None``: the default pick).
+
+        Raises:
+            RecorderConfigError: not ``"sample"``, ``"batch"`` or ``None``, or ``path`` is set.
+        """
+        check_data_method(data_method)
+        if data_method is not None and self.path is not None:
+            raise RecorderConfigError(
+                f"Expected no `data_method` on a collector with `path` {self.path!r} but got "
+                f"{data_method!r}."
+            )
+        self.data_method = data_method
+        for slot in self._slots:
+            slot.data_method = data_method
 
     # ------------------------------------------------------------------ reading
     def _read(self, index: int) -> Any:
@@ -209,6 +241,7 @@ class _Collector:
     # ------------------------------------------------------------------ changing
     def apply(self, fn: Callable[[Any], Any]) -> None:
         """Replace the data of each subrecorder that recorded something by ``fn(data)``."""
+        _check_fn(fn, "a callable fn(data)")
         self._apply(lambda data, samples: fn(data))
 
     def apply_sample(self, fn: Callable[[Any, int], Any]) -> None:
@@ -216,6 +249,7 @@ class _Collector:
 
         Example: ``collector.apply_sample(lambda total, n: total / n)`` turns sums into means.
         """
+        _check_fn(fn, "a callable fn(data, samples)")
         self._apply(fn)
 
     def _apply(self, fn: Callable[[Any, int], Any]) -> None:
@@ -253,35 +287,84 @@ class _Collector:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write ``{index}.pt`` per subrecorder and an ``index.json`` naming their modules.
+    def save(
+        self,
+        directory: str | os.PathLike[str],
+        mkdir: bool | None = None,
+        *args: Any,
+        index: bool = True,
+        **kwargs: Any,
+    ) -> Path:
+        """Write ``{index}.pt`` per subrecorder and a hidden ``.index.json`` naming their modules.
 
-        Read it back with :func:`load_collected`. The directory is created if needed.
+        Read it back with :func:`load_collected`.
+
+        Args:
+            directory: the folder to write to.
+            mkdir: ``None`` (default) creates the folder and its parents if missing; ``True``
+                calls ``Path(directory).mkdir(*args, **kwargs)`` as torchfunc does (an existing
+                folder is an error unless ``exist_ok=True`` is passed); ``False`` requires an
+                existing folder.
+            *args: passed to ``Path.mkdir`` when ``mkdir`` is ``True``.
+            index: write ``.index.json`` (module names, types, sample counts). ``False`` leaves
+                only the tensor files, torchfunc's exact layout; ``load_collected`` then reads
+                them without names.
+            **kwargs: passed to ``Path.mkdir`` when ``mkdir`` is ``True``.
 
         Returns:
             The directory.
+
+        Raises:
+            RecorderConfigError: ``directory`` is not a path, is a file, or (``mkdir=False``)
+                does not exist, or ``mkdir=True`` could not create it.
         """
-        root = Path(directory)
-        root.mkdir(parents=True, exist_ok=True)
+        root = _as_path(directory, "a folder to save into")
+        if mkdir is not None and not isinstance(mkdir, bool):
+            raise RecorderConfigError(
+                f"Expected `mkdir` to be a bool or None but got {type(mkdir).__name__} {mkdir!r}."
+            )
+        if root.exists() and not root.is_dir():
+            raise RecorderConfigError(
+                f"Expected `directory` to be a directory (created if missing) but {str(root)!r} "
+                "is a file."
+            )
+        if mkdir:
+            try:
+                root.mkdir(*args, **kwargs)
+            except OSError as err:
+                raise RecorderConfigError(
+                    f"Expected `directory` {str(root)!r} to be created by mkdir=True but "
+                    f"Path.mkdir failed: {err}. Pass exist_ok=True to reuse a folder, or "
+                    "mkdir=None to create it only if missing."
+                ) from err
+        elif mkdir is None:
+            root.mkdir(parents=True, exist_ok=True)
+        elif not root.is_dir():
+            raise RecorderConfigError(
+                f"Expected `directory` {str(root)!r} to exist (mkdir=False) but it does not; "
+                "pass mkdir=True or leave mkdir=None to create it."
+            )
         records = []
-        for index, slot in enumerate(self._slots):
-            torch.save(self._read(index), root / f"{index}.pt")
+        for number, slot in enumerate(self._slots):
+            torch.save(self._read(number), root / f"{number}.pt")
             records.append(
                 {
-                    "file": f"{index}.pt",
+                    "file": f"{number}.pt",
                     "name": slot.name,
                     "type": slot.type_name,
                     "samples": slot.samples,
                 }
             )
-        index_doc = {
-            "format": _FORMAT,
-            "version": 1,
-            "collector": type(self).__name__,
-            "reduced": self.reduction is not None,
-            "records": records,
-        }
-        (root / _INDEX_FILE).write_text(json.dumps(index_doc, indent=2) + "\n", encoding="utf-8")
+        if index:
+            index_doc = {
+                "format": _FORMAT,
+                "version": 1,
+                "collector": type(self).__name__,
+                "reduced": self.reduction is not None,
+                "records": records,
+            }
+            text = json.dumps(index_doc, indent=2) + "\n"
+            (root / _INDEX_FILE).write_text(text, encoding="utf-8")
         return root
 
     def __repr__(self) -> str:
@@ -411,18 +494,24 @@ def load_collected(
         ...     [(r.name, r.samples, len(r.data)) for r in load_collected(tmp)]
         [('0', 1, 1)]
     """
-    root = Path(directory)
+    root = _as_path(directory, "a folder saved with `save()`")
+    index_path = next(
+        (root / name for name in (_INDEX_FILE, *_OLD_INDEX_FILES) if (root / name).is_file()),
+        None,
+    )
+    if index_path is None:
+        return _load_without_index(root, map_location, weights_only)
     try:
-        index_doc = json.loads((root / _INDEX_FILE).read_text(encoding="utf-8"))
+        index_doc = json.loads(index_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise RecorderConfigError(
             f"Expected `directory` to hold a collector saved with `save()` but could not read "
-            f"{_INDEX_FILE!r} in {str(root)!r}: {err}"
+            f"{index_path.name!r} in {str(root)!r}: {err}"
         ) from err
     if not isinstance(index_doc, dict) or index_doc.get("format") != _FORMAT:
         raise RecorderConfigError(
-            f"Expected {_INDEX_FILE!r} in {str(root)!r} to be written by a collector's `save()` "
-            f"(format {_FORMAT!r}) but got {str(index_doc)[:80]!r}."
+            f"Expected `directory` to hold a collector saved with `save()` but {index_path.name!r} "
+            f"in {str(root)!r} is not its index (format {_FORMAT!r}): {str(index_doc)[:80]!r}."
         )
     loaded = []
     for number, entry in enumerate(index_doc["records"]):
@@ -435,3 +524,48 @@ def load_collected(
         data = torch.load(path, map_location=map_location, weights_only=weights_only)
         loaded.append(CollectedRecord(number, entry["name"], entry["type"], entry["samples"], data))
     return loaded
+
+
+def _load_without_index(
+    root: Path, map_location: torch.device | str | None, weights_only: bool
+) -> list[CollectedRecord]:
+    """The ``0.pt``, ``1.pt`` … of a folder saved with ``index=False`` (or by torchfunc)."""
+    numbers = (
+        sorted(
+            int(path.stem) for path in root.glob("*.pt") if path.stem.isdigit() and path.is_file()
+        )
+        if root.is_dir()
+        else []
+    )
+    if not numbers:
+        raise RecorderConfigError(
+            f"Expected `directory` to hold a collector saved with `save()` but {str(root)!r} "
+            f"{'holds no index and no 0.pt' if root.is_dir() else 'is not a folder'}."
+        )
+    if numbers != list(range(len(numbers))):
+        raise RecorderConfigError(
+            f"Expected `directory` to hold a collector saved with `save()` (files 0.pt to "
+            f"{len(numbers) - 1}.pt) but {str(root)!r} has {', '.join(f'{n}.pt' for n in numbers)}."
+        )
+    loaded = []
+    for number in numbers:
+        data = torch.load(
+            root / f"{number}.pt", map_location=map_location, weights_only=weights_only
+        )
+        samples = len(data) if isinstance(data, list) else None
+        loaded.append(CollectedRecord(number, None, None, samples, data))
+    return loaded
+
+
+def _as_path(directory: Any, what: str) -> Path:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise RecorderConfigError(
+            f"Expected `directory` to be a path (str or os.PathLike) to {what} but got "
+            f"{type(directory).__name__} {directory!r}."
+        )
+    return Path(directory)
+
+
+def _check_fn(fn: Any, what: str) -> None:
+    if not callable(fn):
+        raise RecorderConfigError(f"Expected `fn` to be {what} but got {type(fn).__name__} {fn!r}.")

@@ -44,6 +44,7 @@ class SubRecorder:
         "__weakref__",
         "active",
         "data",
+        "data_method",
         "hooks",
         "name",
         "options",
@@ -61,6 +62,8 @@ class SubRecorder:
         self.data: Any = NOTHING if options.reduction is not None else []
         self.samples = 0
         self.active = True
+        #: torchfunc's ``data_method``: ``"sample"``, ``"batch"`` or ``None`` (the default pick).
+        self.data_method: str | None = None
         self.tracked: list[tuple[Any, Versions]] = []  # (value, version counters) to check
 
     def offer(self, value: Any) -> None:
@@ -102,7 +105,8 @@ class SubRecorderHook(WeakHook["SubRecorder"]):
 
     def on_grad(self, owner: SubRecorder, grad: torch.Tensor, key: Any) -> None:
         if owner.active:
-            owner.offer(grad)
+            # torchfunc's "batch" records the grad_output tuple, "sample" its first item.
+            owner.offer((grad,) if owner.data_method == "batch" else grad)
 
 
 def pick(value: Any, path: Any, where: str) -> Any:
@@ -125,7 +129,9 @@ class InputsHook(SubRecorderHook):
         slot = self._slot()
         if slot is None:
             return
-        if self._path is None and args:
+        if slot.data_method == "batch":
+            value: Any = args  # torchfunc: the inputs tuple
+        elif self._path is None and args:
             value = args[0]  # the common case, without binding
         else:
             bound = self._binder(args, kwargs)  # signature order: m(x=t) is recorded as m(t)
@@ -144,7 +150,12 @@ class OutputsHook(SubRecorderHook):
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         slot = self._slot()
         if slot is not None:
-            value = pick(output, self._path, slot.name or "<root>")
+            if slot.data_method == "batch":
+                value = output  # torchfunc: the whole output
+            elif slot.data_method == "sample":
+                value = output[0]  # torchfunc: its first item (a tensor's first row)
+            else:
+                value = pick(output, self._path, slot.name or "<root>")
             if value is not None:
                 slot.offer(value)
 
@@ -161,9 +172,26 @@ class OutputGradsHook(SubRecorderHook):
             tensor.register_hook(GradSink(self))
 
 
+DATA_METHODS = ("sample", "batch")
+
+
+def check_data_method(data_method: Any) -> str | None:
+    """torchfunc's ``data_method``: ``"sample"``, ``"batch"`` or ``None`` (this package's pick)."""
+    if data_method is not None and data_method not in DATA_METHODS:
+        raise RecorderConfigError(
+            "Expected `data_method` to be 'sample' (the first item of the data) or 'batch' (all "
+            f"of it), as in torchfunc, or None for the default, but got {data_method!r}."
+        )
+    return data_method
+
+
 def as_types(types: ModuleTypes | None) -> tuple[type, ...] | None:
     if types is None:
         return None
+    if not isinstance(types, (type, str, Iterable)):
+        raise RecorderConfigError(
+            f"Expected `types` to be nn.Module classes (or their names) but got {types!r}."
+        )
     items = [types] if isinstance(types, (type, str)) else list(types)
     resolved = tuple(resolve_type(t) if isinstance(t, str) else t for t in items)
     if not resolved or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in resolved):
@@ -183,8 +211,19 @@ def choose(
     wanted = as_types(types)
     positions: set[int] | None = None
     if indices is not None:
+        if isinstance(indices, bool) or not isinstance(indices, (int, Iterable)):
+            raise RecorderConfigError(
+                "Expected `indices` to be an int or an iterable of ints but got "
+                f"{type(indices).__name__} {indices!r}."
+            )
+        items = [indices] if isinstance(indices, int) else list(indices)
+        if not items:
+            raise RecorderConfigError(
+                f"Expected `indices` to hold at least one position in [0, {len(entries)}) of "
+                f"model.{how}(), or None for all, but got {indices!r}."
+            )
         positions = set()
-        for index in [indices] if isinstance(indices, int) else indices:
+        for index in items:
             if isinstance(index, bool) or not isinstance(index, int):
                 raise RecorderConfigError(
                     f"Expected `indices` to hold ints but got {type(index).__name__} {index!r}."

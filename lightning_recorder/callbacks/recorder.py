@@ -14,8 +14,9 @@ from typing_extensions import Self, override
 from .._core.checks import check_positive_int
 from .._core.compat import is_compiled
 from .._core.names import named_modules
+from .._core.registry import option_names
 from ..errors import NoRecordError, NotInitializedError, RecorderConfigError, RecorderStateError
-from ..recorders import BaseRecorder, RecorderManager
+from ..recorders import BaseRecorder, RecorderManager, recorder_types
 from ._lightning import Stage, check_stages, completes_step, is_due, step_axis
 
 __all__ = ["RecorderCallback"]
@@ -288,12 +289,15 @@ class RecorderCallback(Callback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._manager is not None:
             return
-        manager = RecorderManager(self._configs)
+        keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
+        configs: dict[str, dict[str, Any]] = self._configs
+        if keep:  # patches of functions and methods stay in place too, so nothing recompiles
+            configs = {name: _persistent(config) for name, config in configs.items()}
+        manager = RecorderManager(configs)
         manager.initialize(pl_module)  # releases what it installed if a source is missing
         self._manager = manager
         self._module = pl_module
         self._called, self._silent = set(), set()
-        keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
         self._suspend_idle = not keep
         # Compiled: the recorders stay on in every batch (records of unchosen batches are
         # dropped at the batch end), so the hooks' on/off flag that dynamo guards on never
@@ -554,3 +558,13 @@ class RecorderCallback(Callback):
         names = ", ".join(self._configs)
         extra = "" if self.name is None else f", name={self.name!r}"
         return f"{type(self).__name__}({names}{extra})"
+
+
+def _persistent(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``persistent=True`` when it builds a function or method recorder that
+    does not say otherwise: its patch then stays from ``initialize`` to ``release``."""
+    kind = config.get("type")
+    cls = recorder_types().get(kind) if isinstance(kind, str) else None
+    if cls is None or "persistent" in config or "persistent" not in option_names(cls):
+        return config
+    return {**config, "persistent": True}

@@ -220,6 +220,7 @@ class FunctionOutputsDelivery(DistillDelivery):
     Args:
         source: the function's dotted path.
         max_keep_data: how many outputs the queue holds.
+        func_path: MMRazor's keyword for ``source`` (give one of the two).
 
     Example:
         >>> import random
@@ -234,6 +235,11 @@ class FunctionOutputsDelivery(DistillDelivery):
 
     short_name = "FunctionOutputs"
 
+    def __init__(
+        self, source: str | None = None, max_keep_data: int = 1, *, func_path: str | None = None
+    ) -> None:
+        super().__init__(_one_path(source, func_path, "func_path"), max_keep_data)
+
 
 class MethodOutputsDelivery(DistillDelivery):
     """Deliver the outputs of a method, on any instance: ``"pkg.module.Class.method"``.
@@ -241,6 +247,7 @@ class MethodOutputsDelivery(DistillDelivery):
     Args:
         source: the method's dotted path (plain, static and class methods).
         max_keep_data: how many outputs the queue holds.
+        method_path: MMRazor's keyword for ``source`` (give one of the two).
 
     Example:
         >>> import random
@@ -256,6 +263,26 @@ class MethodOutputsDelivery(DistillDelivery):
 
     short_name = "MethodOutputs"
     _want = "method"
+
+    def __init__(
+        self, source: str | None = None, max_keep_data: int = 1, *, method_path: str | None = None
+    ) -> None:
+        super().__init__(_one_path(source, method_path, "method_path"), max_keep_data)
+
+
+def _one_path(source: Any, path: Any, keyword: str) -> Any:
+    """``source``, or MMRazor's ``func_path`` / ``method_path`` keyword for it (not both)."""
+    if source is not None and path is not None:
+        raise RecorderConfigError(
+            f"Expected either `source` or `{keyword}` (MMRazor's name for it) but got both: "
+            f"{source!r} and {path!r}."
+        )
+    if source is None and path is None:
+        raise RecorderConfigError(
+            f"Expected `source` (or `{keyword}`) to be the dotted path of the callable to "
+            "deliver but got neither."
+        )
+    return path if source is None else source
 
 
 #: Delivery types by class name and short name (``"FunctionOutputs"``).
@@ -285,6 +312,25 @@ def build_delivery(config: Mapping[str, Any] | DistillDelivery, name: str = "") 
             f"'pkg.module.func'}} or a delivery instance but got {type(config).__name__}."
         )
     return build_from_config(DELIVERIES, config, where, renames=_PATH_ALIASES)
+
+
+def _checked_pairs(deliveries: Any) -> Any:
+    """``None``, a mapping, or the list of an iterable's ``(name, config)`` pairs."""
+    if deliveries is None or isinstance(deliveries, Mapping):
+        return deliveries
+    if isinstance(deliveries, (str, bytes)) or not isinstance(deliveries, Iterable):
+        raise RecorderConfigError(
+            "Expected `deliveries` to be a mapping {name: config} or an iterable of "
+            f"(name, config) pairs but got {type(deliveries).__name__} {deliveries!r}."
+        )
+    pairs = list(deliveries)
+    for number, item in enumerate(pairs):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise RecorderConfigError(
+                "Expected `deliveries` to be a mapping {name: config} or an iterable of "
+                f"(name, config) pairs but item {number} is {item!r}, not a (name, config) pair."
+            )
+    return pairs
 
 
 class DistillDeliveryManager:
@@ -321,7 +367,7 @@ class DistillDeliveryManager:
     ) -> None:
         self._deliveries: dict[str, DistillDelivery] = {}
         self._override_data = False
-        for name, config in named_items(deliveries):
+        for name, config in named_items(_checked_pairs(deliveries)):
             add_named(self._deliveries, name, partial(build_delivery, config, name), "delivery")
 
     @property

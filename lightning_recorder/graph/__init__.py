@@ -14,8 +14,40 @@ Examples:
     ['', '0', '1', '2']
     >>> print(graph.collapse(0).to_dot().count("->"))  # input -> model -> output
     2
+
+torchrecorder's functions run on top of it, with its names and arguments: :func:`record`,
+:func:`make_dot` (a ``graphviz.Digraph``, styled by :class:`GraphvizStyler` or a subclass) and
+:func:`render_network`.
 """
 
 from ._model import ExecutionGraph, GraphEdge, GraphNode, GraphRecorder, record_graph
+from ._torchrecorder import (
+    BaseNode,
+    GraphvizStyler,
+    LayerNode,
+    OpNode,
+    ParamNode,
+    Recording,
+    TensorNode,
+    make_dot,
+    record,
+    render_network,
+)
 
-__all__ = ["ExecutionGraph", "GraphEdge", "GraphNode", "GraphRecorder", "record_graph"]
+__all__ = [
+    "BaseNode",
+    "ExecutionGraph",
+    "GraphEdge",
+    "GraphNode",
+    "GraphRecorder",
+    "GraphvizStyler",
+    "LayerNode",
+    "OpNode",
+    "ParamNode",
+    "Recording",
+    "TensorNode",
+    "make_dot",
+    "record",
+    "record_graph",
+    "render_network",
+]

@@ -165,6 +165,11 @@ class ExecutionGraph:
         Raises:
             UnknownSourceError: no such node; the message lists the closest ids.
         """
+        if not isinstance(node_id, str):
+            raise UnknownSourceError(
+                f"Expected a node id of the graph (a str) but got {type(node_id).__name__} "
+                f"{node_id!r}."
+            )
         if node_id not in self._by_id:
             raise UnknownSourceError(
                 f"Expected a node id of the graph but got {node_id!r}. "
@@ -242,6 +247,11 @@ class ExecutionGraph:
         Raises:
             RecorderConfigError: the data lacks ``nodes`` or ``edges``, or a node lacks a field.
         """
+        if not isinstance(data, Mapping):
+            raise RecorderConfigError(
+                "Expected `data` to be a mapping with 'nodes' and 'edges' (the output of "
+                f"to_dict()) but got {type(data).__name__}."
+            )
         missing = [k for k in ("nodes", "edges") if k not in data]
         if missing:
             raise RecorderConfigError(

@@ -10,17 +10,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.checks import check_option, suggestion
+from .._core.checks import check_bool, check_option, suggestion
 from .._core.hooks import HookSet, WeakHook
 from ..errors import RecorderConfigError, RecorderStateError, UnknownSourceError
 from ._trace import (
     Label,
     LayerRow,
     Mode,
+    check_static_flow,
     example_inputs,
     label_text,
+    model_statistics,
     parse_label,
     render,
+    table_options,
     trace,
 )
 
@@ -59,14 +62,21 @@ class LabelMap(Mapping[Label, Any]):
 class _Pass:
     """What one forward through the inspector needs and finds."""
 
-    __slots__ = ("found", "open", "postprocs", "record", "seen", "starts")
+    __slots__ = ("found", "open", "postproc", "queue", "record", "seen", "starts")
 
-    def __init__(self, record: bool, postprocs: dict[Label, Postprocessor]) -> None:
+    def __init__(
+        self,
+        record: bool,
+        postproc: Postprocessor | None,
+        queue: list[Postprocessor] | None,
+        found: dict[Label, Any],
+    ) -> None:
         self.record = record
-        self.postprocs = postprocs
+        self.postproc = postproc  # one callable for every recorded layer
+        self.queue = queue  # or one per recorded layer, taken as each finishes (scio's order)
         self.starts: dict[str, int] = {}  # calls started, per module name
         self.open: dict[str, list[int]] = {}  # calls not yet finished, per module name
-        self.found: dict[Label, Any] = {}
+        self.found = found
         self.seen: set[Label] = set()
 
 
@@ -122,7 +132,9 @@ class _EndHook(_LayerHook):
         if state.record:
             detached = self._detach and isinstance(output, torch.Tensor)
             state.found[label] = output.detach() if detached else output
-        postproc = state.postprocs.get(label)
+        postproc = state.postproc
+        if postproc is None and state.queue:
+            postproc = state.queue.pop(0)
         return None if postproc is None else postproc(output)
 
 
@@ -153,9 +165,21 @@ class Inspector(nn.Module):
         mode: ``"eval"``, ``"train"`` or ``"same"`` (the network's current mode) for the trace.
         detach: store detached activations (default ``False``: they keep their autograd graph,
             so a loss may use them).
+        force_static_flow: first check, as scio does, that ``torch.fx.symbolic_trace`` can trace
+            the network, i.e. that its control flow does not depend on the data; a network it
+            cannot trace is refused. Default ``False``: any network is accepted, and a recorded
+            layer that does not run in a later forward is reported then.
+        **summary_kwargs: torchinfo's display options. ``col_names`` (among
+            ``"input_size"``, ``"output_size"``, ``"num_params"``, ``"params_percent"``) and
+            ``depth`` (rows deeper than it are hidden) shape this package's table too;
+            ``col_width``, ``row_settings``, ``verbose``, ``batch_dim`` and
+            ``cache_forward_pass`` are passed to torchinfo only (see :attr:`summary`).
 
     Raises:
         RecorderConfigError: bad arguments, or the traced forward failed.
+        RecorderStateError: ``force_static_flow=True`` and the network's control flow is not
+            static.
+        TypeError: an unknown keyword argument.
 
     Examples:
         >>> import torch
@@ -183,6 +207,8 @@ class Inspector(nn.Module):
         device: torch.device | str | None = None,
         mode: Mode = "eval",
         detach: bool = False,
+        force_static_flow: bool = False,
+        **summary_kwargs: Any,
     ) -> None:
         super().__init__()
         if not isinstance(net, nn.Module):
@@ -190,13 +216,19 @@ class Inspector(nn.Module):
                 f"Expected `net` to be an nn.Module but got {type(net).__name__}."
             )
         check_option("mode", mode, ("eval", "train", "same"))
-        if not isinstance(detach, bool):
-            raise RecorderConfigError(
-                f"Expected `detach` to be a bool but got {type(detach).__name__} {detach!r}."
-            )
+        check_bool(detach, "detach")
+        check_bool(force_static_flow, "force_static_flow")
+        table = table_options(summary_kwargs)
         args, kwargs = example_inputs(net, input_size, input_data, dtypes, device)
+        if force_static_flow:
+            check_static_flow(net)
         self.net = net
         self.detach = detach
+        self._mode = mode
+        self._example = (args, kwargs)
+        self._summary_kwargs = dict(summary_kwargs)
+        self._table = table
+        self._statistics: Any = None
         self._layers = tuple(trace(net, args, kwargs, mode))
         self._rows = {row.label: row for row in self._layers}
         self._recording: tuple[Label, ...] = ()
@@ -221,9 +253,14 @@ class Inspector(nn.Module):
             RecorderConfigError: a label is malformed, or names a container that is never
                 called itself (it has no output to record).
         """
+        if len(labels) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
+            first, second = labels
+            raise RecorderConfigError(
+                f"Expected a layer label such as (1, 3) or '1-3' but got int {first!r}. Did you "
+                f"mean `rnet.record(({first}, {second}))`?"
+            )
         chosen = {self._row(label).label for label in labels}
-        order = {row.label: i for i, row in enumerate(self._layers)}
-        recording = tuple(sorted(chosen, key=order.__getitem__))
+        recording = tuple(sorted(chosen))
         self._hooks.remove_all()
         self._recording = ()
         recorded = frozenset(recording)
@@ -285,9 +322,12 @@ class Inspector(nn.Module):
         Args:
             *args: passed to the network.
             activation_postproc: one callable for every recorded layer, or a list with one per
-                recorded layer in the order of :attr:`recording`. Each gets the layer's output
-                after it was recorded and returns a replacement, or ``None`` to keep it (an
-                in-place change also changes the record).
+                recorded layer, given out in the order the layers finish (as scio does: the
+                first callable goes to the first recorded layer whose forward returns, so a
+                layer's callable comes after those of the layers inside it). Each gets the
+                layer's output after it was recorded and returns a replacement, or ``None`` to
+                keep it (an in-place change also changes the record). Inside it,
+                :attr:`activations` holds this forward's activations so far, its own included.
             dont_record: run without updating :attr:`activations` (post-processing still runs).
             **kwargs: passed to the network.
 
@@ -298,17 +338,21 @@ class Inspector(nn.Module):
             RecorderConfigError: ``activation_postproc`` does not fit the recorded layers.
             RecorderStateError: a recorded layer did not run in this forward.
         """
-        postprocs = self._postprocs(activation_postproc)
-        state = _Pass(not dont_record, postprocs)
+        check_bool(dont_record, "dont_record")
+        postproc, queue = self._postprocs(activation_postproc)
+        found: dict[Label, Any] = {}
+        state = _Pass(not dont_record, postproc, queue, found)
+        if not dont_record:
+            self._activations = found  # seen from inside post-processors as layers finish
         self._pass = state
         try:
             output = self.net(*args, **kwargs)
         finally:
             self._pass = None
         if not dont_record:
-            found = state.found
             self._activations = {label: found[label] for label in self._recording if label in found}
-        if self._recording and (not dont_record or postprocs):
+        has_postprocs = postproc is not None or queue is not None
+        if self._recording and (not dont_record or has_postprocs):
             missing = [label for label in self._recording if label not in state.seen]
             if missing:
                 raise RecorderStateError(self._missing_message(missing, state))
@@ -316,18 +360,18 @@ class Inspector(nn.Module):
 
     def _postprocs(
         self, value: Postprocessor | Sequence[Postprocessor] | None
-    ) -> dict[Label, Postprocessor]:
+    ) -> tuple[Postprocessor | None, list[Postprocessor] | None]:
         if value is None:
-            return {}
+            return None, None
         if callable(value):
-            return dict.fromkeys(self._recording, value)
+            return value, None
         if (
             isinstance(value, Sequence)
             and not isinstance(value, str)
             and len(value) == len(self._recording)
             and all(callable(f) for f in value)
         ):
-            return dict(zip(self._recording, value, strict=True))
+            return None, list(value)
         shown = ", ".join(label_text(label) for label in self._recording) or "none"
         raise RecorderConfigError(
             "Expected `activation_postproc` to be a callable or a list of "
@@ -359,7 +403,7 @@ class Inspector(nn.Module):
 
     @property
     def recording(self) -> tuple[Label, ...]:
-        """The recorded layers' labels, in call order."""
+        """The recorded layers' labels, sorted (as scio sorts them)."""
         return self._recording
 
     @property
@@ -380,18 +424,38 @@ class Inspector(nn.Module):
         """Every row of the summary, in call order."""
         return self._layers
 
-    def summary(self) -> str:
+    def summary_text(self) -> str:
         """The summary table: labels, shapes, parameter counts and shares, recorded layers."""
         title = f"Inspector of {type(self.net).__name__}"
-        return render(title, self._layers, self._recording, self.net)
+        return render(title, self._layers, self._recording, self.net, *self._table)
+
+    @property
+    def summary(self) -> Any:
+        """torchinfo's ``ModelStatistics`` of the network, as scio users read it.
+
+        Computed on first read (one more forward, on the inputs given at construction, under
+        ``torch.no_grad()`` and with the global random state restored) with scio's defaults
+        (every column, unlimited depth, variable names and depths, quiet) and the torchinfo
+        options given to the constructor. ``summary.summary_list`` lists torchinfo's
+        ``LayerInfo`` rows (``depth``, ``depth_index``, ``module``).
+
+        Raises:
+            RecorderConfigError: torchinfo is not installed (this package's own table is
+                :meth:`summary_text`, also ``print(inspector)``).
+        """
+        if self._statistics is None:
+            self._statistics = model_statistics(
+                self.net, *self._example, self._mode, self._summary_kwargs
+            )
+        return self._statistics
 
     def __repr__(self) -> str:
-        return self.summary()
+        return self.summary_text()
 
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()
-        state.update(_hooks=None, _pass=None)
+        state.update(_hooks=None, _pass=None, _statistics=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ that are never called themselves (``nn.ModuleList``) get a row where torchinfo s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,9 +16,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .._core.checks import parse_device, suggestion
 from .._core.hooks import HookSet
 from .._core.structures import iter_tensors
-from ..errors import RecorderConfigError
+from ..errors import RecorderConfigError, RecorderStateError
 
 Label = tuple[int, int]
 Shape = tuple[int, ...]
@@ -117,6 +119,12 @@ def example_inputs(
         )
     assert input_size is not None  # for mypy: checked above
     sizes = _parse_sizes(input_size)
+    if dtypes is not None and (isinstance(dtypes, str) or not isinstance(dtypes, Sequence)):
+        raise RecorderConfigError(
+            f"Expected `dtypes` to be {len(sizes)} torch.dtype(s), one per input, but got "
+            f"{type(dtypes).__name__} {dtypes!r}."
+        )
+    device = _available_device(device)
     kinds = list(dtypes) if dtypes is not None else [torch.float32] * len(sizes)
     if len(kinds) != len(sizes) or not all(isinstance(d, torch.dtype) for d in kinds):
         raise RecorderConfigError(
@@ -136,9 +144,27 @@ def example_inputs(
     return tuple(tensors), {}
 
 
+def _available_device(device: Any) -> torch.device | None:
+    """``device`` parsed, and checked to exist on this machine."""
+    dev = parse_device(device)
+    if dev is None or dev.type in ("cpu", "meta"):
+        return dev
+    backend = getattr(torch, dev.type, None)
+    available = backend is not None and getattr(backend, "is_available", lambda: False)()
+    if available and dev.index is not None:
+        available = dev.index < backend.device_count()  # type: ignore[union-attr]
+    if not available:
+        raise RecorderConfigError(
+            f"Expected `device` to be an available device but got {str(dev)!r}: "
+            f"{dev.type.upper()} is not available here (torch.{dev.type}.is_available() is False, "
+            "or the index is out of range); use 'cpu' or leave device=None."
+        )
+    return dev
+
+
 def _is_shape(value: Any) -> bool:
     return isinstance(value, Sequence) and all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value
     )
 
 
@@ -149,8 +175,9 @@ def _parse_sizes(input_size: Any) -> list[Shape]:
         if all(_is_shape(s) and not isinstance(s, str) for s in input_size):
             return [tuple(s) for s in input_size]
     raise RecorderConfigError(
-        "Expected `input_size` to be a shape such as (1, 5), batch dimension included, or a list "
-        f"of shapes (one per positional input) but got {input_size!r}."
+        "Expected `input_size` to be a shape such as (1, 5), batch dimension included, with "
+        f"positive sizes, or a list of such shapes (one per positional input) but got "
+        f"{input_size!r}."
     )
 
 
@@ -251,11 +278,96 @@ def _fmt_shapes(shapes: tuple[Shape, ...]) -> str:
     return text + (", …" if len(shapes) > 2 else "")
 
 
-def render(title: str, rows: Sequence[LayerRow], recording: Sequence[Label], net: nn.Module) -> str:
-    """The summary table."""
+#: torchinfo's columns that this package's table shows, in its order.
+COLUMNS = ("input_size", "output_size", "num_params", "params_percent")
+#: torchinfo's options passed to torchinfo only (the summary attribute).
+_TORCHINFO_ONLY = ("col_width", "row_settings", "verbose", "batch_dim", "cache_forward_pass")
+#: scio's defaults for torchinfo.summary.
+_SCIO_DEFAULTS: dict[str, Any] = {
+    "col_names": COLUMNS,
+    "depth": math.inf,
+    "row_settings": ("var_names", "depth"),
+    "verbose": 0,
+}
+
+
+def table_options(options: Mapping[str, Any]) -> tuple[tuple[str, ...], float]:
+    """The table's columns and depth from torchinfo's options; an unknown option is an error."""
+    for key in options:
+        if key not in ("col_names", "depth", *_TORCHINFO_ONLY):
+            known = suggestion(key, ["col_names", "depth", *_TORCHINFO_ONLY], "torchinfo options")
+            raise TypeError(f"Inspector() got an unexpected keyword argument {key!r}. {known}")
+    columns = options.get("col_names", COLUMNS)
+    if isinstance(columns, str) or not isinstance(columns, Sequence):
+        columns = (columns,)
+    for column in columns:
+        if column not in COLUMNS:
+            raise RecorderConfigError(
+                f"Expected `col_names` to hold some of {', '.join(map(repr, COLUMNS))} (the "
+                f"columns of the inspector's table) but got {column!r}. "
+                f"{suggestion(str(column), COLUMNS, 'columns')}"
+            )
+    depth = options.get("depth", math.inf)
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or depth < 0:
+        raise RecorderConfigError(
+            f"Expected `depth` to be a non-negative int (or math.inf) but got {depth!r}."
+        )
+    return tuple(columns), float(depth)
+
+
+def check_static_flow(net: nn.Module) -> None:
+    """scio's check: ``torch.fx`` can trace ``net`` symbolically (its control flow is static)."""
+    import torch.fx
+
+    try:
+        torch.fx.symbolic_trace(net)
+    except Exception as err:
+        raise RecorderStateError(
+            f"Expected the control flow of {type(net).__name__} to be static but "
+            f"torch.fx.symbolic_trace could not trace it ({type(err).__name__}: {err}). Use the "
+            "inspector at your own risk with `force_static_flow=False`: labels follow the traced "
+            "forward's calls, and a recorded layer that does not run is reported."
+        ) from err
+
+
+def model_statistics(
+    net: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Mode, options: Any
+) -> Any:
+    """torchinfo's ``ModelStatistics`` of ``net`` on these inputs, with scio's defaults."""
+    try:
+        import torchinfo
+    except ImportError:
+        raise RecorderConfigError(
+            "Expected torchinfo to be installed for `summary` (torchinfo's ModelStatistics) but "
+            "it is not: `pip install torchinfo`, or read this package's table with "
+            "`summary_text()` or `print(inspector)`."
+        ) from None
+    settings = {**_SCIO_DEFAULTS, **options}
+    data: Any = dict(kwargs) if kwargs and not args else list(args)
+    devices = sorted(
+        {b.device.index or 0 for b in [*net.parameters(), *net.buffers()] if b.is_cuda}
+    )
+    with torch.random.fork_rng(devices=devices):
+        statistics = torchinfo.summary(net, input_data=data, mode=mode, **settings)
+    clear = getattr(getattr(torchinfo, "torchinfo", None), "clear_cached_forward_pass", None)
+    if clear is not None:
+        clear()
+    return statistics
+
+
+def render(
+    title: str,
+    rows: Sequence[LayerRow],
+    recording: Sequence[Label],
+    net: nn.Module,
+    columns: Sequence[str] = COLUMNS,
+    max_depth: float = math.inf,
+) -> str:
+    """The summary table (``columns``: torchinfo's names of the columns to show)."""
     total = sum(p.numel() for p in net.parameters())
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     recorded = set(recording)
+    shown_columns = [0, *(1 + COLUMNS.index(c) for c in COLUMNS if c in columns), 5]
     header = (
         "Layer (type (var_name): depth-idx)",
         "Input Shape",
@@ -267,6 +379,8 @@ def render(title: str, rows: Sequence[LayerRow], recording: Sequence[Label], net
     table: list[tuple[str, ...]] = [header]
     for row in rows:
         depth = row.label[0]
+        if depth > max_depth:
+            continue
         prefix = "" if depth == 0 else "│    " * (depth - 1) + "├─"
         var = row.name.rsplit(".", 1)[-1] if row.name else row.type_name
         if row.params:
@@ -283,8 +397,9 @@ def render(title: str, rows: Sequence[LayerRow], recording: Sequence[Label], net
                 "✓" if row.label in recorded else "",
             )
         )
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    right = (False, False, False, True, True, False)  # numbers right-aligned
+    table = [tuple(line[i] for i in shown_columns) for line in table]
+    widths = [max(len(line[i]) for line in table) for i in range(len(shown_columns))]
+    right = tuple(i in (3, 4) for i in shown_columns)  # numbers right-aligned
     lines = [
         "  ".join(
             cell.rjust(w) if r else cell.ljust(w)

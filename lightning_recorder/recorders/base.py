@@ -279,7 +279,7 @@ class BaseRecorder(abc.ABC):
         return self
 
     @abc.abstractmethod
-    def prepare_from_model(self, model: torch.nn.Module | None) -> None:
+    def prepare_from_model(self, model: torch.nn.Module | None = None) -> None:
         """Locate the source, create streams with :meth:`add_stream`, install hooks.
 
         Called by :meth:`initialize`; if it raises, everything installed so far is removed.

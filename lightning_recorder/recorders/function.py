@@ -5,8 +5,17 @@ For a function the source is the module that *uses* it: if ``mypkg/heads.py`` do
 ``"mypkg.heads.anchor_flags"``, not ``"mypkg.utils.anchor_flags"``. For a method the source is
 ``"pkg.module.Class.method"``; every instance's calls are seen (static and class methods too).
 
-The function is patched once at :meth:`initialize` (the patch does nothing outside a context)
-and restored at :meth:`release`; several recorders can share one function.
+By default the function is patched when the context is entered and restored when it exits, as in
+MMRazor: outside ``with recorder:`` the module attribute is the original function again, and
+:meth:`initialize` only resolves and checks the path. With ``persistent=True`` the patch is
+installed once at :meth:`initialize` (it does nothing outside a context) and restored at
+:meth:`release`; choose it for a model compiled with ``torch.compile``, which would otherwise see
+the patched name change at every step and recompile. Several recorders can share one function.
+
+A copy of a recorder (``copy.deepcopy``, ``pickle``, an EMA or teacher copy of a model holding
+one) is a fresh recorder with the same source and options and empty records: initialized when the
+original is initialized and not persistent (it installs nothing until its context is entered),
+uninitialized when persistent (call :meth:`initialize` on the copy to install its own patch).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from .._core import patching as _patching
+from .._core.checks import check_bool
 from .._core.compat import current_autograd_node
 from .._core.structures import Binder
 from ..errors import RecorderConfigError
@@ -37,17 +47,21 @@ class _CallableRecorder(BaseRecorder):
     _want: Literal["function", "method"] = "function"
     _record: Literal["inputs", "outputs"] = "outputs"
 
-    def __init__(self, source: str, **options: Any) -> None:
+    def __init__(self, source: str, *, persistent: bool = False, **options: Any) -> None:
         if not isinstance(source, str):
             raise RecorderConfigError(
                 f"Expected `source` to be a dotted path string but got {type(source).__name__}."
             )
+        check_bool(persistent, "persistent")
         super().__init__(source, **options)
+        self.persistent = persistent
+        self._options = dict(options)
         self._target: _patching.Target | None = None
         self._sink: _patching.Sink | None = None
         self._binder: Binder | None = None
+        self._patched = False
 
-    def prepare_from_model(self, model: torch.nn.Module | None) -> None:
+    def prepare_from_model(self, model: torch.nn.Module | None = None) -> None:
         target = _patching.resolve(self.source, self._want)
         stream = self.add_stream(self.source)
         drops_first = target.kind in ("method", "classmethod")
@@ -60,7 +74,12 @@ class _CallableRecorder(BaseRecorder):
 
             def before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 rec = ref()
-                if rec is None or not rec._recording or current_autograd_node() is not None:
+                if (
+                    rec is None
+                    or not rec._recording
+                    or current_autograd_node() is not None
+                    or not rec.records_this_thread()
+                ):
                     return
                 value: Any = binder(args[1:] if drops_first else args, kwargs)
                 if rec.path is not None:
@@ -72,21 +91,65 @@ class _CallableRecorder(BaseRecorder):
 
             def after(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
                 rec = ref()
-                if rec is None or not rec._recording or current_autograd_node() is not None:
+                if (
+                    rec is None
+                    or not rec._recording
+                    or current_autograd_node() is not None
+                    or not rec.records_this_thread()
+                ):
                     return
                 if rec.path is not None:
                     result = rec._select(result)
                 rec.capture(stream, result)
 
             sink = _patching.Sink(after=after)
-        _patching.acquire(target, sink)
         self._target, self._sink = target, sink
+        if self.persistent:
+            self._patch()
+
+    def _patch(self) -> None:
+        if not self._patched and self._target is not None and self._sink is not None:
+            _patching.acquire(self._target, self._sink)
+            self._patched = True
+
+    def _unpatch(self) -> None:
+        if self._patched and self._target is not None and self._sink is not None:
+            _patching.release(self._target, self._sink)
+        self._patched = False
+
+    def _on_start(self) -> None:
+        # Called by BaseRecorder.start (also when a manager starts its recorders).
+        if not self.persistent:
+            try:
+                self._patch()
+            except BaseException:
+                self._recording = False
+                raise
+
+    def stop(self) -> None:
+        """Stop recording; outside ``persistent`` mode this restores the original."""
+        super().stop()
+        if not self.persistent:
+            self._unpatch()
 
     def _teardown(self) -> None:
         super()._teardown()
-        if self._target is not None and self._sink is not None:
-            _patching.release(self._target, self._sink)
+        self._unpatch()
         self._target = self._sink = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy (deep copy, pickle: EMA and teacher copies of a model holding the recorder)
+        # is a fresh recorder with the same source and options; see the module docstring.
+        state = {"_copy_initialized": self._initialized and not self.persistent}
+        return (
+            _rebuild,
+            (type(self), self.source, self.persistent, self._options),
+            state,
+        )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state.get("_copy_initialized"):
+            self.initialize()
 
     def _empty_hint(self) -> str:
         owner, _, attr = self.source.rpartition(".")
@@ -103,6 +166,12 @@ class _CallableRecorder(BaseRecorder):
             "overrides it, or through a bound method captured before `initialize`, are not "
             "seen; also check that the call happened inside the context."
         )
+
+
+def _rebuild(
+    cls: type[_CallableRecorder], source: str, persistent: bool, options: dict[str, Any]
+) -> _CallableRecorder:
+    return cls(source, persistent=persistent, **options)
 
 
 @register_recorder

@@ -64,7 +64,7 @@ class _ModuleRecorder(BaseRecorder):
     def is_group(self) -> bool:
         return self._group
 
-    def prepare_from_model(self, model: nn.Module | None) -> None:
+    def prepare_from_model(self, model: nn.Module | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise RecorderConfigError(
                 f"{self!r} records a module: expected `initialize(model)` with an nn.Module but "
@@ -101,7 +101,7 @@ class _ModuleRecorder(BaseRecorder):
     def _check_argument(self, module: nn.Module, binder: Binder) -> None:
         """Raise unless the first ``path`` item names an argument of ``module.forward``."""
         key = self.path[0] if self.path else None
-        sig = binder._sig
+        sig = binder.signature
         if key is None or sig is None:
             return
         params = list(sig.parameters.values())

@@ -99,7 +99,7 @@ class ParameterRecorder(_ParameterSource):
         super().__init__(source, **options)
         self._track = False  # the live parameter changes by design (optimizer steps)
 
-    def prepare_from_model(self, model: nn.Module | None) -> None:
+    def prepare_from_model(self, model: nn.Module | None = None) -> None:
         self._params = self._resolve(model)
         for name in self._params:
             self.add_stream(name)
@@ -177,7 +177,7 @@ class ParameterGradRecorder(_ParameterSource):
             )
         return {name: param for name, param in params.items() if param.requires_grad}
 
-    def prepare_from_model(self, model: nn.Module | None) -> None:
+    def prepare_from_model(self, model: nn.Module | None = None) -> None:
         self._params = self._trainable(self._resolve(model))
         for name, param in self._params.items():
             stream: RecordStream = self.add_stream(name)

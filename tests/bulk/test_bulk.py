@@ -90,9 +90,9 @@ def test_torchfunc_example_children_indices_sum_then_save_and_load(tmp_path: Pat
 
     recorder.save(tmp_path / "analysis")
     assert sorted(p.name for p in (tmp_path / "analysis").iterdir()) == [
+        ".index.json",
         "0.pt",
         "1.pt",
-        "index.json",
     ]
     loaded = load_collected(tmp_path / "analysis")
     assert [(r.index, r.name, r.type, r.samples) for r in loaded] == [
@@ -533,7 +533,7 @@ def test_save_writes_an_index_and_load_reads_every_kind_of_data(tmp_path: Path) 
         model.block(torch.randn(2, 4))
     out = lists.save(tmp_path / "deep" / "dir")
     assert out == tmp_path / "deep" / "dir"
-    index = json.loads((out / "index.json").read_text())
+    index = json.loads((out / ".index.json").read_text())
     assert (
         index["format"] == "lightning_recorder.bulk"
         and index["collector"] == "ForwardOutputsCollector"
@@ -558,8 +558,10 @@ def test_save_writes_an_index_and_load_reads_every_kind_of_data(tmp_path: Path) 
 
 
 def test_load_errors_say_what_is_missing(tmp_path: Path) -> None:
-    with pytest.raises(RecorderConfigError, match=r"could not read 'index.json'"):
+    with pytest.raises(RecorderConfigError, match=r"saved with `save\(\)`.*no index and no 0.pt"):
         load_collected(tmp_path)
+    with pytest.raises(RecorderConfigError, match=r"`directory` to be a path.*got int 5"):
+        load_collected(5)  # type: ignore[arg-type]
     (tmp_path / "index.json").write_text('{"format": "other"}')
     with pytest.raises(RecorderConfigError, match=r"format 'lightning_recorder.bulk'"):
         load_collected(tmp_path)
@@ -583,3 +585,72 @@ def test_docstring_examples() -> None:
 def test_docs_page_examples_run() -> None:
     assert len(python_blocks(DOCS / "bulk.md")) >= 3
     run_page(DOCS / "bulk.md")
+
+
+def test_older_index_name_and_folders_without_index(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh())
+    with ForwardOutputsCollector().children(model) as outputs:
+        model(torch.ones(1, 2))
+    new = outputs.save(tmp_path / "new")
+    old = tmp_path / "old"
+    outputs.save(old, index=False)
+    assert sorted(p.name for p in old.iterdir()) == ["0.pt", "1.pt"]
+    with pytest.raises(RecorderConfigError, match=r"no index and no 0.pt"):
+        load_collected(tmp_path)  # the parent folder holds folders only
+    (old / "0.pt").rename(old / "5.pt")
+    with pytest.raises(RecorderConfigError, match=r"files 0.pt to 1.pt.*1.pt, 5.pt"):
+        load_collected(old)
+    (old / "5.pt").rename(old / "0.pt")
+    (new / ".index.json").rename(old / "index.json")  # the name older versions wrote
+    assert [(r.name, r.samples) for r in load_collected(old)] == [("0", 1), ("1", 1)]
+    (old / "index.json").unlink()
+    assert [(r.name, r.type, r.samples) for r in load_collected(old)] == [
+        (None, None, 1),
+        (None, None, 1),
+    ]
+
+
+def test_save_mkdir_modes(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 3))
+    with ForwardOutputsCollector().children(model) as outputs:
+        model(torch.ones(1, 2))
+    outputs.save(tmp_path / "a", mkdir=True)
+    with pytest.raises(RecorderConfigError, match=r"mkdir=True.*exist_ok=True"):
+        outputs.save(tmp_path / "a", mkdir=True)
+    outputs.save(tmp_path / "a", True, exist_ok=True)  # torchfunc's *args/**kwargs to mkdir
+    with pytest.raises(RecorderConfigError, match=r"to exist \(mkdir=False\)"):
+        outputs.save(tmp_path / "b", mkdir=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RecorderConfigError, match=r"`directory` to be a directory.*is a file"):
+        outputs.save(tmp_path / "file")
+    with pytest.raises(RecorderConfigError, match=r"`mkdir` to be a bool or None"):
+        outputs.save(tmp_path / "c", mkdir="yes")  # type: ignore[arg-type]
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_data_method_sample_and_batch() -> None:
+    model = nn.Sequential(nn.Linear(2, 3))
+    x = torch.randn(4, 2)
+    inputs = ForwardInputsCollector(data_method="sample").children(model)
+    outputs = ForwardOutputsCollector(data_method="batch").children(model)
+    grads = OutputGradsCollector(data_method="batch").children(model)
+    try:
+        out = model(x)
+        out.sum().backward()
+        torch.testing.assert_close(inputs[0][0], x, rtol=0, atol=0)  # inputs[0]: the tensor
+        torch.testing.assert_close(outputs[0][0], out, rtol=0, atol=0)  # the same output
+        assert isinstance(grads[0][0], tuple)
+        torch.testing.assert_close(grads[0][0][0], torch.ones(4, 3), rtol=0, atol=0)
+        outputs.set_data_method("sample")
+        model(x)
+        assert outputs[0][1].shape == (3,)  # the first row
+        outputs.set_data_method(None)
+        model(x)
+        assert outputs[0][2].shape == (4, 3)
+        with pytest.raises(RecorderConfigError, match=r"`data_method` to be 'sample'.*'rows'"):
+            outputs.set_data_method("rows")  # type: ignore[arg-type]
+        with pytest.raises(RecorderConfigError, match=r"either `path` or `data_method`"):
+            ForwardOutputsCollector(path=0, data_method="batch")
+    finally:
+        for collector in (inputs, outputs, grads):
+            collector.release()

@@ -22,8 +22,10 @@ source by ``initialize()`` instead of the constructor (deliveries check at const
 MMRazor's method delivery does); a full or empty delivery queue raises ``RecorderStateError`` /
 ``NoRecordError`` (``RuntimeError``s) instead of ``AssertionError``; a record index out of range
 or a ``data_idx`` into a non-sequence raises ``NoRecordError`` (also an ``IndexError``) instead of
-``AssertionError`` / ``TypeError``; recorders hold hooks and patches until ``release()``, so every
-test releases what it initialized.
+``AssertionError`` / ``TypeError``; module and parameter recorders hold hooks until ``release()``
+(function and method patches live only inside the context, as in MMRazor, unless
+``persistent=True``), so every test releases what it initialized; a copy of an initialized
+function or method recorder is a fresh recorder with empty records.
 
 Peer test (``file::function``; "(P)" marks a strict-xfail test of a pending behaviour) and the
 tests here that cover it:
@@ -36,17 +38,17 @@ test_base_recorder::test_get_record_data                test_get_record_data_by_
                                                         test_get_record_data_by_data_idx
 test_func_inputs_recorder::test_context_manager         test_function_inputs_normalised
 test_func_inputs_recorder::test_ema_hook                test_ema_copy_of_model_with_function_\
-                                                        inputs_recorder (P)
+                                                        inputs_recorder
 test_func_outputs_recorder::test_init                   test_function_outputs_init
 test_func_outputs_recorder::test_context_manager        test_function_outputs_bad_sources,
                                                         test_function_outputs_recorded_only_in_\
                                                         context, test_function_patch_restored_\
-                                                        on_exit (P)
+                                                        on_exit
 test_method_inputs_recorder::test_context_manager       test_method_inputs_normalised
 test_method_outputs_recorder::test_init                 test_method_outputs_bad_sources
 test_method_outputs_recorder::test_context_manager      test_method_outputs_recorded_only_in_\
                                                         context, test_method_patch_restored_on_\
-                                                        exit (P)
+                                                        exit
 test_module_recorders::test_prepare_from_model          test_module_outputs_initialize_checks_\
                                                         model, test_prepare_from_model_public (P)
 test_module_recorders::test_module_outputs              test_module_outputs_context
@@ -60,16 +62,16 @@ test_deliver_manager::test_init                         test_delivery_manager_in
 test_deliver_manager::test_context_manager              test_delivery_manager_record_then_replay
 test_function_outputs_deliver::test_init                test_function_delivery_init; with
                                                         ``func_path=``: test_delivery_path_\
-                                                        keywords (P)
+                                                        keywords
 test_function_outputs_deliver::test_context_manager     test_function_delivery_bad_sources,
                                                         test_function_delivery_record_then_replay
 test_function_outputs_deliver::test_ema_hook            test_ema_copy_of_model_with_delivery
 test_method_outputs_deliver::test_init                  test_method_delivery_init; with
                                                         ``method_path=``: test_delivery_path_\
-                                                        keywords (P)
+                                                        keywords
 test_method_outputs_deliver::test_context_manager       test_method_delivery_record_then_replay
 (both EMA tests copy a model holding recorders)         test_deepcopy_and_pickle_initialized_\
-                                                        callable_recorders (P)
+                                                        callable_recorders
 ======================================================  =========================================
 """
 
@@ -216,7 +218,6 @@ def test_function_outputs_recorded_only_in_context() -> None:
         recorder.release()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: function patches last until release(), not exit")
 def test_function_patch_restored_on_exit() -> None:
     original = toys.identity
     recorder = FunctionOutputsRecorder(f"{TOYS}.identity").initialize()
@@ -284,7 +285,6 @@ def test_method_outputs_recorded_only_in_context() -> None:
         recorder.release()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: method patches last until release(), not exit")
 def test_method_patch_restored_on_exit() -> None:
     original = toys.Counter.__dict__["tick"]
     recorder = MethodOutputsRecorder(f"{TOYS}.Counter.tick").initialize()
@@ -298,9 +298,6 @@ def test_method_patch_restored_on_exit() -> None:
         recorder.release()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pending: initialized function/method recorders cannot be copied"
-)
 @pytest.mark.parametrize(
     ("cls", "source"),
     [
@@ -338,7 +335,10 @@ def test_module_outputs_initialize_checks_model() -> None:
     recorder.release()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: public prepare_from_model(model) on recorders")
+@pytest.mark.xfail(
+    strict=True,
+    reason="pending: prepare_from_model() of module and parameter recorders needs model=None",
+)
 def test_prepare_from_model_public() -> None:
     model = ConvPair()
     with pytest.raises(RecorderConfigError, match="model"):
@@ -594,7 +594,6 @@ def test_method_delivery_record_then_replay() -> None:
         counter.draw()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: func_path=/method_path= keyword arguments")
 def test_delivery_path_keywords() -> None:
     with pytest.raises(InvalidSourceError, match="but got 1"):
         FunctionOutputsDelivery(max_keep_data=1, func_path=1)  # type: ignore[call-arg]
@@ -664,9 +663,6 @@ class LinearWithRecorders(nn.Module):
             return self.linear(x)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pending: a model holding an initialized function recorder cannot be copied"
-)
 def test_ema_copy_of_model_with_function_inputs_recorder(tmp_path: object) -> None:
     model = LinearWithRecorders()
     ema = None

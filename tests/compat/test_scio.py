@@ -11,19 +11,16 @@ beta 0.4, 2x2 max-pool, flatten, linear 2→2) with parameters drawn from a seed
 ``torch.rand(5, 1, 4, 4)``, float32 on CPU (scio's ``float-cpu`` case); ``layer_func`` recomputes
 each layer with ``torch.nn.functional``. ``LAYERS_*`` are scio's parameter sets.
 
-"(P)" marks a strict-xfail test of a pending behaviour; "(N)" a strict xfail for a difference
-found while writing these tests that the project has not decided on yet.
-
 =================================================  ==============================================
 scio test                                          covered by
 =================================================  ==============================================
-test_recorder_passes_torchinfo_kwargs              test_torchinfo_kwargs_pass_through (P)
+test_recorder_passes_torchinfo_kwargs              test_torchinfo_kwargs_pass_through
 test_recorder_repr                                 test_repr
 test_invalid_record                                test_invalid_record
 test_invalid_record_with_hint                      test_invalid_record_with_hint;
-                                                   test_invalid_record_hint_names_the_pair (N)
+                                                   test_invalid_record_hint_names_the_pair
 test_recording                                     test_recording; nested network:
-                                                   test_recording_sorted_when_nested (N)
+                                                   test_recording_sorted_when_nested
 test_correct_activations                           test_correct_activations
 test_layer_01                                      test_layer_01
 test_dont_record                                   test_dont_record
@@ -34,12 +31,14 @@ test_recorded_modules                              test_recorded_modules
 test_recorded_params                               test_recorded_params
 test_respects_grad                                 test_respects_grad
 test_recorder_forward_with_kwarg                   test_forward_with_kwarg
-test_dynamic_flow_requires_enabling                test_dynamic_flow_requires_enabling (P)
+test_dynamic_flow_requires_enabling                test_dynamic_flow_requires_enabling
+                                                   (with ``force_static_flow=True``: the default
+                                                   here is ``False``)
 test_recorder_manages_refs                         test_manages_refs
 test_recorder_requires_shape_info                  test_requires_shape_info
-test_recorder_activation_postproc_as_list          test_postproc_list_order (P: scio's order, and
+test_recorder_activation_postproc_as_list          test_postproc_list_order (scio's order, and
                                                    the current activations seen from inside),
-                                                   test_postproc_list_order_alone (P);
+                                                   test_postproc_list_order_alone;
                                                    test_postproc_list_without_recorded_layers;
                                                    test_postproc_list_must_fit (difference)
 test_recorder_activation_postproc_missing          test_postproc_list_missing
@@ -48,7 +47,7 @@ test_lazy_func_works                               difference: scio's private we
                                                    helper; what it is for (hooks do not keep the
                                                    wrapper alive) is test_manages_refs
 test_layer_info_util                               test_root_layer_row; test_summary_is_model_
-                                                   statistics (P); the ``None`` ``depth_index``
+                                                   statistics; the ``None`` ``depth_index``
                                                    guard is internal to scio's torchinfo use
 test_conftest::test_layer_func_raises_on_invalid   test_layer_func_raises_on_invalid (this
                                                    file's helper, as scio checks its own)
@@ -181,9 +180,8 @@ def test_layer_func_raises_on_invalid(
         layer_func(layer)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="pending: torchinfo keyword arguments pass through")
 def test_torchinfo_kwargs_pass_through(net: Net3D, data: Tensor) -> None:
-    inspector = Inspector(net, input_data=data, col_names=["output_size"])  # type: ignore[call-arg]
+    inspector = Inspector(net, input_data=data, col_names=["output_size"])
     try:
         text = repr(inspector)
         assert "Output Shape" in text
@@ -227,7 +225,6 @@ def test_invalid_record_with_hint(rnet: Inspector) -> None:
     assert rnet.recording == ()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: record(1, 2) hints at record((1, 2)) as scio does")
 def test_invalid_record_hint_names_the_pair(rnet: Inspector) -> None:
     with pytest.raises(ValueError, match=re.escape("rnet.record((1, 2))")):
         rnet.record(1, 2)  # type: ignore[arg-type]
@@ -239,7 +236,6 @@ def test_recording(rnet: Inspector, layers: tuple[Label, ...]) -> None:
     assert rnet.recording == tuple(sorted(set(layers)))
 
 
-@pytest.mark.xfail(strict=True, reason="pending: `recording` sorted as scio's, not in call order")
 def test_recording_sorted_when_nested() -> None:
     net = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 2))
     with Inspector(net, input_size=(1, 2)) as inspector:
@@ -388,12 +384,13 @@ class DynamicFlow(nn.Module):
         return x if x.sum() > 0 else -x
 
 
-@pytest.mark.xfail(strict=True, reason="pending: force_static_flow and scio's static-flow check")
 def test_dynamic_flow_requires_enabling(data: Tensor) -> None:
+    """scio checks by default; here the check is asked for (the default accepts any network)."""
     with pytest.raises(RuntimeError, match=re.escape("force_static_flow=False")):
-        Inspector(DynamicFlow(), input_data=data)
-    inspector = Inspector(DynamicFlow(), input_data=data, force_static_flow=False)  # type: ignore[call-arg]
-    inspector.release()
+        Inspector(DynamicFlow(), input_data=data, force_static_flow=True)
+    Inspector(DynamicFlow(), input_data=data, force_static_flow=False).release()
+    Inspector(DynamicFlow(), input_data=data).release()
+    Inspector(Net3D(), input_data=data, force_static_flow=True).release()  # a static network
 
 
 def _hook_count(module: nn.Module) -> int:
@@ -436,7 +433,6 @@ POSTPROC_ORDER = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="pending: scio's post-processor order; current activations")
 @pytest.mark.parametrize(("layers", "expected"), POSTPROC_ORDER)
 def test_postproc_list_order(
     rnet: Inspector, data: Tensor, layers: tuple[Label, ...], expected: list[set[Label]]
@@ -447,7 +443,6 @@ def test_postproc_list_order(
     assert seen == expected
 
 
-@pytest.mark.xfail(strict=True, reason="pending: scio's post-processor order (forward hooks')")
 def test_postproc_list_order_alone(rnet: Inspector, data: Tensor) -> None:
     """The order alone, told by output shapes: 1-2 ends first, then 1-5, then the root 0-1."""
     rnet.record((1, 5), (1, 2), (0, 1))
@@ -502,7 +497,6 @@ def test_root_layer_row(rnet: Inspector) -> None:
     assert rnet.layers[0].type_name == "Net3D"
 
 
-@pytest.mark.xfail(strict=True, reason="pending: `summary` as torchinfo's ModelStatistics")
 def test_summary_is_model_statistics(rnet: Inspector) -> None:
     torchinfo = pytest.importorskip("torchinfo")
     assert isinstance(rnet.summary, torchinfo.ModelStatistics)

@@ -13,8 +13,6 @@ behaviour their tests check (one call per chosen module per forward, selection b
 ``remove``) is re-expressed with a collector whose ``condition`` (asked once per call) counts
 the calls.
 
-"(P)" marks a strict-xfail test of a pending behaviour.
-
 =======================================  ==================================================
 torchfunc test                           covered by
 =======================================  ==================================================
@@ -22,24 +20,27 @@ recorders_test::test_len                 test_len
 recorders_test::test_shapes              test_shapes
 recorders_test::test_samples             test_samples
 recorders_test::test_save                test_save_one_tensor_file_per_subrecorder;
-                                         ``save(path, mkdir=True)``: test_save_mkdir (P);
+                                         ``save(path, mkdir=True)``: test_save_mkdir;
                                          "the folder holds 2 files": test_saved_folder_holds_
-                                         only_the_tensors (P: ``index.json`` is a third file)
+                                         only_the_tensors (with ``index=False``)
 recorders_test::test_remove              test_remove
 registrators_test::test_hook_calls       test_registrator_hook_calls
 registrators_test::test_len              test_registrator_len
 registrators_test::test_remove           test_registrator_remove
-(``data_method`` of every recorder in    test_data_method (P)
+(``data_method`` of every recorder in    test_data_method
 recorders.py, not tested by torchfunc)
 =======================================  ==================================================
 
 Documented differences (``docs/bulk.md``): collectors index subrecorders in registration order
-and record the whole output tensor by default; hooks go away on ``release()``, at the end of a
+and record the whole output tensor unless ``data_method`` is given; ``save`` adds a hidden
+``.index.json`` unless ``index=False``; hooks go away on ``release()``, at the end of a
 ``with`` block or on garbage collection, so each test here releases its collector.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from lightning_recorder.bulk import (
     ForwardOutput,
     ForwardOutputsCollector,
     ForwardPre,
+    load_collected,
 )
 
 CALLS = 1000
@@ -103,24 +105,33 @@ def test_save_one_tensor_file_per_subrecorder(
         assert torch.equal(torch.load(path, weights_only=True), recorder[index])
 
 
-@pytest.mark.xfail(strict=True, reason="pending: save(directory, mkdir=...) as in torchfunc")
 def test_save_mkdir(recorder: ForwardInputsCollector, tmp_path: Path) -> None:
     folder = tmp_path / "TORCHFUNC_RECORDER"
-    recorder.save(folder, mkdir=True)  # type: ignore[call-arg]
+    recorder.save(folder, mkdir=True)
     assert sorted(path.name for path in folder.glob("*.pt")) == ["0.pt", "1.pt"]
     existing = tmp_path / "existing"
     existing.mkdir()
-    recorder.save(existing, mkdir=False)  # type: ignore[call-arg]
+    recorder.save(existing, mkdir=False)
     assert sorted(path.name for path in existing.glob("*.pt")) == ["0.pt", "1.pt"]
 
 
-@pytest.mark.xfail(strict=True, reason="pending: the saved folder holds more than the tensors")
 def test_saved_folder_holds_only_the_tensors(
     recorder: ForwardInputsCollector, tmp_path: Path
 ) -> None:
     folder = tmp_path / "TORCHFUNC_RECORDER"
-    recorder.save(folder)
+    recorder.save(folder, index=False)  # torchfunc's exact layout: the tensor files only
     assert len(list(folder.iterdir())) == 2  # torchfunc's own check
+    with_index = tmp_path / "with_index"
+    recorder.save(with_index)  # the default adds a hidden index, unseen by a shell-style glob
+    assert len(glob.glob(os.path.join(with_index, "*"))) == 2
+    assert len(list(with_index.glob("*.pt"))) == 2
+    assert sorted(path.name for path in with_index.iterdir()) == [".index.json", "0.pt", "1.pt"]
+    # Both folders read back; without the index the module names are unknown.
+    assert [r.name for r in load_collected(with_index)] == ["2", "3"]
+    plain = load_collected(folder)
+    assert [(r.index, r.name, r.samples) for r in plain] == [(0, None, None), (1, None, None)]
+    for old, new in zip(load_collected(with_index), plain, strict=True):
+        torch.testing.assert_close(new.data, old.data, rtol=0, atol=0)  # the same saved tensor
 
 
 def test_remove(recorder: ForwardInputsCollector) -> None:
@@ -129,27 +140,28 @@ def test_remove(recorder: ForwardInputsCollector) -> None:
     assert len(recorder) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="pending: data_method='sample'|'batch' as in torchfunc")
 def test_data_method() -> None:
     model = mnist_mlp()
     x = torch.randn(4, 784)
-    batch_inputs = ForwardPre(data_method="batch").children(model, indices=(0,))  # type: ignore[call-arg]
-    first_rows = ForwardOutput(data_method="sample").children(model, indices=(0,))  # type: ignore[call-arg]
-    whole = ForwardOutput(data_method="batch").children(model, indices=(0,))  # type: ignore[call-arg]
+    batch_inputs = ForwardPre(data_method="batch").children(model, indices=(0,))
+    first_rows = ForwardOutput(data_method="sample").children(model, indices=(0,))
+    whole = ForwardOutput(data_method="batch").children(model, indices=(0,))
     collectors = (batch_inputs, first_rows, whole)
     try:
         with torch.no_grad():
             out = model[0](x)
         # 'batch': the whole data object (the inputs tuple, the output tensor).
-        assert isinstance(batch_inputs[0][0], tuple) and batch_inputs[0][0][0] is x
+        assert isinstance(batch_inputs[0][0], tuple) and len(batch_inputs[0][0]) == 1
+        # detach=True (the default here) records a detached view of x: the same values.
+        torch.testing.assert_close(batch_inputs[0][0][0], x, rtol=0, atol=0)
         torch.testing.assert_close(whole[0][0], out, rtol=0, atol=0)  # same kernel, same input
         # 'sample': only the first item of the data (for a tensor, its first row).
         torch.testing.assert_close(first_rows[0][0], out[0], rtol=0, atol=0)
-        first_rows.set_data_method("batch")  # type: ignore[attr-defined]
+        first_rows.set_data_method("batch")
         model[0](x)
         assert first_rows[0][1].shape == (4, 100)
         with pytest.raises(ValueError, match="data_method"):
-            ForwardPre(data_method="rows")  # type: ignore[call-arg]
+            ForwardPre(data_method="rows")  # type: ignore[arg-type]
     finally:
         for collector in collectors:
             collector.release()

@@ -227,9 +227,8 @@ def test_dot_source_renders_with_graphviz(sample_graph: ExecutionGraph, tmp_path
 # ---------------------------------------------------------------- drop-in functions (pending)
 
 
-@pytest.mark.xfail(strict=True, reason="pending: torchrecorder's record/make_dot drop-ins")
 def test_record_input_shapes_and_names() -> None:
-    from lightning_recorder.graph import make_dot, record  # type: ignore[attr-defined]
+    from lightning_recorder.graph import make_dot, record
 
     rec = record(SampleNet(), name="Sample Net", input_shapes=(1, 3))
     source = make_dot(rec, render_depth=1).source
@@ -241,9 +240,8 @@ def test_record_input_shapes_and_names() -> None:
 
 
 @needs_dot
-@pytest.mark.xfail(strict=True, reason="pending: torchrecorder's render_network drop-in")
 def test_render_network(tmp_path: Path) -> None:
-    from lightning_recorder.graph import render_network  # type: ignore[attr-defined]
+    from lightning_recorder.graph import render_network
 
     render_network(
         SampleNet(),
@@ -259,10 +257,9 @@ def test_render_network(tmp_path: Path) -> None:
 
 
 @needs_dot
-@pytest.mark.xfail(strict=True, reason="pending: torchrecorder's record/make_dot drop-ins")
 def test_record_then_make_dot(tmp_path: Path) -> None:
     graphviz = pytest.importorskip("graphviz")
-    from lightning_recorder.graph import make_dot, record  # type: ignore[attr-defined]
+    from lightning_recorder.graph import make_dot, record
 
     rec = record(SampleNet(), name="Sample Net", input_shapes=(1, 3))
     g = make_dot(rec, render_depth=2)
@@ -274,9 +271,8 @@ def test_record_then_make_dot(tmp_path: Path) -> None:
     assert "Sample Net at depth=2" in (tmp_path / "Sample Net-2.svg").read_text()
 
 
-@pytest.mark.xfail(strict=True, reason="pending: torchrecorder's styler_args in make_dot")
 def test_styler_args() -> None:
-    from lightning_recorder.graph import make_dot, record  # type: ignore[attr-defined]
+    from lightning_recorder.graph import make_dot, record
 
     rec = record(SampleNet(), name="Sample Net", input_shapes=(1, 3))
     g = make_dot(rec, render_depth=1, fontname="Lato")
@@ -284,15 +280,10 @@ def test_styler_args() -> None:
     assert all("fontname=Lato" in line.replace('"', "") for line in g.body if "label=" in line)
 
 
-@pytest.mark.xfail(strict=True, reason="pending: torchrecorder's GraphvizStyler and styler_cls")
 def test_custom_styler() -> None:
-    from lightning_recorder.graph import (  # type: ignore[attr-defined]
-        GraphvizStyler,
-        make_dot,
-        record,
-    )
+    from lightning_recorder.graph import GraphvizStyler, make_dot, record
 
-    class ConvStyler(GraphvizStyler):  # type: ignore[misc]
+    class ConvStyler(GraphvizStyler):
         def style_node(self, node):  # type: ignore[no-untyped-def]
             style = super().style_node(node)
             if isinstance(node.fn, nn.Conv2d):

@@ -133,7 +133,7 @@ def test_contexts_do_not_nest_and_options_are_checked() -> None:
 
 def test_shares_the_function_with_a_recorder_in_either_order() -> None:
     for release_recorder_first in (True, False):
-        recorder = FunctionOutputsRecorder("helpers.toy.toy_func").initialize()
+        recorder = FunctionOutputsRecorder("helpers.toy.toy_func", persistent=True).initialize()
         delivery = FunctionOutputsDelivery("helpers.toy.toy_func").initialize()
         with delivery:
             value = toy_module.toy_func()
@@ -288,3 +288,27 @@ def test_manager_names() -> None:
     ):
         manager.get_delivery("nose")
     assert "noise=FunctionOutputsDelivery('helpers.toy.toy_func', max_keep_data=1)" in repr(manager)
+
+
+def test_mmrazor_path_keywords() -> None:
+    from lightning_recorder import RecorderConfigError
+
+    function = FunctionOutputsDelivery(func_path="helpers.toy.toy_func", max_keep_data=2)
+    assert function.source == "helpers.toy.toy_func"
+    method = MethodOutputsDelivery(method_path="helpers.toy.Toy.toy_func")
+    assert method.source == "helpers.toy.Toy.toy_func"
+    with pytest.raises(RecorderConfigError, match="either `source` or `func_path`"):
+        FunctionOutputsDelivery("helpers.toy.toy_func", func_path="helpers.toy.toy_func")
+    with pytest.raises(RecorderConfigError, match=r"`source` \(or `method_path`\)"):
+        MethodOutputsDelivery()
+
+
+def test_manager_rejects_what_is_not_named_configs() -> None:
+    from lightning_recorder import RecorderConfigError
+
+    with pytest.raises(RecorderConfigError, match=r"`deliveries` to be a mapping.*int 5"):
+        DistillDeliveryManager(5)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"item 0 is 'a', not a \(name, config\) pair"):
+        DistillDeliveryManager(["a"])  # type: ignore[list-item]
+    pairs = (("d", {"type": "FunctionOutputs", "source": "helpers.toy.toy_func"}) for _ in "x")
+    assert list(DistillDeliveryManager(pairs).deliveries) == ["d"]  # a generator works

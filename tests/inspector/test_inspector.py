@@ -6,6 +6,7 @@ import copy
 import gc
 import pickle
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def test_scio_summary_table_rows() -> None:
     rnet = Inspector(toynet(), input_size=(1, 5))
     rnet.record("1-3")
     rule = "=" * 89
-    assert rnet.summary().splitlines() == [
+    assert rnet.summary_text().splitlines() == [
         "Inspector of Sequential",
         rule,
         "Layer (type (var_name): depth-idx)  Input Shape  Output Shape  Param #  Param %  Recorded",
@@ -127,7 +128,7 @@ def test_scio_summary_table_rows() -> None:
         "Currently recording: 1-3",
         rule,
     ]
-    assert repr(rnet) == rnet.summary()
+    assert repr(rnet) == rnet.summary_text()
     rnet.release()
 
 
@@ -137,12 +138,12 @@ def test_summary_shows_containers_repeated_calls_and_several_shapes() -> None:
             return x, x[:, :2], x[:, :1]
 
     net = nn.Sequential(Pair())
-    text = Inspector(net, input_size=(1, 3)).summary()
+    text = Inspector(net, input_size=(1, 3)).summary_text()
     assert re.search(r"├─Pair \(0\): 1-1 +\[1, 3\] +\[1, 3\], \[1, 2\], … +--", text)
-    text = Inspector(Shared(), input_size=(1, 4)).summary()
+    text = Inspector(Shared(), input_size=(1, 4)).summary_text()
     assert re.search(r"├─Linear \(fc\): 1-3 .* \(recursive\)  +--$", text, flags=re.M)
     assert re.search(r"├─Linear \(fc\): 1-1 .* 20   66.67%$", text, flags=re.M)
-    text = Inspector(Blocks(), input_size=(1, 4)).summary()
+    text = Inspector(Blocks(), input_size=(1, 4)).summary_text()
     assert re.search(r"├─ModuleList \(blocks\): 1-2 +\(not called\) +-- +-- +--$", text, flags=re.M)
     assert "│    │    ├─Linear (0): 3-3" in text
 
@@ -484,3 +485,95 @@ def test_docs_page_examples_run() -> None:
     text = (DOCS / "inspector.md").read_text(encoding="utf-8")
     shown = re.findall(r"```text\n(.*?)```", text, flags=re.S)[0]
     assert shown.rstrip("\n") == repr(Inspector(toynet(), input_size=(1, 5)))
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def test_torchinfo_table_options_choose_columns_and_depth() -> None:
+    text = Inspector(
+        Nested(), input_size=(1, 2), col_names=("output_size",), depth=1
+    ).summary_text()
+    assert "Output Shape" in text and "Input Shape" not in text and "Param %" not in text
+    assert "Sequential (block): 1-1" in text and "Linear (head): 1-2" in text
+    assert "2-1" not in text  # deeper than depth=1
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'col_name'.*'col_names'"):
+        Inspector(Nested(), input_size=(1, 2), col_name=("output_size",))
+    with pytest.raises(RecorderConfigError, match=r"`col_names`.*'kernel_size'"):
+        Inspector(Nested(), input_size=(1, 2), col_names=("kernel_size",))
+    with pytest.raises(RecorderConfigError, match=r"`depth` to be a non-negative int"):
+        Inspector(Nested(), input_size=(1, 2), depth=-1)
+
+
+def test_summary_is_torchinfo_statistics_with_the_options() -> None:
+    torchinfo = pytest.importorskip("torchinfo")
+    inspector = Inspector(Nested(), input_size=(4, 2), depth=1, verbose=0)
+    state = torch.random.get_rng_state()
+    statistics = inspector.summary
+    assert isinstance(statistics, torchinfo.ModelStatistics)
+    assert statistics is inspector.summary  # computed once
+    # torchinfo lists every layer; depth=1 limits only its printed table.
+    rows = [(r.depth, r.depth_index) for r in statistics.summary_list]
+    assert rows == [(0, 1), (1, 1), (2, 1), (2, 2), (1, 2)]
+    assert "Linear: 2-1" not in str(statistics) and "Linear (head): 1-2" in str(statistics)
+    assert statistics.total_params == sum(p.numel() for p in inspector.net.parameters())
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert not live_hooks()
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) if x.sum() > 0 else x
+
+
+def test_force_static_flow_refuses_data_dependent_control_flow() -> None:
+    with pytest.raises(RecorderStateError, match=r"control flow.*`force_static_flow=False`"):
+        Inspector(DataDependent(), input_size=(1, 2), force_static_flow=True)
+    Inspector(DataDependent(), input_size=(1, 2)).release()  # the default accepts it
+    with pytest.raises(RecorderConfigError, match=r"`force_static_flow` to be a bool"):
+        Inspector(Nested(), input_size=(1, 2), force_static_flow="yes")  # type: ignore[arg-type]
+
+
+def test_list_postprocessors_go_to_layers_as_they_finish_and_see_current_activations() -> None:
+    inspector = Inspector(Nested(), input_size=(1, 2))
+    inspector.record((0, 1), (2, 1), (1, 2))
+    assert inspector.recording == ((0, 1), (1, 2), (2, 1))  # sorted
+    seen: list[tuple[int, set[tuple[int, int]]]] = []
+
+    def spy(i: int) -> Callable[[torch.Tensor], None]:
+        def post(out: torch.Tensor) -> None:
+            seen.append((i, set(inspector.activations)))
+
+        return post
+
+    inspector(torch.randn(3, 2), activation_postproc=[spy(0), spy(1), spy(2)])
+    # 2-1 (block.0) finishes first, then 1-2 (head), then the network 0-1.
+    assert seen == [(0, {(2, 1)}), (1, {(2, 1), (1, 2)}), (2, {(2, 1), (1, 2), (0, 1)})]
+    with pytest.raises(RecorderConfigError, match=r"`dont_record` to be a bool"):
+        inspector(torch.randn(3, 2), dont_record="yes")
+    with pytest.raises(RecorderConfigError, match=re.escape("`rnet.record((1, 2))`")):
+        inspector.record(1, 2)
+    inspector.release()
+
+
+def test_device_dtypes_and_input_size_errors() -> None:
+    with pytest.raises(RecorderConfigError, match=r"`input_size`.*positive sizes.*\(0, 2\)"):
+        Inspector(Nested(), input_size=(0, 2))
+    with pytest.raises(RecorderConfigError, match=r"`dtypes` to be 1 torch.dtype.*int 5"):
+        Inspector(Nested(), input_size=(1, 2), dtypes=5)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"`device`.*device string.*'gpu'"):
+        Inspector(Nested(), input_size=(1, 2), device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RecorderConfigError, match=r"`device`.*'cuda:0'.*not available"):
+            Inspector(Nested(), input_size=(1, 2), device="cuda:0")

@@ -100,7 +100,7 @@ def test_method_inputs_exclude_self_static_and_classmethods() -> None:
 
 
 def test_inherited_method_is_restored_by_deletion() -> None:
-    rec = MethodOutputsRecorder("helpers.toy.SubToy.scale").initialize()
+    rec = MethodOutputsRecorder("helpers.toy.SubToy.scale", persistent=True).initialize()
     assert "scale" in toy_module.SubToy.__dict__
     with rec:
         toy_module.SubToy().scale(2.0)
@@ -112,8 +112,8 @@ def test_inherited_method_is_restored_by_deletion() -> None:
 
 @pytest.mark.parametrize("order", ["fifo", "lifo"])
 def test_two_recorders_share_a_patch_and_release_in_any_order(order: str) -> None:
-    a = FunctionOutputsRecorder("helpers.toy.toy_func").initialize()
-    b = FunctionOutputsRecorder("helpers.toy.toy_func", keep="last").initialize()
+    a = FunctionOutputsRecorder("helpers.toy.toy_func", persistent=True).initialize()
+    b = FunctionOutputsRecorder("helpers.toy.toy_func", keep="last", persistent=True).initialize()
     assert active_patches() == ["helpers.toy.toy_func"]
     with a:
         with b:
@@ -221,3 +221,106 @@ def test_keyword_named_like_a_positional_only_parameter_keeps_both() -> None:
     record = Binder(f)((1,), {"a": 2})
     assert record.names == ("a", "kw['a']")
     assert record.as_dict() == {"a": 1, "kw['a']": 2}
+
+
+def test_patch_lives_only_inside_the_context_by_default() -> None:
+    rec = FunctionOutputsRecorder("helpers.toy.toy_func").initialize()
+    assert toy_module.toy_func is ORIGINAL_TOY_FUNC  # initialize only resolves the path
+    assert active_patches() == []
+    with rec:
+        assert toy_module.toy_func is not ORIGINAL_TOY_FUNC
+        value = toy_module.toy_func()
+    assert toy_module.toy_func is ORIGINAL_TOY_FUNC
+    assert rec.data_buffer == [value]
+    with pytest.raises(ValueError, match="bad input 1"), rec:  # restored on an error too
+        toy_module.raises(1)
+    assert toy_module.toy_func is ORIGINAL_TOY_FUNC
+    rec.release()
+
+
+def test_persistent_patch_from_initialize_to_release() -> None:
+    rec = MethodOutputsRecorder("helpers.toy.Toy.toy_func", persistent=True).initialize()
+    assert toy_module.Toy.__dict__["toy_func"] is not ORIGINAL_METHOD
+    with rec:
+        value = toy_module.Toy().toy_func()
+    toy_module.Toy().toy_func()  # outside the context: patched but inert
+    assert toy_module.Toy.__dict__["toy_func"] is not ORIGINAL_METHOD
+    assert rec.data_buffer == [value]
+    rec.release()
+    assert toy_module.Toy.__dict__["toy_func"] is ORIGINAL_METHOD
+
+
+def test_persistent_must_be_a_bool() -> None:
+    from lightning_recorder import RecorderConfigError
+
+    with pytest.raises(RecorderConfigError, match="`persistent` to be a bool but got str"):
+        FunctionOutputsRecorder("helpers.toy.toy_func", persistent="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_copies_are_fresh_recorders(persistent: bool) -> None:
+    import copy
+    import pickle
+
+    rec = FunctionInputsRecorder("helpers.toy.add", persistent=persistent, keep="last")
+    rec.initialize()
+    with rec:
+        toy_module.add(1.0)
+    copies = [copy.deepcopy(rec), pickle.loads(pickle.dumps(rec))]
+    try:
+        for dup in copies:
+            assert type(dup) is FunctionInputsRecorder
+            assert (dup.source, dup.keep, dup.persistent) == ("helpers.toy.add", "last", persistent)
+            # A non-persistent copy is ready (it patches only in its context); a persistent
+            # copy installs nothing until initialized.
+            assert dup.initialized is not persistent
+            dup.initialize()
+            with dup:
+                toy_module.add(2.0)
+            assert dup.get_record_data(data_idx="a") == 2.0
+            dup.release()
+        assert rec.get_record_data(data_idx="a") == 1.0  # the original is untouched
+    finally:
+        for dup in copies:
+            dup.release()
+        rec.release()
+    assert active_patches() == []
+
+
+def test_torch_c_functions_are_normalised_like_python_functions() -> None:
+    x, w, b = torch.randn(2, 3), torch.randn(4, 3), torch.randn(4)
+    relu = FunctionInputsRecorder("torch.relu").initialize()
+    linear = FunctionInputsRecorder("torch.nn.functional.linear").initialize()
+    try:
+        with relu, linear:
+            torch.relu(x)
+            torch.relu(input=x)
+            torch.nn.functional.linear(x, w, b)
+            torch.nn.functional.linear(x, w, bias=b)
+            torch.nn.functional.linear(bias=b, weight=w, input=x)
+            torch.nn.functional.linear(x, w)  # the schema's default fills in bias=None
+        for i in range(2):
+            record = relu.get_record_data(i)
+            assert record.names == ("input",)
+            assert record["input"] is x
+        for i in range(3):
+            record = linear.get_record_data(i)
+            assert record.names == ("input", "weight", "bias")
+            assert (record[0], record[1], record[2]) == (x, w, b)
+        assert linear.get_record_data(3).as_dict() == {"input": x, "weight": w, "bias": None}
+    finally:
+        relu.release()
+        linear.release()
+
+
+def test_binder_overloads_and_callables_without_signature() -> None:
+    from lightning_recorder._core.structures import Binder
+
+    x = torch.ones(2, 3)
+    total = Binder(torch.sum)  # overloads: sum(input, *, dtype) and sum(input, dim, keepdim, …)
+    assert total((x, 1), {}).as_dict() == total((x,), {"dim": 1}).as_dict()
+    assert total((x,), {}).names == ("input", "dtype")
+    method = Binder(torch.Tensor.relu, drop_first=True)
+    assert method((), {}).names == ()
+    # A builtin with neither a signature nor a schema: positions, then sorted keywords.
+    assert Binder(max)((3, 1), {"key": abs}).names == ("args[0]", "args[1]", "key")

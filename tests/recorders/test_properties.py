@@ -1026,7 +1026,8 @@ def scaled(x: float) -> float:
 
 def test_a_dropped_function_recorder_restores_the_function() -> None:
     original = scaled
-    recorder = FunctionOutputsRecorder(f"{__name__}.scaled").initialize()
+    # persistent: patched from initialize to release (the compile-friendly mode)
+    recorder = FunctionOutputsRecorder(f"{__name__}.scaled", persistent=True).initialize()
     assert scaled is not original  # patched
     del recorder  # like a hook, a patch must not keep its recorder alive
     assert scaled is original
