@@ -134,7 +134,6 @@ def test_recorder_callback_raises_on_inplace_modified_batchnorm_output() -> None
 
 
 # ------------------------------------------------------------------ 2. bare class names
-@pytest.mark.xfail(strict=True, reason="pending: bare class names resolve in torch.nn only")
 def test_bare_class_name_selects_blocks_defined_outside_torch_nn() -> None:
     model = ImageClassifier(resnet_bottleneck())
     manager = RecorderManager({"blocks": {"type": "ModuleOutputs", "source": "Bottleneck"}})
@@ -147,7 +146,6 @@ def test_bare_class_name_selects_blocks_defined_outside_torch_nn() -> None:
     assert streams == [f"net.layer{i}.0" for i in range(1, 5)]
 
 
-@pytest.mark.xfail(strict=True, reason="pending: unknown-name error lists no class names")
 def test_unknown_name_error_lists_close_module_and_class_names() -> None:
     manager = RecorderManager({"blocks": {"type": "ModuleOutputs", "source": "Bottlenek"}})
     with pytest.raises(UnknownSourceError, match=r"(?s)module names.*class(es)?[^.]*'Bottleneck'"):
@@ -169,7 +167,6 @@ def test_star_crosses_dots_as_documented() -> None:
     assert sorted(streams) == sorted(blocks + downsample)
 
 
-@pytest.mark.xfail(strict=True, reason="pending: no one-level pattern form (proposed: 're:')")
 def test_regex_source_selects_one_level() -> None:
     model = ImageClassifier(resnet_basic())
     manager = RecorderManager(
@@ -225,9 +222,6 @@ def test_unknown_name_suggests_the_name_under_the_lightning_module(tmp_path: Pat
         trainer.fit(ImageClassifier(resnet_basic()), image_loader())
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pending: error does not say names are relative to pl_module"
-)
 def test_unknown_name_error_says_names_are_relative_to_the_lightning_module(
     tmp_path: Path,
 ) -> None:
