@@ -198,7 +198,6 @@ def test_parameters_of_a_block_include_every_parameter_inside_it(tmp_path: Path)
         )
 
 
-@pytest.mark.xfail(strict=True, reason="pending: `parameters` takes a bool only")
 def test_parameters_can_be_limited_by_pattern(tmp_path: Path) -> None:
     monitor = FeatureStatsMonitor(
         ["net.layer2.0"], histograms=False, clone=True, parameters=["net.layer2.0.conv*.weight"]
@@ -208,9 +207,23 @@ def test_parameters_can_be_limited_by_pattern(tmp_path: Path) -> None:
     assert got == {"net.layer2.0.conv1.weight", "net.layer2.0.conv2.weight"}
 
 
-def test_parameters_option_rejects_non_bool_today() -> None:
-    with pytest.raises(RecorderConfigError, match=r"`parameters`.*bool"):
-        FeatureStatsMonitor(["net.layer2.0"], parameters="weights")  # type: ignore[arg-type]
+def test_parameters_option_rejects_other_values() -> None:
+    with pytest.raises(RecorderConfigError, match=r"`parameters`.*bool, a parameter name"):
+        FeatureStatsMonitor(["net.layer2.0"], parameters=3)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"`parameters`.*non-empty list"):
+        FeatureStatsMonitor(["net.layer2.0"], parameters=[])
+
+
+def test_parameter_pattern_outside_the_monitored_modules_is_an_error(tmp_path: Path) -> None:
+    monitor = FeatureStatsMonitor(["net.layer2.0"], clone=True, parameters="net.fc.weight")
+    trainer = pl.Trainer(
+        **QUIET, max_steps=1, callbacks=[monitor], logger=TensorBoardLogger(tmp_path)
+    )
+    with pytest.raises(
+        UnknownSourceError,
+        match=r"`parameters`.*monitored modules.*'net\.fc\.weight'.*'net\.layer2\.0\.",
+    ):
+        trainer.fit(ImageClassifier(resnet_basic()), image_loader())
 
 
 def test_unknown_name_suggests_the_name_under_the_lightning_module(tmp_path: Path) -> None:
