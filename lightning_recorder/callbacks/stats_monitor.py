@@ -138,9 +138,11 @@ class FeatureStatsMonitor(RecorderCallback):
     (those of :class:`~lightning_recorder.stats.FeatureStats`: mean, std, min, max, mean ``|x|``,
     fraction of zeros, count of NaN/Inf values — counted, never dropped) and logs them as scalars
     to every logger of the Trainer, plus a histogram to each
-    :class:`~lightning.pytorch.loggers.TensorBoardLogger` (other loggers get scalars; a warning
-    says so once). For the parameters of those modules it logs the norm, the gradient norm
-    (before clipping) and the update-to-parameter ratio ``||Δp|| / ||p||`` of the optimizer step.
+    :class:`~lightning.pytorch.loggers.TensorBoardLogger` and
+    :class:`~lightning.pytorch.loggers.WandbLogger` (other loggers get scalars; a warning says so
+    once; ``logger_stats`` narrows what each logger gets). For the parameters of those modules
+    it logs the norm, the gradient norm (before clipping) and the update-to-parameter ratio
+    ``||Δp|| / ||p||`` of the optimizer step.
 
     **Precision.** On the CPU, the statistics and histogram buckets of float32 (float16,
     bfloat16) outputs are computed in float32, the data's own precision and the one TensorBoard
@@ -167,9 +169,11 @@ class FeatureStatsMonitor(RecorderCallback):
     are replicated under DDP, so their norms are computed locally.
 
     Args:
-        sources: module names from ``named_modules()`` (the root excluded), glob patterns such as
-            ``"features.*"``, or module types (``torch.nn.Conv2d``, ``"torch.nn.Conv2d"``,
-            ``"Conv2d"``) — one, or a list.
+        sources: module names from ``named_modules()`` of the LightningModule (the root
+            excluded; ``"net.layer1"`` when the network is ``self.net``), glob patterns such as
+            ``"features.*"`` (``*`` crosses dots), ``"re:"`` regular expressions matching whole
+            names, or module types (``torch.nn.Conv2d``, ``"torch.nn.Conv2d"``, ``"Conv2d"``, or
+            the bare name of a class defined elsewhere, ``"BertLayer"``) — one, or a list.
         every_n_steps: log training statistics every N optimizer steps; ``None`` follows the
             Trainer's ``log_every_n_steps``.
         stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
@@ -177,8 +181,10 @@ class FeatureStatsMonitor(RecorderCallback):
         histograms: also write histograms to TensorBoard loggers.
         bins: the number of histogram buckets (30 by default, as TensorBoard's own histogram
             summary, ``tensorboard.summary.histogram``).
-        parameters: also log the norms, gradient norms and update ratios of the parameters of
-            the monitored modules.
+        parameters: also log the norms, gradient norms and update ratios of the parameters
+            inside the monitored modules: ``True`` every one of them, a name, glob or ``"re:"``
+            pattern (or a list of them, names as in ``named_parameters()`` of the LightningModule)
+            those it selects among them, ``False`` none.
         prefix: the first component of every tag.
         clone: record a copy of each output, for models that modify a monitored output in place
             (e.g. ``ReLU(inplace=True)`` right after it); without it such a change raises
@@ -187,11 +193,16 @@ class FeatureStatsMonitor(RecorderCallback):
         keep_hooks: keep the hooks installed between logged steps (see
             :class:`~lightning_recorder.RecorderCallback`); ``None`` keeps them on a compiled
             model only.
+        logger_stats: ``{logger class name: statistic names}``: a logger whose class (or a base
+            class) is named here gets only those statistics (names from ``stats``, ``"norm"``,
+            ``"grad_norm"``, ``"update_ratio"``, ``"histogram"``); other loggers get all.
+            Keeps tabular loggers such as ``CSVLogger`` readable.
 
     Raises:
-        RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger
-            (at setup); a source matches no module (at the start of the run, naming the closest
-            module names).
+        RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger,
+            or ``logger_stats`` names no logger of it (at setup); a source matches no module, or
+            a ``parameters`` pattern no parameter of the monitored modules (at the start of the
+            run, naming the closest names).
 
     Example:
         >>> import lightning.pytorch as pl
