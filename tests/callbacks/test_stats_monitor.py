@@ -597,3 +597,35 @@ def test_class_name_source(tmp_path: Path) -> None:
     x = features(8)
     trainer.fit(model, loader(x))
     assert scalars(logger.log_dir)["stats/train/probe/max"][0] == approx(2 * x[:4].max().item())
+
+
+def test_write_wandb_logs_histograms_from_the_same_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # wandb is not installed here, so a stand-in module and a stand-in logger (log_metrics
+    # only) exercise the call; the conversion itself is tested on its own above.
+    import sys
+    import types
+
+    import numpy as np
+
+    from lightning_recorder.callbacks._lightning import write_wandb
+    from lightning_recorder.stats import histogram_raw_kwargs
+
+    class Histogram:
+        def __init__(self, np_histogram: tuple[Any, Any]) -> None:
+            self.counts, self.edges = np_histogram
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Histogram=Histogram))
+    logged: list[tuple[dict[str, Any], int]] = []
+
+    class Logger:
+        def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+            logged.append((metrics, step))
+
+    kwargs = histogram_raw_kwargs(torch.tensor([0.0, 1.0, 1.0, 3.0]), bins=3)
+    assert kwargs is not None
+    write_wandb(Logger(), {"a/mean": 1.25}, {"a/histogram": kwargs}, 7)  # type: ignore[arg-type]
+    ((metrics, step),) = logged
+    assert step == 7 and metrics["a/mean"] == 1.25
+    hist = metrics["a/histogram"]
+    np.testing.assert_array_equal(hist.counts, [1.0, 2.0, 1.0])
+    np.testing.assert_array_equal(hist.edges, kwargs["bucket_limits"])
