@@ -22,20 +22,95 @@ inspector, distillation) is a :class:`WeakHook`:
 
 A gradient arriving at a recorded tensor goes through one :class:`GradSink`, which hands it back
 to the hook that registered it.
+
+**Never displace a hook.** PyTorch keys every hook dict by a handle id drawn from a process-wide
+counter (``RemovableHandle.next_id``) that restarts in every process. A model unpickled in a new
+process (``ddp_spawn``, a model sent to a worker) keeps the hooks its owner registered, under
+their old ids, while the counter starts again at 0: the next registration takes an id already in
+the dict and silently replaces that hook. :func:`register` (which :meth:`HookSet.install` and
+:meth:`HookSet.add` use for makers) first advances the counter past every id in the hook dicts of
+the module or tensor it registers on, and checks afterwards that the new id was new.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import RecorderStateError
 from .compat import current_autograd_node
 
 _LIVE: dict[int, tuple[str, RemovableHandle]] = {}
+
+Maker = Callable[[], RemovableHandle]
+"""A zero-argument callable that registers one hook and returns its handle, e.g.
+``functools.partial(module.register_forward_hook, hook)``."""
+
+
+def _hook_dicts(target: object) -> Iterator[dict[Any, Any]]:
+    """The hook dicts of a module or tensor (``_forward_hooks``, ``_backward_hooks`` …)."""
+    if isinstance(target, torch.Tensor):
+        for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            found = getattr(target, name, None)
+            if isinstance(found, dict):
+                yield found
+        return
+    for name, value in vars(target).items():
+        if "hooks" in name and isinstance(value, dict):
+            yield value
+
+
+def reserve_hook_ids(*targets: object) -> None:
+    """Advance PyTorch's hook-handle counter past every id in the hook dicts of ``targets``
+    (modules or tensors; a module's submodules are not visited), so that a new registration
+    on them cannot take the id of a hook already there."""
+    top = RemovableHandle.next_id
+    for target in targets:
+        for hooks in _hook_dicts(target):
+            ids = [key for key in hooks if isinstance(key, int)]
+            if ids:
+                top = max(top, max(ids) + 1)
+    RemovableHandle.next_id = top
+
+
+def _target_of(make: Maker) -> object | None:
+    """The module or tensor a maker registers on: ``partial(obj.register_…, …)`` or
+    ``obj.register_…``; ``None`` when it cannot be told."""
+    func: Any = make
+    while isinstance(func, functools.partial):
+        func = func.func
+    target = getattr(func, "__self__", None)
+    return target if isinstance(target, (torch.nn.Module, torch.Tensor)) else None
+
+
+def register(make: Maker) -> RemovableHandle:
+    """Register a hook by calling ``make`` without displacing any hook already registered.
+
+    Raises:
+        RecorderStateError: the new handle's id was already in use although the counter was
+            advanced (the maker registers on an object that could not be told from it); the
+            hook is removed again.
+    """
+    target = _target_of(make)
+    if target is not None:
+        reserve_hook_ids(target)
+        before = {id(d): set(d) for d in _hook_dicts(target)}
+    else:
+        before = {}
+    handle = make()
+    hooks = handle.hooks_dict_ref()
+    if hooks is not None and handle.id in before.get(id(hooks), ()):
+        handle.remove()
+        raise RecorderStateError(
+            f"Registering a hook on {type(target).__name__} took the id {handle.id} of a hook "
+            "already there; it was removed again. Please report this."
+        )
+    return handle
 
 
 class HookSet:
@@ -51,7 +126,7 @@ class HookSet:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self._handles: list[RemovableHandle] = []  # kept until remove_all
-        self._makers: list[Callable[[], RemovableHandle]] = []  # how to reinstall
+        self._makers: list[Maker] = []  # how to reinstall
         self._made: list[RemovableHandle] = []  # the live handles the makers returned
 
     def _own(self, handle: RemovableHandle) -> RemovableHandle:
@@ -66,18 +141,24 @@ class HookSet:
             handle.remove()
             _LIVE.pop(id(handle), None)
 
-    def add(self, handle: RemovableHandle) -> RemovableHandle:
-        """Take ownership of ``handle`` (kept installed until :meth:`remove_all`)."""
+    def add(self, handle: RemovableHandle | Maker) -> RemovableHandle:
+        """Take ownership of a hook (kept installed until :meth:`remove_all`).
+
+        Pass a maker (``partial(module.register_forward_hook, hook)``) rather than a handle:
+        a maker registers through :func:`register`, which never displaces a hook already there.
+        """
+        if not isinstance(handle, RemovableHandle):
+            handle = register(handle)
         self._handles.append(self._own(handle))
         return handle
 
-    def install(self, make: Callable[[], RemovableHandle]) -> RemovableHandle:
+    def install(self, make: Maker) -> RemovableHandle:
         """Install a hook by calling ``make``, and keep ``make`` to reinstall it after a suspend.
 
         ``make`` registers the hook and returns its handle, e.g.
-        ``partial(module.register_forward_hook, hook)``.
+        ``partial(module.register_forward_hook, hook)``; it runs through :func:`register`.
         """
-        handle = self._own(make())
+        handle = self._own(register(make))
         self._makers.append(make)
         self._made.append(handle)
         return handle
@@ -95,7 +176,7 @@ class HookSet:
         """Reinstall the suspended hooks, in their original order (idempotent)."""
         if self.suspended:
             for make in self._makers:
-                self._made.append(self._own(make()))
+                self._made.append(self._own(register(make)))
 
     def remove_all(self) -> None:
         """Remove every handle (newest first within reinstallable and kept ones); idempotent."""

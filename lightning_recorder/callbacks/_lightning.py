@@ -10,6 +10,10 @@ that a change in Lightning touches one file.
   optimizer, so it is not that axis.)
 * **TensorBoard.** :func:`write_tensorboard` writes many scalars and histograms of one step as
   one event.
+* **Weights & Biases.** :func:`write_wandb` logs the scalars and the same histograms as
+  ``wandb.Histogram`` objects (:func:`numpy_histogram` converts the buckets).
+* **Loggers.** :func:`histogram_loggers` tells which loggers can show histograms;
+  :func:`logger_names` the class names a logger answers to (for per-logger options).
 * **Gating.** "Every N steps" counts optimizer steps, not micro-batches: with gradient
   accumulation every micro-batch of a due optimizer step is recorded (:func:`is_due`), and the
   step is complete on the micro-batch that steps (:func:`completes_step`). Due steps are those
@@ -23,7 +27,8 @@ from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
+import numpy as np
+from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 
 from ..errors import RecorderConfigError
 
@@ -121,6 +126,49 @@ def write_tensorboard(
         histo.bucket.extend(kw["bucket_counts"])
     if summary.value:
         writer._get_file_writer().add_summary(summary, step)
+
+
+def histogram_loggers(loggers: Sequence[Logger]) -> tuple[list[Logger], list[Logger]]:
+    """The loggers that can show histograms (TensorBoard, W&B), and the others."""
+    able: list[Logger] = [lg for lg in loggers if isinstance(lg, (TensorBoardLogger, WandbLogger))]
+    return able, [lg for lg in loggers if lg not in able]
+
+
+def logger_names(logger: Logger) -> set[str]:
+    """The class names a logger answers to: its class and its base classes."""
+    return {cls.__name__ for cls in type(logger).__mro__}
+
+
+def numpy_histogram(kwargs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, edges)``, as :func:`numpy.histogram` returns them, from the
+    ``add_histogram_raw`` keyword arguments the monitor writes to TensorBoard: the same buckets
+    (``bins`` counts, ``bins + 1`` edges; TensorBoard's leading empty bucket dropped)."""
+    edges = np.asarray(kwargs["bucket_limits"], dtype=np.float64)
+    counts = np.asarray(kwargs["bucket_counts"][1:], dtype=np.float64)
+    if edges.ndim != 1 or counts.shape[0] != edges.shape[0] - 1:
+        raise ValueError(
+            f"Expected bins + 1 bucket limits for bins + 1 bucket counts (a leading empty one) "
+            f"but got {edges.shape[0]} limits and {len(kwargs['bucket_counts'])} counts."
+        )
+    return counts, edges
+
+
+def write_wandb(
+    logger: WandbLogger,
+    scalars: dict[str, float],
+    hists: dict[str, dict[str, Any]],
+    step: int,
+) -> None:
+    """Log scalars and histograms (``wandb.Histogram`` from the very buckets written to
+    TensorBoard) in one ``log_metrics`` call. Call on rank 0 only."""
+    values: dict[str, Any] = dict(scalars)
+    if hists:
+        import wandb
+
+        for tag, kwargs in hists.items():
+            values[tag] = wandb.Histogram(np_histogram=numpy_histogram(kwargs))
+    if values:
+        logger.log_metrics(values, step=step)
 
 
 def predict_batch_indices(

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from .._core.checks import check_positive_int
+from .._core.checks import check_positive_int, suggestion
 from .._core.compat import foreach_sub
-from .._core.names import named_parameters
+from .._core.names import named_parameters, select
 from .._core.structures import iter_tensors
-from ..errors import RecorderConfigError
+from ..errors import RecorderConfigError, UnknownSourceError
 from ..recorders import RecordStream
 from ..stats import STAT_NAMES, StatName
 from ..stats.batched import (
@@ -36,7 +36,14 @@ from ..stats.batched import (
     upcast,
 )
 from ..stats.sharded import any_sharded, full_values, is_sharded, shard_for_stats
-from ._lightning import Stage, step_axis, write_tensorboard
+from ._lightning import (
+    Stage,
+    histogram_loggers,
+    logger_names,
+    step_axis,
+    write_tensorboard,
+    write_wandb,
+)
 from .recorder import RecorderCallback
 
 __all__ = ["FeatureStatsMonitor"]
@@ -53,6 +60,62 @@ _DEFAULT_STATS: tuple[StatName, ...] = (
     "nonfinite",
 )
 _PARAM_STATS = ("norm", "grad_norm", "update_ratio")
+
+
+class _Everything(frozenset[str]):
+    """Every statistic: what a logger without a ``logger_stats`` entry gets."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+_ALL: frozenset[str] = _Everything()
+
+
+def _parameter_patterns(parameters: object, owner: str) -> tuple[str, ...] | None:
+    """``None`` for ``parameters=True``/``False``, else the name patterns as a tuple."""
+    if isinstance(parameters, bool):
+        return None
+    items = (parameters,) if isinstance(parameters, str) else parameters
+    if (
+        not isinstance(items, Sequence)
+        or not items
+        or not all(isinstance(p, str) and p for p in items)
+    ):
+        raise RecorderConfigError(
+            f"Expected `parameters` of {owner} to be a bool, a parameter name or pattern, or a "
+            f"non-empty list of them, but got {parameters!r}."
+        )
+    return tuple(items)
+
+
+def _logger_stats(
+    logger_stats: object, allowed: Sequence[str], owner: str
+) -> dict[str, frozenset[str]]:
+    """Validate ``logger_stats``: logger class name -> statistics that the monitor computes."""
+    if logger_stats is None:
+        return {}
+    if not isinstance(logger_stats, Mapping):
+        raise RecorderConfigError(
+            f"Expected `logger_stats` of {owner} to be a mapping from logger class names to "
+            f"statistics but got {logger_stats!r}."
+        )
+    found: dict[str, frozenset[str]] = {}
+    for key, names in logger_stats.items():
+        items = (names,) if isinstance(names, str) else names
+        if not isinstance(key, str) or not key or not isinstance(items, Sequence):
+            raise RecorderConfigError(
+                f"Expected `logger_stats` of {owner} to map logger class names to lists of "
+                f"statistics but got {key!r}: {names!r}."
+            )
+        for name in items:
+            if name not in allowed:
+                raise RecorderConfigError(
+                    f"Expected `logger_stats[{key!r}]` of {owner} to hold only statistics the "
+                    f"monitor computes ({', '.join(map(repr, allowed))}) but got {name!r}."
+                )
+        found[key] = frozenset(items)
+    return found
 
 
 def _source_key(source: ModuleSource) -> str:
@@ -82,9 +145,11 @@ class FeatureStatsMonitor(RecorderCallback):
     (those of :class:`~lightning_recorder.stats.FeatureStats`: mean, std, min, max, mean ``|x|``,
     fraction of zeros, count of NaN/Inf values — counted, never dropped) and logs them as scalars
     to every logger of the Trainer, plus a histogram to each
-    :class:`~lightning.pytorch.loggers.TensorBoardLogger` (other loggers get scalars; a warning
-    says so once). For the parameters of those modules it logs the norm, the gradient norm
-    (before clipping) and the update-to-parameter ratio ``||Δp|| / ||p||`` of the optimizer step.
+    :class:`~lightning.pytorch.loggers.TensorBoardLogger` and
+    :class:`~lightning.pytorch.loggers.WandbLogger` (other loggers get scalars; a warning says so
+    once; ``logger_stats`` narrows what each logger gets). For the parameters of those modules
+    it logs the norm, the gradient norm (before clipping) and the update-to-parameter ratio
+    ``||Δp|| / ||p||`` of the optimizer step.
 
     **Precision.** On the CPU, the statistics and histogram buckets of float32 (float16,
     bfloat16) outputs are computed in float32, the data's own precision and the one TensorBoard
@@ -111,9 +176,11 @@ class FeatureStatsMonitor(RecorderCallback):
     are replicated under DDP, so their norms are computed locally.
 
     Args:
-        sources: module names from ``named_modules()`` (the root excluded), glob patterns such as
-            ``"features.*"``, or module types (``torch.nn.Conv2d``, ``"torch.nn.Conv2d"``,
-            ``"Conv2d"``) — one, or a list.
+        sources: module names from ``named_modules()`` of the LightningModule (the root
+            excluded; ``"net.layer1"`` when the network is ``self.net``), glob patterns such as
+            ``"features.*"`` (``*`` crosses dots), ``"re:"`` regular expressions matching whole
+            names, or module types (``torch.nn.Conv2d``, ``"torch.nn.Conv2d"``, ``"Conv2d"``, or
+            the bare name of a class defined elsewhere, ``"BertLayer"``) — one, or a list.
         every_n_steps: log training statistics every N optimizer steps; ``None`` follows the
             Trainer's ``log_every_n_steps``.
         stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
@@ -121,8 +188,10 @@ class FeatureStatsMonitor(RecorderCallback):
         histograms: also write histograms to TensorBoard loggers.
         bins: the number of histogram buckets (30 by default, as TensorBoard's own histogram
             summary, ``tensorboard.summary.histogram``).
-        parameters: also log the norms, gradient norms and update ratios of the parameters of
-            the monitored modules.
+        parameters: also log the norms, gradient norms and update ratios of the parameters
+            inside the monitored modules: ``True`` every one of them, a name, glob or ``"re:"``
+            pattern (or a list of them, names as in ``named_parameters()`` of the LightningModule)
+            those it selects among them, ``False`` none.
         prefix: the first component of every tag.
         clone: record a copy of each output, for models that modify a monitored output in place
             (e.g. ``ReLU(inplace=True)`` right after it); without it such a change raises
@@ -131,11 +200,16 @@ class FeatureStatsMonitor(RecorderCallback):
         keep_hooks: keep the hooks installed between logged steps (see
             :class:`~lightning_recorder.RecorderCallback`); ``None`` keeps them on a compiled
             model only.
+        logger_stats: ``{logger class name: statistic names}``: a logger whose class (or a base
+            class) is named here gets only those statistics (names from ``stats``, ``"norm"``,
+            ``"grad_norm"``, ``"update_ratio"``, ``"histogram"``); other loggers get all.
+            Keeps tabular loggers such as ``CSVLogger`` readable.
 
     Raises:
-        RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger
-            (at setup); a source matches no module (at the start of the run, naming the closest
-            module names).
+        RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger,
+            or ``logger_stats`` names no logger of it (at setup); a source matches no module, or
+            a ``parameters`` pattern no parameter of the monitored modules (at the start of the
+            run, naming the closest names).
 
     Example:
         >>> import lightning.pytorch as pl
@@ -171,11 +245,12 @@ class FeatureStatsMonitor(RecorderCallback):
         stats: Sequence[StatName] = _DEFAULT_STATS,
         histograms: bool = True,
         bins: int = 30,
-        parameters: bool = True,
+        parameters: bool | str | Sequence[str] = True,
         prefix: str = "stats",
         clone: bool = False,
         name: str | None = None,
         keep_hooks: bool | None = None,
+        logger_stats: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         owner = type(self).__name__
         items = [sources] if isinstance(sources, (str, type)) else sources
@@ -214,11 +289,12 @@ class FeatureStatsMonitor(RecorderCallback):
                     f"but got {stat!r}."
                 )
         check_positive_int(bins, "bins", owner)
-        for flag_name, flag in (("histograms", histograms), ("parameters", parameters)):
-            if not isinstance(flag, bool):
-                raise RecorderConfigError(
-                    f"Expected `{flag_name}` of {owner} to be a bool but got {flag!r}."
-                )
+        if not isinstance(histograms, bool):
+            raise RecorderConfigError(
+                f"Expected `histograms` of {owner} to be a bool but got {histograms!r}."
+            )
+        patterns = _parameter_patterns(parameters, owner)
+        per_logger = _logger_stats(logger_stats, (*stat_names, *_PARAM_STATS, "histogram"), owner)
         if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
             raise RecorderConfigError(
                 f"Expected `prefix` of {owner} to be a non-empty str without a trailing '/' but "
@@ -232,6 +308,8 @@ class FeatureStatsMonitor(RecorderCallback):
         self.histograms = histograms
         self.bins = bins
         self.parameters = parameters
+        self._param_patterns = patterns
+        self.logger_stats = per_logger
         self.prefix = prefix
         self.clone = clone
         #: Training steps whose statistics were logged, and the step axis value of the last one.
@@ -273,16 +351,27 @@ class FeatureStatsMonitor(RecorderCallback):
                 f"Expected the Trainer to have a logger for {self!r} to write to, but it has "
                 "none (logger=False); pass a logger such as TensorBoardLogger."
             )
-        tensorboard = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-        self._write_histograms = self.histograms and bool(tensorboard)
-        if self.histograms and len(tensorboard) < len(trainer.loggers) and not self._warned:
+        present = set().union(*(logger_names(lg) for lg in trainer.loggers))
+        for key in self.logger_stats:
+            if key not in present:
+                shown = sorted(type(lg).__name__ for lg in trainer.loggers)
+                raise RecorderConfigError(
+                    f"Expected the keys of `logger_stats` of {type(self).__name__} to name logger "
+                    f"classes of the Trainer but got {key!r}. "
+                    f"{suggestion(key, shown, 'logger classes')}"
+                )
+        able, others = histogram_loggers(trainer.loggers)
+        wanted = [lg for lg in able if "histogram" in self._logger_filter(lg)]
+        self._write_histograms = self.histograms and bool(wanted)
+        if self.histograms and others and not self._warned:
             self._warned = True
-            others = ", ".join(
-                type(lg).__name__ for lg in trainer.loggers if not isinstance(lg, TensorBoardLogger)
-            )
+            names = [type(lg).__name__ for lg in others]
+            verb = "gets" if len(names) == 1 else "get"
+            listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
             rank_zero_warn(
-                f"{type(self).__name__} writes histograms to TensorBoard loggers only; {others} "
-                "get the scalar statistics. Pass histograms=False to silence this warning."
+                f"{type(self).__name__} writes histograms to TensorBoard and W&B loggers only; "
+                f"{listed} {verb} the scalar statistics. Pass histograms=False to silence this "
+                "warning."
             )
 
     @override
@@ -293,13 +382,25 @@ class FeatureStatsMonitor(RecorderCallback):
         self._streams = streams
         self._work = Workspace()
         self._states = {}
-        if self.parameters and "train" in self.stages:
+        if self.parameters is not False and "train" in self.stages:
             prefixes = tuple(module + "." for module in streams)
-            self._params = {
+            inside = {
                 name: param
                 for name, param in named_parameters(pl_module).items()
                 if name.startswith(prefixes)
             }
+            if self._param_patterns is not None:
+                chosen: set[str] = set()
+                for pattern in self._param_patterns:
+                    try:
+                        chosen.update(select(inside, pattern, "parameter"))
+                    except UnknownSourceError as err:
+                        raise UnknownSourceError(
+                            f"`parameters` of {type(self).__name__} selects among the parameters "
+                            f"of the monitored modules: {err}"
+                        ) from None
+                inside = {name: param for name, param in inside.items() if name in chosen}
+            self._params = inside
         self._sharded = any_sharded(self._params.values())  # FSDP2 / tensor parallel
 
     @override
@@ -504,10 +605,26 @@ class FeatureStatsMonitor(RecorderCallback):
         if not trainer.is_global_zero:
             return
         for logger in trainer.loggers:
+            kept_scalars, kept_hists = scalars, hists
+            allowed = self._logger_filter(logger)
+            if allowed is not _ALL:
+                kept_scalars = {t: v for t, v in scalars.items() if t.rsplit("/", 1)[1] in allowed}
+                kept_hists = hists if "histogram" in allowed else {}
             if isinstance(logger, TensorBoardLogger):
-                write_tensorboard(logger, scalars, hists, step)
-            elif scalars:
-                logger.log_metrics(scalars, step=step)
+                write_tensorboard(logger, kept_scalars, kept_hists, step)
+            elif isinstance(logger, WandbLogger):
+                write_wandb(logger, kept_scalars, kept_hists, step)
+            elif kept_scalars:
+                logger.log_metrics(kept_scalars, step=step)
+
+    def _logger_filter(self, logger: Logger) -> frozenset[str]:
+        """The statistics ``logger`` gets: those of ``logger_stats`` for its class (the most
+        derived class named there), otherwise every one (:data:`_ALL`)."""
+        for cls in type(logger).__mro__:
+            found = self.logger_stats.get(cls.__name__)
+            if found is not None:
+                return found
+        return _ALL
 
     # ------------------------------------------------------------------ evaluation epochs
     @override

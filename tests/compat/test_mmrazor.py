@@ -335,10 +335,6 @@ def test_module_outputs_initialize_checks_model() -> None:
     recorder.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pending: prepare_from_model() of module and parameter recorders needs model=None",
-)
 def test_prepare_from_model_public() -> None:
     model = ConvPair()
     with pytest.raises(RecorderConfigError, match="model"):

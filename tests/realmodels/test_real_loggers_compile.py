@@ -66,17 +66,15 @@ def test_csv_logger_gets_correct_scalars_and_one_message(tmp_path: Path) -> None
             )
 
 
-@pytest.mark.xfail(strict=True, reason="pending: message reads 'CSVLogger get' (grammar)")
 def test_csv_logger_message_grammar(tmp_path: Path) -> None:
     _, _, caught = fit_csv(tmp_path, FeatureStatsMonitor(["net.fc"]))
     messages = [str(w.message) for w in caught if "histograms" in str(w.message)]
     assert any("CSVLogger gets the scalar statistics" in m for m in messages), messages
 
 
-@pytest.mark.xfail(strict=True, reason="pending: no per-logger selection of statistics")
 def test_per_logger_stats_keep_csv_readable(tmp_path: Path) -> None:
-    # Proposed: `logger_stats={logger class name: stats}`; other loggers get `stats`
-    monitor = FeatureStatsMonitor(  # type: ignore[call-arg]
+    # `logger_stats={logger class name: stats}`; other loggers get `stats`
+    monitor = FeatureStatsMonitor(
         ["net.conv1", "net.fc"], logger_stats={"CSVLogger": ["mean", "std"]}
     )
     logger, _, _ = fit_csv(tmp_path, monitor)

@@ -134,7 +134,6 @@ def test_recorder_callback_raises_on_inplace_modified_batchnorm_output() -> None
 
 
 # ------------------------------------------------------------------ 2. bare class names
-@pytest.mark.xfail(strict=True, reason="pending: bare class names resolve in torch.nn only")
 def test_bare_class_name_selects_blocks_defined_outside_torch_nn() -> None:
     model = ImageClassifier(resnet_bottleneck())
     manager = RecorderManager({"blocks": {"type": "ModuleOutputs", "source": "Bottleneck"}})
@@ -147,7 +146,6 @@ def test_bare_class_name_selects_blocks_defined_outside_torch_nn() -> None:
     assert streams == [f"net.layer{i}.0" for i in range(1, 5)]
 
 
-@pytest.mark.xfail(strict=True, reason="pending: unknown-name error lists no class names")
 def test_unknown_name_error_lists_close_module_and_class_names() -> None:
     manager = RecorderManager({"blocks": {"type": "ModuleOutputs", "source": "Bottlenek"}})
     with pytest.raises(UnknownSourceError, match=r"(?s)module names.*class(es)?[^.]*'Bottleneck'"):
@@ -169,7 +167,6 @@ def test_star_crosses_dots_as_documented() -> None:
     assert sorted(streams) == sorted(blocks + downsample)
 
 
-@pytest.mark.xfail(strict=True, reason="pending: no one-level pattern form (proposed: 're:')")
 def test_regex_source_selects_one_level() -> None:
     model = ImageClassifier(resnet_basic())
     manager = RecorderManager(
@@ -201,7 +198,6 @@ def test_parameters_of_a_block_include_every_parameter_inside_it(tmp_path: Path)
         )
 
 
-@pytest.mark.xfail(strict=True, reason="pending: `parameters` takes a bool only")
 def test_parameters_can_be_limited_by_pattern(tmp_path: Path) -> None:
     monitor = FeatureStatsMonitor(
         ["net.layer2.0"], histograms=False, clone=True, parameters=["net.layer2.0.conv*.weight"]
@@ -211,9 +207,23 @@ def test_parameters_can_be_limited_by_pattern(tmp_path: Path) -> None:
     assert got == {"net.layer2.0.conv1.weight", "net.layer2.0.conv2.weight"}
 
 
-def test_parameters_option_rejects_non_bool_today() -> None:
-    with pytest.raises(RecorderConfigError, match=r"`parameters`.*bool"):
-        FeatureStatsMonitor(["net.layer2.0"], parameters="weights")  # type: ignore[arg-type]
+def test_parameters_option_rejects_other_values() -> None:
+    with pytest.raises(RecorderConfigError, match=r"`parameters`.*bool, a parameter name"):
+        FeatureStatsMonitor(["net.layer2.0"], parameters=3)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"`parameters`.*non-empty list"):
+        FeatureStatsMonitor(["net.layer2.0"], parameters=[])
+
+
+def test_parameter_pattern_outside_the_monitored_modules_is_an_error(tmp_path: Path) -> None:
+    monitor = FeatureStatsMonitor(["net.layer2.0"], clone=True, parameters="net.fc.weight")
+    trainer = pl.Trainer(
+        **QUIET, max_steps=1, callbacks=[monitor], logger=TensorBoardLogger(tmp_path)
+    )
+    with pytest.raises(
+        UnknownSourceError,
+        match=r"`parameters`.*monitored modules.*'net\.fc\.weight'.*'net\.layer2\.0\.",
+    ):
+        trainer.fit(ImageClassifier(resnet_basic()), image_loader())
 
 
 def test_unknown_name_suggests_the_name_under_the_lightning_module(tmp_path: Path) -> None:
@@ -225,9 +235,6 @@ def test_unknown_name_suggests_the_name_under_the_lightning_module(tmp_path: Pat
         trainer.fit(ImageClassifier(resnet_basic()), image_loader())
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pending: error does not say names are relative to pl_module"
-)
 def test_unknown_name_error_says_names_are_relative_to_the_lightning_module(
     tmp_path: Path,
 ) -> None:

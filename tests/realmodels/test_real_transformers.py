@@ -81,7 +81,6 @@ def test_dotted_class_path_selects_gpt2_blocks(tmp_path: Path) -> None:
         check(logged, monitor, reference.outputs[step], step)
 
 
-@pytest.mark.xfail(strict=True, reason="pending: bare class names resolve in torch.nn only")
 def test_bare_class_name_selects_gpt2_blocks(tmp_path: Path) -> None:
     model = GPT2LM()
     blocks = ["model.transformer.h.0", "model.transformer.h.1"]
@@ -91,7 +90,6 @@ def test_bare_class_name_selects_gpt2_blocks(tmp_path: Path) -> None:
     check(logged, monitor, reference.outputs[1], 1)
 
 
-@pytest.mark.xfail(strict=True, reason="pending: bare class names resolve in torch.nn only")
 def test_bare_class_name_selects_bert_layers() -> None:
     model = BertClassifier()
     manager = RecorderManager({"layers": {"type": "ModuleOutputs", "source": "BertLayer"}})
@@ -109,7 +107,6 @@ def test_unknown_bert_name_suggests_close_module_names() -> None:
         manager.initialize(BertClassifier())
 
 
-@pytest.mark.xfail(strict=True, reason="pending: unknown-name error lists no class names")
 def test_unknown_bert_class_name_suggests_close_class_names() -> None:
     manager = RecorderManager({"x": {"type": "ModuleOutputs", "source": "BertLayers"}})
     with pytest.raises(UnknownSourceError, match=r"(?s)module names.*class(es)?[^.]*'BertLayer'"):
