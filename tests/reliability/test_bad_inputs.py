@@ -964,13 +964,19 @@ for suffix, value in [("zero", 0), ("negative", -3), ("float", 2.5), ("str", "30
         RecorderConfigError,
         r"`bins`.*positive int",
     )
-for flag in ("histograms", "parameters"):
-    case(
-        f"FeatureStatsMonitor-{flag}-str",
-        lambda f=flag: fsm(**{f: "yes"}),
-        RecorderConfigError,
-        rf"`{flag}`.*bool",
-    )
+case(
+    "FeatureStatsMonitor-histograms-str",
+    lambda: fsm(histograms="yes"),
+    RecorderConfigError,
+    r"`histograms`.*bool",
+)
+# `parameters` also takes name patterns (a str is one): a number is neither a bool nor a pattern.
+case(
+    "FeatureStatsMonitor-parameters-int",
+    lambda: fsm(parameters=3),
+    RecorderConfigError,
+    r"`parameters`.*bool",
+)
 case("FeatureStatsMonitor-clone-int", lambda: fsm(clone=1), RecorderConfigError, r"`clone`.*bool")
 for suffix, value in [("empty", ""), ("trailing-slash", "stats/"), ("int", 5)]:
     case(
