@@ -4,6 +4,8 @@
   how a forward re-run by activation checkpointing is told apart from a real call.
 * :func:`is_compiled` — whether ``torch.compile`` compiles a module or a part of it.
 * :func:`distributed_active` — the one "is a process group running" test.
+* :func:`foreach_norm`, :func:`foreach_sub`, :func:`foreach_sub_`, :func:`foreach_copy_` —
+  torch's private multi-tensor kernels, one call for many tensors.
 """
 
 from __future__ import annotations
@@ -60,3 +62,15 @@ def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def foreach_sub(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
     """``a[i] - b[i]`` for every ``i``, in one call (torch's private ``_foreach_sub``)."""
     return list(torch._foreach_sub(a, b))
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every ``i``, in one call (torch's ``_foreach_copy_``)."""
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def foreach_sub_(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    """``a[i] -= b[i]`` for every ``i``, in place, in one call (torch's ``_foreach_sub_``)."""
+    if a:
+        torch._foreach_sub_(a, b)

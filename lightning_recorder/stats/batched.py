@@ -12,6 +12,8 @@ states cross ranks in one gather and reach the host in one copy:
 * :func:`histogram_rows` — the histograms of ``m`` sets of tensors as :class:`HistogramRow` s
   (:func:`histogram_rows_cpu` on the host, :func:`histograms_device` and :func:`raw_table` on
   the data's device without reading anything back);
+* :func:`sample_of` — a small strided copy of a tensor, for approximate histograms (the
+  weights of :func:`histogram_rows_cpu` / :func:`histograms_device` scale its counts);
 * :func:`foreach_norms` / :func:`host_floats` — norms of many tensors in one call, and 0-d
   tensors to the host in one copy.
 """
@@ -38,6 +40,7 @@ from ._kernels import (
     merged,
     native_state,
     raw_table,
+    sample_of,
 )
 
 __all__ = [
@@ -55,6 +58,7 @@ __all__ = [
     "merged",
     "native_state",
     "raw_table",
+    "sample_of",
     "upcast",
 ]
 

@@ -347,12 +347,18 @@ class InPlace(ProbeNet):
 
 def test_output_modified_in_place(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="inplace")
-    trainer = pl.Trainer(
-        **QUIET, logger=logger, max_steps=1, callbacks=[FeatureStatsMonitor("body.0", 1)]
-    )
+    # Records kept (exact histograms) without clone: the in-place change is detected.
+    kept = FeatureStatsMonitor("body.0", 1)
+    kept.exact_histograms = True
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[kept])
     with pytest.raises(RecordModifiedError, match=r"modified in place.*Pass clone=True"):
         trainer.fit(InPlace(), loader(features(8)))
     assert live_hooks() == []
+    # The default computes the statistics in the hook, before the in-place ReLU.
+    default = FeatureStatsMonitor("body.0", every_n_steps=1, parameters=False)
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[default])
+    trainer.fit(InPlace(), loader(features(8)))
+    assert scalars(logger.log_dir)["stats/train/body.0/min"][0] < 0
     monitor = FeatureStatsMonitor("body.0", every_n_steps=1, clone=True, parameters=False)
     trainer = pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor])
     trainer.fit(InPlace(), loader(features(8)))
