@@ -95,14 +95,23 @@ class _Pending:
         self.samples.append(kept)
         self.weights.append(weight)
         self.held += kept.numel()
-        if self.held > 2 * sample:  # thin every sample by half: memory stays bounded
-            thinned = [t[::2].clone() for t in self.samples]
-            self.weights = [
-                w * t.numel() / max(h.numel(), 1)
-                for w, t, h in zip(self.weights, self.samples, thinned, strict=True)
-            ]
-            self.samples = thinned
-            self.held = sum(t.numel() for t in thinned)
+        if self.held > 2 * sample:
+            self._thin()
+
+    def _thin(self) -> None:
+        """Join the samples of equal weight (calls of one shape) and keep every second element:
+        the samples stay below ``2 * sample`` elements, in few tensors, however many calls."""
+        groups: dict[float, list[Tensor]] = {}
+        for tensor, weight in zip(self.samples, self.weights, strict=True):
+            groups.setdefault(weight, []).append(tensor)
+        self.samples, self.weights = [], []
+        for weight, tensors in groups.items():
+            joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+            half = joined[::2]
+            kept = torch.empty(half.shape, dtype=half.dtype, device=half.device).copy_(half)
+            self.samples.append(kept)
+            self.weights.append(weight * joined.numel() / kept.numel())
+        self.held = sum(t.numel() for t in self.samples)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.states, *self.samples))
