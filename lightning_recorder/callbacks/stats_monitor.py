@@ -24,6 +24,7 @@ from ..stats.batched import (
     Workspace,
     empty_state,
     finalize_host,
+    flatten_segments,
     foreach_norms,
     gather_merged,
     histogram_rows_cpu,
@@ -34,6 +35,8 @@ from ..stats.batched import (
     native_state,
     raw_table,
     sample_of,
+    segmented_histograms,
+    segmented_states,
     upcast,
 )
 from ._lightning import Stage, step_axis, write_tensorboard
@@ -73,19 +76,39 @@ def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
 _RECORDS_WARN_BYTES = 256 * 2**20
 
 
-class _Pending:
-    """What the monitor's hooks computed for one module in the current batch: the packed state
-    of each output (merged as they come), and small strided samples for the histogram."""
+# Outputs of at most _SMALL elements are copied in the hook and reduced at the batch's end, all
+# modules at once (one flat buffer, a segment each); a module's copies are folded into a state
+# and a sample once they exceed _SMALL_HELD elements.
+_SMALL = 2**14
+_SMALL_HELD = 2**16
 
-    __slots__ = ("held", "samples", "states", "weights")
+
+class _Pending:
+    """What the monitor's hooks computed for one module in the current batch: copies of its
+    small outputs, the packed state of each large one (merged as they come), and strided samples
+    of the large ones for the histogram."""
+
+    __slots__ = ("held", "samples", "small", "small_held", "states", "weights")
 
     def __init__(self) -> None:
+        self.small: list[Tensor] = []
+        self.small_held = 0
         self.states: list[Tensor] = []
         self.samples: list[Tensor] = []
         self.weights: list[float] = []
         self.held = 0  # elements in the samples
 
     def add(self, x: Tensor, work: Workspace, sample: int) -> None:
+        if x.numel() <= _SMALL:
+            self.small.append(x.reshape(-1).clone())
+            self.small_held += x.numel()
+            if self.small_held > _SMALL_HELD:  # fold: memory stays bounded on long steps
+                joined, self.small, self.small_held = torch.cat(self.small), [], 0
+                self.add_large(joined, work, sample)
+            return
+        self.add_large(x, work, sample)
+
+    def add_large(self, x: Tensor, work: Workspace, sample: int) -> None:
         self.states.append(native_state(x, work))
         if len(self.states) >= 64:  # a module called many times in one batch (an RNN cell)
             self.states = [merge(torch.stack(self.states))]
@@ -114,7 +137,8 @@ class _Pending:
         self.held = sum(t.numel() for t in self.samples)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.states, *self.samples))
+        tensors = (*self.small, *self.states, *self.samples)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class FeatureStatsMonitor(RecorderCallback):
@@ -222,6 +246,7 @@ class FeatureStatsMonitor(RecorderCallback):
     _pending: dict[str, _Pending]
     _stepped: list[str]
     _records_warned: bool
+    _segments: tuple[Tensor, Tensor] | None
 
     def __init__(
         self,
@@ -343,6 +368,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._states = {}
         self._stepped, self._before, self._grad_norms = [], {}, {}
         self._records_warned = getattr(self, "_records_warned", False)
+        self._segments = None
         # The statistics in the hook: each recorder's capture is the monitor's.
         self._in_hook = not (self.exact_histograms or is_compiled(pl_module))
         self._pending = {name: _Pending() for name in streams} if self._in_hook else {}
@@ -398,13 +424,11 @@ class FeatureStatsMonitor(RecorderCallback):
         parts: list[list[Tensor]] = []
         rows: list[Tensor] = []
         weights: list[list[float]] | None = None
+        self._segments = None
         if self._in_hook:
-            weights = []
-            for name, pending in self._pending.items():
-                rows.append(merged(pending.states) if pending.states else empty_state(device))
-                parts.append(pending.samples)
-                weights.append(pending.weights)
-                self._pending[name] = _Pending()
+            pendings = list(self._pending.values())
+            self._pending = {name: _Pending() for name in self._pending}
+            batch, parts, weights = self._hook_states(pendings, device)
         else:
             work = cast(Workspace, self._work)
             for stream in self._streams.values():
@@ -413,7 +437,7 @@ class FeatureStatsMonitor(RecorderCallback):
                 rows.append(merged(states) if states else empty_state(device))
                 parts.append(tensors)
             self._check_records_size(parts)
-        batch = torch.stack([row if row.device == device else row.to(device) for row in rows])
+            batch = torch.stack([row if row.device == device else row.to(device) for row in rows])
         so_far = self._states.get(stage)
         self._states[stage] = batch if so_far is None else merge(torch.stack([so_far, batch]))
         if stage == "train":
@@ -421,6 +445,30 @@ class FeatureStatsMonitor(RecorderCallback):
                 self._log_train(trainer, parts, batch, weights)
         elif self._eval_hists is None:  # the first batch of the evaluation epoch
             self._eval_hists = self._histograms(trainer, stage, parts, batch, weights)
+
+    def _hook_states(
+        self, pendings: list[_Pending], device: torch.device
+    ) -> tuple[Tensor, list[list[Tensor]], list[list[float]]]:
+        """The ``(modules, 9)`` states of a batch from what the hooks kept, and the tensors and
+        weights of its histograms. The small copies of every module are reduced together
+        (:func:`segmented_states`); when no module has a large output, their histograms are
+        too (``self._segments``, read by :meth:`_histogram_table`)."""
+        m = len(pendings)
+        batch: Tensor | None = None
+        if any(p.small for p in pendings):
+            values, seg = flatten_segments([p.small for p in pendings], device)
+            batch = segmented_states(values, seg, m)
+            if not any(p.samples for p in pendings):
+                self._segments = (values, seg)
+        if any(p.states for p in pendings):
+            rows = [merged(p.states) if p.states else empty_state(device) for p in pendings]
+            large = torch.stack([row if row.device == device else row.to(device) for row in rows])
+            batch = large if batch is None else merge(torch.stack([batch, large]))
+        if batch is None:
+            batch = empty_state(device).repeat(m, 1)
+        parts = [[*p.small, *p.samples] for p in pendings]
+        weights = [[1.0] * len(p.small) + p.weights for p in pendings]
+        return batch, parts, weights
 
     def _check_records_size(self, parts: list[list[Tensor]]) -> None:
         """Warn once when a batch's kept records exceed ``_RECORDS_WARN_BYTES``."""
@@ -468,6 +516,11 @@ class FeatureStatsMonitor(RecorderCallback):
         histograms to write."""
         if not self._write_histograms:
             return None
+        segments, self._segments = self._segments, None
+        if segments is not None:  # every output small: one segmented pass for every module
+            return raw_table(
+                *segmented_histograms(*segments, states, self.bins, sync=True, group=None)
+            )
         # every rank; buckets in the data's precision, like the statistics
         if states.device.type == "cpu":
             work = cast(Workspace, self._work)
