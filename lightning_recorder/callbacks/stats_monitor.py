@@ -237,10 +237,11 @@ class FeatureStatsMonitor(RecorderCallback):
     #: instance before ``fit``; it needs ``clone=True`` where an in-place op follows a
     #: monitored module. Compiled models always keep their records.
     exact_histograms: bool = False
-    #: Elements sampled from each output for the approximate histogram (all of them when the
-    #: output has no more): bucket fractions within about ``1 / sqrt(histogram_sample)`` of
-    #: the exact ones for data in no particular order; the count, sums and range are exact.
-    histogram_sample: int = 2**16
+    #: Elements sampled from each output of more than ``2**14`` elements for the approximate
+    #: histogram (smaller outputs are histogrammed whole): each bucket's fraction has a
+    #: standard error of at most ``0.5 / sqrt(n)`` for ``n`` sampled values (0.004 for the
+    #: default), for data in no particular order; the count, sums and range are exact.
+    histogram_sample: int = 2**14
 
     _in_hook: bool
     _pending: dict[str, _Pending]

@@ -673,8 +673,10 @@ def histogram_rows_cpu(
                     if weights is not None:
                         part = part.to(F64) * weights[m][i]
                     counted = part if counted is None else counted + part
-        if counted is not None and weights is not None:
-            counted = scaled_to(counted, row[COUNT])
+        if counted is not None and weights is not None and any(w != 1.0 for w in weights[m]):
+            found_total = counted.sum().item()  # on the host: a CPU read is free
+            if found_total > 0:
+                counted = counted * (row[COUNT] / found_total)
         found.append(torch.zeros(bins + 1, dtype=torch.int64) if counted is None else counted)
     sums = [[r[COUNT], r[COUNT] * r[MEAN], r[M2] + r[COUNT] * (r[MEAN] * r[MEAN])] for r in rows]
     counts = torch.stack([f.to(F64) for f in found]).tolist()

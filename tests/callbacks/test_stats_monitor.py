@@ -591,9 +591,9 @@ def test_large_output_histogram_sampled_or_exact(tmp_path: Path, exact: bool) ->
         # float32 bucket arithmetic: a value within rounding of an edge may move one bucket
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     else:
-        # a strided sample of about 2**18 / 5 = 52,429 values: each fraction has a standard
-        # error of at most 0.5 / sqrt(52429) = 0.0022; 0.01 is 4.5 of them
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-2)
+        # a strided sample of 2**18 / 17 = 15,420 values: each fraction has a standard error
+        # of at most 0.5 / sqrt(15420) = 0.004; 0.015 is 3.7 of them
+        torch.testing.assert_close(got, expected, rtol=0, atol=1.5e-2)
         assert got.sum().item() == pytest.approx(1.0, rel=1e-9)
     scalars_logged = scalars(logger.log_dir)
     assert scalars_logged["stats/train/wide/min"][0] == pytest.approx(x.min().item())  # pre-ReLU
