@@ -276,7 +276,7 @@ def fit_steps(model_name: str, config: str, steps: int, root: str) -> list[float
     return timer.times[2:]  # warm-up excluded
 
 
-def trainer_level(repeats: int, steps: int) -> list[str]:
+def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
     configs = ("plain", "in the hook", "records kept")
     lines = [
         "| model | logging step, in the hook (default) | logging step, records kept | "
@@ -285,7 +285,7 @@ def trainer_level(repeats: int, steps: int) -> list[str]:
     ]
     rng = random.Random(1)
     with tempfile.TemporaryDirectory() as root:
-        for model_name in MODELS:
+        for model_name in [m for m in MODELS if m[1] in models]:
             per: dict[str, list[float]] = {c: [] for c in configs}
             for _ in range(repeats):
                 order = list(configs)
@@ -376,6 +376,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[str]]:
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--only", default="kernels,parameters,layer,trainer")
+    parser.add_argument("--models", default="abc", help="Trainer-level models: a, b and/or c")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per Trainer run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     repeats = 2 if args.quick else args.repeats
@@ -389,7 +391,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[str]]:
         report["layer"] = per_layer(repeats)
     if "trainer" in parts:
         report["trainer"] = trainer_level(
-            max(2, repeats // 3) if not args.quick else 1, 3 if args.quick else 8
+            max(2, repeats // 3) if not args.quick else 1,
+            3 if args.quick else args.steps,
+            args.models,
         )
     for name, lines in report.items():
         print(f"\n### {name} (median ratio, interquartile range in brackets)\n")
