@@ -5,6 +5,10 @@
 * :func:`is_compiled` — whether ``torch.compile`` compiles a module or a part of it.
 * :func:`distributed_active` — the one "is a process group running" test.
 * :func:`torch_op_signatures` — argument names of torch C functions, from their ATen schemas.
+
+
+* :func:`foreach_norm`, :func:`foreach_sub`, :func:`foreach_sub_`, :func:`foreach_copy_` —
+  torch's private multi-tensor kernels, one call for many tensors.
 """
 
 from __future__ import annotations
@@ -115,3 +119,15 @@ def torch_op_signatures(fn: Any) -> tuple[inspect.Signature, ...]:
         except (AttributeError, ValueError, TypeError):  # an unusual schema: skip it
             continue
     return tuple(signatures)
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every ``i``, in one call (torch's ``_foreach_copy_``)."""
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def foreach_sub_(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    """``a[i] -= b[i]`` for every ``i``, in place, in one call (torch's ``_foreach_sub_``)."""
+    if a:
+        torch._foreach_sub_(a, b)

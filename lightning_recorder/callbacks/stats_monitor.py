@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from .._core.checks import check_positive_int, suggestion
-from .._core.compat import foreach_sub
+from .._core.compat import foreach_copy_, foreach_sub_, is_compiled
 from .._core.names import named_parameters, select
 from .._core.structures import iter_tensors
 from ..errors import RecorderConfigError, UnknownSourceError
@@ -24,6 +24,7 @@ from ..stats.batched import (
     Workspace,
     empty_state,
     finalize_host,
+    flatten_segments,
     foreach_norms,
     gather_merged,
     histogram_rows_cpu,
@@ -33,6 +34,9 @@ from ..stats.batched import (
     merged,
     native_state,
     raw_table,
+    sample_of,
+    segmented_histograms,
+    segmented_states,
     upcast,
 )
 from ..stats.sharded import any_sharded, full_values, is_sharded, shard_for_stats
@@ -138,6 +142,75 @@ def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
                 yield tensor
 
 
+# A step whose kept records (``exact_histograms``) exceed this many bytes warns once.
+_RECORDS_WARN_BYTES = 256 * 2**20
+
+
+# Outputs of at most _SMALL elements are copied in the hook and reduced at the batch's end, all
+# modules at once (one flat buffer, a segment each); a module's copies are folded into a state
+# and a sample once they exceed _SMALL_HELD elements.
+_SMALL = 2**14
+_SMALL_HELD = 2**16
+
+
+class _Pending:
+    """What the monitor's hooks computed for one module in the current batch: copies of its
+    small outputs, the packed state of each large one (merged as they come), and strided samples
+    of the large ones for the histogram."""
+
+    __slots__ = ("held", "samples", "small", "small_held", "states", "weights")
+
+    def __init__(self) -> None:
+        self.small: list[Tensor] = []
+        self.small_held = 0
+        self.states: list[Tensor] = []
+        self.samples: list[Tensor] = []
+        self.weights: list[float] = []
+        self.held = 0  # elements in the samples
+
+    def add(self, x: Tensor, work: Workspace, sample: int) -> None:
+        if x.numel() <= _SMALL:
+            self.small.append(x.reshape(-1).clone())
+            self.small_held += x.numel()
+            if self.small_held > _SMALL_HELD:  # fold: memory stays bounded on long steps
+                joined, self.small, self.small_held = torch.cat(self.small), [], 0
+                self.add_large(joined, work, sample)
+            return
+        self.add_large(x, work, sample)
+
+    def add_large(self, x: Tensor, work: Workspace, sample: int) -> None:
+        self.states.append(native_state(x, work))
+        if len(self.states) >= 64:  # a module called many times in one batch (an RNN cell)
+            self.states = [merge(torch.stack(self.states))]
+        if sample <= 0:
+            return
+        kept, weight = sample_of(x, sample)
+        self.samples.append(kept)
+        self.weights.append(weight)
+        self.held += kept.numel()
+        if self.held > 2 * sample:
+            self._thin()
+
+    def _thin(self) -> None:
+        """Join the samples of equal weight (calls of one shape) and keep every second element:
+        the samples stay below ``2 * sample`` elements, in few tensors, however many calls."""
+        groups: dict[float, list[Tensor]] = {}
+        for tensor, weight in zip(self.samples, self.weights, strict=True):
+            groups.setdefault(weight, []).append(tensor)
+        self.samples, self.weights = [], []
+        for weight, tensors in groups.items():
+            joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+            half = joined[::2]
+            kept = torch.empty(half.shape, dtype=half.dtype, device=half.device).copy_(half)
+            self.samples.append(kept)
+            self.weights.append(weight * joined.numel() / kept.numel())
+        self.held = sum(t.numel() for t in self.samples)
+
+    def nbytes(self) -> int:
+        tensors = (*self.small, *self.states, *self.samples)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class FeatureStatsMonitor(RecorderCallback):
     """Log statistics of the outputs, parameters and gradients of chosen layers.
 
@@ -236,6 +309,26 @@ class FeatureStatsMonitor(RecorderCallback):
         >>> monitor.tag("train", "body.0", "mean")
         'stats/train/body.0/mean'
     """
+
+    #: Keep every output until the batch ends and histogram all of its elements exactly (the
+    #: statistics are the same). By default (``False``) the statistics of each output are
+    #: computed in the forward hook, while the output is intact (no ``clone`` needed before an
+    #: in-place op, nothing held on long steps), and the histogram is taken over a strided
+    #: sample of at most :attr:`histogram_sample` elements of each output. Set it on the
+    #: instance before ``fit``; it needs ``clone=True`` where an in-place op follows a
+    #: monitored module. Compiled models always keep their records.
+    exact_histograms: bool = False
+    #: Elements sampled from each output of more than ``2**14`` elements for the approximate
+    #: histogram (smaller outputs are histogrammed whole): each bucket's fraction has a
+    #: standard error of at most ``0.5 / sqrt(n)`` for ``n`` sampled values (0.004 for the
+    #: default), for data in no particular order; the count, sums and range are exact.
+    histogram_sample: int = 2**14
+
+    _in_hook: bool
+    _pending: dict[str, _Pending]
+    _stepped: list[str]
+    _records_warned: bool
+    _segments: tuple[Tensor, Tensor] | None
 
     def __init__(
         self,
@@ -382,6 +475,17 @@ class FeatureStatsMonitor(RecorderCallback):
         self._streams = streams
         self._work = Workspace()
         self._states = {}
+        self._stepped, self._before, self._grad_norms = [], {}, {}
+        self._records_warned = getattr(self, "_records_warned", False)
+        self._segments = None
+        # The statistics in the hook: each recorder's capture is the monitor's.
+        self._in_hook = not (self.exact_histograms or is_compiled(pl_module))
+        self._pending = {name: _Pending() for name in streams} if self._in_hook else {}
+        if self._in_hook:
+            for name in dict.fromkeys(name for name, _ in self.manager.streams()):
+                # an instance attribute shadows the method for this recorder only
+                recorder = self.manager.get_recorder(name)
+                recorder.capture = self._capture  # type: ignore[method-assign]
         if self.parameters is not False and "train" in self.stages:
             prefixes = tuple(module + "." for module in streams)
             inside = {
@@ -408,6 +512,36 @@ class FeatureStatsMonitor(RecorderCallback):
         self._streams, self._states, self._params, self._work = {}, {}, {}, None
         self._sharded = False
         self._before, self._grad_norms, self._eval_hists = {}, {}, None
+        self._pending, self._stepped = {}, []
+
+    def _capture(self, stream: RecordStream, value: Any) -> None:
+        """The recorders' capture while the statistics are computed in the hook: the packed
+        state of each real tensor of ``value`` (and a sample of it for a histogram written from
+        this batch), taken now, before a later in-place op can change it; nothing else kept."""
+        stream.num_calls += 1
+        pending = self._pending.get(stream.name)
+        if pending is None or self._streams.get(stream.name) is not stream:
+            return  # a second recorder matching the same module: counted once
+        work = cast(Workspace, self._work)
+        wanted = self._write_histograms and (self._active == "train" or self._eval_hists is None)
+        sample = self.histogram_sample if wanted else 0
+        with torch.no_grad():
+            for tensor in iter_tensors(value):
+                if is_sharded(tensor):  # a DTensor: the part this rank contributes
+                    part = shard_for_stats(tensor)
+                    if part is None:
+                        continue
+                    tensor = part
+                if not tensor.is_complex():
+                    pending.add(tensor.detach(), work, sample)
+
+    def _held_bytes(self) -> int:
+        """Bytes of the tensors the monitor holds for the current batch (records or states)."""
+        held = sum(p.nbytes() for p in self._pending.values())
+        for stream in self._streams.values():
+            for record in stream._records:
+                held += sum(t.numel() * t.element_size() for t in iter_tensors(record))
+        return held
 
     # ------------------------------------------------------------------ statistics
     @override
@@ -415,25 +549,68 @@ class FeatureStatsMonitor(RecorderCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
     ) -> None:
         device = pl_module.device
-        work = cast(Workspace, self._work)
         parts: list[list[Tensor]] = []
         rows: list[Tensor] = []
-        for stream in self._streams.values():
-            tensors = list(_record_tensors(stream))
-            states = [native_state(t, work) for t in tensors]
-            if not states:
-                rows.append(empty_state(device))
-            else:
-                rows.append(merged(states))
-            parts.append(tensors)
-        batch = torch.stack([row if row.device == device else row.to(device) for row in rows])
+        weights: list[list[float]] | None = None
+        self._segments = None
+        if self._in_hook:
+            pendings = list(self._pending.values())
+            self._pending = {name: _Pending() for name in self._pending}
+            batch, parts, weights = self._hook_states(pendings, device)
+        else:
+            work = cast(Workspace, self._work)
+            for stream in self._streams.values():
+                tensors = list(_record_tensors(stream))
+                states = [native_state(t, work) for t in tensors]
+                rows.append(merged(states) if states else empty_state(device))
+                parts.append(tensors)
+            self._check_records_size(parts)
+            batch = torch.stack([row if row.device == device else row.to(device) for row in rows])
         so_far = self._states.get(stage)
         self._states[stage] = batch if so_far is None else merge(torch.stack([so_far, batch]))
         if stage == "train":
             if completes:
-                self._log_train(trainer, parts, batch)
+                self._log_train(trainer, parts, batch, weights)
         elif self._eval_hists is None:  # the first batch of the evaluation epoch
-            self._eval_hists = self._histograms(trainer, stage, parts, batch)
+            self._eval_hists = self._histograms(trainer, stage, parts, batch, weights)
+
+    def _hook_states(
+        self, pendings: list[_Pending], device: torch.device
+    ) -> tuple[Tensor, list[list[Tensor]], list[list[float]]]:
+        """The ``(modules, 9)`` states of a batch from what the hooks kept, and the tensors and
+        weights of its histograms. The small copies of every module are reduced together
+        (:func:`segmented_states`); when no module has a large output, their histograms are
+        too (``self._segments``, read by :meth:`_histogram_table`)."""
+        m = len(pendings)
+        batch: Tensor | None = None
+        if any(p.small for p in pendings):
+            values, seg = flatten_segments([p.small for p in pendings], device)
+            batch = segmented_states(values, seg, m)
+            if not any(p.samples for p in pendings):
+                self._segments = (values, seg)
+        if any(p.states for p in pendings):
+            rows = [merged(p.states) if p.states else empty_state(device) for p in pendings]
+            large = torch.stack([row if row.device == device else row.to(device) for row in rows])
+            batch = large if batch is None else merge(torch.stack([batch, large]))
+        if batch is None:
+            batch = empty_state(device).repeat(m, 1)
+        parts = [[*p.small, *p.samples] for p in pendings]
+        weights = [[1.0] * len(p.small) + p.weights for p in pendings]
+        return batch, parts, weights
+
+    def _check_records_size(self, parts: list[list[Tensor]]) -> None:
+        """Warn once when a batch's kept records exceed ``_RECORDS_WARN_BYTES``."""
+        if self._records_warned:
+            return
+        held = sum(t.numel() * t.element_size() for tensors in parts for t in tensors)
+        if held > _RECORDS_WARN_BYTES:
+            self._records_warned = True
+            rank_zero_warn(
+                f"{type(self).__name__} kept {held / 2**20:.0f} MiB of records in one batch "
+                f"(more than {_RECORDS_WARN_BYTES // 2**20} MiB) because exact_histograms is "
+                "set or the model is compiled; with exact_histograms=False on an uncompiled "
+                "model the statistics are computed in the hooks and nothing is kept."
+            )
 
     @override
     def on_before_optimizer_step(
@@ -442,7 +619,9 @@ class FeatureStatsMonitor(RecorderCallback):
         # Sharded parameters: their norms are collectives, so every rank computes them.
         if self._active != "train" or not (trainer.is_global_zero or self._sharded):
             return
-        names = [n for n, p in self._params.items() if p.grad is not None and n not in self._before]
+        names = [
+            n for n, p in self._params.items() if p.grad is not None and n not in self._grad_norms
+        ]
         if not names:
             return
         with torch.no_grad():
@@ -451,29 +630,60 @@ class FeatureStatsMonitor(RecorderCallback):
             if self._sharded:
                 norms = full_values(norms)  # collectives, on every rank in the same order
             self._grad_norms.update(zip(names, norms, strict=True))
-            self._before.update((name, self._params[name].clone()) for name in names)
+            # persistent buffers (float32 at least), allocated on the first logged step only
+            for name in names:
+                param = self._params[name]
+                buffer = self._before.get(name)
+                if buffer is None or buffer.shape != param.shape or buffer.device != param.device:
+                    dtype = param.dtype if param.dtype == torch.float64 else torch.float32
+                    self._before[name] = torch.empty_like(param, dtype=dtype)
+            if self._sharded:  # DTensor has no sharding rule for the foreach copy
+                for name in names:
+                    self._before[name].copy_(self._params[name])
+            else:
+                foreach_copy_([self._before[n] for n in names], [self._params[n] for n in names])
+            self._stepped.extend(names)
 
     def _histogram_table(
-        self, parts: list[list[Tensor]], states: Tensor
+        self, parts: list[list[Tensor]], states: Tensor, weights: list[list[float]] | None = None
     ) -> Tensor | list[HistogramRow] | None:
         """The histograms of this batch's records (a collective under DDP): rows on the host from
         CPU data, one table still on the device otherwise (nothing read yet); ``None`` without
         histograms to write."""
         if not self._write_histograms:
             return None
+        segments, self._segments = self._segments, None
+        if segments is not None:  # every output small: one segmented pass for every module
+            return raw_table(
+                *segmented_histograms(*segments, states, self.bins, sync=True, group=None)
+            )
         # every rank; buckets in the data's precision, like the statistics
         if states.device.type == "cpu":
             work = cast(Workspace, self._work)
             return histogram_rows_cpu(
-                parts, states, self.bins, sync=True, group=None, work=work, exact=False
+                parts,
+                states,
+                self.bins,
+                sync=True,
+                group=None,
+                work=work,
+                exact=False,
+                weights=weights,
             )
-        return raw_table(*histograms_device(parts, states, self.bins, sync=True, group=None))
+        return raw_table(
+            *histograms_device(parts, states, self.bins, sync=True, group=None, weights=weights)
+        )
 
     def _histograms(
-        self, trainer: pl.Trainer, stage: Stage, parts: list[list[Tensor]], states: Tensor
+        self,
+        trainer: pl.Trainer,
+        stage: Stage,
+        parts: list[list[Tensor]],
+        states: Tensor,
+        weights: list[list[float]] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """TensorBoard histograms of this batch's records (a collective under DDP)."""
-        table = self._histogram_table(parts, states)
+        table = self._histogram_table(parts, states, weights)
         if table is None or not trainer.is_global_zero:
             return {}
         if isinstance(table, Tensor):
@@ -523,13 +733,12 @@ class FeatureStatsMonitor(RecorderCallback):
         :meth:`_parameter_scalars` (still on the device): the norm of every monitored parameter,
         then of each stepped one's value before the step and its change, then its gradient norm.
         """
-        names = list(self._params)
-        stepped = [name for name in names if name in self._before]
-        before = upcast([self._before[name] for name in stepped])
-        with torch.no_grad():  # few calls: one foreach norm for every tensor
-            after = upcast([self._params[name] for name in stepped])
-            change = foreach_sub(after, before) if stepped else []
-            norms = foreach_norms([*self._params.values(), *before, *change])
+        stepped = list(dict.fromkeys(self._stepped))
+        before = [self._before[name] for name in stepped]
+        with torch.no_grad():  # two foreach norms, one in-place foreach difference
+            norms = foreach_norms([*self._params.values(), *before])
+            foreach_sub_(before, upcast([self._params[name] for name in stepped]))
+            norms = [*norms, *foreach_norms(before)]  # ||before - after|| = ||change||
             if self._sharded:
                 norms = full_values(norms)  # collectives, on every rank in the same order
         return stepped, [*norms, *(self._grad_norms[name] for name in stepped)]
@@ -553,11 +762,17 @@ class FeatureStatsMonitor(RecorderCallback):
             scalars[self.tag("train", name, "update_ratio")] = delta / (size + 1e-12)
         return scalars
 
-    def _log_train(self, trainer: pl.Trainer, parts: list[list[Tensor]], batch: Tensor) -> None:
+    def _log_train(
+        self,
+        trainer: pl.Trainer,
+        parts: list[list[Tensor]],
+        batch: Tensor,
+        weights: list[list[float]] | None = None,
+    ) -> None:
         """Log a training step: its histograms, statistics and parameter norms reach the host in
         one copy (the collectives under DDP run first, on every rank)."""
         step = step_axis(trainer)
-        table = self._histogram_table(parts, batch)
+        table = self._histogram_table(parts, batch, weights)
         state = self._gathered(trainer, "train")
         scalars: dict[str, float] = {}
         hists: dict[str, dict[str, Any]] = {}
@@ -583,8 +798,9 @@ class FeatureStatsMonitor(RecorderCallback):
             scalars = self._stat_scalars("train", rows)
             if self._params:
                 scalars.update(self._parameter_scalars(stepped, values[at + state.numel() :]))
-        self._before, self._grad_norms = {}, {}
+        self._stepped, self._grad_norms = [], {}  # the buffers in _before are kept
         self._write(trainer, scalars, hists, step)
+
         self.logged_steps += 1
         self.last_logged_step = step
 

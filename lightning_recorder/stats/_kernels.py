@@ -258,6 +258,61 @@ def merged(states: Sequence[Tensor]) -> Tensor:
 NATIVE_CANCEL_BITS = 3
 
 
+# Sums of squares in float32 are taken as dot products of rows of this many elements (one read,
+# nothing written), the rows' results summed: each dot accumulates few terms, so the sum stays
+# within about ``1e-7`` (relative) where one dot over a whole chunk drifts to ``1e-6`` and more.
+SQUARE_ROW = 4096
+
+
+def square_sum(v: Tensor) -> Tensor:
+    """``sum(v**2)`` of a flat float32 CPU tensor in one read: a batched dot of rows of
+    :data:`SQUARE_ROW` elements, then their sum (a 0-d tensor), in float32 also under autocast
+    (which would run the batched product in bfloat16)."""
+    if torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return square_sum(v)
+    rows = v.numel() // SQUARE_ROW
+    head = v[: rows * SQUARE_ROW].view(rows, 1, SQUARE_ROW)
+    total = torch.bmm(head, head.transpose(1, 2)).sum()
+    if rows * SQUARE_ROW < v.numel():
+        tail = v[rows * SQUARE_ROW :]
+        total = total + torch.dot(tail, tail)
+    return total
+
+
+def sample_of(x: Tensor, size: int) -> tuple[Tensor, float]:
+    """A copy of at most ``size`` evenly strided elements of ``x`` (all of them if it has no more),
+    and the number of elements each one stands for (``numel / len(sample)``).
+
+    The stride is the smallest prime at least ``numel / size``: it shares no factor with the
+    periods of typical layouts (channels, rows, batch items: products of small numbers), so the
+    sample visits every channel and position alike instead of aliasing onto a few of them.
+    """
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    if n <= size:
+        return flat.clone(), 1.0
+    stride = _prime_at_least(-(-n // size))
+    sample = flat[::stride].clone()
+    return sample, n / sample.numel()
+
+
+_PRIMES: dict[int, int] = {}
+
+
+def _prime_at_least(k: int) -> int:
+    """The smallest prime ``>= k`` (``k >= 2``; cached: a training loop asks for few sizes)."""
+    found = _PRIMES.get(k)
+    if found is None:
+        p = max(k, 2)
+        while any(p % d == 0 for d in range(2, math.isqrt(p) + 1)):
+            p += 1
+        if len(_PRIMES) > 4096:
+            _PRIMES.clear()
+        found = _PRIMES[k] = p
+    return found
+
+
 def native_chunk(chunk: Tensor, work: Workspace) -> Tensor:
     """The packed state of a non-empty CPU chunk of float32 (float16, bfloat16: upcast exactly),
     its sums taken in float32.
@@ -273,8 +328,8 @@ def native_chunk(chunk: Tensor, work: Workspace) -> Tensor:
         v = work.get("v", chunk.numel(), torch.float32).copy_(chunk)
     n = v.numel()
     scratch = work.get("work", n, torch.float32)
-    squares_t = torch.mul(v, v, out=scratch).sum()
-    total, low, high, squares = torch.stack([v.sum(), v.amin(), v.amax(), squares_t]).tolist()
+    low_t, high_t = torch.aminmax(v)
+    total, low, high, squares = torch.stack([v.sum(), low_t, high_t, square_sum(v)]).tolist()
     if not (math.isfinite(total) and math.isfinite(squares)):
         return masked_state(flat64(chunk))
     mean = total / n
@@ -583,8 +638,14 @@ def histogram_rows_cpu(
     group: Any,
     work: Workspace,
     exact: bool = True,
+    weights: Sequence[Sequence[float]] | None = None,
 ) -> list[HistogramRow]:
-    """:func:`histogram_rows` of CPU tensors: scalar work in Python, few passes per value."""
+    """:func:`histogram_rows` of CPU tensors: scalar work in Python, few passes per value.
+
+    ``weights``: for each set, the number of elements each element of each of its tensors
+    stands for (samples, see :func:`sample_of`); the weighted counts are then scaled to add up
+    to the set's count of finite values (its state's, all-reduced), before the sum over ranks.
+    """
     rows = states.tolist()
     syncing = sync_active(sync, group)
     bounds = [[-row[MIN], row[MAX]] for row in rows]
@@ -602,17 +663,23 @@ def histogram_rows_cpu(
         counted: Tensor | None = None
         laned = row[ZEROS] >= LANED_ZEROS * row[NUMEL]
         if row[COUNT] > 0:  # else no finite value here: nothing to count
-            for x in tensors:
+            for i, x in enumerate(tensors):
                 for chunk in chunks(x):
                     finite = chunk[torch.isfinite(chunk)] if row[NONFINITE] else chunk
                     if exact:
                         part = bucket_cpu(finite, table[m], bits32[m], lo, hi, work, laned)
                     else:
                         part = bucket_native(finite, edges[m], lo, hi, work, laned)
+                    if weights is not None:
+                        part = part.to(F64) * weights[m][i]
                     counted = part if counted is None else counted + part
+        if counted is not None and weights is not None and any(w != 1.0 for w in weights[m]):
+            found_total = counted.sum().item()  # on the host: a CPU read is free
+            if found_total > 0:
+                counted = counted * (row[COUNT] / found_total)
         found.append(torch.zeros(bins + 1, dtype=torch.int64) if counted is None else counted)
     sums = [[r[COUNT], r[COUNT] * r[MEAN], r[M2] + r[COUNT] * (r[MEAN] * r[MEAN])] for r in rows]
-    counts = torch.stack(found).to(F64).tolist()
+    counts = torch.stack([f.to(F64) for f in found]).tolist()
     if syncing:
         reduced = torch.tensor([s + c for s, c in zip(sums, counts, strict=True)], dtype=F64)
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
@@ -628,10 +695,24 @@ def histogram_rows_cpu(
     return out
 
 
+def scaled_to(counts: Tensor, total: float | Tensor) -> Tensor:
+    """Weighted float64 counts scaled to add up to ``total`` (unchanged when they add up to 0)."""
+    found = counts.sum()
+    return torch.where(found > 0, counts * (total / found.clamp(min=1e-300)), counts)
+
+
 def histograms_device(
-    parts: Sequence[Sequence[Tensor]], states: Tensor, bins: int, *, sync: bool, group: Any
+    parts: Sequence[Sequence[Tensor]],
+    states: Tensor,
+    bins: int,
+    *,
+    sync: bool,
+    group: Any,
+    weights: Sequence[Sequence[float]] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Histograms of ``m`` sets of tensors, on their device, without a host synchronisation.
+
+    ``weights`` as in :func:`histogram_rows_cpu` (counts scaled to each set's finite count).
 
     Returns:
         ``counts (m, bins)``, ``edges (m, bins + 1)``, finite ``vmin (m,)`` and ``vmax (m,)``
@@ -653,12 +734,15 @@ def histograms_device(
     sums = torch.stack([count, count * mean, states[:, M2] + count * (mean * mean)], 1)
     counts = torch.zeros(len(parts), bins, dtype=F64, device=states.device)
     for m, tensors in enumerate(parts):
-        for x in tensors:
+        for i, x in enumerate(tensors):
             v = flat64(x)
             finite = torch.isfinite(v)
             safe = torch.where(finite, v, lo[m])
             index = (torch.searchsorted(edges[m], safe, right=True) - 1).clamp(0, bins - 1)
-            counts[m].index_add_(0, index, finite.to(F64))
+            ones = finite.to(F64)
+            counts[m].index_add_(0, index, ones if weights is None else ones * weights[m][i])
+        if weights is not None:
+            counts[m] = scaled_to(counts[m], count[m])
     packed = torch.cat([counts, sums], 1)
     if syncing:
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)

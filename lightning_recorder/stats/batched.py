@@ -12,6 +12,10 @@ states cross ranks in one gather and reach the host in one copy:
 * :func:`histogram_rows` — the histograms of ``m`` sets of tensors as :class:`HistogramRow` s
   (:func:`histogram_rows_cpu` on the host, :func:`histograms_device` and :func:`raw_table` on
   the data's device without reading anything back);
+* :func:`flatten_segments`, :func:`segmented_states`, :func:`segmented_histograms` — the
+  states and histograms of many small tensors in one flat buffer, a few operations in all;
+* :func:`sample_of` — a small strided copy of a tensor, for approximate histograms (the
+  weights of :func:`histogram_rows_cpu` / :func:`histograms_device` scale its counts);
 * :func:`foreach_norms` / :func:`host_floats` — norms of many tensors in one call, and 0-d
   tensors to the host in one copy.
 """
@@ -38,13 +42,16 @@ from ._kernels import (
     merged,
     native_state,
     raw_table,
+    sample_of,
 )
+from ._segmented import flatten_segments, segmented_histograms, segmented_states
 
 __all__ = [
     "HistogramRow",
     "Workspace",
     "empty_state",
     "finalize_host",
+    "flatten_segments",
     "foreach_norms",
     "gather_merged",
     "histogram_rows",
@@ -55,6 +62,9 @@ __all__ = [
     "merged",
     "native_state",
     "raw_table",
+    "sample_of",
+    "segmented_histograms",
+    "segmented_states",
     "upcast",
 ]
 

@@ -347,12 +347,18 @@ class InPlace(ProbeNet):
 
 def test_output_modified_in_place(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="inplace")
-    trainer = pl.Trainer(
-        **QUIET, logger=logger, max_steps=1, callbacks=[FeatureStatsMonitor("body.0", 1)]
-    )
+    # Records kept (exact histograms) without clone: the in-place change is detected.
+    kept = FeatureStatsMonitor("body.0", 1)
+    kept.exact_histograms = True
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[kept])
     with pytest.raises(RecordModifiedError, match=r"modified in place.*Pass clone=True"):
         trainer.fit(InPlace(), loader(features(8)))
     assert live_hooks() == []
+    # The default computes the statistics in the hook, before the in-place ReLU.
+    default = FeatureStatsMonitor("body.0", every_n_steps=1, parameters=False)
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[default])
+    trainer.fit(InPlace(), loader(features(8)))
+    assert scalars(logger.log_dir)["stats/train/body.0/min"][0] < 0
     monitor = FeatureStatsMonitor("body.0", every_n_steps=1, clone=True, parameters=False)
     trainer = pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor])
     trainer.fit(InPlace(), loader(features(8)))
@@ -629,3 +635,137 @@ def test_write_wandb_logs_histograms_from_the_same_buckets(monkeypatch: pytest.M
     hist = metrics["a/histogram"]
     np.testing.assert_array_equal(hist.counts, [1.0, 2.0, 1.0])
     np.testing.assert_array_equal(hist.edges, kwargs["bucket_limits"])
+
+
+# --- statistics in the hook: long steps, approximate histograms, parameter buffers ----------
+
+
+class LongStep(pl.LightningModule):
+    """A cell called ``calls`` times in one training step (an RNN unrolled by hand)."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.cell = nn.Linear(64, 64)
+        self.calls = calls
+        self.held: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        h = batch[0]
+        for _ in range(self.calls):
+            h = torch.tanh(self.cell(h))
+        monitor = FeatureStatsMonitor.of(self.trainer)
+        self.held.append(monitor._held_bytes())
+        return h.square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def fit_long_step(
+    tmp_path: Path, exact: bool, calls: int = 1000
+) -> tuple[LongStep, FeatureStatsMonitor, list[warnings.WarningMessage]]:
+    torch.manual_seed(0)
+    model = LongStep(calls)
+    monitor = FeatureStatsMonitor("cell", every_n_steps=1, stats=("mean", "numel"))
+    monitor.exact_histograms = exact
+    monitor.histogram_sample = 4096  # each output (16 x 64) is sampled whole, then thinned
+    logger = TensorBoardLogger(tmp_path, name=f"long{exact}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor]).fit(
+            model, loader(torch.randn(16, 64), batch_size=16)
+        )
+    return model, monitor, caught
+
+
+def test_long_step_holds_bounded_memory(tmp_path: Path) -> None:
+    model, monitor, _ = fit_long_step(tmp_path, exact=False)
+    records = 1000 * 16 * 64 * 4  # what keeping every output would hold: 4 MiB
+    # small outputs copied until 2**16 + 2**14 elements, then folded into packed states (merged
+    # every 64 calls) and samples thinned to at most 2 * histogram_sample elements (plus one
+    # output's sample): independent of the number of calls
+    assert model.held[0] <= (3 * monitor.histogram_sample + 2**16 + 2**14) * 4 + 64 * 9 * 8
+    assert model.held[0] < records / 8
+    logged = scalars(Path(tmp_path) / "longFalse" / "version_0")
+    assert logged["stats/train/cell/numel"][0] == 1000 * 16 * 64
+    hist = events(Path(tmp_path) / "longFalse" / "version_0").Histograms(
+        "stats/train/cell/histogram"
+    )
+    # the sampled counts are scaled to the exact number of finite values
+    assert sum(hist[0].histogram_value.bucket) == pytest.approx(1000 * 16 * 64, rel=1e-9)
+
+
+def test_long_step_with_kept_records_warns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(monitor_module, "_RECORDS_WARN_BYTES", 2**19)
+    model, _, caught = fit_long_step(tmp_path, exact=True, calls=200)
+    assert model.held[0] >= 200 * 16 * 64 * 4  # every output kept until the step ends
+    ours = [w for w in caught if "MiB of records in one batch" in str(w.message)]
+    assert len(ours) == 1
+
+
+class Wide(pl.LightningModule):
+    """One output of 2**18 elements per step: sampled, not copied whole, for the histogram."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.Linear(16, 1024)
+        self.outputs: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        out = self.wide(batch[0])
+        self.outputs.append(out.detach().clone())
+        return torch.relu_(out).mean()  # in place on the monitored output
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_large_output_histogram_sampled_or_exact(tmp_path: Path, exact: bool) -> None:
+    torch.manual_seed(0)
+    model = Wide()
+    monitor = FeatureStatsMonitor("wide", every_n_steps=1, parameters=False, clone=exact)
+    monitor.exact_histograms = exact
+    logger = TensorBoardLogger(tmp_path, name="wide")
+    data = torch.randn(256, 16)
+    pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor]).fit(
+        model, loader(data, batch_size=256)
+    )
+    (event,) = events(logger.log_dir).Histograms("stats/train/wide/histogram")
+    hist = event.histogram_value
+    x = model.outputs[0].reshape(-1).double()
+    # range, count and sums describe every element, exactly (float32 data, float64 sums)
+    assert (hist.min, hist.max, hist.num) == (x.min().item(), x.max().item(), x.numel())
+    assert hist.sum == pytest.approx(x.sum().item(), rel=1e-6, abs=1e-3)
+    edges = torch.tensor(list(hist.bucket_limit), dtype=torch.float64)
+    expected = torch.histogram(x, edges).hist / x.numel()
+    got = torch.tensor(list(hist.bucket[1:]), dtype=torch.float64) / x.numel()
+    if exact:
+        # float32 bucket arithmetic: a value within rounding of an edge may move one bucket
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    else:
+        # a strided sample of 2**18 / 17 = 15,420 values: each fraction has a standard error
+        # of at most 0.5 / sqrt(15420) = 0.004; 0.015 is 3.7 of them
+        torch.testing.assert_close(got, expected, rtol=0, atol=1.5e-2)
+        assert got.sum().item() == pytest.approx(1.0, rel=1e-9)
+    scalars_logged = scalars(logger.log_dir)
+    assert scalars_logged["stats/train/wide/min"][0] == pytest.approx(x.min().item())  # pre-ReLU
+
+
+def test_parameter_buffers_are_allocated_once(tmp_path: Path) -> None:
+    monitor = FeatureStatsMonitor("body.*", every_n_steps=1, histograms=False)
+    seen: list[dict[str, int]] = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            seen.append({n: t.data_ptr() for n, t in monitor._before.items()})
+
+    logger = TensorBoardLogger(tmp_path, name="buffers")
+    pl.Trainer(**QUIET, logger=logger, max_steps=3, callbacks=[monitor, Spy()]).fit(
+        ProbeNet(), loader(features(12))
+    )
+    assert len(seen) == 3 and seen[0] and seen[0] == seen[1] == seen[2]
+    ratios = scalars(logger.log_dir)["stats/train/body.0.weight/update_ratio"]
+    assert sorted(ratios) == [0, 1, 2] and all(0 < r < 1 for r in ratios.values())

@@ -84,10 +84,6 @@ def norm_names(model: nn.Module) -> list[str]:
 
 
 # ------------------------------------------------------------------ 1. in-place ReLU after BN
-@pytest.mark.xfail(
-    strict=True,
-    reason="pending: default monitor raises RecordModifiedError on BatchNorm2d -> ReLU(inplace)",
-)
 def test_monitor_defaults_log_batchnorm_outputs_before_inplace_relu(tmp_path: Path) -> None:
     model = ImageClassifier(resnet_basic())
     names = norm_names(model) + list(modules_of_type(model, nn.Conv2d))

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import lightning_recorder.stats as stats_module
 import lightning_recorder.stats._kernels as K
+import lightning_recorder.stats._segmented as K_seg
 from lightning_recorder.errors import RecorderConfigError
 from lightning_recorder.stats import (
     STAT_NAMES,
@@ -852,3 +853,85 @@ def test_parameter_norms_follow_tensor_norm() -> None:
         assert norm.dtype == expected.dtype
         torch.testing.assert_close(norm, expected)
     assert foreach_norms([]) == []
+
+
+# --- the monitor's step kernels: one-read squares, samples, segments -------------------------
+
+
+def test_square_sum_is_float32_one_read_within_1e7() -> None:
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 4095, 4096, 2**18 + 3):
+        x = torch.randn(n, generator=g) + 0.5
+        exact = torch.dot(x.double(), x.double())
+        # rows of 4096 products summed in float32, then the rows pairwise: a relative error of
+        # a few 1e-8 in practice; 1e-6 is the documented precision of the monitor's statistics
+        torch.testing.assert_close(K.square_sum(x).double(), exact, rtol=1e-6, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # not lowered to bfloat16
+        x = torch.randn(2**14, generator=g)
+        torch.testing.assert_close(
+            K.square_sum(x).double(), torch.dot(x.double(), x.double()), rtol=1e-6, atol=0
+        )
+
+
+def test_sample_of_is_small_strided_and_weighted() -> None:
+    x = torch.arange(10.0).reshape(2, 5)
+    kept, weight = K.sample_of(x, 16)  # small: a copy of everything
+    assert torch.equal(kept, x.reshape(-1)) and weight == 1.0
+    assert kept.data_ptr() != x.data_ptr()
+    big = torch.arange(100_000.0)
+    kept, weight = K.sample_of(big, 1000)
+    stride = 101  # the smallest prime >= 100
+    assert torch.equal(kept, big[::stride]) and weight == pytest.approx(100_000 / kept.numel())
+    assert kept.numel() <= 1000
+
+
+def test_segmented_states_equal_batch_states() -> None:
+    g = torch.Generator().manual_seed(1)
+    groups = [
+        [torch.randn(7, generator=g), torch.randn(3, 2, generator=g) * 100 + 1e4],
+        [],
+        [torch.tensor([0.0, math.nan, 2.0, -math.inf, 0.0])],
+        [torch.relu(torch.randn(50, generator=g)).half()],
+    ]
+    values, seg = K_seg.flatten_segments(groups, "cpu")
+    got = K_seg.segmented_states(values, seg, len(groups))
+    for row, tensors in zip(got, groups, strict=True):
+        flat = torch.cat([t.reshape(-1).double() for t in tensors]) if tensors else None
+        expected = K.empty_state() if flat is None else K.batch_state(flat)
+        # both float64 with the same formulas, summed in a different order: a few ulps
+        torch.testing.assert_close(row, expected, rtol=1e-12, atol=1e-9)
+
+
+def test_segmented_histograms_count_every_finite_value() -> None:
+    g = torch.Generator().manual_seed(2)
+    groups = [[torch.randn(1000, generator=g)], [torch.tensor([1.0, 1.0, math.nan])], []]
+    values, seg = K_seg.flatten_segments(groups, "cpu")
+    states = K_seg.segmented_states(values, seg, 3)
+    counts, edges, vmin, vmax, sums = K_seg.segmented_histograms(
+        values, seg, states, 8, sync=False, group=None
+    )
+    x = groups[0][0].double()
+    assert counts.sum(1).tolist() == [1000.0, 2.0, 0.0]
+    assert (vmin[0].item(), vmax[0].item()) == (x.min().item(), x.max().item())
+    # float64 bucket arithmetic: only a value within rounding of an edge could move, and
+    # Gaussian data has none at this distance; torch.histogram is the reference rule
+    assert counts[0].tolist() == torch.histogram(x, edges[0]).hist.tolist()
+    assert counts[1].tolist() == [0.0] * 4 + [2.0] + [0.0] * 3  # one value: [v - .5, v + .5]
+    torch.testing.assert_close(sums[0, 1], x.sum(), rtol=1e-12, atol=1e-9)
+
+
+def test_weighted_histogram_rows_scale_to_the_finite_count() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2**16, generator=g)
+    state = K.batch_state(x)[None]
+    kept, weight = K.sample_of(x, 2**10)
+    (row,) = K.histogram_rows_cpu(
+        [[kept]], state, 16, sync=False, group=None, work=K.Workspace(), weights=[[weight]]
+    )
+    assert sum(row.counts) == pytest.approx(2**16, rel=1e-12)
+    exact = torch.histogram(x.double(), torch.tensor(row.edges, dtype=torch.float64)).hist
+    # 1,008 sampled values: a fraction's standard error is at most 0.5 / sqrt(1008) = 0.016;
+    # 0.06 is 3.8 of them
+    torch.testing.assert_close(
+        torch.tensor(row.counts, dtype=torch.float64) / 2**16, exact / 2**16, rtol=0, atol=0.06
+    )

@@ -1,0 +1,405 @@
+"""What a `FeatureStatsMonitor` logging step costs, against the floor of reading the data once.
+
+Four measures, each side by side in one run (the variants of a measure take turns in a random
+order within every repeat; medians over the repeats; the spread is the interquartile range of
+the per-repeat ratios):
+
+1. **Kernels** — on float32 tensors of 2**20 and 2**22 elements (Gaussian, and after a ReLU),
+   the time of the monitor's statistics (one packed state), of the exact histogram (every
+   element bucketed) and of the sampled one (:func:`~lightning_recorder.stats.batched.sample_of`
+   and the weighted counts) in units of ``x.sum()``, one read of the data. ``before`` is the
+   statistics kernel of the previous release (``mul`` into scratch, ``amin``, ``amax``).
+2. **Parameter statistics** — the parameters of the ResNet-18-like model (11.2 M): a clone
+   before the step and a fresh difference after it (before), against persistent buffers filled
+   by ``_foreach_copy_`` and an in-place ``_foreach_sub_`` (now), in units of one
+   ``_foreach_norm`` of the parameters (one read).
+3. **Per-layer fixed cost** — 64 outputs of 64 elements (the data costs nothing): CPU time of
+   the hook's work plus the logging step's merge, histograms and host copy, per layer.
+4. **Trainer** — the time of a logging step (``every_n_steps=1``, parameters and histograms on,
+   a TensorBoard logger) over that of a plain step, on (a) a small CNN, (b) a ResNet-18-like
+   model (basic blocks 64-128-256-512, 32 x 32 inputs) with every module monitored, (c) a
+   64-layer MLP (width 256) with every module monitored; the monitor with statistics in the
+   hook (default) and with kept records (``exact_histograms``, ``clone=True``).
+
+Run ``python benchmarks/bench_logging.py`` (``--quick`` for a smoke run). One CPU thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor, nn
+
+from lightning_recorder import FeatureStatsMonitor
+from lightning_recorder._core.compat import foreach_copy_, foreach_norm, foreach_sub, foreach_sub_
+from lightning_recorder.stats._kernels import (
+    Workspace,
+    histogram_rows_cpu,
+    masked_state,
+    native_state,
+    sample_of,
+)
+from lightning_recorder.stats.batched import host_floats, merged
+
+# --------------------------------------------------------------------------- timing
+
+
+def interleaved(
+    variants: dict[str, Callable[[], Any]], repeats: int, inner: int = 1, clock: Any = None
+) -> dict[str, list[float]]:
+    """Seconds per call of each variant, per repeat; the variants take turns in random order."""
+    clock = clock or time.perf_counter
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():
+        fn()  # warm-up
+    order = list(variants)
+    rng = random.Random(0)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for name in order:
+            fn = variants[name]
+            start = clock()
+            for _ in range(inner):
+                fn()
+            times[name].append((clock() - start) / inner)
+    return times
+
+
+def ratio(times: dict[str, list[float]], name: str, floor: str) -> tuple[float, float, float]:
+    """Median and quartiles of the per-repeat ratio ``name / floor``."""
+    ratios = sorted(a / b for a, b in zip(times[name], times[floor], strict=True))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return q[1], q[0], q[2]
+
+
+def fmt(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
+
+
+# --------------------------------------------------------------------------- 1. kernels
+
+
+def old_state(x: Tensor, work: Workspace) -> Tensor:
+    """The previous release's float32 chunk kernel (for the before/after column)."""
+    states = []
+    for start in range(0, x.numel(), 2**18):
+        v = x[start : start + 2**18]
+        n = v.numel()
+        scratch = work.get("old", n, torch.float32)
+        squares_t = torch.mul(v, v, out=scratch).sum()
+        total, low, high, squares = torch.stack([v.sum(), v.amin(), v.amax(), squares_t]).tolist()
+        abs_sum = abs(total) if low >= 0 or high <= 0 else torch.abs(v, out=scratch).sum().item()
+        zeros = 0.0
+        if not (low > 0 or high < 0):
+            sign = torch.sign(v, out=scratch)
+            zeros = n - torch.dot(sign, sign).item()
+        mean = total / n
+        m2 = squares - total * mean
+        states.append(
+            torch.tensor([n, mean, m2, low, high, abs_sum / n, zeros, 0, n], dtype=torch.float64)
+        )
+    return merged(states)
+
+
+def kernel_row(x: Tensor, kind: str, work: Workspace, repeats: int) -> str:
+    """One row of the kernel table: ratios to one read (``x.sum()``)."""
+
+    def stats() -> Tensor:
+        return native_state(x, work)
+
+    state = stats()[None]
+
+    def exact() -> Any:
+        return histogram_rows_cpu([[x]], state, 30, sync=False, group=None, work=work, exact=False)
+
+    def sampled() -> Any:
+        kept, weight = sample_of(x, 2**16)
+        return histogram_rows_cpu(
+            [[kept]], state, 30, sync=False, group=None, work=work, exact=False, weights=[[weight]]
+        )
+
+    variants = {
+        "floor": lambda: x.sum(),
+        "before": lambda: old_state(x, work),
+        "now": stats,
+        "exact": lambda: (stats(), exact()),
+        "sampled": lambda: (stats(), sampled()),
+        "copy": lambda: x.clone(),
+    }
+    t = interleaved(variants, repeats, inner=3)
+    floor_us = statistics.median(t["floor"]) * 1e6
+    cells = [fmt(ratio(t, k, "floor")) for k in ("before", "now", "exact", "sampled", "copy")]
+    size = x.numel().bit_length() - 1
+    return f"| 2**{size} {kind} (one read: {floor_us:.0f} µs) | " + " | ".join(cells) + " |"
+
+
+def kernels(repeats: int, sizes: Sequence[int]) -> list[str]:
+    work = Workspace()
+    lines = [
+        "| tensor | statistics before | statistics now | + exact histogram | "
+        "+ sampled histogram | copy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in sizes:
+        for kind in ("gaussian", "relu"):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+            lines.append(kernel_row(x.relu() if kind == "relu" else x, kind, work, repeats))
+    return lines
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.down(x))
+
+
+def resnet18_like() -> nn.Module:
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, 64, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(inplace=True),
+    ]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10)]
+    return nn.Sequential(*layers)
+
+
+def mlp64() -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(64, 256)]
+    for _ in range(62):
+        layers += [nn.ReLU(), nn.Linear(256, 256)]
+    layers += [nn.ReLU(), nn.Linear(256, 10)]
+    return nn.Sequential(*layers)
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 10),
+    )
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
+    "(a) CNN (digits-sized)": (cnn, (1, 8, 8), 128),
+    "(b) ResNet-18-like, every module": (resnet18_like, (3, 32, 32), 16),
+    "(c) MLP, 64 layers, every module": (mlp64, (64,), 128),
+}
+
+
+class Net(pl.LightningModule):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.net = body
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+class StepTimer(pl.Callback):
+    """Step times (batch start to the next batch start), wall clock."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start: float | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        now = time.perf_counter()
+        if self._start is not None:
+            self.times.append(now - self._start)
+        self._start = now
+
+
+def fit_steps(model_name: str, config: str, steps: int, root: str) -> list[float]:
+    build, shape, batch = MODELS[model_name]
+    torch.manual_seed(0)
+    body = build()
+    data = torch.utils.data.TensorDataset(
+        torch.randn(batch * (steps + 1), *shape), torch.randint(0, 10, (batch * (steps + 1),))
+    )
+    timer = StepTimer()
+    callbacks: list[pl.Callback] = [timer]
+    if config != "plain":
+        sources = "net.*" if not model_name.startswith("(a)") else [nn.Conv2d, nn.Linear]
+        monitor = FeatureStatsMonitor(sources, every_n_steps=1, clone=config == "records kept")
+        monitor.exact_histograms = config == "records kept"
+        callbacks.append(monitor)
+    trainer = pl.Trainer(
+        max_steps=steps + 1,
+        accelerator="cpu",
+        logger=TensorBoardLogger(root, name=config.replace(" ", "-")),
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Net(body), torch.utils.data.DataLoader(data, batch_size=batch))
+    return timer.times[2:]  # warm-up excluded
+
+
+def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
+    configs = ("plain", "in the hook", "records kept")
+    lines = [
+        "| model | logging step, in the hook (default) | logging step, records kept | "
+        "plain step (ms) |",
+        "|---|---|---|---|",
+    ]
+    rng = random.Random(1)
+    with tempfile.TemporaryDirectory() as root:
+        for model_name in [m for m in MODELS if m[1] in models]:
+            per: dict[str, list[float]] = {c: [] for c in configs}
+            for _ in range(repeats):
+                order = list(configs)
+                rng.shuffle(order)
+                for config in order:
+                    times = fit_steps(model_name, config, steps, root)
+                    per[config].append(statistics.median(times))
+            cells = [fmt(ratio(per, c, "plain")) for c in configs[1:]]
+            plain = statistics.median(per["plain"]) * 1e3
+            lines.append(f"| {model_name} | " + " | ".join(cells) + f" | {plain:.1f} |")
+    return lines
+
+
+# --------------------------------------------------------------------------- 2., 3.
+
+
+def parameters(repeats: int) -> list[str]:
+    params = [p.detach() for p in resnet18_like().parameters()]
+    buffers = [torch.empty_like(p) for p in params]
+
+    def before() -> Any:  # clone, then a fresh difference and three norms
+        copies = [p.clone() for p in params]
+        change = foreach_sub(params, copies)
+        return foreach_norm([*params, *copies, *change])
+
+    def now() -> Any:  # persistent buffers, in-place difference
+        foreach_copy_(buffers, params)
+        norms = foreach_norm([*params, *buffers])
+        foreach_sub_(buffers, params)
+        return [*norms, *foreach_norm(buffers)]
+
+    t = interleaved(
+        {"floor": lambda: foreach_norm(params), "before": before, "now": now}, repeats, inner=2
+    )
+    count = sum(p.numel() for p in params) / 1e6
+    return [
+        "| parameters | before (clone + difference) | now (buffers, in place) |",
+        "|---|---|---|",
+        f"| ResNet-18-like, {count:.1f} M | {fmt(ratio(t, 'before', 'floor'))} | "
+        f"{fmt(ratio(t, 'now', 'floor'))} |",
+    ]
+
+
+def per_layer(repeats: int) -> list[str]:
+    from lightning_recorder.callbacks.stats_monitor import _Pending
+
+    layers = [torch.randn(8, 8) for _ in range(64)]
+    work = Workspace()
+
+    monitor = FeatureStatsMonitor("layer")
+    monitor._write_histograms, monitor._work, monitor._segments = True, work, None
+    cpu = torch.device("cpu")
+
+    def in_hook() -> Any:  # the hook's copies, then the logging step's segmented reductions
+        pending = [_Pending() for _ in layers]
+        for p, x in zip(pending, layers, strict=True):
+            p.add(x, work, 2**16)
+        states, parts, weights = monitor._hook_states(pending, cpu)
+        table = monitor._histogram_table(parts, states, weights)
+        return host_floats([table, states] if isinstance(table, Tensor) else [states])
+
+    def records_kept() -> Any:
+        states = torch.stack([native_state(x, work) for x in layers])
+        rows = histogram_rows_cpu(
+            [[x] for x in layers], states, 30, sync=False, group=None, work=work, exact=False
+        )
+        return host_floats([states]), rows
+
+    def masked() -> Any:  # the device path (no host read), run on the CPU for scale
+        return host_floats([torch.stack([masked_state(x.reshape(-1).double()) for x in layers])])
+
+    t = interleaved(
+        {"hook": in_hook, "kept": records_kept, "masked": masked},
+        repeats,
+        inner=2,
+        clock=time.thread_time,
+    )
+    us = {k: statistics.median(v) * 1e6 / len(layers) for k, v in t.items()}
+    return [
+        "| per monitored layer (CPU µs) | in the hook | records kept | device path on CPU |",
+        "|---|---|---|---|",
+        f"| 64 outputs of 64 elements | {us['hook']:.0f} | {us['kept']:.0f} | {us['masked']:.0f} |",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, list[str]]:
+    parser = argparse.ArgumentParser(description="FeatureStatsMonitor logging-step cost")
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--only", default="kernels,parameters,layer,trainer")
+    parser.add_argument("--models", default="abc", help="Trainer-level models: a, b and/or c")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per Trainer run")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    repeats = 2 if args.quick else args.repeats
+    parts = args.only.split(",")
+    report: dict[str, list[str]] = {}
+    if "kernels" in parts:
+        report["kernels"] = kernels(repeats, [2**16] if args.quick else [2**20, 2**22])
+    if "parameters" in parts:
+        report["parameters"] = parameters(repeats)
+    if "layer" in parts:
+        report["layer"] = per_layer(repeats)
+    if "trainer" in parts:
+        report["trainer"] = trainer_level(
+            max(2, repeats // 3) if not args.quick else 1,
+            3 if args.quick else args.steps,
+            args.models,
+        )
+    for name, lines in report.items():
+        print(f"\n### {name} (median ratio, interquartile range in brackets)\n")
+        print("\n".join(lines))
+    return report
+
+
+if __name__ == "__main__":
+    main()
