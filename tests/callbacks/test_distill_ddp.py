@@ -35,10 +35,16 @@ def test_two_process_ddp_keeps_student_and_connectors_identical(tmp_path: Path) 
     assert not torch.allclose(rank0["local_grad"], rank1["local_grad"])
     # … and FeatureDistillation replaced them with their mean on both ranks.
     mean = (rank0["local_grad"] + rank1["local_grad"]) / 2
+    # float32 (a + b) / 2 here against the all-reduced sum divided there: at most an ulp or two
+    # apart, well inside assert_close's float32 default (rtol 1.3e-6, atol 1e-5).
     torch.testing.assert_close(rank0["averaged_grad"], mean)
+    # Exact on purpose: an all-reduce hands every rank the same bits (with two ranks the sum is
+    # a + b on one and b + a on the other, and float addition is commutative).
     assert torch.equal(rank0["averaged_grad"], rank1["averaged_grad"])
 
-    # After four steps, every weight is bit-identical across ranks.
+    # After four steps, every weight is bit-identical across ranks: the same starting weights and
+    # the same (all-reduced) gradients through the same optimizer step on each rank, which is
+    # what DDP guarantees and what FeatureDistillation must keep for its connectors.
     assert torch.equal(rank0["connector"], rank1["connector"])
     assert rank0["student"].keys() == rank1["student"].keys()
     for key, value in rank0["student"].items():

@@ -113,7 +113,7 @@ def run_child(script: Path, mode: str, data: bytes | None = None) -> subprocess.
         input=data,
         capture_output=True,
         env=child_env(),
-        timeout=120,
+        timeout=300,  # a fresh interpreter importing torch on a loaded machine
     )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     return proc

@@ -39,7 +39,7 @@ def main(rank: int, world: int, port: int, out_dir: Path) -> None:
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=300),  # a loaded machine may start one rank late
     )
     try:
         data = rank_data(rank)

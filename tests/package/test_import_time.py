@@ -1,37 +1,48 @@
-"""`import lightning_recorder` costs a small fraction of `import torch`.
+"""`import lightning_recorder` stays cheap: it imports no heavy dependency eagerly.
 
-Measured with ``python -X importtime`` in one fresh interpreter, so both numbers come from the
-same process under the same load: the package's own cumulative import time (torch already
-loaded) must stay under a quarter of torch's. Before the lazy face it was more than twice
-torch's (Lightning and torchmetrics were imported eagerly); with it, about a twentieth.
+Before the lazy face the package's import cost more than twice torch's, because Lightning and
+torchmetrics were imported eagerly; with it, about a twentieth. Timing that ratio depends on the
+machine and its load, so the test checks the cause instead, which is exact: in a fresh
+interpreter with torch already imported, importing the package (and reading its cheap names)
+loads none of the heavy optional libraries.
 """
 
 from __future__ import annotations
 
-import re
+import json
 import subprocess
 import sys
 
-BOUND = 0.25  # the package's import time over torch's
+HEAVY = (
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "torchmetrics",
+    "tensorboard",
+    "tensorboardX",
+    "transformers",
+    "wandb",
+    "safetensors",
+)
+
+CODE = """
+import json, sys
+import torch
+before = set(sys.modules)
+import lightning_recorder
+new = sorted({name.split(".")[0] for name in set(sys.modules) - before})
+print(json.dumps(new))
+"""
 
 
-def _cumulative_us(stderr: str, module: str) -> int:
-    pattern = re.compile(r"import time:\s+\d+ \|\s+(\d+) \| (\s*)(\S+)$")
-    for line in stderr.splitlines():
-        match = pattern.match(line)
-        if match and match.group(3) == module and not match.group(2):  # a top-level import
-            return int(match.group(1))
-    raise AssertionError(f"no top-level import of {module} in -X importtime output")
-
-
-def test_package_import_is_a_fraction_of_torch() -> None:
+def test_package_import_loads_no_heavy_dependency() -> None:
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import torch; import lightning_recorder"],
+        [sys.executable, "-c", CODE],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=300,  # a fresh interpreter importing torch on a loaded machine
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    torch_us = _cumulative_us(result.stderr, "torch")
-    package_us = _cumulative_us(result.stderr, "lightning_recorder")
-    assert package_us < BOUND * torch_us, (package_us, torch_us)
+    new = json.loads(result.stdout.splitlines()[-1])
+    assert "lightning_recorder" in new  # the import did happen in this interpreter
+    assert sorted(set(new) & set(HEAVY)) == [], new

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_recorder import ModuleOutputsRecorder, RecorderManager, RecorderStateError
 from lightning_recorder.errors import RecorderError
 
-TIMEOUT = 30  # seconds: only a deadlock would reach it
+TIMEOUT = 240  # seconds: only a deadlock would reach it, even on a loaded 2-core machine
 
 
 def model() -> nn.Module:
