@@ -478,7 +478,9 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert set(clock) == {"monitor", "scalars only", "empty callback"}  # vs the baseline
         assert all(set(by) == measures and min(by.values()) > 0 for by in clock.values())
     assert result["ms"]["wall"]["monitor"]["logging step"] > 0
-    assert 0.9 < result["rss_ratio"] < 1.1
+    # a quick run measures the ratio, it does not judge it (that is the benchmark's table, and
+    # RSS depends on the allocator and the machine): any sane positive ratio will do here
+    assert 0.5 < result["rss_ratio"] < 2.0
     assert (tmp_path / "bench.json").exists() and result["malloc_pinned"] is False
 
 
