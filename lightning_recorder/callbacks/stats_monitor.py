@@ -169,7 +169,10 @@ class _Pending:
         self.held = 0  # elements in the samples
 
     def add(self, x: Tensor, work: Workspace, sample: int) -> None:
-        if x.numel() <= _SMALL:
+        # Small CPU outputs are copied and reduced together at the end of the batch; off the
+        # CPU the segmented reduction would need the segment sizes on the device (a host
+        # synchronisation), so every output is reduced where it is, as a large one.
+        if x.numel() <= _SMALL and x.device.type == "cpu":
             self.small.append(x.reshape(-1).clone())
             self.small_held += x.numel()
             if self.small_held > _SMALL_HELD:  # fold: memory stays bounded on long steps

@@ -56,6 +56,8 @@ class StepRunner:
         # or-ed over the steps since the last check; read on the host only by check_nonfinite.
         self._nonfinite: Tensor | None = None
         self._nonfinite_step = 0  # the first training step the current flags cover
+        # flags on their way to the host: (pinned copy, CUDA event, first step, last step + 1)
+        self._in_flight: list[tuple[Tensor, Any, int, int]] = []
         self._reported: set[str] = set()
         self.pairs = dict(pairs)
         self.losses = dict(losses)
@@ -264,14 +266,48 @@ class StepRunner:
             flags = torch.stack(rows)
         self._nonfinite = flags if self._nonfinite is None else self._nonfinite | flags
 
-    def check_nonfinite(self, step: int) -> None:
-        """Read the non-finite flags on the host (a sync on an accelerator): warn or raise for
-        each pair seen non-finite for the first time, then start new flags at ``step``."""
+    def check_nonfinite(self, step: int, *, wait: bool = False) -> None:
+        """Report the pairs whose flags say non-finite, then start new flags at ``step``.
+
+        On the CPU the flags are read at once. On an accelerator reading them would synchronise
+        the step, so they are copied to the host asynchronously and read at the next check,
+        when the copy has long finished (``wait=True``, at the end of an epoch, waits for it):
+        a report arrives one check later, and no training step waits for the device.
+        """
         flags, self._nonfinite = self._nonfinite, None
         first, self._nonfinite_step = self._nonfinite_step, step
-        if flags is None or self.on_nonfinite == "ignore":
+        if self.on_nonfinite == "ignore":
             return
-        rows = flags.tolist()
+        ready = self._take_pending(wait)
+        if flags is not None and flags.device.type != "cpu":
+            pinned = flags.device.type == "cuda"  # an asynchronous copy needs pinned memory
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=pinned)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event() if flags.device.type == "cuda" else None
+            if event is not None:
+                event.record()
+            self._in_flight.append((host, event, first, step))
+            if wait:
+                ready.extend(self._take_pending(True))
+        elif flags is not None:
+            ready.append((flags.tolist(), first, step))
+        for rows, since, until in ready:
+            self._report_nonfinite(rows, since, until)
+
+    def _take_pending(self, wait: bool) -> list[tuple[list[list[bool]], int, int]]:
+        """The host rows of the flag copies that have arrived (all of them when ``wait``)."""
+        done, kept = [], []
+        for host, event, since, until in self._in_flight:
+            if event is None or wait or event.query():
+                if event is not None and wait:
+                    event.synchronize()
+                done.append((host.tolist(), since, until))
+            else:
+                kept.append((host, event, since, until))
+        self._in_flight = kept
+        return done
+
+    def _report_nonfinite(self, rows: list[list[bool]], first: int, step: int) -> None:
         for (pair, t_name), (bad_teacher, bad_term) in zip(self.pairs.items(), rows, strict=True):
             if not (bad_teacher or bad_term) or pair in self._reported:
                 continue

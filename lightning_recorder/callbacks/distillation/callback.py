@@ -276,7 +276,7 @@ class FeatureDistillation(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._runner.check_nonfinite(trainer.global_step)
+        self._runner.check_nonfinite(trainer.global_step, wait=True)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
