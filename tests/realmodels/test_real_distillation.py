@@ -140,9 +140,8 @@ def test_bert_last_hidden_state_by_path(tmp_path: Any) -> None:
     assert torch.isfinite(trainer.logged_metrics["distill/net.encoder"])
 
 
-@pytest.mark.xfail(strict=True, reason="pending: a pattern in `pairs` fails late and unclearly")
 def test_pattern_in_pairs_rejected_at_construction() -> None:
-    # Today: RecorderStateError at the first step ("records 34 sources ..."), from the recorder.
+    # A pattern would pair many features with many: rejected before anything is installed.
     with pytest.raises(RecorderConfigError, match=r"'net\.layer\*'.*exact module name"):
         FeatureDistillation(resnet_basic(8), {"net.layer*": "layer*"})
 

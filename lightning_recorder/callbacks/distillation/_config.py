@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..._core.checks import suggestion
+from ..._core.names import is_glob
 from ...distill.losses import LossFn, get_loss
 from ...errors import RecorderConfigError
 
@@ -121,6 +122,14 @@ def check_arguments(
                 "Expected `pairs` to map non-empty module names to module names but got "
                 f"{s_name!r}: {t_name!r} (the root module itself cannot be paired)."
             )
+    for s_name, t_name in pairs.items():
+        for side, name in (("student", s_name), ("teacher", t_name)):
+            if is_glob(name) or name.startswith("re:"):
+                raise RecorderConfigError(
+                    f"Expected `pairs` to name one {side} module each but got the pattern "
+                    f"{name!r} (in {s_name!r}: {t_name!r}): a pair matches one feature to one "
+                    "feature; give each pair an exact module name."
+                )
     if "total" in pairs:
         raise RecorderConfigError(
             "Expected no student module named 'total' in `pairs`: its logged name would "
