@@ -27,8 +27,7 @@ or a ``data_idx`` into a non-sequence raises ``NoRecordError`` (also an ``IndexE
 ``persistent=True``), so every test releases what it initialized; a copy of an initialized
 function or method recorder is a fresh recorder with empty records.
 
-Peer test (``file::function``; "(P)" marks a strict-xfail test of a pending behaviour) and the
-tests here that cover it:
+Peer test (``file::function``) and the tests here that cover it:
 
 ======================================================  =========================================
 MMRazor test                                            covered by
@@ -50,12 +49,12 @@ test_method_outputs_recorder::test_context_manager      test_method_outputs_reco
                                                         context, test_method_patch_restored_on_\
                                                         exit
 test_module_recorders::test_prepare_from_model          test_module_outputs_initialize_checks_\
-                                                        model, test_prepare_from_model_public (P)
+                                                        model, test_prepare_from_model_public
 test_module_recorders::test_module_outputs              test_module_outputs_context
 test_module_recorders::test_module_intputs              test_module_inputs_context
 test_param_recorder::test_prepare_from_model            test_parameter_recorder; its
                                                         ``prepare_from_model()`` call:
-                                                        test_prepare_from_model_public (P)
+                                                        test_prepare_from_model_public
 test_recorder_manager::test_init                        test_manager_init
 test_recorder_manager::test_context_manager             test_manager_context
 test_deliver_manager::test_init                         test_delivery_manager_init

@@ -10,17 +10,16 @@ The networks are the examples' ``SampleNet`` (two linears on the same input, con
 third linear, a ReLU; input shape ``(1, 3)``) and ``ConvSample`` (two convolutions, a residual
 addition, a ReLU; input shape ``(1, 1, 10, 10)``).
 
-"(P)" marks a strict-xfail test of a pending behaviour: the drop-in functions ``record``,
-``make_dot``, ``render_network`` and the ``GraphvizStyler`` class with torchrecorder's names and
-arguments, expected in ``lightning_recorder.graph``.
+The drop-in functions ``record``, ``make_dot``, ``render_network`` and the ``GraphvizStyler``
+class, with torchrecorder's names and arguments, are in ``lightning_recorder.graph``.
 
 ==================================================  ============================================
 torchrecorder example / promise                     covered by
 ==================================================  ============================================
-sample.py ``main``: ``render_network(net, name,     test_render_network (P);
+sample.py ``main``: ``render_network(net, name,     test_render_network    ;
 input_shapes=(1, 3), directory, fmt="svg",          here: test_render_svg_at_each_depth
 render_depth=i)`` writes ``"<name>-<i>.svg"``
-sample.py ``main2``: ``record(net, name,            test_record_then_make_dot (P);
+sample.py ``main2``: ``record(net, name,            test_record_then_make_dot    ;
 input_shapes)``, ``make_dot(rec, render_depth=i)``  here: test_dot_source_renders_with_graphviz
 gives an editable ``graphviz.Digraph`` (format,
 label) that renders
@@ -28,13 +27,13 @@ what the pictures show: children of the network,    test_sample_net_at_depth_1,
 the concatenation between them, parameters and      test_sample_net_at_depth_0,
 operations inside the layers at greater depths      test_sample_net_full_depth
 newstyler.py: ``ConvSample``'s residual graph       test_conv_sample_at_depth_1
-styleargs.py: ``make_dot(..., fontname="Lato")``    test_styler_args (P)
+styleargs.py: ``make_dot(..., fontname="Lato")``    test_styler_args
 styles every node
-newstyler.py: ``styler_cls`` subclassing            test_custom_styler (P)
+newstyler.py: ``styler_cls`` subclassing            test_custom_styler
 ``GraphvizStyler``, ``style_node(node)`` /
 ``style_edge(fnode, tnode)`` returning Graphviz
 attributes
-helpers.py ``record``: input shapes, a list of      test_record_input_shapes_and_names (P);
+helpers.py ``record``: input shapes, a list of      test_record_input_shapes_and_names    ;
 shapes for several inputs, or ``input_data``; the   here: test_given_inputs, test_several_inputs
 graph's name (``name``) labels the network
 recorder.py ``remove_hooks``: hooks removed after   test_no_hooks_left_and_autograd_kept
