@@ -15,7 +15,7 @@ from typing_extensions import override
 from .._core.checks import check_positive_int, suggestion
 from .._core.compat import foreach_copy_, foreach_sub_, is_compiled
 from .._core.names import named_parameters, select
-from .._core.structures import iter_tensors
+from .._core.structures import iter_tensors, parse_path
 from ..errors import RecorderConfigError, UnknownSourceError
 from ..recorders import RecordStream
 from ..stats import STAT_NAMES, StatName
@@ -126,6 +126,42 @@ def _source_key(source: ModuleSource) -> str:
     if isinstance(source, type):
         return f"{source.__module__}.{source.__qualname__}"
     return source
+
+
+def _source_and_path(item: object, owner: str) -> tuple[ModuleSource, str | None]:
+    """The source of one item of ``sources`` and its path in dotted form (``None`` without)."""
+    if isinstance(item, Mapping):
+        for key in item:
+            if key not in ("source", "path"):
+                raise RecorderConfigError(
+                    f"Expected the keys of each dict of `sources` of {owner} to be 'source' and "
+                    f"'path' but got {key!r}. {suggestion(str(key), ['source', 'path'], 'keys')}"
+                )
+        if "source" not in item:
+            raise RecorderConfigError(
+                f"Expected each dict of `sources` of {owner} to have a 'source' key (a module "
+                f"name, glob pattern or module type) but got {dict(item)!r}."
+            )
+        source = item["source"]
+        parsed = parse_path(item.get("path"))
+        path = None if parsed is None else ".".join(str(k) for k in parsed)
+    else:
+        source, path = item, None
+    if not isinstance(source, (str, type)) or source == "":
+        raise RecorderConfigError(
+            f"Expected each of `sources` of {owner} to be a module name, glob pattern or "
+            f"module type, or a dict {{'source': ..., 'path': ...}}, but got {item!r}."
+        )
+    return source, path
+
+
+def _item_key(item: object) -> str:
+    """The key of one (validated) item of ``sources``: ``source`` or ``source/path``."""
+    if isinstance(item, Mapping):
+        parsed = parse_path(item.get("path"))
+        key = _source_key(item["source"])
+        return key if parsed is None else f"{key}/{'.'.join(str(k) for k in parsed)}"
+    return _source_key(cast(ModuleSource, item))
 
 
 def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
@@ -245,7 +281,15 @@ class FeatureStatsMonitor(RecorderCallback):
 
     **Tags** are ``{prefix}/{stage}/{module}/{stat}`` (e.g. ``stats/train/features.0/mean``,
     ``stats/val/classifier/zero_fraction``), ``{prefix}/{stage}/{module}/histogram``, and
-    ``{prefix}/train/{parameter}/norm`` (``grad_norm``, ``update_ratio``); see :meth:`tag`.
+    ``{prefix}/train/{parameter}/norm`` (``grad_norm``, ``update_ratio``); see :meth:`tag`. A
+    source with a ``path`` adds it, dotted, after the module:
+    ``stats/train/bert/hidden_states.2/mean``.
+
+    **Structured outputs.** Without a ``path``, the statistics of a module that returns a tuple,
+    a dict or a ``ModelOutput`` mix every tensor in it (a BERT model's ``last_hidden_state``
+    with its ``pooler_output`` and every hidden state). Give the source a path,
+    ``{"source": "bert", "path": "last_hidden_state"}``, to follow one of them; two paths into
+    one module are two series.
 
     **Across processes** every statistic is over the data of all ranks: the streaming state and
     the histograms are synchronised on every rank and rank 0 writes. Parameters and gradients
@@ -257,6 +301,10 @@ class FeatureStatsMonitor(RecorderCallback):
             ``"features.*"`` (``*`` crosses dots), ``"re:"`` regular expressions matching whole
             names, or module types (``torch.nn.Conv2d``, ``"torch.nn.Conv2d"``, ``"Conv2d"``, or
             the bare name of a class defined elsewhere, ``"BertLayer"``) — one, or a list.
+            An item may be a dict ``{"source": ..., "path": ...}`` to follow a path into the
+            module's output: a tuple index (``0``), a key or attribute (``"last_hidden_state"``),
+            or a dotted chain of them (``"hidden_states.2"``), as the ``path`` of
+            :class:`~lightning_recorder.RecorderCallback`.
         every_n_steps: log training statistics every N optimizer steps; ``None`` follows the
             Trainer's ``log_every_n_steps``.
         stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
@@ -332,10 +380,11 @@ class FeatureStatsMonitor(RecorderCallback):
     _stepped: list[str]
     _records_warned: bool
     _segments: tuple[Tensor, Tensor] | None
+    _keys: dict[int, str]
 
     def __init__(
         self,
-        sources: ModuleSource | Sequence[ModuleSource],
+        sources: ModuleSource | Mapping[str, Any] | Sequence[ModuleSource | Mapping[str, Any]],
         every_n_steps: int | None = None,
         stages: Stage | Sequence[Stage] = ("train", "val"),
         stats: Sequence[StatName] = _DEFAULT_STATS,
@@ -349,23 +398,29 @@ class FeatureStatsMonitor(RecorderCallback):
         logger_stats: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         owner = type(self).__name__
-        items = [sources] if isinstance(sources, (str, type)) else sources
+        items = [sources] if isinstance(sources, (str, type, Mapping)) else sources
         if not isinstance(items, Sequence) or not items:
             raise RecorderConfigError(
                 f"Expected `sources` of {owner} to be a module name, pattern or type, or a "
                 f"non-empty list of them, but got {sources!r}."
             )
         configs: dict[str, dict[str, Any]] = {}
-        for source in items:
-            if not isinstance(source, (str, type)) or source == "":
-                raise RecorderConfigError(
-                    f"Expected each of `sources` of {owner} to be a module name, glob pattern or "
-                    f"module type but got {source!r}."
-                )
-            configs.setdefault(
-                _source_key(source),
-                {"type": "ModuleOutputs", "source": source, "detach": True, "clone": clone},
-            )
+        # recorder name -> the dotted path into the module's output (sources with a path)
+        self._paths: dict[str, str] = {}
+        for item in items:
+            source, path = _source_and_path(item, owner)
+            key = _source_key(source)
+            config: dict[str, Any] = {
+                "type": "ModuleOutputs",
+                "source": source,
+                "detach": True,
+                "clone": clone,
+            }
+            if path is not None:
+                key = f"{key}/{path}"
+                config["path"] = path
+                self._paths.setdefault(key, path)
+            configs.setdefault(key, config)
         valid_stats = ", ".join(map(repr, STAT_NAMES))
         if not isinstance(stats, (str, Sequence)) or isinstance(stats, bytes):
             raise RecorderConfigError(
@@ -414,6 +469,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._write_histograms = False
         self._warned = False
         self._streams: dict[str, RecordStream] = {}
+        self._keys = {}
         self._work: Workspace | None = None
         # Per stage, the packed streaming states of the monitored modules, one row each.
         self._states: dict[Stage, Tensor] = {}
@@ -432,7 +488,7 @@ class FeatureStatsMonitor(RecorderCallback):
         if self.name is not None:
             return self._generate_state_key(name=self.name)
         return self._generate_state_key(
-            sources=[_source_key(s) for s in self.sources],
+            sources=[_item_key(s) for s in self.sources],
             stages=self.stages,
             every_n_steps=self.every_n_steps,
             prefix=self.prefix,
@@ -472,10 +528,14 @@ class FeatureStatsMonitor(RecorderCallback):
 
     @override
     def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # One stream per key: the module name, then "/" and the dotted path if there is one
+        # (two paths into one module are two series; a second recorder of a key is not counted).
         streams: dict[str, RecordStream] = {}
-        for _, stream in self.manager.streams():
-            streams.setdefault(stream.name, stream)
+        for recorder_name, stream in self.manager.streams():
+            path = self._paths.get(recorder_name)
+            streams.setdefault(stream.name if path is None else f"{stream.name}/{path}", stream)
         self._streams = streams
+        self._keys = {id(stream): key for key, stream in streams.items()}
         self._work = Workspace()
         self._states = {}
         self._stepped, self._before, self._grad_norms = [], {}, {}
@@ -490,7 +550,7 @@ class FeatureStatsMonitor(RecorderCallback):
                 recorder = self.manager.get_recorder(name)
                 recorder.capture = self._capture  # type: ignore[method-assign]
         if self.parameters is not False and "train" in self.stages:
-            prefixes = tuple(module + "." for module in streams)
+            prefixes = tuple(dict.fromkeys(s.name + "." for s in streams.values()))
             inside = {
                 name: param
                 for name, param in named_parameters(pl_module).items()
@@ -515,16 +575,17 @@ class FeatureStatsMonitor(RecorderCallback):
         self._streams, self._states, self._params, self._work = {}, {}, {}, None
         self._sharded = False
         self._before, self._grad_norms, self._eval_hists = {}, {}, None
-        self._pending, self._stepped = {}, []
+        self._pending, self._stepped, self._keys = {}, [], {}
 
     def _capture(self, stream: RecordStream, value: Any) -> None:
         """The recorders' capture while the statistics are computed in the hook: the packed
         state of each real tensor of ``value`` (and a sample of it for a histogram written from
         this batch), taken now, before a later in-place op can change it; nothing else kept."""
         stream.num_calls += 1
-        pending = self._pending.get(stream.name)
-        if pending is None or self._streams.get(stream.name) is not stream:
-            return  # a second recorder matching the same module: counted once
+        key = self._keys.get(id(stream))
+        pending = None if key is None else self._pending.get(key)
+        if pending is None:
+            return  # a second recorder matching the same module (and path): counted once
         work = cast(Workspace, self._work)
         wanted = self._write_histograms and (self._active == "train" or self._eval_hists is None)
         sample = self.histogram_sample if wanted else 0
@@ -886,6 +947,6 @@ class FeatureStatsMonitor(RecorderCallback):
         self.last_logged_step = int(state_dict.get("last_logged_step", self.last_logged_step))
 
     def __repr__(self) -> str:
-        sources = ", ".join(repr(_source_key(s)) for s in self.sources)
+        sources = ", ".join(repr(_item_key(s)) for s in self.sources)
         extra = "" if self.name is None else f", name={self.name!r}"
         return f"{type(self).__name__}([{sources}]{extra})"

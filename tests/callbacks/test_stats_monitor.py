@@ -771,3 +771,64 @@ def test_parameter_buffers_are_allocated_once(tmp_path: Path) -> None:
     assert len(seen) == 3 and seen[0] and seen[0] == seen[1] == seen[2]
     ratios = scalars(logger.log_dir)["stats/train/body.0.weight/update_ratio"]
     assert sorted(ratios) == [0, 1, 2] and all(0 < r < 1 for r in ratios.values())
+
+
+class Pair(nn.Module):
+    """Returns two tensors of different scale: a mixed statistic would match neither."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.lin(x)
+        return a, 10.0 * a.square() + 3.0
+
+
+class PairNet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = Pair()
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        a, b = self.m(batch[0])
+        self.seen.append((a.detach().clone(), b.detach().clone()))
+        return a.mean() + b.mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_paths_into_a_tuple_output_are_two_series(tmp_path: Path, exact: bool) -> None:
+    torch.manual_seed(0)
+    model = PairNet()
+    sources = [{"source": "m", "path": 0}, {"source": "m", "path": 1}]
+    monitor = FeatureStatsMonitor(
+        sources, every_n_steps=1, parameters=False, clone=exact, stats=("mean", "max", "numel")
+    )
+    monitor.exact_histograms = exact
+    logger = TensorBoardLogger(tmp_path, name="pair")
+    pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor]).fit(
+        model, loader(features(16), batch_size=8)
+    )
+    logged = scalars(logger.log_dir)
+    assert monitor.tag("train", "m/0", "mean") == "stats/train/m/0/mean"
+    assert "stats/train/m/mean" not in logged
+    for step, (a, b) in enumerate(model.seen):
+        for key, tensor in (("m/0", a), ("m/1", b)):
+            want = reference_stats(tensor)
+            # float32 sums of 48 values and TensorBoard's float32 storage: 1e-5 relative
+            for stat in ("mean", "max", "numel"):
+                got = logged[f"stats/train/{key}/{stat}"][step]
+                assert got == pytest.approx(want[stat], rel=1e-5, abs=1e-6), (key, stat)
+    hists = events(logger.log_dir).Tags()["histograms"]
+    assert sorted(hists) == ["stats/train/m/0/histogram", "stats/train/m/1/histogram"]
+
+
+def test_source_dict_with_an_unknown_key_is_rejected() -> None:
+    with pytest.raises(RecorderConfigError, match=r"`sources`.*'source' and 'path'.*'paht'"):
+        FeatureStatsMonitor([{"source": "m", "paht": 0}])
+    with pytest.raises(RecorderConfigError, match=r"`sources`.*'source' key"):
+        FeatureStatsMonitor({"path": 0})

@@ -152,7 +152,6 @@ def test_recorder_callback_path_into_bert_outputs() -> None:
     torch.testing.assert_close(seen["r2"], first_call, rtol=0, atol=0)  # the same tensor
 
 
-@pytest.mark.xfail(strict=True, reason="pending: FeatureStatsMonitor sources take no `path`")
 def test_monitor_path_into_bert_outputs(tmp_path: Path) -> None:
     # Proposed form, as RecorderCallback's configs: {"source": ..., "path": ...};
     # tags "{prefix}/{stage}/{module}/{path}/{stat}"
