@@ -126,7 +126,6 @@ def test_bert_to_smaller_bert_hidden_states(tmp_path: Any) -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, reason="pending: pairs cannot take a path into ModelOutput")
 def test_bert_last_hidden_state_by_path(tmp_path: Any) -> None:
     # Proposed form: a pair's side may be {"source": module, "path": key}, as in RecorderCallback
     teacher = BertEncoder(seed=1).net
@@ -138,6 +137,64 @@ def test_bert_last_hidden_state_by_path(tmp_path: Any) -> None:
     trainer = pl.Trainer(**QUIET, logger=False, max_steps=2, callbacks=[distill])
     trainer.fit(BertEncoder(small), token_loader())
     assert torch.isfinite(trainer.logged_metrics["distill/net.encoder"])
+
+
+class TwoOut(nn.Module):
+    """Returns ``(x, 2x + 1)``: the path decides which one is the teacher's feature."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, 2 * x + 1
+
+
+class TupleTeacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.two = TwoOut()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.two(x)[0]
+
+
+class LinearStudent(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_teacher_path_selects_one_tensor_of_a_tuple() -> None:
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def loss(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        seen.append((s.detach(), t))
+        return (s - t).square().mean()
+
+    distill = FeatureDistillation(TupleTeacher(), {"body": {"source": "two", "path": 1}}, loss)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    trainer = pl.Trainer(**QUIET, logger=False, max_steps=2, callbacks=[distill])
+    trainer.fit(LinearStudent(), torch.utils.data.DataLoader(data, batch_size=4))
+    assert len(seen) == 2
+    for step, (_, t) in enumerate(seen):
+        x = data.tensors[0][4 * step : 4 * step + 4]
+        # the same float32 operations on the same values: exact
+        torch.testing.assert_close(t, 2 * x + 1, rtol=0, atol=0)
+
+
+def test_teacher_side_dict_with_an_unknown_key_is_rejected() -> None:
+    with pytest.raises(RecorderConfigError, match=r"pair 'body'.*'source' and 'path'.*'paht'"):
+        FeatureDistillation(TupleTeacher(), {"body": {"source": "two", "paht": 1}})
+    with pytest.raises(RecorderConfigError, match=r"pair 'body'.*'source' key"):
+        FeatureDistillation(TupleTeacher(), {"body": {"path": 1}})
+    with pytest.raises(RecorderConfigError, match=r"'tw\*'.*exact module name"):
+        FeatureDistillation(TupleTeacher(), {"body": {"source": "tw*", "path": 1}})
 
 
 def test_pattern_in_pairs_rejected_at_construction() -> None:

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ..._core.checks import suggestion
 from ..._core.names import is_glob
+from ..._core.structures import parse_path
 from ...distill.losses import LossFn, get_loss
 from ...errors import RecorderConfigError
 
@@ -19,8 +20,14 @@ LossSpec: TypeAlias = str | nn.Module | Callable[[Tensor, Tensor], Tensor]
 """A loss name (``"mse"``, ``"l1"``, ``"cosine"``, ``"attention"``, ``"kl"``), a module or a
 callable taking ``(student, teacher)``."""
 
+TeacherSide: TypeAlias = str | Mapping[str, Any]
+"""A pair's teacher side: a module name, or ``{"source": module name, "path": path}`` for one
+tensor of a structured output."""
 
-def per_pair(value: Any, pairs: Mapping[str, str], what: str, default: Any) -> dict[str, Any]:
+
+def per_pair(
+    value: Any, pairs: Mapping[str, TeacherSide], what: str, default: Any
+) -> dict[str, Any]:
     """Expand a single value, or a mapping keyed by (some) student module names, to every pair."""
     if not isinstance(value, Mapping):
         return dict.fromkeys(pairs, value)
@@ -39,13 +46,54 @@ def per_pair(value: Any, pairs: Mapping[str, str], what: str, default: Any) -> d
     return {p: value.get(p, default) for p in pairs}
 
 
+def check_teacher_side(s_name: object, value: Mapping[Any, Any]) -> None:
+    """A pair's teacher side given as ``{"source": name, "path": path}``: only those keys."""
+    for key in value:
+        if key not in ("source", "path"):
+            raise RecorderConfigError(
+                f"Expected the keys of the teacher side of pair {s_name!r} in `pairs` to be "
+                f"'source' and 'path' but got {key!r}. "
+                f"{suggestion(str(key), ['source', 'path'], 'keys')}"
+            )
+    if "source" not in value:
+        raise RecorderConfigError(
+            f"Expected the teacher side of pair {s_name!r} in `pairs` to have a 'source' key "
+            f"(a teacher module name) but got {dict(value)!r}."
+        )
+    parse_path(value.get("path"))
+
+
+def teacher_config(value: TeacherSide) -> dict[str, Any]:
+    """The recorder options of a pair's (checked) teacher side: its source, and its path."""
+    if isinstance(value, Mapping):
+        path = value.get("path")
+        return {"source": value["source"]} if path is None else {**value}
+    return {"source": value}
+
+
+def teacher_label(value: TeacherSide) -> str:
+    """A pair's teacher side in messages: the module name, then ``/`` and the dotted path."""
+    if isinstance(value, Mapping):
+        parsed = parse_path(value.get("path"))
+        name = str(value["source"])
+        return name if parsed is None else f"{name}/{'.'.join(str(k) for k in parsed)}"
+    return value
+
+
 def feature(record: Any, side: str, name: str) -> Tensor:
+    """The tensor of a pair's record: the record, or the first item of a tuple or of a Hugging
+    Face ``ModelOutput`` (which indexes as a tuple of its set fields)."""
+    to_tuple = getattr(type(record), "to_tuple", None)
+    if isinstance(record, Mapping) and callable(to_tuple):
+        record = to_tuple(record)  # a ModelOutput: ``output[0]``, e.g. last_hidden_state
     if isinstance(record, (tuple, list)) and record and isinstance(record[0], Tensor):
         record = record[0]
     if not isinstance(record, Tensor):
         raise RecorderConfigError(
-            f"Expected the output of {side} module {name!r} to be a tensor (or a tuple whose first "
-            f"item is one) but got {type(record).__name__}; pair a submodule that returns a tensor."
+            f"Expected the output of {side} module {name!r} to be a tensor (or a tuple or "
+            f"ModelOutput whose first item is one) but got {type(record).__name__}; pair a "
+            "submodule that returns a tensor, or give the teacher side a path: "
+            "{'source': name, 'path': ...}."
         )
     return record
 
@@ -116,13 +164,18 @@ def check_arguments(
             "Expected `pairs` to be a non-empty mapping {student module name: teacher module "
             f"name}} but got {pairs!r}."
         )
-    for s_name, t_name in pairs.items():
+    for s_name, t_value in pairs.items():
+        if isinstance(t_value, Mapping):
+            check_teacher_side(s_name, t_value)
+        t_name = t_value["source"] if isinstance(t_value, Mapping) else t_value
         if not (isinstance(s_name, str) and s_name and isinstance(t_name, str) and t_name):
             raise RecorderConfigError(
                 "Expected `pairs` to map non-empty module names to module names but got "
-                f"{s_name!r}: {t_name!r} (the root module itself cannot be paired)."
+                f"{s_name!r}: {t_value!r} (the root module itself cannot be paired; a teacher "
+                "side may also be {'source': teacher module name, 'path': path})."
             )
-    for s_name, t_name in pairs.items():
+    for s_name, t_value in pairs.items():
+        t_name = t_value["source"] if isinstance(t_value, Mapping) else t_value
         for side, name in (("student", s_name), ("teacher", t_name)):
             if is_glob(name) or name.startswith("re:"):
                 raise RecorderConfigError(
@@ -174,7 +227,7 @@ def check_arguments(
         )
 
 
-def weights_per_pair(weight: object, pairs: Mapping[str, str]) -> dict[str, float]:
+def weights_per_pair(weight: object, pairs: Mapping[str, TeacherSide]) -> dict[str, float]:
     """One non-negative float weight per pair."""
     weights: dict[str, float] = {}
     for pair, value in per_pair(weight, pairs, "weight", None).items():
@@ -193,7 +246,7 @@ def weights_per_pair(weight: object, pairs: Mapping[str, str]) -> dict[str, floa
 
 
 def losses_per_pair(
-    loss: object, options: Mapping[str, Any] | None, pairs: Mapping[str, str]
+    loss: object, options: Mapping[str, Any] | None, pairs: Mapping[str, TeacherSide]
 ) -> dict[str, LossFn]:
     """One loss callable per pair.
 

@@ -22,7 +22,7 @@ from ...distill import DistillDeliveryManager, LossFn
 from ...errors import RecorderConfigError, RecorderError, RecorderStateError
 from ...recorders import RecorderManager
 from ._bank import ConnectorBank
-from ._config import feature
+from ._config import TeacherSide, feature, teacher_config, teacher_label
 from ._patch import StudentInputHook
 
 
@@ -31,7 +31,8 @@ class StepRunner:
 
     Args:
         teacher: the teacher network.
-        pairs: ``{student module name: teacher module name}``.
+        pairs: ``{student module name: teacher module name}`` (or ``{"source": teacher module
+            name, "path": path}``).
         losses: the loss of each pair.
         weights: the weight of each pair.
         bank: the connectors.
@@ -43,7 +44,7 @@ class StepRunner:
     def __init__(
         self,
         teacher: nn.Module,
-        pairs: Mapping[str, str],
+        pairs: Mapping[str, TeacherSide],
         losses: Mapping[str, LossFn],
         weights: Mapping[str, float],
         bank: ConnectorBank,
@@ -110,13 +111,18 @@ class StepRunner:
             self.uninstall()
             raise
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """The teacher side of each pair in messages: its module name (then "/" and its path)."""
+        return {pair: teacher_label(t) for pair, t in self.pairs.items()}
+
     def _make_recorders(
         self, pl_module: pl.LightningModule, detach: bool
     ) -> tuple[RecorderManager, RecorderManager]:
         common: dict[str, Any] = {"type": "ModuleOutputs", "keep": "first", "detach": detach}
         student = RecorderManager({p: {**common, "source": p} for p in self.pairs})
         teacher = RecorderManager(
-            {p: {**common, "source": t, "detach": True} for p, t in self.pairs.items()}
+            {p: {**common, **teacher_config(t), "detach": True} for p, t in self.pairs.items()}
         )
         student.initialize(pl_module)
         try:
@@ -242,7 +248,7 @@ class StepRunner:
             )
         student, teacher = self._recorders[self.phase]
         terms: dict[str, Tensor] = {}
-        for pair, t_name in self.pairs.items():
+        for pair, t_name in self.labels.items():
             s = feature(student.get_recorder(pair).get_record_data(), "student", pair)
             t = feature(teacher.get_recorder(pair).get_record_data(), "teacher", t_name)
             connector = self.bank.get(pair, s, t)
@@ -256,7 +262,7 @@ class StepRunner:
         teacher = self._recorders["train"][1]
         rows = []
         with torch.no_grad():
-            for pair, t_name in self.pairs.items():
+            for pair, t_name in self.labels.items():
                 t = feature(teacher.get_recorder(pair).get_record_data(), "teacher", t_name)
                 rows.append(
                     torch.stack(
@@ -308,7 +314,7 @@ class StepRunner:
         return done
 
     def _report_nonfinite(self, rows: list[list[bool]], first: int, step: int) -> None:
-        for (pair, t_name), (bad_teacher, bad_term) in zip(self.pairs.items(), rows, strict=True):
+        for (pair, t_name), (bad_teacher, bad_term) in zip(self.labels.items(), rows, strict=True):
             if not (bad_teacher or bad_term) or pair in self._reported:
                 continue
             what = "teacher features" if bad_teacher else "distillation term"

@@ -25,6 +25,7 @@ from ...errors import RecorderConfigError, RecorderStateError
 from ._bank import ConnectorBank
 from ._config import (
     LossSpec,
+    TeacherSide,
     add_term,
     check_arguments,
     load_teacher,
@@ -59,7 +60,11 @@ class FeatureDistillation(Callback):
 
     Args:
         teacher: the trained teacher network.
-        pairs: ``{student module name: teacher module name}``.
+        pairs: ``{student module name: teacher module name}``. A teacher side may be a dict
+            ``{"source": teacher module name, "path": path}`` to pair one tensor of a
+            structured output (a tuple index, a ``ModelOutput`` field such as
+            ``"last_hidden_state"``, or a dotted chain such as ``"hidden_states.2"``, as the
+            ``path`` of :class:`~lightning_recorder.RecorderCallback`).
         loss: a loss for every pair, or ``{student module name: loss}``: a name (``"mse"``,
             ``"l1"``, ``"cosine"``, ``"attention"``, ``"kl"``), an ``nn.Module`` or a callable
             taking ``(student, teacher)`` (see :func:`lightning_recorder.losses.get_loss`).
@@ -129,7 +134,7 @@ class FeatureDistillation(Callback):
     def __init__(
         self,
         teacher: nn.Module,
-        pairs: Mapping[str, str],
+        pairs: Mapping[str, TeacherSide],
         loss: Mapping[str, LossSpec] | LossSpec = "mse",
         weight: Mapping[str, float] | float = 1.0,
         *,
