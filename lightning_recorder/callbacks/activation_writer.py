@@ -217,7 +217,6 @@ class ActivationWriter(RecorderCallback):
         self.writer: ShardWriter = ShardWriter(directory, run=run, **self._writer_options)
         self.run: str | None = run
         self._restored: tuple[str, int] | None = None  # (run, generation) from a checkpoint
-        self._batch: tuple[Any, int, int] = (None, 0, 0)
         self._failing = False
 
     def _make_state_key(self) -> str:
@@ -289,59 +288,6 @@ class ActivationWriter(RecorderCallback):
             dataloader_idx=dataloader_idx,
             sample_index=self._indices(trainer, stage),
         )
-
-    @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        self._batch = (batch, batch_idx, 0)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    @override
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._batch = (batch, batch_idx, dataloader_idx)
-        super().on_validation_batch_end(
-            trainer, pl_module, outputs, batch, batch_idx, dataloader_idx
-        )
-
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._batch = (batch, batch_idx, dataloader_idx)
-        super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
-
-    @override
-    def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._batch = (batch, batch_idx, dataloader_idx)
-        super().on_predict_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     # ------------------------------------------------------------------ checkpointing
     @override

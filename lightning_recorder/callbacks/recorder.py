@@ -159,6 +159,8 @@ class RecorderCallback(Callback):
         self._suspend_idle = False  # suspend the hooks between recorded batches (this run)
         self._record_idle = False  # record unchosen batches too, and drop them (compiled)
         self._idle = False  # the current batch records only to keep the flag on
+        #: ``(batch, batch_idx, dataloader_idx)`` of the batch that just ended (for subclasses).
+        self._batch: tuple[Any, int, int] = (None, 0, 0)
         self._module: pl.LightningModule | None = None  # the module the recorders are on
         self._called: set[tuple[str, str]] = set()  # (recorder, stream) recorded in training
         self._silent: set[tuple[str, str]] = set()  # (recorder, stream) already reported
@@ -357,6 +359,23 @@ class RecorderCallback(Callback):
         elif self._suspend_idle:
             manager.suspend()  # idempotent, cheap when already suspended
 
+    def _batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        stage: Stage,
+        completes: bool,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """End a batch of any stage: an unchosen batch recorded only to keep the hooks' flag on
+        (compiled models) is dropped; a chosen one is handed to :meth:`_after_batch`."""
+        self._batch = (batch, batch_idx, dataloader_idx)
+        if self._idle:
+            self._free()
+        self._end(trainer, pl_module, stage, completes)
+
     def _end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
     ) -> None:
@@ -433,10 +452,8 @@ class RecorderCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._active == "train":
-            self._end(trainer, pl_module, "train", completes_step(trainer))
-        elif self._idle:
-            self._free()
+        completes = self._active == "train" and completes_step(trainer)
+        self._batch_end(trainer, pl_module, "train", completes, batch, batch_idx)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -471,9 +488,7 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self._idle:
-            self._free()
-        self._end(trainer, pl_module, "val", True)
+        self._batch_end(trainer, pl_module, "val", True, batch, batch_idx, dataloader_idx)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -504,9 +519,7 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self._idle:
-            self._free()
-        self._end(trainer, pl_module, "test", True)
+        self._batch_end(trainer, pl_module, "test", True, batch, batch_idx, dataloader_idx)
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -537,9 +550,7 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self._idle:
-            self._free()
-        self._end(trainer, pl_module, "predict", True)
+        self._batch_end(trainer, pl_module, "predict", True, batch, batch_idx, dataloader_idx)
 
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
