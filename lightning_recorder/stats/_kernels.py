@@ -719,19 +719,8 @@ def histograms_device(
         (``inf``/``-inf`` for an empty set), and ``(m, 3)`` [num, sum, sum of squares] of the
         finite values, all ``float64``.
     """
-    syncing = sync_active(sync, group)
-    bounds = torch.stack([states[:, MIN].neg(), states[:, MAX]], 1)
-    if syncing:
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    vmin, vmax = -bounds[:, 0], bounds[:, 1]
-    seen = vmax >= vmin
-    lo = torch.where(seen, vmin, 0.0)
-    hi = torch.where(seen, vmax, 1.0)
-    flat = lo == hi
-    lo, hi = torch.where(flat, lo - 0.5, lo), torch.where(flat, hi + 0.5, hi)
-    edges = linspace(lo, hi, bins + 1)
-    count, mean = states[:, COUNT], states[:, MEAN]
-    sums = torch.stack([count, count * mean, states[:, M2] + count * (mean * mean)], 1)
+    vmin, vmax, lo, edges = device_ranges(states, bins, sync=sync, group=group)
+    count = states[:, COUNT]
     counts = torch.zeros(len(parts), bins, dtype=F64, device=states.device)
     for m, tensors in enumerate(parts):
         for i, x in enumerate(tensors):
@@ -743,10 +732,41 @@ def histograms_device(
             counts[m].index_add_(0, index, ones if weights is None else ones * weights[m][i])
         if weights is not None:
             counts[m] = scaled_to(counts[m], count[m])
-    packed = torch.cat([counts, sums], 1)
-    if syncing:
+    counts, sums = summed_over_ranks(counts, states, sync=sync, group=group)
+    return counts, edges, vmin, vmax, sums
+
+
+def device_ranges(
+    states: Tensor, bins: int, *, sync: bool, group: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The global ranges of ``m`` histograms from their packed states ``(m, 9)``, on the device
+    (one all-reduce of the bounds when syncing): finite ``vmin``/``vmax`` (``inf``/``-inf``
+    for an empty set), the left edges ``lo`` and the ``(m, bins + 1)`` edges, with the rule of
+    :func:`histogram_range` (``[0, 1]`` without data, ±0.5 around one value)."""
+    bounds = torch.stack([states[:, MIN].neg(), states[:, MAX]], 1)
+    if sync_active(sync, group):
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    vmin, vmax = -bounds[:, 0], bounds[:, 1]
+    seen = vmax >= vmin
+    lo = torch.where(seen, vmin, 0.0)
+    hi = torch.where(seen, vmax, 1.0)
+    flat = lo == hi
+    lo, hi = torch.where(flat, lo - 0.5, lo), torch.where(flat, hi + 0.5, hi)
+    return vmin, vmax, lo, linspace(lo, hi, bins + 1)
+
+
+def summed_over_ranks(
+    counts: Tensor, states: Tensor, *, sync: bool, group: Any
+) -> tuple[Tensor, Tensor]:
+    """``counts (m, bins)`` and the ``(m, 3)`` [num, sum, sum of squares] of the finite values
+    of ``states``, summed over the ranks in one all-reduce when syncing."""
+    count, mean = states[:, COUNT], states[:, MEAN]
+    sums = torch.stack([count, count * mean, states[:, M2] + count * (mean * mean)], 1)
+    packed = torch.cat([counts.to(F64), sums], 1)
+    if sync_active(sync, group):
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    return packed[:, :bins], edges, vmin, vmax, packed[:, bins:]
+    bins = counts.shape[1]
+    return packed[:, :bins], packed[:, bins:]
 
 
 def raw_table(counts: Tensor, edges: Tensor, vmin: Tensor, vmax: Tensor, sums: Tensor) -> Tensor:

@@ -19,10 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from ._kernels import F64, MAX, MIN, linspace, one_pass_suffices, sync_active
+from ._kernels import F64, device_ranges, one_pass_suffices, summed_over_ranks
 
 __all__ = ["flatten_segments", "segmented_histograms", "segmented_states"]
 
@@ -76,25 +75,13 @@ def segmented_histograms(
     float64 rounding of an edge may land in the bucket next to it, as with :func:`torch.histc`.
     """
     m = states.shape[0]
-    bounds = torch.stack([states[:, MIN].neg(), states[:, MAX]], 1)
-    if sync_active(sync, group):
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    vmin, vmax = -bounds[:, 0], bounds[:, 1]
-    seen = vmax >= vmin
-    lo = torch.where(seen, vmin, 0.0)
-    hi = torch.where(seen, vmax, 1.0)
-    flat = lo == hi
-    lo, hi = torch.where(flat, lo - 0.5, lo), torch.where(flat, hi + 0.5, hi)
-    edges = linspace(lo, hi, bins + 1)
+    vmin, vmax, lo, edges = device_ranges(states, bins, sync=sync, group=group)
+    hi = edges[:, -1]
     finite = torch.isfinite(v)
     start = lo[seg]
     position = (torch.where(finite, v, start) - start) * (bins / (hi - lo))[seg]
     bucket = position.floor_().clamp_(0, bins - 1).to(torch.int64)
     index = seg * bins + bucket
     counts = torch.bincount(index, weights=finite.to(F64), minlength=m * bins).view(m, bins)
-    count, mean = states[:, 0], states[:, 1]
-    sums = torch.stack([count, count * mean, states[:, 2] + count * (mean * mean)], 1)
-    packed = torch.cat([counts.to(F64), sums], 1)
-    if sync_active(sync, group):
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    return packed[:, :bins], edges, vmin, vmax, packed[:, bins:]
+    counts, sums = summed_over_ranks(counts, states, sync=sync, group=group)
+    return counts, edges, vmin, vmax, sums
