@@ -317,9 +317,12 @@ class FeatureStatsMonitor(RecorderCallback):
             pattern (or a list of them, names as in ``named_parameters()`` of the LightningModule)
             those it selects among them, ``False`` none.
         prefix: the first component of every tag.
-        clone: record a copy of each output, for models that modify a monitored output in place
-            (e.g. ``ReLU(inplace=True)`` right after it); without it such a change raises
-            :class:`~lightning_recorder.RecordModifiedError` rather than logging wrong values.
+        clone: record a copy of each output. Needed only where records are kept (the class
+            attribute ``exact_histograms`` set, or a compiled model) and the model modifies a
+            monitored output in place (e.g. ``ReLU(inplace=True)`` right after it): there such a
+            change raises :class:`~lightning_recorder.RecordModifiedError` rather than logging
+            wrong values. By default the statistics are taken in the hook, before any later
+            in-place op, and no copy is needed.
         name: distinguishes two monitors with the same configuration.
         keep_hooks: keep the hooks installed between logged steps (see
             :class:`~lightning_recorder.RecorderCallback`); ``None`` keeps them on a compiled
