@@ -43,10 +43,12 @@ from lightning_recorder import FeatureStatsMonitor
 from lightning_recorder._core.compat import foreach_copy_, foreach_norm, foreach_sub, foreach_sub_
 from lightning_recorder.stats._kernels import (
     Workspace,
+    chunks,
     histogram_rows_cpu,
     masked_state,
+    native_chunk,
     native_state,
-    sample_of,
+    sampled_state,
 )
 from lightning_recorder.stats.batched import host_floats, merged
 
@@ -121,23 +123,26 @@ def kernel_row(x: Tensor, kind: str, work: Workspace, repeats: int) -> str:
     def exact() -> Any:
         return histogram_rows_cpu([[x]], state, 30, sync=False, group=None, work=work, exact=False)
 
-    def sampled() -> Any:
-        kept, weight = sample_of(x, 2**16)
+    def sampled() -> Any:  # the monitor's path: the sample taken in the statistics' pass
+        state, kept, weight = sampled_state(x, work, FeatureStatsMonitor.histogram_sample)
         return histogram_rows_cpu(
-            [[kept]], state, 30, sync=False, group=None, work=work, exact=False, weights=[[weight]]
+            [[kept]], state[None], 30, sync=False, group=None, work=work, exact=False,
+            weights=[[weight]],
         )
 
     variants = {
         "floor": lambda: x.sum(),
         "before": lambda: old_state(x, work),
+        "torch": lambda: merged([native_chunk(c, work) for c in chunks(x)]),
         "now": stats,
         "exact": lambda: (stats(), exact()),
-        "sampled": lambda: (stats(), sampled()),
+        "sampled": sampled,
         "copy": lambda: x.clone(),
     }
     t = interleaved(variants, repeats, inner=3)
     floor_us = statistics.median(t["floor"]) * 1e6
-    cells = [fmt(ratio(t, k, "floor")) for k in ("before", "now", "exact", "sampled", "copy")]
+    keys = ("before", "torch", "now", "exact", "sampled", "copy")
+    cells = [fmt(ratio(t, k, "floor")) for k in keys]
     size = x.numel().bit_length() - 1
     return f"| 2**{size} {kind} (one read: {floor_us:.0f} µs) | " + " | ".join(cells) + " |"
 
@@ -145,9 +150,9 @@ def kernel_row(x: Tensor, kind: str, work: Workspace, repeats: int) -> str:
 def kernels(repeats: int, sizes: Sequence[int]) -> list[str]:
     work = Workspace()
     lines = [
-        "| tensor | statistics before | statistics now | + exact histogram | "
-        "+ sampled histogram | copy |",
-        "|---|---|---|---|---|---|",
+        "| tensor | statistics before | statistics, torch path | statistics, fused kernel | "
+        "+ exact histogram | + sampled histogram | copy |",
+        "|---|---|---|---|---|---|---|",
     ]
     for n in sizes:
         for kind in ("gaussian", "relu"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -22,6 +23,8 @@ from ..stats import STAT_NAMES, StatName
 from ..stats.batched import (
     HistogramRow,
     Workspace,
+    change_norms,
+    copy_with_norms,
     empty_state,
     finalize_host,
     flatten_segments,
@@ -34,7 +37,7 @@ from ..stats.batched import (
     merged,
     native_state,
     raw_table,
-    sample_of,
+    sampled_state,
     segmented_histograms,
     segmented_states,
     upcast,
@@ -218,12 +221,15 @@ class _Pending:
         self.add_large(x, work, sample)
 
     def add_large(self, x: Tensor, work: Workspace, sample: int) -> None:
-        self.states.append(native_state(x, work))
+        if sample <= 0:
+            self.states.append(native_state(x, work))
+        else:  # the sample taken in the statistics' pass where the fused kernel runs
+            state, kept, weight = sampled_state(x, work, sample)
+            self.states.append(state)
         if len(self.states) >= 64:  # a module called many times in one batch (an RNN cell)
             self.states = [merge(torch.stack(self.states))]
         if sample <= 0:
             return
-        kept, weight = sample_of(x, sample)
         self.samples.append(kept)
         self.weights.append(weight)
         self.held += kept.numel()
@@ -479,6 +485,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._params: dict[str, nn.Parameter] = {}
         self._before: dict[str, Tensor] = {}
         self._grad_norms: dict[str, Tensor] = {}
+        self._before_squares: dict[str, float] = {}  # squared norms taken with the copies
         self._sharded = False  # monitored parameters are DTensors (norms are collectives)
         self._eval_hists: dict[str, dict[str, Any]] | None = None
 
@@ -542,6 +549,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._work = Workspace()
         self._states = {}
         self._stepped, self._before, self._grad_norms = [], {}, {}
+        self._before_squares = {}
         self._records_warned = getattr(self, "_records_warned", False)
         self._segments = None
         # The statistics in the hook: each recorder's capture is the monitor's.
@@ -578,6 +586,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._streams, self._states, self._params, self._work = {}, {}, {}, None
         self._sharded = False
         self._before, self._grad_norms, self._eval_hists = {}, {}, None
+        self._before_squares = {}
         self._pending, self._stepped, self._keys = {}, [], {}
 
     def _capture(self, stream: RecordStream, value: Any) -> None:
@@ -693,10 +702,6 @@ class FeatureStatsMonitor(RecorderCallback):
             return
         with torch.no_grad():
             grads = [cast(Tensor, self._params[name].grad) for name in names]
-            norms = foreach_norms(grads)
-            if self._sharded:
-                norms = full_values(norms)  # collectives, on every rank in the same order
-            self._grad_norms.update(zip(names, norms, strict=True))
             # persistent buffers (float32 at least), allocated on the first logged step only
             for name in names:
                 param = self._params[name]
@@ -704,11 +709,25 @@ class FeatureStatsMonitor(RecorderCallback):
                 if buffer is None or buffer.shape != param.shape or buffer.device != param.device:
                     dtype = param.dtype if param.dtype == torch.float64 else torch.float32
                     self._before[name] = torch.empty_like(param, dtype=dtype)
-            if self._sharded:  # DTensor has no sharding rule for the foreach copy
-                for name in names:
-                    self._before[name].copy_(self._params[name])
+            buffers = [self._before[n] for n in names]
+            params: list[Tensor] = [self._params[n] for n in names]
+            # float32 CPU parameters: copy, parameter norm and gradient norm in one pass
+            fused = None if self._sharded else copy_with_norms(buffers, params, grads)
+            if fused is not None:
+                sizes, grad_squares = fused
+                self._before_squares.update(zip(names, sizes, strict=True))
+                norms = list(torch.tensor(grad_squares, dtype=torch.float64).sqrt().unbind())
+                self._grad_norms.update(zip(names, norms, strict=True))
             else:
-                foreach_copy_([self._before[n] for n in names], [self._params[n] for n in names])
+                norms = foreach_norms(grads)
+                if self._sharded:
+                    norms = full_values(norms)  # collectives, on every rank in the same order
+                self._grad_norms.update(zip(names, norms, strict=True))
+                if self._sharded:  # DTensor has no sharding rule for the foreach copy
+                    for buffer, param in zip(buffers, params, strict=True):
+                        buffer.copy_(param)
+                else:
+                    foreach_copy_(buffers, params)
             self._stepped.extend(names)
 
     def _histogram_table(
@@ -802,13 +821,30 @@ class FeatureStatsMonitor(RecorderCallback):
         """
         stepped = list(dict.fromkeys(self._stepped))
         before = [self._before[name] for name in stepped]
+        grad_norms = [self._grad_norms[name] for name in stepped]
+        if stepped and all(name in self._before_squares for name in stepped):
+            fused = change_norms([self._params[name] for name in stepped], before)
+            if fused is not None:  # one pass over each parameter and its copy, nothing written
+                changes, after = fused
+                norm_of = {n: math.sqrt(v) for n, v in zip(stepped, after, strict=True)}
+                others = [name for name in self._params if name not in norm_of]
+                if others:  # parameters without a gradient this step
+                    with torch.no_grad():
+                        rest = torch.stack(foreach_norms([self._params[n] for n in others]))
+                    norm_of.update(zip(others, rest.tolist(), strict=True))
+                sizes = [math.sqrt(self._before_squares[name]) for name in stepped]
+                values = torch.tensor(
+                    [*(norm_of[name] for name in self._params), *sizes, *map(math.sqrt, changes)],
+                    dtype=torch.float64,
+                )
+                return stepped, [values, *grad_norms]
         with torch.no_grad():  # two foreach norms, one in-place foreach difference
             norms = foreach_norms([*self._params.values(), *before])
             foreach_sub_(before, upcast([self._params[name] for name in stepped]))
             norms = [*norms, *foreach_norms(before)]  # ||before - after|| = ||change||
             if self._sharded:
                 norms = full_values(norms)  # collectives, on every rank in the same order
-        return stepped, [*norms, *(self._grad_norms[name] for name in stepped)]
+        return stepped, [*norms, *grad_norms]
 
     def _parameter_scalars(self, stepped: list[str], values: list[float]) -> dict[str, float]:
         """Norms of the monitored parameters; gradient norms and update ratios of those stepped,
@@ -865,7 +901,8 @@ class FeatureStatsMonitor(RecorderCallback):
             scalars = self._stat_scalars("train", rows)
             if self._params:
                 scalars.update(self._parameter_scalars(stepped, values[at + state.numel() :]))
-        self._stepped, self._grad_norms = [], {}  # the buffers in _before are kept
+        # the buffers in _before are kept
+        self._stepped, self._grad_norms, self._before_squares = [], {}, {}
         self._write(trainer, scalars, hists, step)
 
         self.logged_steps += 1

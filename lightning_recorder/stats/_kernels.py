@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._core.compat import distributed_active
+from . import _native
 
 # Layout of the packed state: one float64 vector, so that a rank's state travels in one gather.
 COUNT, MEAN, M2, MIN, MAX, ABS_MEAN, ZEROS, NONFINITE, NUMEL = range(9)
@@ -352,18 +353,82 @@ def native_chunk(chunk: Tensor, work: Workspace) -> Tensor:
     return torch.tensor([n, mean, m2, low, high, abs_sum / n, zeros, 0, n], dtype=F64)
 
 
+def fused_state(
+    v: Tensor, work: Workspace, sample: Tensor | None = None, stride: int = 1
+) -> Tensor:
+    """The packed state of a non-empty flat float32 CPU tensor from the fused kernel
+    (:func:`lightning_recorder.stats._native.moments`: one read of the data).
+
+    The sum is taken in float64 (the mean is as precise as float64 allows, whatever the
+    cancellation); the sum of squares is of the deviations ``d`` from a shift ``k`` near the
+    mean (a float32, the mean of a few of the elements), so ``M2 = sum(d**2) - n * (mean -
+    k)**2`` cancels little; where it would lose more than :data:`NATIVE_CANCEL_BITS` bits the
+    deviations from the mean are summed in a second pass, as in :func:`native_chunk`. A NaN,
+    an infinity or an overflow takes the exact masked path.
+    """
+    shift, total, squares, abs_sum, low, high, zeros = _native.moments(v, sample, stride)
+    if not (math.isfinite(total) and math.isfinite(squares)):
+        return masked_state(flat64(v))
+    n = v.numel()
+    mean = total / n
+    m2 = squares - n * (mean - shift) ** 2
+    if not one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS):
+        m2 = deviations_m2(v, mean, work)
+    return torch.tensor([n, mean, m2, low, high, abs_sum / n, zeros, 0, n], dtype=F64)
+
+
+def deviations_m2(v: Tensor, mean: float, work: Workspace) -> float:
+    """``M2`` of flat float32 CPU values as the sum of their squared deviations from ``mean``
+    rounded to float32 (as torch applies a Python scalar to a float32 tensor), corrected for that
+    rounding; chunk by chunk in the workspace."""
+    mean32 = struct.unpack("f", struct.pack("f", mean))[0]
+    m2 = 0.0
+    for chunk in chunks(v):
+        scratch = work.get("work", chunk.numel(), torch.float32)
+        deviation = torch.sub(chunk, mean32, out=scratch)
+        m2 += square_sum(deviation).item()
+    return max(m2 - v.numel() * (mean - mean32) ** 2, 0.0)
+
+
 def native_state(x: Tensor, work: Workspace) -> Tensor:
     """The packed state of one tensor in the data's own precision (the monitor's kernel).
 
-    CPU tensors of float32 (and float16 / bfloat16, upcast exactly) are summed in float32
-    (:func:`native_chunk`); anything else takes :func:`batch_state`'s exact float64 path, and
-    so do chunks with a NaN, an infinity or an overflowing float32 sum. Mean, std and mean
+    CPU tensors of float32 (and float16 / bfloat16, upcast exactly) are summed in float32: in
+    one read by the fused kernel where it is built (:func:`fused_state`), else by torch, chunk by
+    chunk (:func:`native_chunk`); anything else takes :func:`batch_state`'s exact float64 path,
+    and so do tensors with a NaN, an infinity or an overflowing float32 sum. Mean, std and mean
     ``|x|`` are within about ``1e-6`` (relative) of the exact values, the precision at which
     TensorBoard stores a scalar; min, max and the counts are exact.
     """
     if x.device.type != "cpu" or x.numel() == 0 or x.dtype not in EXACT_IN_32:
         return batch_state(x, work)
+    if _native.available():
+        flat = x.detach().reshape(-1)
+        if _native.usable(flat):
+            return fused_state(flat, work)
+        if type(flat) in (Tensor, torch.nn.Parameter) and flat.dtype != torch.float32:
+            return merged(
+                [
+                    fused_state(work.get("v", c.numel(), torch.float32).copy_(c), work)
+                    for c in chunks(flat)
+                ]
+            )
     return merged([native_chunk(chunk, work) for chunk in chunks(x)])
+
+
+def sampled_state(x: Tensor, work: Workspace, size: int) -> tuple[Tensor, Tensor, float]:
+    """:func:`native_state` of ``x`` and :func:`sample_of` it (``size`` elements at most) -- in
+    one read where the fused kernel takes ``x``: the sample is copied while the statistics are
+    summed."""
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    if n > size and x.dtype in EXACT_IN_32 and _native.available() and _native.usable(flat):
+        stride = _prime_at_least(-(-n // size))
+        sample = torch.empty(-(-n // stride), dtype=torch.float32)
+        state = fused_state(flat, work, sample, stride)
+        return state, sample, n / sample.numel()
+    kept, weight = sample_of(x, size)
+    return native_state(x, work), kept, weight
 
 
 def merge(states: Tensor) -> Tensor:
@@ -629,6 +694,18 @@ def linspace_host(lo: float, hi: float, steps: int) -> list[float]:
     return [lo + step * i if i < half else hi - step * (steps - 1 - i) for i in range(steps)]
 
 
+def native_buckets(x: Tensor, lo: float, hi: float, bins: int) -> list[int] | None:
+    """:func:`bucket_native`'s counts by the fused kernel's bucketing (one pass, no scratch), or
+    ``None`` where it does not apply (no kernel, not float32, a range too narrow for float64
+    positions)."""
+    flat = x.reshape(-1)
+    if not (_native.available() and _native.usable(flat) and flat.numel()):
+        return None
+    if bucket_path(F64, lo, hi, bins) == "search":
+        return None
+    return _native.bucket(flat, lo, hi, bins)
+
+
 def histogram_rows_cpu(
     parts: Sequence[Sequence[Tensor]],
     states: Tensor,
@@ -664,6 +741,13 @@ def histogram_rows_cpu(
         laned = row[ZEROS] >= LANED_ZEROS * row[NUMEL]
         if row[COUNT] > 0:  # else no finite value here: nothing to count
             for i, x in enumerate(tensors):
+                native = not exact and native_buckets(x, lo, hi, bins)
+                if native:
+                    part = torch.tensor(native, dtype=torch.int64)
+                    if weights is not None:
+                        part = part.to(F64) * weights[m][i]
+                    counted = part if counted is None else counted + part
+                    continue
                 for chunk in chunks(x):
                     finite = chunk[torch.isfinite(chunk)] if row[NONFINITE] else chunk
                     if exact:

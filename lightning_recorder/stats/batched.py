@@ -16,8 +16,12 @@ states cross ranks in one gather and reach the host in one copy:
   states and histograms of many small tensors in one flat buffer, a few operations in all;
 * :func:`sample_of` — a small strided copy of a tensor, for approximate histograms (the
   weights of :func:`histogram_rows_cpu` / :func:`histograms_device` scale its counts);
+  :func:`sampled_state` — the state and the sample together, in one read where the fused CPU
+  kernel runs;
 * :func:`foreach_norms` / :func:`host_floats` — norms of many tensors in one call, and 0-d
-  tensors to the host in one copy.
+  tensors to the host in one copy;
+* :func:`copy_with_norms` / :func:`change_norms` — a parameter statistics' two passes (the copy
+  before the optimizer step, the change after it) with their norms, fused on the CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._core.compat import distributed_active, foreach_norm
+from . import _native
 from ._kernels import (
     HistogramRow,
     Workspace,
@@ -43,12 +48,15 @@ from ._kernels import (
     native_state,
     raw_table,
     sample_of,
+    sampled_state,
 )
 from ._segmented import flatten_segments, segmented_histograms, segmented_states
 
 __all__ = [
     "HistogramRow",
     "Workspace",
+    "change_norms",
+    "copy_with_norms",
     "empty_state",
     "finalize_host",
     "flatten_segments",
@@ -63,6 +71,7 @@ __all__ = [
     "native_state",
     "raw_table",
     "sample_of",
+    "sampled_state",
     "segmented_histograms",
     "segmented_states",
     "upcast",
@@ -102,3 +111,25 @@ def host_floats(tensors: Sequence[Tensor]) -> list[float]:
     device = tensors[0].device
     flat = [t.reshape(-1).to(device=device, dtype=torch.float64) for t in tensors]
     return torch.cat(flat).tolist()
+
+
+def copy_with_norms(
+    buffers: Sequence[Tensor], params: Sequence[Tensor], grads: Sequence[Tensor]
+) -> tuple[list[float], list[float]] | None:
+    """Copy each parameter into its buffer and return the squared norms of the parameters and of
+    their gradients, in one pass over the three by the fused CPU kernel; ``None`` (nothing done)
+    where it does not take them all (no kernel, not float32 CPU tensors, not contiguous)."""
+    if not (_native.available() and all(map(_native.usable, (*buffers, *params, *grads)))):
+        return None
+    return _native.copy_sumsq(list(buffers), list(params), list(grads))
+
+
+def change_norms(
+    params: Sequence[Tensor], buffers: Sequence[Tensor]
+) -> tuple[list[float], list[float]] | None:
+    """The squared norms of ``params - buffers`` (the change since the copy) and of ``params``,
+    in one pass over the two by the fused CPU kernel, the difference written nowhere; ``None``
+    where it does not take them all."""
+    if not (_native.available() and all(map(_native.usable, (*buffers, *params)))):
+        return None
+    return _native.diff_sumsq(list(params), list(buffers))

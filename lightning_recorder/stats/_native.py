@@ -1,0 +1,369 @@
+"""Fused CPU kernels for float32 data: one pass where torch needs several.
+
+* :func:`moments` — for :func:`~lightning_recorder.stats._kernels.native_state`: the sum, the
+  sum of squares of the deviations from a shift, the sum of ``|x|``, the minimum, the maximum
+  and the number of zeros of a tensor, in one read (torch needs four passes: ``aminmax``, a sum,
+  a sum of squares, and a sign count or an absolute sum); a strided sample for the histogram on
+  the way. :func:`bucket` counts that sample's histogram.
+* :func:`copy_sumsq` / :func:`diff_sumsq` — for the monitor's parameter statistics: the copy
+  of a parameter before the optimizer step together with its squared norm (and its gradient's),
+  and, after the step, the squared norms of the parameter and of its change, without writing the
+  difference anywhere.
+
+The plain sum of the data runs in float64 vector lanes. The sums of positive terms (squares,
+``|x|``) run in float32 lanes over rows of :data:`ROW` elements (each lane adds at most 32
+terms, or 64 without AVX), and the rows' sums in float64: within about ``1e-7`` (relative) of
+the exact sums, below what TensorBoard stores (a float32). Minimum, maximum and the count of zeros are exact.
+A NaN or an infinity makes the sums non-finite, which callers test for: they then take the exact
+float64 path, which counts them. The kernels are built by :mod:`lightning_recorder._core.native`
+on first use; where that is not possible (:func:`available` is false), callers use torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._core import native
+
+ROW = 256
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX__)
+#define WIDTH 32
+#else
+#define WIDTH 16
+#endif
+#define LANES (WIDTH / 4)
+#define ROW 256  /* = ROW in Python */
+
+typedef float vf __attribute__((vector_size(WIDTH)));
+typedef int32_t vi __attribute__((vector_size(WIDTH)));
+typedef float vh __attribute__((vector_size(WIDTH / 2)));
+typedef double vd __attribute__((vector_size(WIDTH)));
+
+/* Add the float32 lanes of t into two float64 vectors (their low and high halves). */
+static inline void widen_into(vf t, vd *low, vd *high) {
+    vh a, b;
+    memcpy(&a, &t, sizeof a);
+    memcpy(&b, (const char *)&t + sizeof a, sizeof b);
+    *low += __builtin_convertvector(a, vd);
+    *high += __builtin_convertvector(b, vd);
+}
+
+static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+/* vmin(v, m) = v < m ? v : m, vmax(v, m) = v > m ? v : m: one instruction on x86 */
+#if defined(__AVX__)
+#define vmin(v, m) __builtin_ia32_minps256(v, m)
+#define vmax(v, m) __builtin_ia32_maxps256(v, m)
+#elif defined(__SSE__)
+#define vmin(v, m) __builtin_ia32_minps(v, m)
+#define vmax(v, m) __builtin_ia32_maxps(v, m)
+#else
+#define vmin(v, m) pick((v) < (m), v, m)
+#define vmax(v, m) pick((v) > (m), v, m)
+#endif
+static inline vf splat(float x) { vf v; for (int j = 0; j < LANES; j++) v[j] = x; return v; }
+static inline double total(vf v) {
+    double s = 0;
+    for (int j = 0; j < LANES; j++) s += v[j];
+    return s;
+}
+
+/* A shift for the sums of deviations: the mean of up to 8 finite evenly spaced elements,
+   rounded to float32 (the kernels subtract it in float32). */
+double lr_shift_f32(const float *x, int64_t n) {
+    double s = 0; int k = 0;
+    for (int i = 0; i < 8; i++) {
+        float v = x[(n - 1) * i / 7];
+        if (isfinite(v)) { s += v; k++; }
+    }
+    return k ? (double)(float)(s / k) : 0.0;
+}
+
+/* out = [sum(x), sum((x - k)^2), sum|x|, min, max, zeros] of x[0:n]; if sample is not
+   NULL, x[first], x[first + stride], ... are copied to sample[0], sample[1], ... on the way. */
+void lr_moments_f32(const float *x, int64_t n, double k, double *out,
+                    float *sample, int64_t first, int64_t stride) {
+    int64_t next = sample ? first : n, taken = 0;
+    const float kf = (float)k;
+    const vf kv = splat(kf), inf = splat(INFINITY), zero = splat(0.0f);
+    const vi magnitude = (vi)splat(-0.0f);
+    vf lo = inf, hi = -inf;
+    double s = 0, q = 0, a = 0;
+    int64_t z = 0, i = 0;
+    const int64_t whole = n / LANES * LANES;
+    while (i < whole) {
+        int64_t end = i + ROW < whole ? i + ROW : whole;
+        vf qv = zero, av = zero;
+        vd sl = {0}, sh = {0};
+        vi zv = (vi)zero;
+        /* two vectors a step, combined before they reach the accumulators: each accumulator
+           waits on one add per two vectors, and few registers are live */
+        for (; i + 2 * LANES <= end; i += 2 * LANES) {
+            vf v = load(x + i), w = load(x + i + LANES);
+            vf d = v - kv, e = w - kv;
+            /* the sum in float64 lanes, two elements added in float32 first: the mean keeps
+               nearly float64's precision, cancellation or not (the sums of squares and of |x|
+               add positive terms, which float32 lanes hold to about 1e-7) */
+            widen_into(v + w, &sl, &sh);
+            qv += d * d + e * e;
+            av += (vf)((vi)v & ~magnitude) + (vf)((vi)w & ~magnitude);
+            zv -= (v == zero) + (w == zero);
+            lo = vmin(vmin(v, w), lo);
+            hi = vmax(vmax(v, w), hi);
+        }
+        for (; i < end; i += LANES) {
+            vf v = load(x + i);
+            vf d = v - kv;
+            widen_into(v, &sl, &sh);
+            qv += d * d;
+            av += (vf)((vi)v & ~magnitude);
+            zv -= (v == zero);
+            lo = vmin(v, lo);
+            hi = vmax(v, hi);
+        }
+        sl += sh;
+        for (int j = 0; j < LANES / 2; j++) s += sl[j];
+        q += total(qv); a += total(av);
+        for (int j = 0; j < LANES; j++) z += zv[j];
+        for (; next < end; next += stride) sample[taken++] = x[next];
+    }
+    float mn = INFINITY, mx = -INFINITY;
+    for (int j = 0; j < LANES; j++) { if (lo[j] < mn) mn = lo[j]; if (hi[j] > mx) mx = hi[j]; }
+    for (; i < n; i++) {
+        float v = x[i]; float d = v - kf;
+        s += v; q += (double)d * d; a += fabsf(v); z += v == 0.0f;
+        if (v < mn) mn = v;
+        if (v > mx) mx = v;
+    }
+    for (; next < n; next += stride) sample[taken++] = x[next];
+    out[0] = s; out[1] = q; out[2] = a; out[3] = mn; out[4] = mx; out[5] = (double)z;
+}
+
+/* counts[i] += the number of finite v with floor((v - lo) * scale) == i, positions clamped to
+   [0, bins]: the approximate bucketing of bucket_native, in float64. counts holds 4 * (bins + 1)
+   zeros: four interleaved tallies (no increment waits on the previous one), summed at the end. */
+void lr_bucket_f32(const float *v, int64_t n, double lo, double scale, int32_t bins,
+                   int64_t *counts) {
+    const int64_t size = (int64_t)bins + 1;
+    const double top = bins;
+    for (int64_t i = 0; i < n; i++) {
+        double x = v[i];
+        double position = (x - lo) * scale;
+        position = position > 0 ? position : 0;  /* NaN -> 0, counted apart below */
+        position = position < top ? position : top;
+        counts[(i & 3) * size + (int64_t)position] += x - x == 0;  /* finite: x - x is 0 */
+    }
+    for (int64_t j = 0; j < size; j++)
+        counts[j] += counts[size + j] + counts[2 * size + j] + counts[3 * size + j];
+}
+
+/* dst = src; out[0] += sum(src^2); if g: out[1] += sum(g^2). */
+void lr_copy_sumsq_f32(float *dst, const float *src, const float *g, int64_t n, double *out) {
+    const vf zero = splat(0.0f);
+    double p = 0, r = 0;
+    int64_t i = 0;
+    const int64_t whole = n / LANES * LANES;
+    while (i < whole) {
+        int64_t end = i + ROW < whole ? i + ROW : whole;
+        vf pv = zero, gv = zero;
+        if (g) {
+            for (; i < end; i += LANES) {
+                vf v = load(src + i), w = load(g + i);
+                store(dst + i, v);
+                pv += v * v; gv += w * w;
+            }
+        } else {
+            for (; i < end; i += LANES) {
+                vf v = load(src + i);
+                store(dst + i, v);
+                pv += v * v;
+            }
+        }
+        p += total(pv); r += total(gv);
+    }
+    for (; i < n; i++) {
+        dst[i] = src[i]; p += (double)src[i] * src[i];
+        if (g) r += (double)g[i] * g[i];
+    }
+    out[0] += p; out[1] += r;
+}
+
+/* out[0] += sum((a - b)^2); out[1] += sum(a^2). */
+void lr_diff_sumsq_f32(const float *a, const float *b, int64_t n, double *out) {
+    const vf zero = splat(0.0f);
+    double d2 = 0, a2 = 0;
+    int64_t i = 0;
+    const int64_t whole = n / LANES * LANES;
+    while (i < whole) {
+        int64_t end = i + ROW < whole ? i + ROW : whole;
+        vf dv = zero, av = zero;
+        for (; i < end; i += LANES) {
+            vf u = load(a + i), d = u - load(b + i);
+            dv += d * d; av += u * u;
+        }
+        d2 += total(dv); a2 += total(av);
+    }
+    for (; i < n; i++) {
+        double u = a[i], d = (double)(a[i] - b[i]);
+        d2 += d * d; a2 += u * u;
+    }
+    out[0] += d2; out[1] += a2;
+}
+"""
+
+_P = ctypes.c_void_p
+_N = ctypes.c_int64
+_SIGNATURES = {
+    "lr_shift_f32": (ctypes.c_double, (_P, _N)),
+    "lr_moments_f32": (None, (_P, _N, ctypes.c_double, _P, _P, _N, _N)),
+    "lr_bucket_f32": (None, (_P, _N, ctypes.c_double, ctypes.c_double, ctypes.c_int32, _P)),
+    "lr_copy_sumsq_f32": (None, (_P, _P, _P, _N, _P)),
+    "lr_diff_sumsq_f32": (None, (_P, _P, _N, _P)),
+}
+
+
+def _library() -> Any:
+    return native.load("lightning_recorder_stats", SOURCE, _SIGNATURES)
+
+
+def available() -> bool:
+    """Whether the fused kernels run here (built, or loaded from the cache)."""
+    return _library() is not None
+
+
+def usable(x: Tensor) -> bool:
+    """Whether ``x`` can be handed to the kernels: a contiguous float32 CPU tensor, not a
+    subclass (a ``DTensor``'s storage is its shard)."""
+    return (
+        type(x) in _PLAIN
+        and x.layout == torch.strided
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+    )
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+# Large tensors are split across threads (the kernels release the GIL) when torch itself runs
+# on several: below this many elements one thread is faster than the hand-off.
+PARALLEL_MIN = 2**20
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+def _parts(n: int) -> list[tuple[int, int]]:
+    threads = torch.get_num_threads()
+    if threads <= 1 or n < PARALLEL_MIN:
+        return [(0, n)]
+    count = min(threads, n // (PARALLEL_MIN // 2))
+    step = -(-n // count)
+    step += -step % 64  # parts start on a cache line
+    return [(start, min(n, start + step)) for start in range(0, n, step)]
+
+
+def _run(calls: list[Any]) -> None:
+    global _POOL, _POOL_SIZE
+    if len(calls) == 1:
+        calls[0]()
+        return
+    if _POOL is None or len(calls) > _POOL_SIZE:
+        _POOL = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="lr-stats")
+        _POOL_SIZE = len(calls)
+    for future in [_POOL.submit(call) for call in calls]:
+        future.result()
+
+
+def moments(
+    x: Tensor, sample: Tensor | None = None, stride: int = 1
+) -> tuple[float, float, float, float, float, float, float]:
+    """``(shift, sum(x), sum((x - shift)**2), sum|x|, min, max, zeros)`` of a flat
+    tensor that is :func:`usable` (the caller checks :func:`available` first); with ``sample``
+    (float32, ``ceil(numel / stride)`` elements), ``x[::stride]`` is copied into it on the way."""
+    lib = _library()
+    n = x.numel()
+    base = x.data_ptr()
+    shift = lib.lr_shift_f32(base, n)
+    parts = _parts(n)
+    out = (ctypes.c_double * (6 * len(parts)))()
+    address = ctypes.addressof(out)
+    kept = sample.data_ptr() if sample is not None else None
+    calls = []
+    for j, (start, end) in enumerate(parts):
+        first = -(-start // stride) * stride  # the first sampled index in the part
+        target = None if kept is None else kept + 4 * (first // stride)
+        calls.append(
+            lambda start=start, end=end, j=j, first=first, target=target: lib.lr_moments_f32(
+                base + 4 * start,
+                end - start,
+                shift,
+                address + 48 * j,
+                target,
+                first - start,
+                stride,
+            )
+        )
+    _run(calls)
+    rows = [out[6 * j : 6 * j + 6] for j in range(len(parts))]
+    return (
+        shift,
+        sum(r[0] for r in rows),
+        sum(r[1] for r in rows),
+        sum(r[2] for r in rows),
+        min(r[3] for r in rows),
+        max(r[4] for r in rows),
+        sum(r[5] for r in rows),
+    )
+
+
+def bucket(x: Tensor, lo: float, hi: float, bins: int) -> list[int]:
+    """The counts (``bins + 1``, the last for values at ``hi``) of the finite values of a
+    :func:`usable` flat tensor, bucket ``floor((v - lo) * bins / (hi - lo))`` in float64,
+    clamped into ``[0, bins]``."""
+    counts = (ctypes.c_int64 * (4 * (bins + 1)))()
+    _library().lr_bucket_f32(x.data_ptr(), x.numel(), lo, bins / (hi - lo), bins, counts)
+    return counts[: bins + 1]
+
+
+def copy_sumsq(
+    destinations: list[Tensor], sources: list[Tensor], grads: list[Tensor | None]
+) -> tuple[list[float], list[float]]:
+    """Copy each source into its destination (all :func:`usable`, same sizes); return the squared
+    norms of the sources and of the gradients (``nan`` where a gradient is ``None``)."""
+    lib = _library()
+    norms, grad_norms = [], []
+    out = (ctypes.c_double * 2)()
+    for dst, src, grad in zip(destinations, sources, grads, strict=True):
+        out[0] = out[1] = 0.0
+        g = grad.data_ptr() if grad is not None else None
+        lib.lr_copy_sumsq_f32(dst.data_ptr(), src.data_ptr(), g, src.numel(), out)
+        norms.append(out[0])
+        grad_norms.append(out[1] if grad is not None else float("nan"))
+    return norms, grad_norms
+
+
+def diff_sumsq(after: list[Tensor], before: list[Tensor]) -> tuple[list[float], list[float]]:
+    """The squared norms of ``after - before`` and of ``after``, tensor by tensor (all
+    :func:`usable`, same sizes), the difference written nowhere."""
+    lib = _library()
+    changes, norms = [], []
+    out = (ctypes.c_double * 2)()
+    for a, b in zip(after, before, strict=True):
+        out[0] = out[1] = 0.0
+        lib.lr_diff_sumsq_f32(a.data_ptr(), b.data_ptr(), a.numel(), out)
+        changes.append(out[0])
+        norms.append(out[1])
+    return changes, norms
