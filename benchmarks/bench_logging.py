@@ -126,7 +126,13 @@ def kernel_row(x: Tensor, kind: str, work: Workspace, repeats: int) -> str:
     def sampled() -> Any:  # the monitor's path: the sample taken in the statistics' pass
         state, kept, weight = sampled_state(x, work, FeatureStatsMonitor.histogram_sample)
         return histogram_rows_cpu(
-            [[kept]], state[None], 30, sync=False, group=None, work=work, exact=False,
+            [[kept]],
+            state[None],
+            30,
+            sync=False,
+            group=None,
+            work=work,
+            exact=False,
             weights=[[weight]],
         )
 

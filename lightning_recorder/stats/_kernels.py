@@ -359,19 +359,19 @@ def fused_state(
     """The packed state of a non-empty flat float32 CPU tensor from the fused kernel
     (:func:`lightning_recorder.stats._native.moments`: one read of the data).
 
-    The sum is taken in float64 (the mean is as precise as float64 allows, whatever the
-    cancellation); the sum of squares is of the deviations ``d`` from a shift ``k`` near the
-    mean (a float32, the mean of a few of the elements), so ``M2 = sum(d**2) - n * (mean -
-    k)**2`` cancels little; where it would lose more than :data:`NATIVE_CANCEL_BITS` bits the
-    deviations from the mean are summed in a second pass, as in :func:`native_chunk`. A NaN,
+    The sums are of the deviations ``d`` from a shift ``k`` near the mean (a float32, the mean of
+    a few of the elements), ``sum(d)`` in float64 (the mean is nearly as precise as float64
+    allows, whatever the cancellation), so ``M2 = sum(d**2) - sum(d)**2 / n`` cancels little;
+    where it would lose more than :data:`NATIVE_CANCEL_BITS` bits the deviations from the mean
+    are summed in a second pass, as in :func:`native_chunk`. A NaN,
     an infinity or an overflow takes the exact masked path.
     """
     shift, total, squares, abs_sum, low, high, zeros = _native.moments(v, sample, stride)
     if not (math.isfinite(total) and math.isfinite(squares)):
         return masked_state(flat64(v))
     n = v.numel()
-    mean = total / n
-    m2 = squares - n * (mean - shift) ** 2
+    mean = shift + total / n
+    m2 = squares - total * total / n
     if not one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS):
         m2 = deviations_m2(v, mean, work)
     return torch.tensor([n, mean, m2, low, high, abs_sum / n, zeros, 0, n], dtype=F64)

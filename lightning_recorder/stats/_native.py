@@ -1,7 +1,7 @@
 """Fused CPU kernels for float32 data: one pass where torch needs several.
 
-* :func:`moments` — for :func:`~lightning_recorder.stats._kernels.native_state`: the sum, the
-  sum of squares of the deviations from a shift, the sum of ``|x|``, the minimum, the maximum
+* :func:`moments` — for :func:`~lightning_recorder.stats._kernels.native_state`: the sum and
+  the sum of squares of the deviations from a shift, the sum of ``|x|``, the minimum, the maximum
   and the number of zeros of a tensor, in one read (torch needs four passes: ``aminmax``, a sum,
   a sum of squares, and a sign count or an absolute sum); a strided sample for the histogram on
   the way. :func:`bucket` counts that sample's histogram.
@@ -10,10 +10,11 @@
   and, after the step, the squared norms of the parameter and of its change, without writing the
   difference anywhere.
 
-The plain sum of the data runs in float64 vector lanes. The sums of positive terms (squares,
-``|x|``) run in float32 lanes over rows of :data:`ROW` elements (each lane adds at most 32
-terms, or 64 without AVX), and the rows' sums in float64: within about ``1e-7`` (relative) of
-the exact sums, below what TensorBoard stores (a float32). Minimum, maximum and the count of zeros are exact.
+The sum of the deviations from the shift runs in float64 vector lanes. The sums of positive
+terms (squares, ``|x|``) run in float32 lanes over rows of :data:`ROW` elements (each lane adds
+at most 32 terms, or 64 without AVX), and the rows' sums in float64: within about ``1e-7``
+(relative) of the exact sums, below what TensorBoard stores (a float32). Minimum, maximum and
+the count of zeros are exact.
 A NaN or an infinity makes the sums non-finite, which callers test for: they then take the exact
 float64 path, which counts them. The kernels are built by :mod:`lightning_recorder._core.native`
 on first use; where that is not possible (:func:`available` is false), callers use torch.
@@ -81,17 +82,21 @@ static inline double total(vf v) {
 }
 
 /* A shift for the sums of deviations: the mean of up to 8 finite evenly spaced elements,
-   rounded to float32 (the kernels subtract it in float32). */
+   rounded to 8 significant bits. The kernels subtract it in float32: a shift of few bits keeps
+   x - k exact far more often, and where it is not, the rounding follows the low bits of x
+   (which vary) rather than those of k (which would bias every difference alike). */
 double lr_shift_f32(const float *x, int64_t n) {
-    double s = 0; int k = 0;
+    double s = 0; int k = 0, e;
     for (int i = 0; i < 8; i++) {
         float v = x[(n - 1) * i / 7];
         if (isfinite(v)) { s += v; k++; }
     }
-    return k ? (double)(float)(s / k) : 0.0;
+    if (!k || s == 0 || !isfinite(s)) return 0.0;
+    double m = frexp(s / k, &e);
+    return ldexp(nearbyint(ldexp(m, 8)), e - 8);
 }
 
-/* out = [sum(x), sum((x - k)^2), sum|x|, min, max, zeros] of x[0:n]; if sample is not
+/* out = [sum(x - k), sum((x - k)^2), sum|x|, min, max, zeros] of x[0:n]; if sample is not
    NULL, x[first], x[first + stride], ... are copied to sample[0], sample[1], ... on the way. */
 void lr_moments_f32(const float *x, int64_t n, double k, double *out,
                     float *sample, int64_t first, int64_t stride) {
@@ -113,10 +118,12 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
         for (; i + 2 * LANES <= end; i += 2 * LANES) {
             vf v = load(x + i), w = load(x + i + LANES);
             vf d = v - kv, e = w - kv;
-            /* the sum in float64 lanes, two elements added in float32 first: the mean keeps
-               nearly float64's precision, cancellation or not (the sums of squares and of |x|
-               add positive terms, which float32 lanes hold to about 1e-7) */
-            widen_into(v + w, &sl, &sh);
+            /* the deviations' sum in float64 lanes, two added in float32 first (d and e are
+               exact differences where v is near k, and their pair sum rounds by at most
+               2**-24 of |d| + |e|): the mean keeps nearly float64's precision, cancellation or
+               not; the sums of squares and of |x| add positive terms, which float32 lanes hold
+               to about 1e-7 */
+            widen_into(d + e, &sl, &sh);
             qv += d * d + e * e;
             av += (vf)((vi)v & ~magnitude) + (vf)((vi)w & ~magnitude);
             zv -= (v == zero) + (w == zero);
@@ -126,7 +133,7 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
         for (; i < end; i += LANES) {
             vf v = load(x + i);
             vf d = v - kv;
-            widen_into(v, &sl, &sh);
+            widen_into(d, &sl, &sh);
             qv += d * d;
             av += (vf)((vi)v & ~magnitude);
             zv -= (v == zero);
@@ -143,7 +150,7 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
     for (int j = 0; j < LANES; j++) { if (lo[j] < mn) mn = lo[j]; if (hi[j] > mx) mx = hi[j]; }
     for (; i < n; i++) {
         float v = x[i]; float d = v - kf;
-        s += v; q += (double)d * d; a += fabsf(v); z += v == 0.0f;
+        s += d; q += (double)d * d; a += fabsf(v); z += v == 0.0f;
         if (v < mn) mn = v;
         if (v > mx) mx = v;
     }
@@ -290,7 +297,7 @@ def _run(calls: list[Any]) -> None:
 def moments(
     x: Tensor, sample: Tensor | None = None, stride: int = 1
 ) -> tuple[float, float, float, float, float, float, float]:
-    """``(shift, sum(x), sum((x - shift)**2), sum|x|, min, max, zeros)`` of a flat
+    """``(shift, sum(x - shift), sum((x - shift)**2), sum|x|, min, max, zeros)`` of a flat
     tensor that is :func:`usable` (the caller checks :func:`available` first); with ``sample``
     (float32, ``ceil(numel / stride)`` elements), ``x[::stride]`` is copied into it on the way."""
     lib = _library()

@@ -1,0 +1,264 @@
+"""The fused CPU kernels (``stats._native``) and their build (``_core.native``).
+
+Every kernel is compared with a float64 reference computed by torch, with tolerances that follow
+from the kernels' arithmetic (stated at each assert); the torch fallback, taken where no kernel
+can be built, is compared with the same reference.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_recorder._core import native
+from lightning_recorder.stats import _native
+from lightning_recorder.stats._kernels import (
+    Workspace,
+    bucket_native,
+    finalize,
+    native_state,
+    sample_of,
+    sampled_state,
+)
+from lightning_recorder.stats.batched import change_norms, copy_with_norms
+
+HAVE_CC = native.compiler() is not None
+
+
+@pytest.fixture
+def fresh_native(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """A process-wide build state that the test may change, restored afterwards."""
+    monkeypatch.setenv("LIGHTNING_RECORDER_CACHE", str(tmp_path / "cache"))
+    native.reset()
+    yield
+    monkeypatch.undo()
+    native.reset()
+
+
+def reference(x: torch.Tensor) -> dict[str, float]:
+    v = x.detach().double().reshape(-1)
+    return {
+        "sum": v.sum().item(),
+        "abs": v.abs().sum().item(),
+        "min": v.min().item(),
+        "max": v.max().item(),
+        "zeros": (v == 0).sum().item(),
+    }
+
+
+def test_the_kernels_build_where_a_compiler_is_found() -> None:
+    if not HAVE_CC:
+        pytest.skip("no C compiler on this machine: the torch path is used (tested below)")
+    assert _native.available(), native.status()
+    assert native.status()["lightning_recorder_stats"].startswith("loaded from ")
+
+
+def data(kind: str, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g)
+    if kind == "relu":
+        return x.relu()
+    if kind == "offset":  # far from zero relative to its spread: cancellation in one pass
+        return x * 1e-3 + 1e3
+    if kind == "ints":
+        return torch.randint(-3, 4, (n,), generator=g).float()
+    return x * 3 + 0.5
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+@pytest.mark.parametrize("kind", ["gaussian", "relu", "offset", "ints"])
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 17, 255, 257, 1000, 2**16 + 5])
+def test_moments_match_float64(kind: str, n: int) -> None:
+    x = data(kind, n)
+    shift, total, squares, abs_sum, low, high, zeros = _native.moments(x)
+    ref = reference(x)
+    scale = ref["abs"] + 1e-30
+    deviations = x.double() - shift
+    # the deviations' sum is taken in float64 lanes, pairs added in float32 first: each pair's
+    # rounding is at most 2**-24 of its magnitude, so the error is at most 2**-24 * sum |d|
+    # (plus float64's own, far smaller)
+    bound = 2.0**-24 * deviations.abs().sum().item() * (1 + 1e-6) + 1e-12 * scale
+    assert abs(total - deviations.sum().item()) <= bound
+    # positive terms in float32 lanes of at most 64 terms each: 1e-6 relative is ample
+    assert abs_sum == pytest.approx(ref["abs"], rel=1e-6)
+    assert squares == pytest.approx(deviations.square().sum().item(), rel=1e-6, abs=1e-30)
+    assert (low, high, zeros) == (ref["min"], ref["max"], ref["zeros"])  # exact
+    assert shift == float(torch.tensor(shift, dtype=torch.float32))  # a float32
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+@pytest.mark.parametrize("kind", ["gaussian", "relu", "offset"])
+def test_native_state_matches_exact_statistics(kind: str) -> None:
+    x = data(kind, 11 * 17_881).view(11, -1).t()  # not contiguous: copied flat first
+    got = finalize(native_state(x, Workspace()), correction=1)
+    v = x.double().reshape(-1)
+    # the documented precision of the monitor's kernels: 1e-6 relative (of mean |x - shift| for
+    # a mean near zero); min, max, counts exact
+    assert got["mean"].item() == pytest.approx(v.mean().item(), rel=1e-6, abs=1e-7)
+    assert got["std"].item() == pytest.approx(v.std().item(), rel=1e-6)
+    assert got["abs_mean"].item() == pytest.approx(v.abs().mean().item(), rel=1e-6)
+    assert (got["min"].item(), got["max"].item()) == (v.min().item(), v.max().item())
+    assert got["zero_fraction"].item() == (v == 0).double().mean().item()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_nonfinite_values_take_the_exact_path() -> None:
+    x = torch.randn(5000)
+    x[[3, 100, 4999]] = torch.tensor([math.nan, math.inf, -math.inf])
+    got = finalize(native_state(x, Workspace()), correction=1)
+    finite = x[torch.isfinite(x)].double()
+    assert got["nonfinite"].item() == 3
+    assert got["mean"].item() == pytest.approx(finite.mean().item(), rel=1e-12)
+    assert (got["min"].item(), got["max"].item()) == (finite.min().item(), finite.max().item())
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_upcast_exactly(dtype: torch.dtype) -> None:
+    x = torch.randn(70_000).to(dtype)
+    got = finalize(native_state(x, Workspace()), correction=1)
+    v = x.double()
+    assert got["mean"].item() == pytest.approx(v.mean().item(), rel=1e-6, abs=1e-7)
+    assert got["std"].item() == pytest.approx(v.std().item(), rel=1e-6)
+    assert (got["min"].item(), got["max"].item()) == (v.min().item(), v.max().item())
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+@pytest.mark.parametrize("n", [2**14 + 1, 2**18 + 3, 2**21 + 7])
+def test_the_sample_is_the_strided_copy(n: int) -> None:
+    x = torch.randn(n)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 2**21 elements are split across two threads
+    try:
+        state, sample, weight = sampled_state(x, Workspace(), 2**14)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_weight = sample_of(x, 2**14)
+    assert torch.equal(sample, expected)  # a copy: bit for bit
+    assert weight == expected_weight
+    # the mean within 2**-24 of mean |x - shift| (about 0.8 here): 1e-7
+    assert finalize(state, 1)["mean"].item() == pytest.approx(x.double().mean().item(), abs=1e-7)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_parallel_parts_agree_with_one_thread() -> None:
+    x = torch.randn(2**21 + 13) * 2 - 1
+    one = _native.moments(x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        four = _native.moments(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert one[0] == four[0] and one[4:] == four[4:]  # shift, min, max, zeros: exact
+    for a, b in zip(one[1:4], four[1:4], strict=True):  # sums in another order: 1e-7
+        assert a == pytest.approx(b, rel=1e-7)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_buckets_match_the_torch_bucketing() -> None:
+    x = torch.randn(100_000)
+    x[::7] = math.nan
+    x[::11] = math.inf
+    finite = x[torch.isfinite(x)]
+    lo, hi = finite.min().item(), finite.max().item()
+    limits = [lo + (hi - lo) * i / 30 for i in range(31)]
+    ours = torch.tensor(_native.bucket(x, lo, hi, 30))
+    theirs = bucket_native(finite, limits, lo, hi, Workspace())
+    assert ours.sum().item() == finite.numel()  # every finite value counted once
+    # float64 positions against float32 ones: a value within rounding of an edge may move
+    assert (ours - theirs).abs().sum().item() <= 4
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_parameter_kernels_match_torch() -> None:
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(*s, generator=g) for s in [(3,), (64, 33), (1000, 17)]]
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    buffers = [torch.empty_like(p) for p in params]
+    fused = copy_with_norms(buffers, params, grads)
+    assert fused is not None
+    sizes, grad_sizes = fused
+    for p, b, s, gs, gr in zip(params, buffers, sizes, grad_sizes, grads, strict=True):
+        assert torch.equal(b, p)
+        # float32 lanes of at most 32 terms, float64 across: 1e-6 relative is ample
+        assert s == pytest.approx(p.double().square().sum().item(), rel=1e-6)
+        assert gs == pytest.approx(gr.double().square().sum().item(), rel=1e-6)
+    after = [p + 1e-3 * torch.randn(p.shape, generator=g) for p in params]
+    changes, norms = change_norms(after, buffers)  # type: ignore[misc]
+    for a, b, c, n in zip(after, buffers, changes, norms, strict=True):
+        assert c == pytest.approx((a.double() - b.double()).square().sum().item(), rel=1e-5)
+        assert n == pytest.approx(a.double().square().sum().item(), rel=1e-6)
+
+
+def test_parameter_kernels_decline_what_they_cannot_take() -> None:
+    p = torch.randn(8, 8)
+    assert copy_with_norms([torch.empty(8, 8)], [p.t()], [p]) is None  # not contiguous
+    assert copy_with_norms([torch.empty(8, 8)], [p.double()], [p]) is None  # float64
+    assert change_norms([p.half()], [p]) is None
+
+
+def test_disabled_kernels_fall_back_to_torch(
+    fresh_native: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_RECORDER_NATIVE", "0")
+    assert not _native.available()
+    assert native.status() == {"lightning_recorder_stats": "disabled by LIGHTNING_RECORDER_NATIVE"}
+    x = data("gaussian", 2**17)
+    got = finalize(native_state(x, Workspace()), correction=1)
+    assert got["mean"].item() == pytest.approx(x.double().mean().item(), rel=1e-6, abs=1e-7)
+    assert got["std"].item() == pytest.approx(x.double().std().item(), rel=1e-6)
+    _, sample, _ = sampled_state(x, Workspace(), 2**14)
+    assert torch.equal(sample, sample_of(x, 2**14)[0])
+    assert copy_with_norms([torch.empty(3)], [torch.ones(3)], [torch.ones(3)]) is None
+
+
+def test_a_failing_compiler_falls_back_with_the_reason(
+    fresh_native: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = shutil.which("false")
+    if failing is None:
+        pytest.skip("no `false` command to stand for a broken compiler")
+    monkeypatch.setenv("CC", failing)
+    assert native.compiler() == [failing]
+    assert not _native.available()
+    assert native.status()["lightning_recorder_stats"].startswith("build failed")
+    x = data("relu", 5000)
+    got = finalize(native_state(x, Workspace()), correction=1)
+    assert got["zero_fraction"].item() == (x == 0).double().mean().item()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_a_built_library_is_reused_from_the_cache(tmp_path: Path) -> None:
+    """A second process loads the file the first built instead of building it again."""
+    script = textwrap.dedent(
+        """
+        from lightning_recorder._core import native
+        from lightning_recorder.stats import _native
+        assert _native.available()
+        print(native.status()["lightning_recorder_stats"])
+        """
+    )
+    env = {"LIGHTNING_RECORDER_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    first = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert first.returncode == 0, first.stderr
+    built = list(tmp_path.glob("lightning_recorder_stats-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    second = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert second.returncode == 0, second.stderr
+    assert list(tmp_path.glob("lightning_recorder_stats-*.so")) == built  # nothing built anew
+    assert built[0].stat().st_mtime_ns == stamp
+    assert first.stdout == second.stdout  # the same file, named in the status
