@@ -724,8 +724,8 @@ class FeatureStatsMonitor(RecorderCallback):
                     norms = full_values(norms)  # collectives, on every rank in the same order
                 self._grad_norms.update(zip(names, norms, strict=True))
                 if self._sharded:  # DTensor has no sharding rule for the foreach copy
-                    for buffer, param in zip(buffers, params, strict=True):
-                        buffer.copy_(param)
+                    for dst, src in zip(buffers, params, strict=True):
+                        dst.copy_(src)
                 else:
                     foreach_copy_(buffers, params)
             self._stepped.extend(names)
