@@ -35,6 +35,8 @@ from ..stats.batched import (
     host_floats,
     merge,
     merged,
+    native_segmented_histograms,
+    native_segments,
     native_state,
     raw_table,
     sampled_state,
@@ -388,7 +390,7 @@ class FeatureStatsMonitor(RecorderCallback):
     _pending: dict[str, _Pending]
     _stepped: list[str]
     _records_warned: bool
-    _segments: tuple[Tensor, Tensor] | None
+    _segments: tuple[str, Tensor, Tensor] | None
     _keys: dict[int, str]
 
     def __init__(
@@ -660,10 +662,16 @@ class FeatureStatsMonitor(RecorderCallback):
         m = len(pendings)
         batch: Tensor | None = None
         if any(p.small for p in pendings):
-            values, seg = flatten_segments([p.small for p in pendings], device)
-            batch = segmented_states(values, seg, m)
+            fused = native_segments([p.small for p in pendings])
+            if fused is not None:  # float32 on the CPU: one kernel call for every module
+                values, offsets, batch = fused
+                segments: tuple[str, Tensor, Tensor] = ("native", values, offsets)
+            else:
+                values, seg = flatten_segments([p.small for p in pendings], device)
+                batch = segmented_states(values, seg, m)
+                segments = ("torch", values, seg)
             if not any(p.samples for p in pendings):
-                self._segments = (values, seg)
+                self._segments = segments
         if any(p.states for p in pendings):
             rows = [merged(p.states) if p.states else empty_state(device) for p in pendings]
             large = torch.stack([row if row.device == device else row.to(device) for row in rows])
@@ -740,9 +748,9 @@ class FeatureStatsMonitor(RecorderCallback):
             return None
         segments, self._segments = self._segments, None
         if segments is not None:  # every output small: one segmented pass for every module
-            return raw_table(
-                *segmented_histograms(*segments, states, self.bins, sync=True, group=None)
-            )
+            kind, values, index = segments
+            count = native_segmented_histograms if kind == "native" else segmented_histograms
+            return raw_table(*count(values, index, states, self.bins, sync=True, group=None))
         # every rank; buckets in the data's precision, like the statistics
         if states.device.type == "cpu":
             work = cast(Workspace, self._work)

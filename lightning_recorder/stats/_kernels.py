@@ -735,18 +735,20 @@ def histogram_rows_cpu(
     if exact:
         table = torch.tensor(edges, dtype=F64)
         bits32 = ceil32(table).view(torch.int32)
-    found: list[Tensor] = []
+    found: list[list[float]] = []
     for m, (row, (lo, hi), tensors) in enumerate(zip(rows, ranges, parts, strict=True)):
         counted: Tensor | None = None
+        direct: list[float] | None = None  # counts of the fused kernel, on the host
         laned = row[ZEROS] >= LANED_ZEROS * row[NUMEL]
         if row[COUNT] > 0:  # else no finite value here: nothing to count
             for i, x in enumerate(tensors):
-                native = not exact and native_buckets(x, lo, hi, bins)
-                if native:
-                    part = torch.tensor(native, dtype=torch.int64)
-                    if weights is not None:
-                        part = part.to(F64) * weights[m][i]
-                    counted = part if counted is None else counted + part
+                native = None if exact else native_buckets(x, lo, hi, bins)
+                if native is not None:
+                    weight = 1.0 if weights is None else weights[m][i]
+                    if direct is None:
+                        direct = [c * weight for c in native]
+                    else:
+                        direct = [d + c * weight for d, c in zip(direct, native, strict=True)]
                     continue
                 for chunk in chunks(x):
                     finite = chunk[torch.isfinite(chunk)] if row[NONFINITE] else chunk
@@ -757,13 +759,16 @@ def histogram_rows_cpu(
                     if weights is not None:
                         part = part.to(F64) * weights[m][i]
                     counted = part if counted is None else counted + part
-        if counted is not None and weights is not None and any(w != 1.0 for w in weights[m]):
-            found_total = counted.sum().item()  # on the host: a CPU read is free
+        values = [0.0] * (bins + 1) if counted is None else counted.to(F64).tolist()
+        if direct is not None:
+            values = [a + b for a, b in zip(values, direct, strict=True)]
+        if weights is not None and any(w != 1.0 for w in weights[m]):
+            found_total = sum(values)
             if found_total > 0:
-                counted = counted * (row[COUNT] / found_total)
-        found.append(torch.zeros(bins + 1, dtype=torch.int64) if counted is None else counted)
+                values = [v * (row[COUNT] / found_total) for v in values]
+        found.append(values)
     sums = [[r[COUNT], r[COUNT] * r[MEAN], r[M2] + r[COUNT] * (r[MEAN] * r[MEAN])] for r in rows]
-    counts = torch.stack([f.to(F64) for f in found]).tolist()
+    counts = found
     if syncing:
         reduced = torch.tensor([s + c for s, c in zip(sums, counts, strict=True)], dtype=F64)
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)

@@ -158,22 +158,65 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
     out[0] = s; out[1] = q; out[2] = a; out[3] = mn; out[4] = mx; out[5] = (double)z;
 }
 
-/* counts[i] += the number of finite v with floor((v - lo) * scale) == i, positions clamped to
-   [0, bins]: the approximate bucketing of bucket_native, in float64. counts holds 4 * (bins + 1)
-   zeros: four interleaved tallies (no increment waits on the previous one), summed at the end. */
+/* counts[i] += the number of finite v with floor((v - lo) * scale) == i, positions (in
+   float32, as bucket_native's for float32 data) clamped to [0, bins]. counts holds 8 * (bins + 1)
+   zeros: a tally per vector lane (no increment waits on another's), summed at the end. */
 void lr_bucket_f32(const float *v, int64_t n, double lo, double scale, int32_t bins,
                    int64_t *counts) {
     const int64_t size = (int64_t)bins + 1;
-    const double top = bins;
-    for (int64_t i = 0; i < n; i++) {
-        double x = v[i];
-        double position = (x - lo) * scale;
-        position = position > 0 ? position : 0;  /* NaN -> 0, counted apart below */
-        position = position < top ? position : top;
-        counts[(i & 3) * size + (int64_t)position] += x - x == 0;  /* finite: x - x is 0 */
+    const vf lov = splat((float)lo), sv = splat((float)scale), top = splat((float)bins);
+    const vf zero = splat(0.0f);
+    vi offset;
+    for (int j = 0; j < LANES; j++) offset[j] = (int32_t)(j * size);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vf x = load(v + i);
+        /* NaN positions become 0 (max returns its second operand), then are not counted */
+        vf position = vmin(vmax((x - lov) * sv, zero), top);
+        vi index = __builtin_convertvector(position, vi) + offset;
+        vi finite = (x - x) == zero;  /* -1 where finite, 0 for NaN and infinities */
+        for (int j = 0; j < LANES; j++) counts[index[j]] -= finite[j];
+    }
+    for (; i < n; i++) {
+        float x = v[i];
+        if (!isfinite(x)) continue;
+        float position = (x - (float)lo) * (float)scale;
+        position = position > 0 ? position : 0;
+        position = position < bins ? position : (float)bins;
+        counts[(int64_t)position]++;
     }
     for (int64_t j = 0; j < size; j++)
-        counts[j] += counts[size + j] + counts[2 * size + j] + counts[3 * size + j];
+        for (int lane = 1; lane < LANES; lane++) counts[j] += counts[lane * size + j];
+}
+
+/* The moments of each segment x[offsets[i]:offsets[i + 1]] (i < m): out[7 * i] is the
+   segment's shift, out[7 * i + 1 : 7 * i + 7] what lr_moments_f32 gives (an empty segment:
+   zeros, min inf, max -inf). */
+void lr_segment_moments_f32(const float *x, const int64_t *offsets, int64_t m, double *out) {
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t n = offsets[i + 1] - offsets[i];
+        double *row = out + 7 * i;
+        if (n <= 0) {
+            for (int j = 0; j < 7; j++) row[j] = 0;
+            row[4] = INFINITY; row[5] = -INFINITY;
+            continue;
+        }
+        row[0] = lr_shift_f32(x + offsets[i], n);
+        lr_moments_f32(x + offsets[i], n, row[0], row + 1, 0, 0, 1);
+    }
+}
+
+/* lr_bucket_f32 of each segment over its own range: counts holds m * (bins + 1) results;
+   scratch 8 * (bins + 1) int64 of any content. */
+void lr_segment_bucket_f32(const float *x, const int64_t *offsets, int64_t m, const double *lo,
+                           const double *scale, int32_t bins, int64_t *counts, int64_t *scratch) {
+    const int64_t size = (int64_t)bins + 1;
+    for (int64_t i = 0; i < m; i++) {
+        memset(scratch, 0, 8 * size * sizeof *scratch);
+        lr_bucket_f32(x + offsets[i], offsets[i + 1] - offsets[i], lo[i], scale[i], bins,
+                      scratch);
+        memcpy(counts + i * size, scratch, size * sizeof *counts);
+    }
 }
 
 /* dst = src; out[0] += sum(src^2); if g: out[1] += sum(g^2). */
@@ -237,6 +280,8 @@ _SIGNATURES = {
     "lr_moments_f32": (None, (_P, _N, ctypes.c_double, _P, _P, _N, _N)),
     "lr_bucket_f32": (None, (_P, _N, ctypes.c_double, ctypes.c_double, ctypes.c_int32, _P)),
     "lr_copy_sumsq_f32": (None, (_P, _P, _P, _N, _P)),
+    "lr_segment_moments_f32": (None, (_P, _P, _N, _P)),
+    "lr_segment_bucket_f32": (None, (_P, _P, _N, _P, _P, ctypes.c_int32, _P, _P)),
     "lr_diff_sumsq_f32": (None, (_P, _P, _N, _P)),
 }
 
@@ -304,10 +349,14 @@ def moments(
     n = x.numel()
     base = x.data_ptr()
     shift = lib.lr_shift_f32(base, n)
+    kept = sample.data_ptr() if sample is not None else None
     parts = _parts(n)
+    if len(parts) == 1:  # the common case, without the bookkeeping of parts
+        one = (ctypes.c_double * 6)()
+        lib.lr_moments_f32(base, n, shift, one, kept, 0, stride)
+        return (shift, *one)
     out = (ctypes.c_double * (6 * len(parts)))()
     address = ctypes.addressof(out)
-    kept = sample.data_ptr() if sample is not None else None
     calls = []
     for j, (start, end) in enumerate(parts):
         first = -(-start // stride) * stride  # the first sampled index in the part
@@ -338,11 +387,41 @@ def moments(
 
 def bucket(x: Tensor, lo: float, hi: float, bins: int) -> list[int]:
     """The counts (``bins + 1``, the last for values at ``hi``) of the finite values of a
-    :func:`usable` flat tensor, bucket ``floor((v - lo) * bins / (hi - lo))`` in float64,
+    :func:`usable` flat tensor, bucket ``floor((v - lo) * bins / (hi - lo))`` in float32,
     clamped into ``[0, bins]``."""
-    counts = (ctypes.c_int64 * (4 * (bins + 1)))()
+    counts = (ctypes.c_int64 * (8 * (bins + 1)))()
     _library().lr_bucket_f32(x.data_ptr(), x.numel(), lo, bins / (hi - lo), bins, counts)
     return counts[: bins + 1]
+
+
+def segment_moments(values: Tensor, offsets: Tensor) -> list[list[float]]:
+    """:func:`moments` of each segment ``values[offsets[i]:offsets[i + 1]]`` of a :func:`usable`
+    flat tensor (``offsets``: contiguous int64 CPU), in one call; a row of 7 per segment."""
+    m = offsets.numel() - 1
+    out = torch.empty(m, 7, dtype=torch.float64)
+    _library().lr_segment_moments_f32(values.data_ptr(), offsets.data_ptr(), m, out.data_ptr())
+    return out.tolist()
+
+
+def segment_buckets(
+    values: Tensor, offsets: Tensor, lo: Tensor, scale: Tensor, bins: int
+) -> Tensor:
+    """:func:`bucket` of each segment over its own range (``lo``, ``scale``: float64 CPU, one
+    per segment), in one call: ``(m, bins + 1)`` int64 counts."""
+    m = offsets.numel() - 1
+    counts = torch.empty(m, bins + 1, dtype=torch.int64)
+    scratch = torch.empty(8 * (bins + 1), dtype=torch.int64)
+    _library().lr_segment_bucket_f32(
+        values.data_ptr(),
+        offsets.data_ptr(),
+        m,
+        lo.data_ptr(),
+        scale.data_ptr(),
+        bins,
+        counts.data_ptr(),
+        scratch.data_ptr(),
+    )
+    return counts
 
 
 def copy_sumsq(

@@ -6,14 +6,21 @@ costs. Here every small tensor of a step is one *segment* of a flat ``float64`` 
 each statistic is one segmented reduction (``index_add_``, ``scatter_reduce_``,
 ``bincount``) over the whole buffer: the same dozen operations for 1 tensor or 1,000.
 
-The formulas are :func:`~._kernels.masked_state`'s in float64 (NaN and infinities counted
-apart, ``M2`` by the one-pass rule where it loses at most ``CANCEL_BITS`` bits, from the
-deviations elsewhere), so the states are those of :func:`~._kernels.batch_state` up to the
-order of the additions. Nothing synchronises with the host on any device.
+Where the fused CPU kernels run (:mod:`._native`) and every tensor is float32 (float16,
+bfloat16), :func:`native_segments` and :func:`native_segmented_histograms` do the same in one
+call each over a flat float32 buffer, with the precision of
+:func:`~._kernels.native_state`.
+
+The formulas of the torch path are :func:`~._kernels.masked_state`'s in float64 (NaN and
+infinities counted apart, ``M2`` by the one-pass rule where it loses at most ``CANCEL_BITS``
+bits, from the deviations elsewhere), so the states are those of
+:func:`~._kernels.batch_state` up to the order of the additions. Nothing synchronises with
+the host on any device.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -21,9 +28,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._kernels import F64, device_ranges, one_pass_suffices, summed_over_ranks
+from . import _native
+from ._kernels import (
+    EXACT_IN_32,
+    F64,
+    NATIVE_CANCEL_BITS,
+    Workspace,
+    deviations_m2,
+    device_ranges,
+    flat64,
+    masked_state,
+    one_pass_suffices,
+    summed_over_ranks,
+)
 
-__all__ = ["flatten_segments", "segmented_histograms", "segmented_states"]
+__all__ = [
+    "flatten_segments",
+    "native_segmented_histograms",
+    "native_segments",
+    "segmented_histograms",
+    "segmented_states",
+]
 
 
 def flatten_segments(groups: Sequence[Sequence[Tensor]], device: Any) -> tuple[Tensor, Tensor]:
@@ -84,4 +109,55 @@ def segmented_histograms(
     index = seg * bins + bucket
     counts = torch.bincount(index, weights=finite.to(F64), minlength=m * bins).view(m, bins)
     counts, sums = summed_over_ranks(counts, states, sync=sync, group=group)
+    return counts, edges, vmin, vmax, sums
+
+
+def native_segments(groups: Sequence[Sequence[Tensor]]) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The tensors of each group in one flat float32 CPU buffer, the ``(m + 1,)`` segment
+    offsets and the ``(m, 9)`` packed states of the segments, by the fused kernel in one call;
+    ``None`` (nothing done) where it does not apply: no kernel, a tensor off the CPU or of
+    another dtype than float32, float16 or bfloat16."""
+    flat = [t if t.dim() == 1 else t.reshape(-1) for tensors in groups for t in tensors]
+    if not _native.available() or not all(
+        t.device.type == "cpu" and t.dtype in EXACT_IN_32 for t in flat
+    ):
+        return None
+    sizes = [sum(t.numel() for t in tensors) for tensors in groups]
+    values = torch.cat(flat) if flat else torch.zeros(0)
+    if values.dtype != torch.float32:
+        values = values.float()
+    starts = [0, *itertools.accumulate(sizes)]
+    offsets = torch.tensor(starts, dtype=torch.int64)
+    rows = _native.segment_moments(values, offsets)
+    states = []
+    work: Workspace | None = None
+    for start, n, (shift, total, squares, abs_sum, low, high, zeros) in zip(
+        starts, sizes, rows, strict=False
+    ):
+        if n == 0:
+            states.append([0.0, 0.0, 0.0, math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0])
+            continue
+        if not (math.isfinite(total) and math.isfinite(squares)):
+            states.append(masked_state(flat64(values[start : start + n])).tolist())
+            continue
+        mean = shift + total / n
+        m2 = squares - total * total / n
+        if not one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS):
+            work = work or Workspace()
+            m2 = deviations_m2(values[start : start + n], mean, work)
+        states.append([n, mean, m2, low, high, abs_sum / n, zeros, 0.0, n])
+    return values, offsets, torch.tensor(states, dtype=F64).reshape(len(groups), 9)
+
+
+def native_segmented_histograms(
+    values: Tensor, offsets: Tensor, states: Tensor, bins: int, *, sync: bool, group: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`segmented_histograms` of the segments of :func:`native_segments`, counted by the
+    fused kernel in one call (float32 positions: a value within rounding of an edge may land in
+    the bucket next to it); the same collectives, in the same order."""
+    vmin, vmax, lo, edges = device_ranges(states, bins, sync=sync, group=group)
+    scale = (bins / (edges[:, -1] - lo)).contiguous()
+    counts = _native.segment_buckets(values, offsets, lo.contiguous(), scale, bins)
+    counts[:, bins - 1] += counts[:, bins]  # values at the top edge: the last bucket is closed
+    counts, sums = summed_over_ranks(counts[:, :bins], states, sync=sync, group=group)
     return counts, edges, vmin, vmax, sums

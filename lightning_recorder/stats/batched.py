@@ -50,7 +50,13 @@ from ._kernels import (
     sample_of,
     sampled_state,
 )
-from ._segmented import flatten_segments, segmented_histograms, segmented_states
+from ._segmented import (
+    flatten_segments,
+    native_segmented_histograms,
+    native_segments,
+    segmented_histograms,
+    segmented_states,
+)
 
 __all__ = [
     "HistogramRow",
@@ -68,6 +74,8 @@ __all__ = [
     "host_floats",
     "merge",
     "merged",
+    "native_segmented_histograms",
+    "native_segments",
     "native_state",
     "raw_table",
     "sample_of",

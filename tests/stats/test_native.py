@@ -28,7 +28,15 @@ from lightning_recorder.stats._kernels import (
     sample_of,
     sampled_state,
 )
-from lightning_recorder.stats.batched import change_norms, copy_with_norms
+from lightning_recorder.stats.batched import (
+    change_norms,
+    copy_with_norms,
+    flatten_segments,
+    native_segmented_histograms,
+    native_segments,
+    segmented_histograms,
+    segmented_states,
+)
 
 HAVE_CC = native.compiler() is not None
 
@@ -262,3 +270,46 @@ def test_a_built_library_is_reused_from_the_cache(tmp_path: Path) -> None:
     assert list(tmp_path.glob("lightning_recorder_stats-*.so")) == built  # nothing built anew
     assert built[0].stat().st_mtime_ns == stamp
     assert first.stdout == second.stdout  # the same file, named in the status
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_segments_match_the_torch_segmented_path() -> None:
+    """Many small tensors reduced in one call: the states and histograms of the torch path (float64
+    segmented reductions) within the fused kernels' precision."""
+    g = torch.Generator().manual_seed(3)
+    groups = [
+        [torch.randn(8, 8, generator=g)],
+        [],  # a module not called
+        [torch.randn(5, generator=g).relu(), torch.randn(7, generator=g) + 10],  # two calls
+        [torch.tensor([1.0, math.nan, -math.inf, 2.0])],  # non-finite values counted apart
+        [torch.randn(33, generator=g).half()],
+        [torch.full((9,), 3.0)],  # one value: the range widened to ±0.5
+    ]
+    fused = native_segments(groups)
+    assert fused is not None
+    values, offsets, states = fused
+    assert offsets.tolist() == [0, 64, 64, 76, 80, 113, 122]
+    flat, seg = flatten_segments(groups, "cpu")
+    reference_states = segmented_states(flat, seg, len(groups))
+    ours, theirs = finalize(states, 1), finalize(reference_states, 1)
+    for stat in ("mean", "std", "abs_mean", "min", "max", "zero_fraction", "nonfinite", "numel"):
+        # float32 sums of squares and |x| (1e-7 relative), float64 deviations' sum: 1e-6
+        torch.testing.assert_close(ours[stat], theirs[stat], rtol=1e-6, atol=1e-9, equal_nan=True)
+    counts, edges, vmin, vmax, sums = native_segmented_histograms(
+        values, offsets, states, 10, sync=False, group=None
+    )
+    ref_counts, ref_edges, ref_vmin, ref_vmax, ref_sums = segmented_histograms(
+        flat, seg, reference_states, 10, sync=False, group=None
+    )
+    assert torch.equal(vmin, ref_vmin) and torch.equal(vmax, ref_vmax)  # exact extremes
+    torch.testing.assert_close(sums, ref_sums, rtol=1e-6, atol=1e-9)  # from the states
+    torch.testing.assert_close(edges, ref_edges, rtol=1e-12, atol=0)
+    # float32 positions against float64 ones: a value within rounding of an edge may move one
+    # bucket; the totals are exact
+    assert (counts - ref_counts).abs().sum().item() <= 2
+    torch.testing.assert_close(counts.sum(1), ref_counts.sum(1), rtol=0, atol=0)
+    assert counts.sum(1).tolist() == [64.0, 0.0, 12.0, 2.0, 33.0, 9.0]
+
+
+def test_segments_decline_float64() -> None:
+    assert native_segments([[torch.randn(4, dtype=torch.float64)]]) is None
