@@ -24,6 +24,7 @@ from ...recorders import RecorderManager
 from ._bank import ConnectorBank
 from ._config import TeacherSide, feature, teacher_config, teacher_label
 from ._patch import StudentInputHook
+from ._shard import ShardTeacher, shard
 
 
 class StepRunner:
@@ -75,8 +76,17 @@ class StepRunner:
         self._replaying = False
 
     # ------------------------------------------------------------------ install / uninstall
-    def install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, validation: bool) -> None:
-        """Prepare teacher and recorders for ``pl_module`` (nothing left behind on failure)."""
+    def install(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        validation: bool,
+        shard_teacher: ShardTeacher = False,
+    ) -> None:
+        """Prepare teacher and recorders for ``pl_module`` (nothing left behind on failure).
+
+        ``shard_teacher``: shard the teacher with FSDP2 first (see :func:`shard`).
+        """
         if self.module is pl_module:
             return
         self.uninstall()
@@ -94,6 +104,7 @@ class StepRunner:
             )
             teacher.requires_grad_(False)
             teacher.eval()
+            shard(teacher, shard_teacher, trainer)
             teacher.to(pl_module.device)
             trainer.precision_plugin.convert_module(teacher)
             self._recorders["train"] = self._make_recorders(pl_module, detach=False)
