@@ -3,7 +3,8 @@
 Usage: ``python fsdp_distill_script.py OUT_DIR``. Lightning's launcher starts the second process.
 Three fits run one after the other in the same two processes, each with a new student, a new
 :class:`FeatureDistillation` and a new ``Trainer(strategy=ModelParallelStrategy(...))``; each
-fit trains one epoch (:data:`STEPS_PER_FIT` optimizer steps) and saves a checkpoint at its end:
+fit trains :data:`STEPS_PER_FIT` epochs of one optimizer step each and saves a checkpoint at the
+end of each epoch (the same path, overwritten), so the last one holds the end of the fit:
 
 1. a fresh teacher sharded by the callback (``shard_teacher=True``); the checkpoint is sharded
    (``save_distributed_checkpoint=True``, a directory ``OUT_DIR/ckpt/sharded``);
@@ -20,7 +21,10 @@ outputs carry a graph, the local shard shape of a teacher weight, whether any te
 got a gradient).
 
 Rank ``r`` reads rows ``r, r + 2, …`` of :func:`data` (its own ``DistributedSampler``, no
-shuffling), so global step ``k`` covers rows ``8 (k % 2) .. 8 (k % 2) + 7`` across the two ranks.
+shuffling): every step covers the eight rows across the two ranks. One step per epoch keeps the
+resumed data order free of Lightning's rules for resuming in the middle of an epoch (a checkpoint
+saved at the end of an epoch resumes it from its first batch when the dataloader is not
+stateful).
 """
 
 from __future__ import annotations
@@ -52,8 +56,7 @@ WEIGHTS = {"body.0": 0.5, "body.2": 0.25}
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    n = 8 * STEPS_PER_FIT
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
 
 
 def body(width: int = 16, seed: int = 0) -> nn.Sequential:
@@ -150,10 +153,9 @@ def fit(out: Path, index: int, net_teacher: nn.Module, shard: Any, resume: Path 
     probe = TeacherProbe(net_teacher, distill)
     sharded = index == 0
     callbacks: list[pl.Callback] = [distill, probe]
-    if index < FITS - 1:  # saved at the end of the epoch, that is of the fit
-        checkpoint = ModelCheckpoint(
-            dirpath=out / "ckpt", filename="sharded" if sharded else "full"
-        )
+    if index < FITS - 1:  # saved at the end of every epoch; the last one stays
+        name = "sharded" if sharded else "full"
+        checkpoint = ModelCheckpoint(out / "ckpt", name, enable_version_counter=False)
         checkpoint.FILE_EXTENSION = "" if sharded else ".ckpt"  # a directory, or one file
         callbacks.append(checkpoint)
     trainer = pl.Trainer(
