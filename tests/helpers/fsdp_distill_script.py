@@ -11,7 +11,9 @@ end of each epoch (the same path, overwritten), so the last one holds the end of
 2. resumed from that directory; a fresh teacher sharded by a policy of the user's own (a
    callable: ``fully_shard`` on the teacher only); the checkpoint is one file with the full
    state dicts (``save_distributed_checkpoint=False``, ``OUT_DIR/ckpt/full.ckpt``);
-3. resumed from that file, with the teacher of fit 2, already sharded (used as it is).
+3. resumed from that file, with the teacher of fit 2, already sharded (used as it is), and
+   ``log_validation=True``: validation after every epoch (after a sanity check) runs the
+   sharded teacher too.
 
 Rank 0 logs to TensorBoard under ``OUT_DIR/fit{i}/version_0``. Each rank writes
 ``OUT_DIR/rank{r}.pt``: per fit, the global step at the start and at the end, the connectors'
@@ -90,10 +92,17 @@ class Student(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
     def train_dataloader(self) -> DataLoader:
         dataset = TensorDataset(*data())
         sampler = DistributedSampler(dataset, num_replicas=2, rank=self.global_rank, shuffle=False)
         return DataLoader(dataset, batch_size=4, sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
 
 
 class TeacherProbe(pl.Callback):
@@ -102,6 +111,8 @@ class TeacherProbe(pl.Callback):
     def __init__(self, teacher: nn.Module, distill: FeatureDistillation) -> None:
         self.teacher, self.distill = teacher, distill
         self.calls: list[dict[str, Any]] = []
+        self.val_calls: list[dict[str, Any]] = []
+        self.validating = False
         self.steps: list[dict[str, Any]] = []
         self.initial: dict[str, torch.Tensor] | None = None
         self.start_step = -1
@@ -109,7 +120,7 @@ class TeacherProbe(pl.Callback):
             teacher.get_submodule(name).register_forward_hook(self._seen)
 
     def _seen(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
-        self.calls.append(
+        (self.val_calls if self.validating else self.calls).append(
             {
                 "grad_enabled": torch.is_grad_enabled(),
                 "requires_grad": out.requires_grad,
@@ -119,6 +130,12 @@ class TeacherProbe(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_step = trainer.global_step
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.validating = True
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.validating = False
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
         if self.initial is None:
@@ -147,13 +164,14 @@ def root_only(module: nn.Module, mesh: Any) -> None:
 
 
 def fit(out: Path, index: int, net_teacher: nn.Module, shard: Any, resume: Path | None) -> dict:
+    last = index == FITS - 1  # the last fit also distils on validation batches
     distill = FeatureDistillation(
-        net_teacher, PAIRS, loss="mse", weight=WEIGHTS, shard_teacher=shard
+        net_teacher, PAIRS, loss="mse", weight=WEIGHTS, shard_teacher=shard, log_validation=last
     )
     probe = TeacherProbe(net_teacher, distill)
     sharded = index == 0
     callbacks: list[pl.Callback] = [distill, probe]
-    if index < FITS - 1:  # saved at the end of every epoch; the last one stays
+    if not last:  # saved at the end of every epoch; the last one stays
         name = "sharded" if sharded else "full"
         checkpoint = ModelCheckpoint(out / "ckpt", name, enable_version_counter=False)
         checkpoint.FILE_EXTENSION = "" if sharded else ".ckpt"  # a directory, or one file
@@ -166,7 +184,9 @@ def fit(out: Path, index: int, net_teacher: nn.Module, shard: Any, resume: Path 
         ),
         max_steps=STEPS_PER_FIT * (index + 1),
         callbacks=callbacks,
-        enable_checkpointing=index < FITS - 1,
+        enable_checkpointing=not last,
+        limit_val_batches=1.0 if last else 0,
+        num_sanity_val_steps=2 if last else 0,
         logger=TensorBoardLogger(out, name=f"fit{index}", version=0),
         log_every_n_steps=1,
         enable_progress_bar=False,
@@ -183,6 +203,7 @@ def fit(out: Path, index: int, net_teacher: nn.Module, shard: Any, resume: Path 
         },
         "initial": probe.initial,
         "steps": probe.steps,
+        "val_calls": probe.val_calls,
         "rank": trainer.global_rank,
     }
 

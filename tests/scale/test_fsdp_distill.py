@@ -52,6 +52,7 @@ TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = TESTS / "helpers" / "fsdp_distill_script.py"
 STEPS = STEPS_PER_FIT * FITS
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
+NO_GRAPH = {"grad_enabled": False, "requires_grad": False, "has_graph": False}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,7 @@ class Reference:
         self.students: list[dict[str, torch.Tensor]] = []
         self.connectors: list[dict[str, torch.Tensor]] = []
         self.momentum: list[torch.Tensor] = []
+        self.validation: list[dict[str, float]] = []
         for k in range(STEPS):
             rows = torch.arange(8)  # every step: both ranks' rows (one step per epoch)
             optimizer.zero_grad()
@@ -126,6 +128,18 @@ class Reference:
             self.students.append({k: v.clone() for k, v in student.state_dict().items()})
             self.connectors.append({k: v.clone() for k, v in connector.state_dict().items()})
             self.momentum.append(optimizer.state[connector.weight]["momentum_buffer"].clone())
+            # Validation after this step: the mean over the ranks (sync_dist) of each rank's
+            # epoch mean (one batch of four rows) is the term over the union.
+            with torch.no_grad():
+                s0 = student[0](x[rows])
+                out = student[2](student[1](s0))
+                val = {
+                    "body.0": WEIGHTS["body.0"] * mse(connector(s0), t0),
+                    "body.2": WEIGHTS["body.2"] * mse(out, t2),
+                }
+            logged = {f"val/distill/{pair}": value.item() for pair, value in val.items()}
+            logged["val/distill/total"] = sum(val.values()).item()  # type: ignore[union-attr]
+            self.validation.append(logged)
 
 
 @pytest.fixture(scope="module")
@@ -138,16 +152,36 @@ def reference(run: Path) -> Reference:
 def test_every_logged_value_equals_the_unsharded_run(run: Path, reference: Reference) -> None:
     for fit in range(FITS):
         got = scalars(run / f"fit{fit}" / "version_0")
-        steps = range(STEPS_PER_FIT * fit, STEPS_PER_FIT * (fit + 1))
+        steps = range(STEPS_PER_FIT * fit, STEPS_PER_FIT * (fit + 1))  # the global steps
         for tag in ("distill/body.0", "distill/body.2", "distill/total"):
-            assert sorted(got[tag]) == list(steps), (fit, tag, got[tag])
-            for step in steps:
+            axis = sorted(got[tag])
+            # Lightning's logging axis: the global step, except that a run resumed from a
+            # checkpoint saved at the end of an epoch, with validation on (the last fit), logs
+            # one step further (Lightning's restored `_batches_that_stepped`; the same without
+            # FeatureDistillation). The global steps are checked by the resume test below.
+            shift = 1 if fit == FITS - 1 else 0
+            assert axis == [step + shift for step in steps], (fit, tag, got[tag])
+            for step, at in zip(steps, axis, strict=True):
                 torch.testing.assert_close(
-                    torch.tensor(got[tag][step]),
+                    torch.tensor(got[tag][at]),
                     torch.tensor(reference.logged[step][tag]),
                     **TOL,
                     msg=lambda m, tag=tag, step=step: f"{tag} at step {step}: {m}",
                 )
+
+
+@pytest.mark.slow
+def test_validation_terms_equal_the_unsharded_run(run: Path, reference: Reference) -> None:
+    # Only the last fit distils on validation: after each of its steps (epochs), not in the
+    # sanity check.
+    got = scalars(run / f"fit{FITS - 1}" / "version_0")
+    after = range(STEPS_PER_FIT * (FITS - 1), STEPS)
+    for tag in ("val/distill/body.0", "val/distill/body.2", "val/distill/total"):
+        values = [got[tag][step] for step in sorted(got[tag])]
+        expected = [reference.validation[step][tag] for step in after]
+        torch.testing.assert_close(torch.tensor(values), torch.tensor(expected), **TOL)
+    for fit in range(FITS - 1):
+        assert not [t for t in scalars(run / f"fit{fit}" / "version_0") if t.startswith("val/")]
 
 
 @pytest.mark.slow
@@ -163,11 +197,10 @@ def test_the_sharded_teacher_runs_without_a_graph(run: Path) -> None:
                 assert not step["any_grad"] and not step["any_requires_grad"], (rank, fit)
                 assert len(step["calls"]) == 2, (rank, fit, step["calls"])  # "0" and "2", once
                 for call in step["calls"]:
-                    assert call == {
-                        "grad_enabled": False,
-                        "requires_grad": False,
-                        "has_graph": False,
-                    }, (rank, fit)
+                    assert call == NO_GRAPH, (rank, fit)
+            # Validation (last fit only): two epochs, one batch, two recorded modules each.
+            assert len(result["val_calls"]) == (4 if fit == FITS - 1 else 0), (rank, fit)
+            assert all(call == NO_GRAPH for call in result["val_calls"]), (rank, fit)
 
 
 @pytest.mark.slow
