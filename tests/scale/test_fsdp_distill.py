@@ -290,12 +290,12 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- bad inputs (no launch)
-def _trainer(distill: FeatureDistillation) -> pl.Trainer:
+def _trainer(*callbacks: pl.Callback, max_steps: int = 1) -> pl.Trainer:
     return pl.Trainer(
-        callbacks=[distill],
+        callbacks=list(callbacks),
         accelerator="cpu",
         devices=1,
-        max_steps=1,
+        max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -344,3 +344,29 @@ def test_a_sharded_teacher_needs_a_process_group(tmp_path: Path) -> None:
     with pytest.raises(RecorderConfigError, match=r"sharded with fully_shard.*no process group"):
         trainer.fit(student, student.train_dataloader())
     assert not is_patched(student)
+
+
+class StrayStateDict(pl.Callback):
+    """Asks for the callback's state outside any checkpoint, then watches the optimizer."""
+
+    def __init__(self, distill: FeatureDistillation) -> None:
+        self.distill = distill
+        self.groups: list[int] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.distill.state_dict()  # takes the connectors' group out, as for a checkpoint
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
+        self.groups.append(len(opt.param_groups))
+
+
+def test_the_connectors_group_is_back_before_the_next_optimizer_step() -> None:
+    distill = FeatureDistillation(teacher(), PAIRS)
+    stray = StrayStateDict(distill)
+    student = Plain()
+    trainer = _trainer(distill, stray, max_steps=3)
+    trainer.fit(student, student.train_dataloader())
+    # Each step after a stray state_dict() still steps the connectors (the student's group and
+    # the connectors' group), and the group is in the optimizer after the fit.
+    assert stray.groups == [2, 2, 2]
+    assert len(trainer.optimizers[0].param_groups) == 2
