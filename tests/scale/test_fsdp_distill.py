@@ -346,6 +346,26 @@ def test_a_sharded_teacher_needs_a_process_group(tmp_path: Path) -> None:
     assert not is_patched(student)
 
 
+def test_a_failing_sharded_teacher_says_it_is_sharded(tmp_path: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # A teacher that cannot take the student's input (5 features, not 8), sharded in a process
+    # group of one rank that stays up during the fit.
+    wrong = nn.Sequential(nn.Linear(5, 32), nn.ReLU(), nn.Linear(32, 4))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        fully_shard(wrong, mesh=init_device_mesh("cpu", (1,)))
+        student = Plain()
+        trainer = _trainer(FeatureDistillation(wrong, PAIRS))
+        with pytest.raises(RecorderConfigError, match=r"student's input.*is sharded \(FSDP2\)"):
+            trainer.fit(student, student.train_dataloader())
+    finally:
+        dist.destroy_process_group()
+    assert not is_patched(student)
+
+
 class StrayStateDict(pl.Callback):
     """Asks for the callback's state outside any checkpoint, then watches the optimizer."""
 
