@@ -12,8 +12,8 @@ end of each epoch (the same path, overwritten), so the last one holds the end of
    callable: ``fully_shard`` on the teacher only); the checkpoint is one file with the full
    state dicts (``save_distributed_checkpoint=False``, ``OUT_DIR/ckpt/full.ckpt``);
 3. resumed from that file, with the teacher of fit 2, already sharded (used as it is), and
-   ``log_validation=True``: validation after every epoch (after a sanity check) runs the
-   sharded teacher too.
+   ``log_validation=True``: validation after every epoch runs the sharded teacher too (not
+   Lightning's sanity check, which never runs the teacher).
 
 Rank 0 logs to TensorBoard under ``OUT_DIR/fit{i}/version_0``. Each rank writes
 ``OUT_DIR/rank{r}.pt``: per fit, the global step at the start and at the end, the connectors'
@@ -23,10 +23,10 @@ outputs carry a graph, the local shard shape of a teacher weight, whether any te
 got a gradient).
 
 Rank ``r`` reads rows ``r, r + 2, …`` of :func:`data` (its own ``DistributedSampler``, no
-shuffling): every step covers the eight rows across the two ranks. One step per epoch keeps the
-resumed data order free of Lightning's rules for resuming in the middle of an epoch (a checkpoint
-saved at the end of an epoch resumes it from its first batch when the dataloader is not
-stateful).
+shuffling): every step covers the eight rows across the two ranks. With one step per epoch
+every step sees the same rows, so the resumed steps' data do not depend on how Lightning resumes
+a plain dataloader from a checkpoint saved in ``on_train_epoch_end`` (which its loops count as
+the middle of the epoch).
 """
 
 from __future__ import annotations
