@@ -3,7 +3,7 @@
 ``FeatureDistillation(shard_teacher=True)`` shards the teacher over the data-parallel dimension
 of the strategy's device mesh (Lightning's ``ModelParallelStrategy``) when fitting starts:
 ``fully_shard`` on every submodule that holds parameters of its own, deepest first, then on the
-teacher itself, so a forward gathers one layer's parameters at a time. A callable
+teacher itself, so a forward gathers the parameters layer by layer. A callable
 ``shard_teacher(teacher, mesh)`` applies a policy of the user's own. A teacher the user has
 already sharded is used as it is. Either way the outermost FSDP units free their gathered
 parameters after each forward of the teacher (FSDP2 would keep a root's gathered for a backward
