@@ -11,6 +11,12 @@ and DDP would otherwise do for a submodule:
 * average its gradients across ranks before each optimizer step;
 * save weights and optimizer state in the callback's state, and keep the extra group out of
   the checkpoint's ``optimizer_states`` so they match what ``configure_optimizers`` creates.
+
+The group is kept out of ``optimizer_states`` by taking it out of the optimizer while the
+strategy collects the optimizer states (:meth:`ConnectorBank.hide`, from the callback's
+``state_dict``, which Lightning calls just before, to ``on_save_checkpoint``, just after):
+FSDP2 strategies (``ModelParallelStrategy``) key optimizer states by the model's parameter
+names, and a parameter outside the model cannot be named.
 """
 
 from __future__ import annotations
@@ -40,23 +46,6 @@ def _cast_state(value: Any, key: str, param: Tensor, group: Mapping[str, Any]) -
     return value.to(device=param.device)
 
 
-def strip_group(state: dict[str, Any], index: int) -> dict[str, Any]:
-    """An optimizer ``state_dict`` without parameter group ``index`` (parameter ids renumbered)."""
-    groups = state["param_groups"]
-    mapping: dict[int, int] = {}
-    kept: list[dict[str, Any]] = []
-    for i, group in enumerate(groups):
-        if i == index:
-            continue
-        ids = []
-        for pid in group["params"]:
-            mapping[pid] = len(mapping)
-            ids.append(mapping[pid])
-        kept.append({**group, "params": ids})
-    inner = {mapping[k]: v for k, v in state["state"].items() if k in mapping}
-    return {**state, "state": inner, "param_groups": kept}
-
-
 class ConnectorBank:
     """The connectors of every pair, their optimizer group and their saved state.
 
@@ -75,6 +64,8 @@ class ConnectorBank:
         self._optimizer: Optimizer | None = None
         self._schedulers: list[Any] = []
         self._pending: dict[str, Any] | None = None
+        # The group taken out of the optimizer by hide(): (index, group, optimizer states).
+        self._hidden: tuple[int, dict[str, Any], dict[Tensor, Any]] | None = None
 
     # ------------------------------------------------------------------ building
     def get(self, pair: str, student: Tensor, teacher: Tensor) -> nn.Module:
@@ -123,6 +114,7 @@ class ConnectorBank:
     # ------------------------------------------------------------------ the optimizer
     def bind(self, optimizer: Optimizer | None, schedulers: list[Any]) -> None:
         """Use ``optimizer`` (and extend ``schedulers``) for the connectors from now on."""
+        self.unhide()
         self._optimizer = optimizer
         self._schedulers = schedulers
 
@@ -152,6 +144,7 @@ class ConnectorBank:
 
     def attach(self) -> None:
         """Give the optimizer a group holding every connector parameter not yet in it."""
+        self.unhide()
         optimizer = self._optimizer
         params = self.parameters()
         if optimizer is None or not params:
@@ -225,6 +218,7 @@ class ConnectorBank:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Shapes, weights and optimizer state of every built connector (tensors and lists)."""
+        self.unhide()
         pairs = {
             pair: {
                 "student_shape": list(self.shapes[pair][0]),
@@ -250,10 +244,24 @@ class ConnectorBank:
         """Keep ``state``; it is applied when the connectors are built and attached."""
         self._pending = {"pairs": dict(state.get("pairs", {})), "optimizer": state.get("optimizer")}
 
-    def strip(self, checkpoint: dict[str, Any], optimizer_idx: int) -> None:
-        """Remove the connectors' group from ``checkpoint["optimizer_states"]``."""
-        index = self._group_index()
-        states = checkpoint.get("optimizer_states")
-        if index is None or not states or optimizer_idx >= len(states):
+    def hide(self) -> None:
+        """Take the connectors' group (and its optimizer state) out of the optimizer.
+
+        Between this call and :meth:`unhide` the optimizer holds exactly what
+        ``configure_optimizers`` created, so any strategy can collect its state. Idempotent.
+        """
+        optimizer, index = self._optimizer, self._group_index()
+        if self._hidden is not None or optimizer is None or index is None:
             return
-        states[optimizer_idx] = strip_group(states[optimizer_idx], index)
+        group = optimizer.param_groups.pop(index)
+        states = {p: optimizer.state.pop(p) for p in group["params"] if p in optimizer.state}
+        self._hidden = (index, group, states)
+
+    def unhide(self) -> None:
+        """Put back what :meth:`hide` took out, at the same place. Idempotent."""
+        hidden, self._hidden = self._hidden, None
+        if hidden is None or self._optimizer is None:
+            return
+        index, group, states = hidden
+        self._optimizer.param_groups.insert(index, group)
+        self._optimizer.state.update(states)

@@ -24,6 +24,7 @@ from ...recorders import RecorderManager
 from ._bank import ConnectorBank
 from ._config import TeacherSide, feature, teacher_config, teacher_label
 from ._patch import StudentInputHook
+from ._shard import ShardTeacher, is_sharded, shard
 
 
 class StepRunner:
@@ -72,11 +73,21 @@ class StepRunner:
         self._recorders: dict[str, tuple[RecorderManager, RecorderManager]] = {}
         self._teacher_flags: tuple[bool, list[bool]] | None = None
         self._teacher_ran = False
+        self._teacher_sharded = False
         self._replaying = False
 
     # ------------------------------------------------------------------ install / uninstall
-    def install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, validation: bool) -> None:
-        """Prepare teacher and recorders for ``pl_module`` (nothing left behind on failure)."""
+    def install(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        validation: bool,
+        shard_teacher: ShardTeacher = False,
+    ) -> None:
+        """Prepare teacher and recorders for ``pl_module`` (nothing left behind on failure).
+
+        ``shard_teacher``: shard the teacher with FSDP2 first (see :func:`shard`).
+        """
         if self.module is pl_module:
             return
         self.uninstall()
@@ -94,6 +105,8 @@ class StepRunner:
             )
             teacher.requires_grad_(False)
             teacher.eval()
+            shard(teacher, shard_teacher, trainer)
+            self._teacher_sharded = is_sharded(teacher)
             teacher.to(pl_module.device)
             trainer.precision_plugin.convert_module(teacher)
             self._recorders["train"] = self._make_recorders(pl_module, detach=False)
@@ -218,6 +231,12 @@ class StepRunner:
                     f"({_describe(args, kwargs)}): FeatureDistillation runs the teacher on "
                     "what the student's forward receives. Pass `teacher_input=` (a callable "
                     "batch -> the teacher's input) to give the teacher its own input."
+                )
+            if self._teacher_sharded:
+                hint += (
+                    " The teacher is sharded (FSDP2): its forward gathers its parameters from "
+                    "every rank, so a rank that does not run the teacher at the same point of "
+                    "the step, or a failed collective, also fails here."
                 )
             raise RecorderConfigError(
                 f"{hint} The teacher raised {type(err).__name__}: {err}"

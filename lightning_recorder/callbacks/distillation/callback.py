@@ -34,6 +34,7 @@ from ._config import (
     weights_per_pair,
 )
 from ._patch import StepPatch
+from ._shard import ShardTeacher, check_shard_teacher
 from ._step import StepRunner
 
 __all__ = ["FeatureDistillation", "LossSpec", "distillation_loss"]
@@ -97,11 +98,20 @@ class FeatureDistillation(Callback):
             end of each epoch; on the CPU they are read after every step. So on an accelerator
             the warning or error may come up to ``log_every_n_steps - 1`` steps after the step
             that produced the non-finite value (the message gives the range of steps).
+        shard_teacher: shard the teacher with FSDP2 when fitting starts, for a teacher too
+            large for one device (Lightning's ``ModelParallelStrategy`` only): ``True`` applies
+            ``fully_shard`` over the mesh's data-parallel dimension to every teacher submodule
+            that holds parameters of its own, then to the teacher; a callable
+            ``(teacher, mesh) -> None`` applies a policy of your own. A teacher already sharded
+            (for instance by you, with ``fully_shard``) is used as it is. The sharded teacher
+            still runs without a graph and stays out of the checkpoint.
 
     Raises:
         RecorderConfigError: an argument is invalid (checked here), or, when fitting, a module
             name is unknown, shapes cannot be connected, the teacher is a submodule of the
-            student, or the teacher cannot take the student's input (pass ``teacher_input=``).
+            student, the teacher cannot take the student's input (pass ``teacher_input=``),
+            ``shard_teacher`` is set without a strategy that has a device mesh, or the teacher
+            is sharded but no process group is running.
         RecorderStateError: with ``on_nonfinite="raise"``, a non-finite teacher feature or term.
 
     Example:
@@ -150,6 +160,7 @@ class FeatureDistillation(Callback):
         deliveries: Mapping[str, Mapping[str, Any] | DistillDelivery] | None = None,
         log_prefix: str = "distill",
         on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
+        shard_teacher: ShardTeacher = False,
     ) -> None:
         super().__init__()
         check_arguments(
@@ -168,6 +179,7 @@ class FeatureDistillation(Callback):
                 "Expected `on_nonfinite` to be one of 'warn', 'raise', 'ignore' but got "
                 f"{on_nonfinite!r}."
             )
+        check_shard_teacher(shard_teacher)
         if deliveries is not None and not isinstance(deliveries, Mapping):
             raise RecorderConfigError(
                 "Expected `deliveries` to be a mapping {name: config} or None but got "
@@ -180,6 +192,7 @@ class FeatureDistillation(Callback):
         self.teacher_input = teacher_input
         self.optimizer_idx = optimizer_idx
         self.log_prefix = log_prefix
+        self.shard_teacher = shard_teacher
         losses = losses_per_pair(loss, loss_options, self.pairs)
         connector_specs = per_pair(connectors, self.pairs, "connectors", "auto")
         for spec in connector_specs.values():
@@ -214,6 +227,7 @@ class FeatureDistillation(Callback):
         return dict(self._bank.modules)
 
     def _uninstall(self) -> None:
+        self._bank.unhide()
         if self._patch is not None:
             self._patch.remove()
             self._patch = None
@@ -231,7 +245,9 @@ class FeatureDistillation(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._runner.install(trainer, pl_module, validation=self.log_validation)
+        self._runner.install(
+            trainer, pl_module, validation=self.log_validation, shard_teacher=self.shard_teacher
+        )
         if self._patch is None:
             self._patch = StepPatch(self, pl_module)
         optimizers = trainer.optimizers
@@ -259,6 +275,7 @@ class FeatureDistillation(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if getattr(optimizer, "_optimizer", optimizer) is self._bank._optimizer:
+            self._bank.unhide()  # in case a checkpoint's collection stopped half-way
             self._bank.all_reduce_grads()
 
     @override
@@ -286,7 +303,9 @@ class FeatureDistillation(Callback):
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.log_validation and not trainer.sanity_checking:
-            self._runner.install(trainer, pl_module, validation=True)
+            self._runner.install(
+                trainer, pl_module, validation=True, shard_teacher=self.shard_teacher
+            )
             self._bank.restore(pl_module.device)
 
     @override
@@ -326,7 +345,14 @@ class FeatureDistillation(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self._bank.state_dict()
+        # Lightning asks for the callbacks' states just before the optimizers' states: the
+        # connectors' group leaves the optimizer until on_save_checkpoint, so the checkpoint's
+        # optimizer states match what configure_optimizers creates (with or without this
+        # callback), and FSDP2 strategies, which name every optimized parameter after the
+        # model's, never meet a parameter outside the model.
+        state = self._bank.state_dict()
+        self._bank.hide()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -336,9 +362,7 @@ class FeatureDistillation(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # The connectors' group lives in this callback's state, so the checkpoint's optimizer
-        # states match what configure_optimizers creates (with or without this callback).
-        self._bank.strip(checkpoint, self.optimizer_idx)
+        self._bank.unhide()  # the optimizer states are collected: the group goes back
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
