@@ -3,7 +3,7 @@
 Usage: ``python fsdp_script.py OUT_DIR``. Lightning's launcher starts the second process. Rank 0
 writes TensorBoard events under ``OUT_DIR/fsdp/version_0`` with :class:`FeatureStatsMonitor`
 (outputs, parameter norms, gradient norms, update ratios) and, with ``--distill``, the terms of a
-:class:`FeatureDistillation` whose student and teacher are both sharded.
+:class:`FeatureDistillation` whose student is sharded.
 
 Rank ``r`` reads rows ``r, r + 2, …`` (its own ``DistributedSampler``, no shuffling), so step
 ``k`` covers rows ``8k .. 8k + 7`` of :func:`data` across the two ranks: the test recomputes every
