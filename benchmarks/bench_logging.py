@@ -269,8 +269,8 @@ def fit_steps(model_name: str, config: str, steps: int, root: str) -> list[float
     callbacks: list[pl.Callback] = [timer]
     if config != "plain":
         sources = "net.*" if not model_name.startswith("(a)") else [nn.Conv2d, nn.Linear]
-        monitor = FeatureStatsMonitor(sources, every_n_steps=1, clone=config == "records kept")
-        monitor.exact_histograms = config == "records kept"
+        kept = config == "records kept"
+        monitor = FeatureStatsMonitor(sources, every_n_steps=1, clone=kept, exact_histograms=kept)
         callbacks.append(monitor)
     trainer = pl.Trainer(
         max_steps=steps + 1,

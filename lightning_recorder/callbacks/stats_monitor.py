@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from .._core.checks import check_positive_int, suggestion
+from .._core.checks import check_bool, check_positive_int, suggestion
 from .._core.compat import foreach_copy_, foreach_sub_, is_compiled
 from .._core.names import named_parameters, select
 from .._core.structures import iter_tensors, parse_path
@@ -325,8 +325,8 @@ class FeatureStatsMonitor(RecorderCallback):
             pattern (or a list of them, names as in ``named_parameters()`` of the LightningModule)
             those it selects among them, ``False`` none.
         prefix: the first component of every tag.
-        clone: record a copy of each output. Needed only where records are kept (the class
-            attribute ``exact_histograms`` set, or a compiled model) and the model modifies a
+        clone: record a copy of each output. Needed only where records are kept
+            (``exact_histograms=True``, or a compiled model) and the model modifies a
             monitored output in place (e.g. ``ReLU(inplace=True)`` right after it): there such a
             change raises :class:`~lightning_recorder.RecordModifiedError` rather than logging
             wrong values. By default the statistics are taken in the hook, before any later
@@ -339,6 +339,11 @@ class FeatureStatsMonitor(RecorderCallback):
             class) is named here gets only those statistics (names from ``stats``, ``"norm"``,
             ``"grad_norm"``, ``"update_ratio"``, ``"histogram"``); other loggers get all.
             Keeps tabular loggers such as ``CSVLogger`` readable.
+        exact_histograms: keep every output until the batch ends and histogram all of its
+            elements exactly (see the attribute of that name); by default the statistics are
+            taken in the forward hook and the histogram over a strided sample.
+        histogram_sample: the number of elements sampled from each larger output for the
+            approximate histogram (see the attribute of that name).
 
     Raises:
         RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger,
@@ -376,9 +381,9 @@ class FeatureStatsMonitor(RecorderCallback):
     #: statistics are the same). By default (``False``) the statistics of each output are
     #: computed in the forward hook, while the output is intact (no ``clone`` needed before an
     #: in-place op, nothing held on long steps), and the histogram is taken over a strided
-    #: sample of at most :attr:`histogram_sample` elements of each output. Set it on the
-    #: instance before ``fit``; it needs ``clone=True`` where an in-place op follows a
-    #: monitored module. Compiled models always keep their records.
+    #: sample of at most :attr:`histogram_sample` elements of each output. Given to
+    #: ``__init__``; it needs ``clone=True`` where an in-place op follows a monitored module.
+    #: Compiled models always keep their records.
     exact_histograms: bool = False
     #: Elements sampled from each output of more than ``2**14`` elements for the approximate
     #: histogram (smaller outputs are histogrammed whole): each bucket's fraction has a
@@ -407,6 +412,8 @@ class FeatureStatsMonitor(RecorderCallback):
         name: str | None = None,
         keep_hooks: bool | None = None,
         logger_stats: Mapping[str, Sequence[str]] | None = None,
+        exact_histograms: bool = False,
+        histogram_sample: int = 2**14,
     ) -> None:
         owner = type(self).__name__
         items = [sources] if isinstance(sources, (str, type, Mapping)) else sources
@@ -451,6 +458,8 @@ class FeatureStatsMonitor(RecorderCallback):
                     f"but got {stat!r}."
                 )
         check_positive_int(bins, "bins", owner)
+        check_bool(exact_histograms, "exact_histograms", owner)
+        check_positive_int(histogram_sample, "histogram_sample", owner)
         if not isinstance(histograms, bool):
             raise RecorderConfigError(
                 f"Expected `histograms` of {owner} to be a bool but got {histograms!r}."
@@ -466,6 +475,8 @@ class FeatureStatsMonitor(RecorderCallback):
             configs, stages=stages, every_n_steps=every_n_steps, name=name, keep_hooks=keep_hooks
         )
         self.sources = list(items)
+        self.exact_histograms = exact_histograms
+        self.histogram_sample = histogram_sample
         self.stats: tuple[StatName, ...] = tuple(dict.fromkeys(stat_names))
         self.histograms = histograms
         self.bins = bins
@@ -603,6 +614,10 @@ class FeatureStatsMonitor(RecorderCallback):
         work = cast(Workspace, self._work)
         wanted = self._write_histograms and (self._active == "train" or self._eval_hists is None)
         sample = self.histogram_sample if wanted else 0
+        if type(value) is Tensor:  # the common case: one plain tensor (nothing records a graph)
+            if not value.is_complex():
+                pending.add(value.detach(), work, sample)
+            return
         with torch.no_grad():
             for tensor in iter_tensors(value):
                 if is_sharded(tensor):  # a DTensor: the part this rank contributes

@@ -348,8 +348,7 @@ class InPlace(ProbeNet):
 def test_output_modified_in_place(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="inplace")
     # Records kept (exact histograms) without clone: the in-place change is detected.
-    kept = FeatureStatsMonitor("body.0", 1)
-    kept.exact_histograms = True
+    kept = FeatureStatsMonitor("body.0", 1, exact_histograms=True)
     trainer = pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[kept])
     with pytest.raises(RecordModifiedError, match=r"modified in place.*Pass clone=True"):
         trainer.fit(InPlace(), loader(features(8)))
@@ -668,9 +667,13 @@ def fit_long_step(
 ) -> tuple[LongStep, FeatureStatsMonitor, list[warnings.WarningMessage]]:
     torch.manual_seed(0)
     model = LongStep(calls)
-    monitor = FeatureStatsMonitor("cell", every_n_steps=1, stats=("mean", "numel"))
-    monitor.exact_histograms = exact
-    monitor.histogram_sample = 4096  # each output (16 x 64) is sampled whole, then thinned
+    monitor = FeatureStatsMonitor(
+        "cell",
+        every_n_steps=1,
+        stats=("mean", "numel"),
+        exact_histograms=exact,
+        histogram_sample=4096,  # each output (16 x 64) is sampled whole, then thinned
+    )
     logger = TensorBoardLogger(tmp_path, name=f"long{exact}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -728,8 +731,9 @@ class Wide(pl.LightningModule):
 def test_large_output_histogram_sampled_or_exact(tmp_path: Path, exact: bool) -> None:
     torch.manual_seed(0)
     model = Wide()
-    monitor = FeatureStatsMonitor("wide", every_n_steps=1, parameters=False, clone=exact)
-    monitor.exact_histograms = exact
+    monitor = FeatureStatsMonitor(
+        "wide", every_n_steps=1, parameters=False, clone=exact, exact_histograms=exact
+    )
     logger = TensorBoardLogger(tmp_path, name="wide")
     data = torch.randn(256, 16)
     pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor]).fit(
@@ -806,9 +810,13 @@ def test_paths_into_a_tuple_output_are_two_series(tmp_path: Path, exact: bool) -
     model = PairNet()
     sources = [{"source": "m", "path": 0}, {"source": "m", "path": 1}]
     monitor = FeatureStatsMonitor(
-        sources, every_n_steps=1, parameters=False, clone=exact, stats=("mean", "max", "numel")
+        sources,
+        every_n_steps=1,
+        parameters=False,
+        clone=exact,
+        stats=("mean", "max", "numel"),
+        exact_histograms=exact,
     )
-    monitor.exact_histograms = exact
     logger = TensorBoardLogger(tmp_path, name="pair")
     pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor]).fit(
         model, loader(features(16), batch_size=8)

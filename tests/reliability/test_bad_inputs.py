@@ -978,6 +978,19 @@ case(
     r"`parameters`.*bool",
 )
 case("FeatureStatsMonitor-clone-int", lambda: fsm(clone=1), RecorderConfigError, r"`clone`.*bool")
+case(
+    "FeatureStatsMonitor-exact_histograms-str",
+    lambda: fsm(exact_histograms="yes"),
+    RecorderConfigError,
+    r"`exact_histograms`.*bool",
+)
+for suffix, bad in (("zero", 0), ("float", 2.5), ("bool", True)):
+    case(
+        f"FeatureStatsMonitor-histogram_sample-{suffix}",
+        lambda bad=bad: fsm(histogram_sample=bad),
+        RecorderConfigError,
+        r"`histogram_sample`.*positive",
+    )
 for suffix, value in [("empty", ""), ("trailing-slash", "stats/"), ("int", 5)]:
     case(
         f"FeatureStatsMonitor-prefix-{suffix}",
