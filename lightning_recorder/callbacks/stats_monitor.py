@@ -39,6 +39,7 @@ from ..stats.batched import (
     native_segments,
     native_state,
     raw_table,
+    sampled_row,
     sampled_state,
     segmented_histograms,
     segmented_states,
@@ -192,18 +193,20 @@ _RECORDS_WARN_BYTES = 256 * 2**20
 # and a sample once they exceed _SMALL_HELD elements.
 _SMALL = 2**14
 _SMALL_HELD = 2**16
+_EMPTY = [0.0, 0.0, 0.0, math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0]  # the state of no data
 
 
 class _Pending:
     """What the monitor's hooks computed for one module in the current batch: copies of its
-    small outputs, the packed state of each large one (merged as they come), and strided samples
-    of the large ones for the histogram."""
+    small outputs, the packed state of each large one (host rows from the fused CPU kernel,
+    tensors otherwise), and strided samples of the large ones for the histogram."""
 
-    __slots__ = ("held", "samples", "small", "small_held", "states", "weights")
+    __slots__ = ("held", "rows", "samples", "small", "small_held", "states", "weights")
 
     def __init__(self) -> None:
         self.small: list[Tensor] = []
         self.small_held = 0
+        self.rows: list[list[float]] = []
         self.states: list[Tensor] = []
         self.samples: list[Tensor] = []
         self.weights: list[float] = []
@@ -223,20 +226,36 @@ class _Pending:
         self.add_large(x, work, sample)
 
     def add_large(self, x: Tensor, work: Workspace, sample: int) -> None:
-        if sample <= 0:
+        # float32 CPU data: state and sample in one pass of the fused kernel, the state kept as
+        # a host row (one tensor for every module at the end of the batch)
+        fused = sampled_row(x, work, sample) if x.device.type == "cpu" else None
+        kept: Tensor | None
+        if fused is not None:
+            row, kept, weight = fused
+            self.rows.append(row)
+        elif sample <= 0:
             self.states.append(native_state(x, work))
-        else:  # the sample taken in the statistics' pass where the fused kernel runs
+            kept = None
+        else:
             state, kept, weight = sampled_state(x, work, sample)
             self.states.append(state)
-        if len(self.states) >= 64:  # a module called many times in one batch (an RNN cell)
-            self.states = [merge(torch.stack(self.states))]
-        if sample <= 0:
+        if len(self.states) + len(self.rows) >= 64:  # a module called many times (an RNN cell)
+            self.states = [self.state(x.device)]
+            self.rows = []
+        if kept is None:
             return
         self.samples.append(kept)
         self.weights.append(weight)
         self.held += kept.numel()
         if self.held > 2 * sample:
             self._thin()
+
+    def state(self, device: torch.device) -> Tensor:
+        """The merged state of the large outputs (rows and tensors) on ``device``."""
+        parts = [s if s.device == device else s.to(device) for s in self.states]
+        if self.rows:
+            parts.extend(torch.tensor(self.rows, dtype=torch.float64, device=device).unbind())
+        return merged(parts) if parts else empty_state(device)
 
     def _thin(self) -> None:
         """Join the samples of equal weight (calls of one shape) and keep every second element:
@@ -255,7 +274,7 @@ class _Pending:
 
     def nbytes(self) -> int:
         tensors = (*self.small, *self.states, *self.samples)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + 72 * len(self.rows)
 
 
 class FeatureStatsMonitor(RecorderCallback):
@@ -688,8 +707,14 @@ class FeatureStatsMonitor(RecorderCallback):
             if not any(p.samples for p in pendings):
                 self._segments = segments
         if any(p.states for p in pendings):
-            rows = [merged(p.states) if p.states else empty_state(device) for p in pendings]
-            large = torch.stack([row if row.device == device else row.to(device) for row in rows])
+            large = torch.stack([p.state(device) for p in pendings])
+            batch = large if batch is None else merge(torch.stack([batch, large]))
+        elif any(p.rows for p in pendings):  # host rows only: one tensor for every module
+            rows = [
+                p.rows[0] if len(p.rows) == 1 else p.state(device).tolist() if p.rows else _EMPTY
+                for p in pendings
+            ]
+            large = torch.tensor(rows, dtype=torch.float64, device=device)
             batch = large if batch is None else merge(torch.stack([batch, large]))
         if batch is None:
             batch = empty_state(device).repeat(m, 1)

@@ -366,15 +366,22 @@ def fused_state(
     are summed in a second pass, as in :func:`native_chunk`. A NaN,
     an infinity or an overflow takes the exact masked path.
     """
+    return torch.tensor(fused_row(v, work, sample, stride), dtype=F64)
+
+
+def fused_row(
+    v: Tensor, work: Workspace, sample: Tensor | None = None, stride: int = 1
+) -> list[float]:
+    """:func:`fused_state` as a host list of 9 floats (no tensor built)."""
     shift, total, squares, abs_sum, low, high, zeros = _native.moments(v, sample, stride)
     if not (math.isfinite(total) and math.isfinite(squares)):
-        return masked_state(flat64(v))
+        return masked_state(flat64(v)).tolist()
     n = v.numel()
     mean = shift + total / n
     m2 = squares - total * total / n
     if not one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS):
         m2 = deviations_m2(v, mean, work)
-    return torch.tensor([n, mean, m2, low, high, abs_sum / n, zeros, 0, n], dtype=F64)
+    return [n, mean, m2, low, high, abs_sum / n, zeros, 0.0, n]
 
 
 def deviations_m2(v: Tensor, mean: float, work: Workspace) -> float:
@@ -429,6 +436,24 @@ def sampled_state(x: Tensor, work: Workspace, size: int) -> tuple[Tensor, Tensor
         return state, sample, n / sample.numel()
     kept, weight = sample_of(x, size)
     return native_state(x, work), kept, weight
+
+
+def sampled_row(
+    x: Tensor, work: Workspace, size: int
+) -> tuple[list[float], Tensor | None, float] | None:
+    """The state of ``x`` as a host row (:func:`fused_row`) and, for ``size > 0``, its sample
+    (``x[::stride]``, at most ``size`` elements, all of them when ``x`` has no more) and weight,
+    in one pass of the fused kernel; ``None`` (nothing done) where the kernel does not take ``x``
+    (not a float32 CPU tensor, no kernel)."""
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0 or not (_native.usable(flat) and _native.available()):
+        return None
+    if size <= 0:
+        return fused_row(flat, work), None, 1.0
+    stride = _prime_at_least(-(-n // size)) if n > size else 1
+    sample = torch.empty(-(-n // stride), dtype=torch.float32)
+    return fused_row(flat, work, sample, stride), sample, n / sample.numel()
 
 
 def merge(states: Tensor) -> Tensor:

@@ -48,6 +48,7 @@ from ._kernels import (
     native_state,
     raw_table,
     sample_of,
+    sampled_row,
     sampled_state,
 )
 from ._segmented import (
@@ -79,6 +80,7 @@ __all__ = [
     "native_state",
     "raw_table",
     "sample_of",
+    "sampled_row",
     "sampled_state",
     "segmented_histograms",
     "segmented_states",
