@@ -50,7 +50,7 @@ from lightning_recorder.stats._kernels import (
     native_state,
     sampled_state,
 )
-from lightning_recorder.stats.batched import host_floats, merged
+from lightning_recorder.stats.batched import change_norms, copy_with_norms, host_floats, merged
 
 # --------------------------------------------------------------------------- timing
 
@@ -315,6 +315,7 @@ def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
 
 def parameters(repeats: int) -> list[str]:
     params = [p.detach() for p in resnet18_like().parameters()]
+    grads = [torch.randn_like(p) for p in params]
     buffers = [torch.empty_like(p) for p in params]
 
     def before() -> Any:  # clone, then a fresh difference and three norms
@@ -322,21 +323,40 @@ def parameters(repeats: int) -> list[str]:
         change = foreach_sub(params, copies)
         return foreach_norm([*params, *copies, *change])
 
-    def now() -> Any:  # persistent buffers, in-place difference
+    def foreach() -> Any:  # persistent buffers, in-place foreach difference
         foreach_copy_(buffers, params)
         norms = foreach_norm([*params, *buffers])
         foreach_sub_(buffers, params)
         return [*norms, *foreach_norm(buffers)]
 
-    t = interleaved(
-        {"floor": lambda: foreach_norm(params), "before": before, "now": now}, repeats, inner=2
-    )
+    def fused() -> Any:  # the monitor's CPU path: copy with the norm, change without a write
+        copied = copy_with_norms(buffers, params, [None] * len(params))
+        return copied, change_norms(params, buffers)
+
+    def fused_grads() -> Any:  # the same, the gradients' norms read in the copy's pass
+        copied = copy_with_norms(buffers, params, grads)
+        return copied, change_norms(params, buffers)
+
+    def grad_norms() -> Any:  # what the gradients' norms cost apart (one read of them)
+        return foreach_norm(grads)
+
+    variants = {
+        "floor": lambda: foreach_norm(params),
+        "before": before,
+        "foreach": foreach,
+        "fused": fused,
+        "fused + grads": fused_grads,
+        "grads": grad_norms,
+    }
+    t = interleaved(variants, repeats, inner=2)
     count = sum(p.numel() for p in params) / 1e6
+    cells = [fmt(ratio(t, k, "floor")) for k in ("before", "foreach", "fused", "fused + grads")]
     return [
-        "| parameters | before (clone + difference) | now (buffers, in place) |",
-        "|---|---|---|",
-        f"| ResNet-18-like, {count:.1f} M | {fmt(ratio(t, 'before', 'floor'))} | "
-        f"{fmt(ratio(t, 'now', 'floor'))} |",
+        "| parameters | before (clone + difference) | foreach buffers, in place | "
+        "fused kernels | fused, with the gradients' norms | gradients' norms apart |",
+        "|---|---|---|---|---|---|",
+        f"| ResNet-18-like, {count:.1f} M | " + " | ".join(cells) + f" | "
+        f"{fmt(ratio(t, 'grads', 'floor'))} |",
     ]
 
 

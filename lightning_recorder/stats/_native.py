@@ -23,6 +23,7 @@ on first use; where that is not possible (:func:`available` is false), callers u
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -430,7 +431,7 @@ def segment_buckets(
 
 
 def copy_sumsq(
-    destinations: list[Tensor], sources: list[Tensor], grads: list[Tensor | None]
+    destinations: list[Tensor], sources: list[Tensor], grads: Sequence[Tensor | None]
 ) -> tuple[list[float], list[float]]:
     """Copy each source into its destination (all :func:`usable`, same sizes); return the squared
     norms of the sources and of the gradients (``nan`` where a gradient is ``None``)."""

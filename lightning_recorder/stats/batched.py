@@ -124,12 +124,14 @@ def host_floats(tensors: Sequence[Tensor]) -> list[float]:
 
 
 def copy_with_norms(
-    buffers: Sequence[Tensor], params: Sequence[Tensor], grads: Sequence[Tensor]
+    buffers: Sequence[Tensor], params: Sequence[Tensor], grads: Sequence[Tensor | None]
 ) -> tuple[list[float], list[float]] | None:
     """Copy each parameter into its buffer and return the squared norms of the parameters and of
-    their gradients, in one pass over the three by the fused CPU kernel; ``None`` (nothing done)
-    where it does not take them all (no kernel, not float32 CPU tensors, not contiguous)."""
-    if not (_native.available() and all(map(_native.usable, (*buffers, *params, *grads)))):
+    their gradients (``nan`` for a ``None`` one), in one pass over the three by the fused CPU
+    kernel; ``None`` (nothing done) where it does not take them all (no kernel, not float32 CPU
+    tensors, not contiguous)."""
+    tensors = (*buffers, *params, *(g for g in grads if g is not None))
+    if not (_native.available() and all(map(_native.usable, tensors))):
         return None
     return _native.copy_sumsq(list(buffers), list(params), list(grads))
 
