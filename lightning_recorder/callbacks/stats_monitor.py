@@ -29,6 +29,7 @@ from ..stats.batched import (
     finalize_host,
     flatten_segments,
     foreach_norms,
+    fused_kernels,
     gather_merged,
     histogram_rows_cpu,
     histograms_device,
@@ -579,6 +580,8 @@ class FeatureStatsMonitor(RecorderCallback):
         self._streams = streams
         self._keys = {id(stream): key for key, stream in streams.items()}
         self._work = Workspace()
+        if pl_module.device.type == "cpu":
+            fused_kernels()  # built (once, cached on disk) now rather than in a logged step
         self._states = {}
         self._stepped, self._before, self._grad_norms = [], {}, {}
         self._before_squares = {}

@@ -68,6 +68,7 @@ __all__ = [
     "finalize_host",
     "flatten_segments",
     "foreach_norms",
+    "fused_kernels",
     "gather_merged",
     "histogram_rows",
     "histogram_rows_cpu",
@@ -121,6 +122,13 @@ def host_floats(tensors: Sequence[Tensor]) -> list[float]:
     device = tensors[0].device
     flat = [t.reshape(-1).to(device=device, dtype=torch.float64) for t in tensors]
     return torch.cat(flat).tolist()
+
+
+def fused_kernels() -> bool:
+    """Whether the fused CPU kernels run here: built on the first call (about 0.2 s with the
+    system's C compiler, then loaded from the cache directory), ``False`` where they cannot be
+    (see :mod:`lightning_recorder._core.native`); the torch path is taken then."""
+    return _native.available()
 
 
 def copy_with_norms(

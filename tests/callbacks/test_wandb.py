@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,15 @@ def test_wandb_offline_run_gets_scalars_and_real_histograms(
     finally:
         wandb.finish()
     tb.experiment.close()  # every TensorBoard event on disk before reading them back
+    # W&B's service process writes the offline run file; on a loaded machine its last records
+    # may land after `finish` returns, so wait for them (up to a minute)
+    deadline = time.monotonic() + 60
     history = _history(tmp_path)
+    while len([r for r in history if "stats/train/probe/mean" in r]) < 2:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+        history = _history(tmp_path)
     tb_scalars = scalars(tmp_path / "tb" / "version_0")
     tb_hists = events(tmp_path / "tb" / "version_0").Histograms("stats/train/probe/histogram")
     logged = [row for row in history if "stats/train/probe/mean" in row]
