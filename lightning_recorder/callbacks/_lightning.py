@@ -9,7 +9,7 @@ that a change in Lightning touches one file.
   ``on_train_batch_end`` ``trainer.global_step`` is already ``k + 1``, and it counts one step per
   optimizer, so it is not that axis.)
 * **TensorBoard.** :func:`write_tensorboard` writes many scalars and histograms of one step as
-  one event.
+  one event, runs of empty buckets collapsed (:func:`collapse_empty_buckets`).
 * **Weights & Biases.** :func:`write_wandb` logs the scalars and the same histograms as
   ``wandb.Histogram`` objects (:func:`numpy_histogram` converts the buckets).
 * **Loggers.** :func:`histogram_loggers` tells which loggers can show histograms;
@@ -90,9 +90,12 @@ def write_tensorboard(
     """Write scalars and histograms as one TensorBoard event (one queue put, not one per tag).
 
     Writing each scalar through ``add_scalar`` costs a queue hand-off to the writer thread per
-    tag, two orders of magnitude more than building one ``Summary`` with many values. The
-    logger's ``prefix`` is applied as its ``log_metrics`` would; writers other than
-    ``torch.utils.tensorboard``'s (tensorboardX) get one call per tag. Call on rank 0 only.
+    tag, two orders of magnitude more than building one ``Summary`` with many values. Runs of
+    empty histogram buckets are written as one bucket each (:func:`collapse_empty_buckets`):
+    TensorBoard shows the same histogram from fewer bytes, and its writer thread checksums every
+    byte in Python. The logger's ``prefix`` is applied as its ``log_metrics`` would; writers
+    other than ``torch.utils.tensorboard``'s (tensorboardX) get one call per tag. Call on rank 0
+    only.
 
     Args:
         logger: the TensorBoard logger.
@@ -110,8 +113,20 @@ def write_tensorboard(
         for tag, value in scalars.items():
             writer.add_scalar(tag, value, step)
         for tag, kwargs in hists.items():
+            limits, counts = collapse_empty_buckets(
+                kwargs["bucket_limits"], kwargs["bucket_counts"]
+            )
+            kwargs = {**kwargs, "bucket_limits": limits, "bucket_counts": counts}
             writer.add_histogram_raw(tag, global_step=step, **kwargs)
         return
+    summary = tensorboard_summary(scalars, hists)
+    if summary.value:
+        writer._get_file_writer().add_summary(summary, step)
+
+
+def tensorboard_summary(scalars: dict[str, float], hists: dict[str, dict[str, Any]]) -> Any:
+    """One ``Summary`` of scalars (``simple_value``) and histograms (``HistogramProto``, runs of
+    empty buckets collapsed) — the event :func:`write_tensorboard` writes."""
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     summary = Summary()
@@ -122,10 +137,40 @@ def write_tensorboard(
         histo = add(tag=tag).histo
         histo.min, histo.max, histo.num = kw["min"], kw["max"], kw["num"]
         histo.sum, histo.sum_squares = kw["sum"], kw["sum_squares"]
-        histo.bucket_limit.extend(kw["bucket_limits"])
-        histo.bucket.extend(kw["bucket_counts"])
-    if summary.value:
-        writer._get_file_writer().add_summary(summary, step)
+        limits, counts = collapse_empty_buckets(kw["bucket_limits"], kw["bucket_counts"])
+        histo.bucket_limit.extend(limits)
+        histo.bucket.extend(counts)
+    return summary
+
+
+def collapse_empty_buckets(
+    limits: Sequence[float], counts: Sequence[float]
+) -> tuple[Sequence[float], Sequence[float]]:
+    """The buckets of a ``HistogramProto`` with each run of consecutive empty buckets written as
+    one empty bucket reaching to the run's last limit (TensorFlow's encoder with
+    ``preserve_zero_buckets=False``).
+
+    Bucket ``i`` covers ``(limits[i - 1], limits[i]]``, so the merged bucket covers exactly the
+    run's range with the run's count, zero: every range holds the count it held, and the limits
+    kept are a subset of the given ones. TensorBoard drops the empty buckets at both ends and
+    takes ``min``/``max`` as the outer edges; inside, it spreads each bucket's count over its own
+    range, where an empty bucket adds nothing however wide. Without an empty bucket the inputs
+    are returned as they are.
+    """
+    if not counts or min(counts) > 0:
+        return limits, counts
+    kept_limits: list[float] = []
+    kept_counts: list[float] = []
+    after_empty = False
+    for limit, count in zip(limits, counts, strict=True):
+        empty = count <= 0
+        if empty and after_empty:
+            kept_limits[-1] = limit  # widen the run's bucket
+        else:
+            kept_limits.append(limit)
+            kept_counts.append(count)
+        after_empty = empty
+    return kept_limits, kept_counts
 
 
 def histogram_loggers(loggers: Sequence[Logger]) -> tuple[list[Logger], list[Logger]]:
