@@ -23,6 +23,7 @@ that a change in Lightning touches one file.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
@@ -143,6 +144,10 @@ def tensorboard_summary(scalars: dict[str, float], hists: dict[str, dict[str, An
     return summary
 
 
+# Two or more empty buckets in a row, in a string of one byte per bucket (0: empty).
+_EMPTY_RUN = re.compile(b"\x00{2,}")
+
+
 def collapse_empty_buckets(
     limits: Sequence[float], counts: Sequence[float]
 ) -> tuple[Sequence[float], Sequence[float]]:
@@ -152,24 +157,21 @@ def collapse_empty_buckets(
 
     Bucket ``i`` covers ``(limits[i - 1], limits[i]]``, so the merged bucket covers exactly the
     run's range with the run's count, zero: every range holds the count it held, and the limits
-    kept are a subset of the given ones. TensorBoard drops the empty buckets at both ends and
-    takes ``min``/``max`` as the outer edges; inside, it spreads each bucket's count over its own
-    range, where an empty bucket adds nothing however wide. Without an empty bucket the inputs
-    are returned as they are.
+    kept are a subset of the given ones. TensorBoard turns the buckets into ``[left, right,
+    count]`` rows (``tensorboard.data_compat``: the empty buckets at both ends dropped,
+    ``min``/``max`` as the outer edges): its non-empty rows are the same, and its empty rows
+    cover the same ranges with fewer rows. Counts are never negative, so a bucket is empty when
+    its count is zero. The runs are found by a regular expression over one byte per bucket (a
+    few microseconds for 31 buckets, about what the writer thread's pure-Python checksum spends
+    on one or two of the 16-byte buckets saved); without a run of two or more empty buckets the
+    inputs are returned as they are.
     """
-    if not counts or min(counts) > 0:
+    runs = [m.span() for m in _EMPTY_RUN.finditer(bytes(map(bool, counts)))]
+    if not runs:
         return limits, counts
-    kept_limits: list[float] = []
-    kept_counts: list[float] = []
-    after_empty = False
-    for limit, count in zip(limits, counts, strict=True):
-        empty = count <= 0
-        if empty and after_empty:
-            kept_limits[-1] = limit  # widen the run's bucket
-        else:
-            kept_limits.append(limit)
-            kept_counts.append(count)
-        after_empty = empty
+    kept_limits, kept_counts = list(limits), list(counts)
+    for first, end in reversed(runs):  # from the right: the indices of the others stay
+        del kept_limits[first : end - 1], kept_counts[first : end - 1]  # keep the run's last
     return kept_limits, kept_counts
 
 
