@@ -94,9 +94,10 @@ def write_tensorboard(
     tag, two orders of magnitude more than building one ``Summary`` with many values. Runs of
     empty histogram buckets are written as one bucket each (:func:`collapse_empty_buckets`):
     TensorBoard shows the same histogram from fewer bytes, and its writer thread checksums every
-    byte in Python. The logger's ``prefix`` is applied as its ``log_metrics`` would; writers
-    other than ``torch.utils.tensorboard``'s (tensorboardX) get one call per tag. Call on rank 0
-    only.
+    byte in Python. The logger's ``prefix`` is applied as its ``log_metrics`` would. The
+    writers of ``torch.utils.tensorboard`` and of tensorboardX get the one event (tensorboardX
+    checksums it in C when the ``crc32c`` package is installed); other writers get one call per
+    tag. Call on rank 0 only.
 
     Args:
         logger: the TensorBoard logger.
@@ -110,7 +111,8 @@ def write_tensorboard(
         scalars = {f"{prefix}{join}{k}": v for k, v in scalars.items()}
         hists = {f"{prefix}{join}{k}": v for k, v in hists.items()}
     writer = logger.experiment
-    if not type(writer).__module__.startswith("torch.utils.tensorboard"):  # e.g. tensorboardX
+    summary_type = summary_class(writer)
+    if summary_type is None:  # a writer of unknown make: its public API, one call per tag
         for tag, value in scalars.items():
             writer.add_scalar(tag, value, step)
         for tag, kwargs in hists.items():
@@ -120,17 +122,38 @@ def write_tensorboard(
             kwargs = {**kwargs, "bucket_limits": limits, "bucket_counts": counts}
             writer.add_histogram_raw(tag, global_step=step, **kwargs)
         return
-    summary = tensorboard_summary(scalars, hists)
+    summary = tensorboard_summary(scalars, hists, summary_type)
     if summary.value:
         writer._get_file_writer().add_summary(summary, step)
 
 
-def tensorboard_summary(scalars: dict[str, float], hists: dict[str, dict[str, Any]]) -> Any:
-    """One ``Summary`` of scalars (``simple_value``) and histograms (``HistogramProto``, runs of
-    empty buckets collapsed) — the event :func:`write_tensorboard` writes."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
+def summary_class(writer: object) -> Any:
+    """The ``Summary`` message class of a ``SummaryWriter``: TensorBoard's for
+    ``torch.utils.tensorboard``, tensorboardX's own for tensorboardX (the same schema, another
+    Python class), ``None`` for other writers."""
+    module = type(writer).__module__
+    if module.startswith("torch.utils.tensorboard"):
+        from tensorboard.compat.proto.summary_pb2 import Summary
 
-    summary = Summary()
+        return Summary
+    if module.startswith("tensorboardX"):
+        from tensorboardX.proto.summary_pb2 import Summary as SummaryX
+
+        return SummaryX
+    return None
+
+
+def tensorboard_summary(
+    scalars: dict[str, float], hists: dict[str, dict[str, Any]], summary_type: Any = None
+) -> Any:
+    """One ``Summary`` of scalars (``simple_value``) and histograms (``HistogramProto``, runs of
+    empty buckets collapsed) — the event :func:`write_tensorboard` writes. ``summary_type`` is
+    the message class (:func:`summary_class`); ``None`` is TensorBoard's."""
+    if summary_type is None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary_type = Summary
+    summary = summary_type()
     add = summary.value.add  # filling the message in place is twice as fast as building values
     for tag, value in scalars.items():
         add(tag=tag, simple_value=value)

@@ -11,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import pytest
+import torch
 from helpers.models import QUIET, ProbeNet, events, features, loader, scalars
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -188,3 +189,58 @@ def test_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "| 16 | on | before |" in out and "| 16 | on | now |" in out
     assert len(report["event"]) == 2 + 4 and len(report["histogram"]) == 2 + 3
+
+
+# ------------------------------------------------------------------ tensorboardX's writer
+class _TensorBoardXLogger(TensorBoardLogger):
+    """A TensorBoard logger writing through tensorboardX (the way to its C checksum: Lightning
+    picks ``torch.utils.tensorboard`` whenever TensorBoard is installed)."""
+
+    @property
+    def experiment(self) -> Any:
+        if self._experiment is None:
+            from tensorboardX import SummaryWriter
+
+            self._experiment = SummaryWriter(logdir=self.log_dir)
+        return self._experiment
+
+
+def _stats_events(log_dir: str) -> list[tuple[int, list[str]]]:
+    """``(step, tags)`` of every event file record holding monitor values, in file order."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    found = []
+    for path in sorted(Path(log_dir).glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            tags = [v.tag for v in event.summary.value if v.tag.startswith("stats/")]
+            if tags:
+                found.append((event.step, tags))
+    return found
+
+
+def test_tensorboardx_writer_gets_the_same_single_event(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboardX", reason="tensorboardX is an optional writer")
+    x = features(8, seed=4)
+    x[::4, 1] = -30.0
+    logs = {}
+    for name, cls in (("torch", TensorBoardLogger), ("tbx", _TensorBoardXLogger)):
+        logger = cls(tmp_path, name=name)
+        monitor = FeatureStatsMonitor(["probe", "body.1"], every_n_steps=1, bins=30)
+        trainer = pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor])
+        torch.manual_seed(0)  # the same model in both runs
+        trainer.fit(ProbeNet(lr=1e-3), loader(x))
+        logger.experiment.flush()
+        logs[name] = logger.log_dir
+    torch_events, tbx_events = _stats_events(logs["torch"]), _stats_events(logs["tbx"])
+    assert [step for step, _ in tbx_events] == [0, 1]  # one event per logged step
+    assert tbx_events == torch_events
+    got = {name: scalars(log) for name, log in logs.items()}
+    assert {t: v for t, v in got["tbx"].items() if t.startswith("stats/")} == {
+        t: v for t, v in got["torch"].items() if t.startswith("stats/")
+    }  # the same float32 values through the same Summary schema
+    tag = "stats/train/probe/histogram"
+    h_torch, h_tbx = events(logs["torch"]).Histograms(tag), events(logs["tbx"]).Histograms(tag)
+    assert [(e.step, e.histogram_value) for e in h_tbx] == [
+        (e.step, e.histogram_value) for e in h_torch
+    ]
+    assert all(len(e.histogram_value.bucket) < 31 for e in h_tbx)  # collapsed there too
