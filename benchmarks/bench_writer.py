@@ -19,11 +19,15 @@ logged step:
 
 ``before`` builds the histograms with every bucket (the previous release); ``now`` collapses each
 run of empty buckets into one, as ``write_tensorboard`` does. The two take turns in a random
-order within every repeat; the figures are medians over the repeats.
+order within every repeat; the figures are medians over the repeats, in CPU time of the thread
+(``--clock wall`` for wall-clock time): the writer thread's work is CPU work under the GIL, and
+CPU time stays steady on a loaded machine.
 
 The histograms come from data of three shapes, one per module in turn: Gaussian, after a ReLU,
 and heavy-tailed (a Gaussian times a log-normal, which puts outliers far from the bulk); the
-second table gives the bytes and buckets of one histogram of each shape.
+second table gives the bytes and buckets of one histogram of each shape, and of a Gaussian with
+a few outliers far out (as in the activations of large transformers), where most buckets are
+empty.
 
 Run ``python benchmarks/bench_writer.py`` (``--quick`` for a smoke run). One CPU thread.
 """
@@ -50,6 +54,7 @@ from lightning_recorder.stats import histogram_raw_kwargs
 STATS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
 PARAMETER_STATS = ("norm", "grad_norm", "update_ratio")
 SHAPES = ("gaussian", "relu", "heavy-tailed")
+OUTLIERS = "outliers"  # a Gaussian with 0.1 % of its values 30 to 60 standard deviations out
 BINS = 30
 
 # --------------------------------------------------------------------------- the event
@@ -62,6 +67,9 @@ def sample(shape: str, n: int, gen: torch.Generator) -> torch.Tensor:
         return x.relu()
     if shape == "heavy-tailed":
         return x * torch.randn(n, generator=gen).exp()
+    if shape == OUTLIERS:
+        far = torch.randperm(n, generator=gen)[: max(1, n // 1000)]
+        x[far] = 30 + 30 * torch.rand(far.numel(), generator=gen)
     return x
 
 
@@ -133,7 +141,11 @@ def native_record(crc: Callable[[bytes], int], data: bytes) -> bytes:
 
 
 def measure(
-    modules: int, histograms: bool, repeats: int, crc: Callable[[bytes], int] | None
+    modules: int,
+    histograms: bool,
+    repeats: int,
+    crc: Callable[[bytes], int] | None,
+    clock: Callable[[], float],
 ) -> dict[str, dict[str, float]]:
     """Median seconds of each phase and the event's bytes, per variant (interleaved)."""
     scalars, hists = step_values(modules, histograms)
@@ -142,7 +154,6 @@ def measure(
     size: dict[str, int] = {}
     order = list(BUILDERS)
     rng = random.Random(modules)
-    clock = time.perf_counter
     for repeat in range(repeats + 1):  # the first round warms up
         rng.shuffle(order)
         for name in order:
@@ -174,7 +185,7 @@ def ms(seconds: float) -> str:
     return "n/a" if seconds != seconds else f"{seconds * 1e3:.2f}"
 
 
-def event_table(sizes: Sequence[int], repeats: int) -> list[str]:
+def event_table(sizes: Sequence[int], repeats: int, clock: Callable[[], float]) -> list[str]:
     crc = native_crc()
     lines = [
         "| modules | histograms | variant | bytes | bytes / module | build ms | serialize ms "
@@ -183,7 +194,7 @@ def event_table(sizes: Sequence[int], repeats: int) -> list[str]:
     ]
     for modules in sizes:
         for histograms in (True, False):
-            result = measure(modules, histograms, repeats, crc)
+            result = measure(modules, histograms, repeats, crc, clock)
             for variant, r in result.items():
                 lines.append(
                     f"| {modules} | {'on' if histograms else 'off'} | {variant} "
@@ -200,7 +211,7 @@ def shape_table() -> list[str]:
         "|---|---|---|---|---|",
     ]
     gen = torch.Generator().manual_seed(0)
-    for shape in SHAPES:
+    for shape in (*SHAPES, OUTLIERS):
         kwargs = histogram_raw_kwargs(sample(shape, 4096, gen), bins=BINS)
         assert kwargs is not None
         hists = {"stats/train/blocks.0.conv/histogram": kwargs}
@@ -217,12 +228,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[str]]:
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--modules", default="16,64,128", help="comma-separated module counts")
+    parser.add_argument(
+        "--clock",
+        choices=("thread", "wall"),
+        default="thread",
+        help="CPU time of this thread (steady on a loaded machine) or wall-clock time",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     repeats = min(3, args.repeats) if args.quick else args.repeats
     sizes = [16] if args.quick else [int(n) for n in args.modules.split(",")]
-    report = {"event": event_table(sizes, repeats), "histogram": shape_table()}
-    print("\n### one logged step's event (medians)\n")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    report = {"event": event_table(sizes, repeats, clock), "histogram": shape_table()}
+    print(f"\n### one logged step's event (medians, {args.clock} clock)\n")
     print("\n".join(report["event"]))
     print("\n### one histogram value by data shape\n")
     print("\n".join(report["histogram"]))

@@ -189,6 +189,8 @@ def collapse_empty_buckets(
     on one or two of the 16-byte buckets saved); without a run of two or more empty buckets the
     inputs are returned as they are.
     """
+    if counts.count(0.0) < 2:  # the common case of dense data: no run possible
+        return limits, counts
     runs = [m.span() for m in _EMPTY_RUN.finditer(bytes(map(bool, counts)))]
     if not runs:
         return limits, counts

@@ -188,7 +188,7 @@ def test_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
     report = bench.main(["--quick", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "| 16 | on | before |" in out and "| 16 | on | now |" in out
-    assert len(report["event"]) == 2 + 4 and len(report["histogram"]) == 2 + 3
+    assert len(report["event"]) == 2 + 4 and len(report["histogram"]) == 2 + 4
 
 
 # ------------------------------------------------------------------ tensorboardX's writer
