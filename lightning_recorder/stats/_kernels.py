@@ -359,9 +359,8 @@ def fused_state(
     """The packed state of a non-empty flat float32 CPU tensor from the fused kernel
     (:func:`lightning_recorder.stats._native.moments`: one read of the data).
 
-    The sums are of the deviations ``d`` from a shift ``k`` near the mean (a float32, the mean of
-    a few of the elements), ``sum(d)`` in float64 (the mean is nearly as precise as float64
-    allows, whatever the cancellation), so ``M2 = sum(d**2) - sum(d)**2 / n`` cancels little;
+    The sums are of the deviations ``d`` from a shift ``k`` near the mean (the mean of a few of
+    the elements, to 8 significant bits), so ``M2 = sum(d**2) - sum(d)**2 / n`` cancels little;
     where it would lose more than :data:`NATIVE_CANCEL_BITS` bits the deviations from the mean
     are summed in a second pass, as in :func:`native_chunk`. A NaN,
     an infinity or an overflow takes the exact masked path.

@@ -10,10 +10,12 @@
   and, after the step, the squared norms of the parameter and of its change, without writing the
   difference anywhere.
 
-The sum of the deviations from the shift runs in float64 vector lanes. The sums of positive
-terms (squares, ``|x|``) run in float32 lanes over rows of :data:`ROW` elements (each lane adds
-at most 32 terms, or 64 without AVX), and the rows' sums in float64: within about ``1e-7``
-(relative) of the exact sums, below what TensorBoard stores (a float32). Minimum, maximum and
+Sums run in float32 vector lanes over rows of :data:`ROW` elements (each lane adds at most 32
+terms, or 64 without AVX), and the rows' sums in float64: within about ``1e-7`` (relative) of
+the exact sums, below what TensorBoard stores (a float32). The sum of the deviations from the
+shift is unbiased: the shift has 8 significant bits, so that ``x - shift`` is exact wherever the
+two are close, and its rounding elsewhere follows the varying low bits of ``x``, not those of the
+shift. Minimum, maximum and
 the count of zeros are exact.
 A NaN or an infinity makes the sums non-finite, which callers test for: they then take the exact
 float64 path, which counts them. The kernels are built by :mod:`lightning_recorder._core.native`
@@ -49,18 +51,6 @@ SOURCE = r"""
 
 typedef float vf __attribute__((vector_size(WIDTH)));
 typedef int32_t vi __attribute__((vector_size(WIDTH)));
-typedef float vh __attribute__((vector_size(WIDTH / 2)));
-typedef double vd __attribute__((vector_size(WIDTH)));
-
-/* Add the float32 lanes of t into two float64 vectors (their low and high halves). */
-static inline void widen_into(vf t, vd *low, vd *high) {
-    vh a, b;
-    memcpy(&a, &t, sizeof a);
-    memcpy(&b, (const char *)&t + sizeof a, sizeof b);
-    *low += __builtin_convertvector(a, vd);
-    *high += __builtin_convertvector(b, vd);
-}
-
 static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
@@ -114,20 +104,14 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
     const int64_t whole = n / LANES * LANES;
     while (i < whole) {
         int64_t end = i + ROW < whole ? i + ROW : whole;
-        vf qv = zero, av = zero;
-        vd sl = {0}, sh = {0};
+        vf sv = zero, qv = zero, av = zero;
         vi zv = (vi)zero;
         /* two vectors a step, combined before they reach the accumulators: each accumulator
            waits on one add per two vectors, and few registers are live */
         for (; i + 2 * LANES <= end; i += 2 * LANES) {
             vf v = load(x + i), w = load(x + i + LANES);
             vf d = v - kv, e = w - kv;
-            /* the deviations' sum in float64 lanes, two added in float32 first (d and e are
-               exact differences where v is near k, and their pair sum rounds by at most
-               2**-24 of |d| + |e|): the mean keeps nearly float64's precision, cancellation or
-               not; the sums of squares and of |x| add positive terms, which float32 lanes hold
-               to about 1e-7 */
-            widen_into(d + e, &sl, &sh);
+            sv += d + e;
             qv += d * d + e * e;
             av += (vf)((vi)v & ~magnitude) + (vf)((vi)w & ~magnitude);
             zv -= (v == zero) + (w == zero);
@@ -137,15 +121,14 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
         for (; i < end; i += LANES) {
             vf v = load(x + i);
             vf d = v - kv;
-            widen_into(d, &sl, &sh);
+            sv += d;
             qv += d * d;
             av += (vf)((vi)v & ~magnitude);
             zv -= (v == zero);
             lo = vmin(v, lo);
             hi = vmax(v, hi);
         }
-        sl += sh;
-        for (int j = 0; j < LANES / 2; j++) s += sl[j];
+        s += total(sv);
         q += total(qv); a += total(av);
         for (int j = 0; j < LANES; j++) z += zv[j];
         for (; next < end; next += stride) sample[taken++] = x[next];
