@@ -19,7 +19,9 @@ the per-repeat ratios):
    a TensorBoard logger) over that of a plain step, on (a) a small CNN, (b) a ResNet-18-like
    model (basic blocks 64-128-256-512, 32 x 32 inputs) with every module monitored, (c) a
    64-layer MLP (width 256) with every module monitored; the monitor with statistics in the
-   hook (default) and with kept records (``exact_histograms``, ``clone=True``).
+   hook (default) and with kept records (``exact_histograms``, ``clone=True``), and, for
+   information, the default with the TensorBoard event neither built nor written (the
+   package's own work, without TensorBoard's pure-Python checksum on its writer thread).
 
 Run ``python benchmarks/bench_logging.py`` (``--quick`` for a smoke run). One CPU thread.
 """
@@ -41,6 +43,7 @@ from torch import Tensor, nn
 
 from lightning_recorder import FeatureStatsMonitor
 from lightning_recorder._core.compat import foreach_copy_, foreach_norm, foreach_sub, foreach_sub_
+from lightning_recorder.callbacks import stats_monitor
 from lightning_recorder.stats._kernels import (
     Workspace,
     chunks,
@@ -244,6 +247,13 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
+_WRITE = stats_monitor.write_tensorboard
+
+
+def _no_write(*args: Any) -> None:
+    return None
+
+
 class StepTimer(pl.Callback):
     """Step times (batch start to the next batch start), wall clock."""
 
@@ -272,6 +282,9 @@ def fit_steps(model_name: str, config: str, steps: int, root: str) -> list[float
         kept = config == "records kept"
         monitor = FeatureStatsMonitor(sources, every_n_steps=1, clone=kept, exact_histograms=kept)
         callbacks.append(monitor)
+    # "no event write": the monitor's work without TensorBoard's (event building, its
+    # pure-Python checksum on the writer thread): what the package itself costs
+    stats_monitor.write_tensorboard = _no_write if config == "no event write" else _WRITE
     trainer = pl.Trainer(
         max_steps=steps + 1,
         accelerator="cpu",
@@ -288,11 +301,11 @@ def fit_steps(model_name: str, config: str, steps: int, root: str) -> list[float
 
 
 def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
-    configs = ("plain", "in the hook", "records kept")
+    configs = ("plain", "in the hook", "records kept", "no event write")
     lines = [
         "| model | logging step, in the hook (default) | logging step, records kept | "
-        "plain step (ms) |",
-        "|---|---|---|---|",
+        "logging step, events not written (information) | plain step (ms) |",
+        "|---|---|---|---|---|",
     ]
     rng = random.Random(1)
     with tempfile.TemporaryDirectory() as root:

@@ -197,6 +197,20 @@ _SMALL_HELD = 2**16
 _EMPTY = [0.0, 0.0, 0.0, math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0]  # the state of no data
 
 
+# Flat CPU tensors of a previous batch, by (numel, dtype), for the copies and samples of the next.
+_Spare = dict[tuple[int, torch.dtype], list[Tensor]]
+
+
+def _take(spare: _Spare | None, n: int, dtype: torch.dtype) -> Tensor:
+    """A flat CPU tensor of ``n`` elements of ``dtype`` (contents undefined): a spare one if
+    there is one."""
+    if spare:
+        kept = spare.get((n, dtype))
+        if kept:
+            return kept.pop()
+    return torch.empty(n, dtype=dtype)
+
+
 class _Pending:
     """What the monitor's hooks computed for one module in the current batch: copies of its
     small outputs, the packed state of each large one (host rows from the fused CPU kernel,
@@ -213,23 +227,27 @@ class _Pending:
         self.weights: list[float] = []
         self.held = 0  # elements in the samples
 
-    def add(self, x: Tensor, work: Workspace, sample: int) -> None:
+    def add(self, x: Tensor, work: Workspace, sample: int, spare: _Spare | None = None) -> None:
         # Small CPU outputs are copied and reduced together at the end of the batch; off the
         # CPU the segmented reduction would need the segment sizes on the device (a host
         # synchronisation), so every output is reduced where it is, as a large one.
         if x.numel() <= _SMALL and x.device.type == "cpu":
-            self.small.append(x.reshape(-1).clone())
+            self.small.append(_take(spare, x.numel(), x.dtype).copy_(x.reshape(-1)))
             self.small_held += x.numel()
             if self.small_held > _SMALL_HELD:  # fold: memory stays bounded on long steps
                 joined, self.small, self.small_held = torch.cat(self.small), [], 0
-                self.add_large(joined, work, sample)
+                self.add_large(joined, work, sample, spare)
             return
-        self.add_large(x, work, sample)
+        self.add_large(x, work, sample, spare)
 
-    def add_large(self, x: Tensor, work: Workspace, sample: int) -> None:
+    def add_large(
+        self, x: Tensor, work: Workspace, sample: int, spare: _Spare | None = None
+    ) -> None:
         # float32 CPU data: state and sample in one pass of the fused kernel, the state kept as
         # a host row (one tensor for every module at the end of the batch)
-        fused = sampled_row(x, work, sample) if x.device.type == "cpu" else None
+        fused = None
+        if x.device.type == "cpu":
+            fused = sampled_row(x, work, sample, lambda n: _take(spare, n, torch.float32))
         kept: Tensor | None
         if fused is not None:
             row, kept, weight = fused
@@ -272,6 +290,13 @@ class _Pending:
             self.samples.append(kept)
             self.weights.append(weight * joined.numel() / kept.numel())
         self.held = sum(t.numel() for t in self.samples)
+
+    def recycle(self, spare: _Spare) -> None:
+        """Give this batch's copies and samples (the monitor's own CPU tensors) to ``spare``:
+        the next batch writes into them instead of allocating (and faulting in) new memory."""
+        for tensor in (*self.small, *self.samples):
+            if tensor.device.type == "cpu" and tensor.dim() == 1:
+                spare.setdefault((tensor.numel(), tensor.dtype), []).append(tensor)
 
     def nbytes(self) -> int:
         tensors = (*self.small, *self.states, *self.samples)
@@ -580,6 +605,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._streams = streams
         self._keys = {id(stream): key for key, stream in streams.items()}
         self._work = Workspace()
+        self._spare: _Spare = {}
         if pl_module.device.type == "cpu":
             fused_kernels()  # built (once, cached on disk) now rather than in a logged step
         self._states = {}
@@ -648,7 +674,7 @@ class FeatureStatsMonitor(RecorderCallback):
                         continue
                     tensor = part
                 if not tensor.is_complex():
-                    pending.add(tensor.detach(), work, sample)
+                    pending.add(tensor.detach(), work, sample, self._spare)
 
     def _held_bytes(self) -> int:
         """Bytes of the tensors the monitor holds for the current batch (records or states)."""
@@ -672,6 +698,9 @@ class FeatureStatsMonitor(RecorderCallback):
             pendings = list(self._pending.values())
             self._pending = {name: _Pending() for name in self._pending}
             batch, parts, weights = self._hook_states(pendings, device)
+            spare: _Spare = {}  # this batch's buffers serve the next one (after they are read)
+            for pending in pendings:
+                pending.recycle(spare)
         else:
             work = cast(Workspace, self._work)
             for stream in self._streams.values():
@@ -688,6 +717,8 @@ class FeatureStatsMonitor(RecorderCallback):
                 self._log_train(trainer, parts, batch, weights)
         elif self._eval_hists is None:  # the first batch of the evaluation epoch
             self._eval_hists = self._histograms(trainer, stage, parts, batch, weights)
+        if self._in_hook:
+            self._spare = spare
 
     def _hook_states(
         self, pendings: list[_Pending], device: torch.device

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -438,12 +438,13 @@ def sampled_state(x: Tensor, work: Workspace, size: int) -> tuple[Tensor, Tensor
 
 
 def sampled_row(
-    x: Tensor, work: Workspace, size: int
+    x: Tensor, work: Workspace, size: int, buffer: Callable[[int], Tensor] | None = None
 ) -> tuple[list[float], Tensor | None, float] | None:
     """The state of ``x`` as a host row (:func:`fused_row`) and, for ``size > 0``, its sample
     (``x[::stride]``, at most ``size`` elements, all of them when ``x`` has no more) and weight,
     in one pass of the fused kernel; ``None`` (nothing done) where the kernel does not take ``x``
-    (not a float32 CPU tensor, no kernel)."""
+    (not a float32 CPU tensor, no kernel). ``buffer(n)`` gives the sample's memory (a flat
+    float32 CPU tensor of ``n`` elements); by default it is allocated."""
     flat = x.detach().reshape(-1)
     n = flat.numel()
     if n == 0 or not (_native.usable(flat) and _native.available()):
@@ -451,8 +452,9 @@ def sampled_row(
     if size <= 0:
         return fused_row(flat, work), None, 1.0
     stride = _prime_at_least(-(-n // size)) if n > size else 1
-    sample = torch.empty(-(-n // stride), dtype=torch.float32)
-    return fused_row(flat, work, sample, stride), sample, n / sample.numel()
+    count = -(-n // stride)
+    sample = torch.empty(count, dtype=torch.float32) if buffer is None else buffer(count)
+    return fused_row(flat, work, sample, stride), sample, n / count
 
 
 def merge(states: Tensor) -> Tensor:
