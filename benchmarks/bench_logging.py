@@ -383,12 +383,18 @@ def per_layer(repeats: int) -> list[str]:
     monitor._write_histograms, monitor._work, monitor._segments = True, work, None
     cpu = torch.device("cpu")
 
+    spare: dict[Any, list[Tensor]] = {}
+
     def in_hook() -> Any:  # the hook's copies, then the logging step's segmented reductions
+        nonlocal spare
         pending = [_Pending() for _ in layers]
         for p, x in zip(pending, layers, strict=True):
-            p.add(x, work, 2**16)
+            p.add(x, work, 2**16, spare)
         states, parts, weights = monitor._hook_states(pending, cpu)
         table = monitor._histogram_table(parts, states, weights)
+        spare = {}  # the copies serve the next step, as in the monitor
+        for p in pending:
+            p.recycle(spare)
         return host_floats([table, states] if isinstance(table, Tensor) else [states])
 
     def records_kept() -> Any:

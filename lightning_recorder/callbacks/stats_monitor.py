@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -231,8 +232,14 @@ class _Pending:
         # Small CPU outputs are copied and reduced together at the end of the batch; off the
         # CPU the segmented reduction would need the segment sizes on the device (a host
         # synchronisation), so every output is reduced where it is, as a large one.
-        if x.numel() <= _SMALL and x.device.type == "cpu":
-            self.small.append(_take(spare, x.numel(), x.dtype).copy_(x.reshape(-1)))
+        n = x.numel()
+        if n <= _SMALL and x.device.type == "cpu":
+            copy = _take(spare, n, x.dtype)
+            if type(x) is Tensor and x.is_contiguous():  # a plain memory copy, no dispatch
+                ctypes.memmove(copy.data_ptr(), x.data_ptr(), n * x.element_size())
+            else:
+                copy.copy_(x.reshape(-1))
+            self.small.append(copy)
             self.small_held += x.numel()
             if self.small_held > _SMALL_HELD:  # fold: memory stays bounded on long steps
                 joined, self.small, self.small_held = torch.cat(self.small), [], 0

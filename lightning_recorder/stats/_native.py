@@ -383,13 +383,13 @@ def bucket(x: Tensor, lo: float, hi: float, bins: int) -> list[int]:
     return counts[: bins + 1]
 
 
-def segment_moments(values: Tensor, offsets: Tensor) -> list[list[float]]:
+def segment_moments(values: Tensor, offsets: Tensor) -> Tensor:
     """:func:`moments` of each segment ``values[offsets[i]:offsets[i + 1]]`` of a :func:`usable`
-    flat tensor (``offsets``: contiguous int64 CPU), in one call; a row of 7 per segment."""
+    flat tensor (``offsets``: contiguous int64 CPU), in one call: ``(m, 7)`` float64 rows."""
     m = offsets.numel() - 1
     out = torch.empty(m, 7, dtype=torch.float64)
     _library().lr_segment_moments_f32(values.data_ptr(), offsets.data_ptr(), m, out.data_ptr())
-    return out.tolist()
+    return out
 
 
 def segment_buckets(

@@ -128,25 +128,26 @@ def native_segments(groups: Sequence[Sequence[Tensor]]) -> tuple[Tensor, Tensor,
         values = values.float()
     starts = [0, *itertools.accumulate(sizes)]
     offsets = torch.tensor(starts, dtype=torch.int64)
-    rows = _native.segment_moments(values, offsets)
-    states = []
+    rows = _native.segment_moments(values, offsets)  # (m, 7) float64
+    shift, total, squares, abs_sum, low, high, zeros = rows.unbind(1)
+    n = torch.tensor(sizes, dtype=F64)
+    count = n.clamp(min=1.0)
+    mean = shift + total / count
+    m2 = squares - total * total / count
+    none = torch.zeros_like(n)  # non-finite values: none here (the others are redone below)
+    states = torch.stack([n, mean, m2, low, high, abs_sum / count, zeros, none, n], 1)
+    states[n == 0] = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf, 0, 0, 0, 0], dtype=F64)
+    finite = torch.isfinite(total) & torch.isfinite(squares)
+    redo = (n > 0) & ~(finite & one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS))
     work: Workspace | None = None
-    for start, n, (shift, total, squares, abs_sum, low, high, zeros) in zip(
-        starts, sizes, rows, strict=False
-    ):
-        if n == 0:
-            states.append([0.0, 0.0, 0.0, math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0])
-            continue
-        if not (math.isfinite(total) and math.isfinite(squares)):
-            states.append(masked_state(flat64(values[start : start + n])).tolist())
-            continue
-        mean = shift + total / n
-        m2 = squares - total * total / n
-        if not one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS):
+    for i in redo.nonzero().flatten().tolist():  # rare: non-finite values, or cancellation
+        segment = values[starts[i] : starts[i] + sizes[i]]
+        if not finite[i]:
+            states[i] = masked_state(flat64(segment))
+        else:
             work = work or Workspace()
-            m2 = deviations_m2(values[start : start + n], mean, work)
-        states.append([n, mean, m2, low, high, abs_sum / n, zeros, 0.0, n])
-    return values, offsets, torch.tensor(states, dtype=F64).reshape(len(groups), 9)
+            states[i, 2] = deviations_m2(segment, mean[i].item(), work)
+    return values, offsets, states
 
 
 def native_segmented_histograms(
