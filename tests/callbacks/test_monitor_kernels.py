@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +18,6 @@ from lightning_recorder._core import native
 from lightning_recorder.stats import _native
 
 HAVE_CC = native.compiler() is not None
-
-
-@pytest.fixture
-def fresh_native(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """A process-wide build state that the test may change, restored afterwards."""
-    monkeypatch.setenv("LIGHTNING_RECORDER_CACHE", str(tmp_path / "cache"))
-    native.reset()
-    yield
-    monkeypatch.undo()
-    native.reset()
 
 
 class _Wide(pl.LightningModule):

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,16 +38,6 @@ from lightning_recorder.stats.batched import (
 )
 
 HAVE_CC = native.compiler() is not None
-
-
-@pytest.fixture
-def fresh_native(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """A process-wide build state that the test may change, restored afterwards."""
-    monkeypatch.setenv("LIGHTNING_RECORDER_CACHE", str(tmp_path / "cache"))
-    native.reset()
-    yield
-    monkeypatch.undo()
-    native.reset()
 
 
 def reference(x: torch.Tensor) -> dict[str, float]:
