@@ -56,6 +56,11 @@ def _positive(value: object, name: str, owner: str) -> int:
     return value
 
 
+# A chunk's provenance as the producer hands it over: (source, module, batch fields, call,
+# sample indices). The thread turns it into the index entry's dict when it commits the shard.
+_Meta = tuple[str, str, dict[str, Any], int, list[int]]
+
+
 def _where(source: str, module: str) -> str:
     return f"source {source!r} (module {module!r})"
 
@@ -175,7 +180,7 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._seq: int | None = None  # next shard number (found on the first commit)
-        self._pending: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self._pending: list[tuple[_Meta, torch.Tensor]] = []
         self._pending_bytes = 0
 
     # ------------------------------------------------------------------ producer side
@@ -281,7 +286,7 @@ class ShardWriter:
         base: dict[str, Any],
         index: list[int] | None,
         call: int,
-    ) -> tuple[dict[str, Any], torch.Tensor, Any]:
+    ) -> tuple[_Meta, torch.Tensor, Any]:
         """Validate and prepare one tensor: ``(metadata, host tensor, copy event or None)``."""
         if not isinstance(tensor, torch.Tensor):
             raise RecorderConfigError(
@@ -308,7 +313,7 @@ class ShardWriter:
                 "are along its dimension 0."
             )
         event = None
-        if tensor.device.type != "cpu":  # copied without blocking; the thread waits for it
+        if not tensor.is_cpu:  # copied without blocking; the thread waits for it
             host = torch.empty(
                 tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available()
             )
@@ -321,9 +326,7 @@ class ShardWriter:
             tensor = tensor.contiguous()
         elif tensor.untyped_storage().nbytes() > tensor.nbytes:  # a view would keep (and the
             tensor = tensor.clone()  # queue not count) the whole of its base alive
-        meta = {"source": source, "module": module, **base, "call": call}
-        meta["sample_index"] = index
-        return meta, tensor, event
+        return (source, module, base, call, index), tensor, event
 
     def _put(self, item: tuple[Any, ...], nbytes: int) -> bool:
         with self._cond:
@@ -341,13 +344,22 @@ class ShardWriter:
                         "fewer or smaller activations, or pass queue_full='wait'."
                     )
                 start = time.perf_counter()
+                self._cond.notify_all()  # the thread drains the queue
                 while self._queue and self._queued_bytes + nbytes > limit and self._error is None:
                     self._cond.wait()
                 self.wait_seconds += time.perf_counter() - start
                 self._raise_error()
             self._queue.append((*item, nbytes))
-            self._queued_bytes += nbytes
-            self._cond.notify_all()
+            queued = self._queued_bytes = self._queued_bytes + nbytes
+            # The thread only collects chunks until a shard is full: waking it for every batch
+            # would cost the step a thread switch (and the GIL) for nothing. It is woken when
+            # the queue completes a shard or holds half its limit, and for flush and stop.
+            if (
+                not nbytes
+                or queued + self._pending_bytes >= self.max_shard_bytes
+                or 2 * queued >= limit
+            ):
+                self._cond.notify_all()
         return True
 
     def _start(self) -> None:
@@ -503,13 +515,17 @@ class ShardWriter:
         name = stem(self.run, self.rank, self._next_seq())
         tensors: dict[str, torch.Tensor] = {}
         chunks: list[dict[str, Any]] = []
-        for number, (meta, tensor) in enumerate(pending):
-            key = f"{meta['source']}/{meta['module']}/{number}"
+        for number, ((source, module, base, call, index), tensor) in enumerate(pending):
+            key = f"{source}/{module}/{number}"
             tensors[key] = tensor
             chunks.append(
                 {
                     "key": key,
-                    **meta,
+                    "source": source,
+                    "module": module,
+                    **base,
+                    "call": call,
+                    "sample_index": index,
                     "dtype": str(tensor.dtype).removeprefix("torch."),
                     "shape": list(tensor.shape),
                 }
