@@ -201,7 +201,8 @@ def write_buffers(handle: Any, buffers: list[Any]) -> None:
             handle.write(buffer)
         return
     handle.flush()  # what the handle holds goes first
-    views = [view for view in map(memoryview, buffers) if view.nbytes]
+    views: list[memoryview] = [memoryview(b) for b in buffers]
+    views = [view for view in views if view.nbytes]
     first = 0
     while first < len(views):
         written = os.writev(fd, views[first : first + _IOV_MAX])

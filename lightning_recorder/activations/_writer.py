@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -61,6 +62,21 @@ def _positive(value: object, name: str, owner: str) -> int:
 _Meta = tuple[str, str, dict[str, Any], int, list[int]]
 
 
+_NICER = 10  # how much lower the writing thread's priority is (``nice`` steps)
+
+
+def _lower_priority() -> None:
+    """Lower the CPU priority of the calling thread (Linux only: there a thread has its own
+    ``nice`` value; elsewhere ``setpriority`` would lower the whole process)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + _NICER, 19))
+    except OSError:  # pragma: no cover - a sandbox that forbids it: keep the priority
+        pass
+
+
 def _where(source: str, module: str) -> str:
     return f"source {source!r} (module {module!r})"
 
@@ -100,6 +116,11 @@ class ShardWriter:
             power loss or an operating-system crash too; without it a crash of the process
             still leaves only complete shards listed (the renames keep their order in the
             page cache), and writing is faster.
+        low_priority: run the thread at a lower CPU priority than the step (Linux: ``nice``
+            +10 for this thread only; elsewhere ignored), so that on a busy machine its copying
+            into the page cache takes the time the step leaves, rather than the step's. The
+            thread still gets every idle moment; the step waits for it only when the queue is
+            full.
 
     Raises:
         RecorderConfigError: an argument is invalid, or ``directory`` cannot be written (at
@@ -129,6 +150,7 @@ class ShardWriter:
         queue_full: QueueFull = "wait",
         generation: int = 0,
         fsync: bool = True,
+        low_priority: bool = True,
     ) -> None:
         owner = type(self).__name__
         self.run = new_run_id() if run is None else check_run_id(run, owner)
@@ -163,6 +185,11 @@ class ShardWriter:
                 f"Expected `fsync` of {owner} to be a bool but got {fsync!r}."
             )
         self.fsync = fsync
+        if not isinstance(low_priority, bool):
+            raise RecorderConfigError(
+                f"Expected `low_priority` of {owner} to be a bool but got {low_priority!r}."
+            )
+        self.low_priority = low_priority
         self.storage = Storage(directory, owner)
         self.storage.make_writable(owner)
         #: Batches not written because the queue was full (``queue_full="drop"``).
@@ -467,6 +494,8 @@ class ShardWriter:
 
     # ------------------------------------------------------------------ writer thread
     def _loop(self) -> None:
+        if self.low_priority:
+            _lower_priority()
         while True:
             with self._cond:
                 while not self._queue:
@@ -515,7 +544,7 @@ class ShardWriter:
         name = stem(self.run, self.rank, self._next_seq())
         tensors: dict[str, torch.Tensor] = {}
         chunks: list[dict[str, Any]] = []
-        for number, ((source, module, base, call, index), tensor) in enumerate(pending):
+        for number, ((source, module, base, call, indices), tensor) in enumerate(pending):
             key = f"{source}/{module}/{number}"
             tensors[key] = tensor
             chunks.append(
@@ -525,7 +554,7 @@ class ShardWriter:
                     "module": module,
                     **base,
                     "call": call,
-                    "sample_index": index,
+                    "sample_index": indices,
                     "dtype": str(tensor.dtype).removeprefix("torch."),
                     "shape": list(tensor.shape),
                 }

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import sys
 import threading
 from pathlib import Path
 
@@ -425,3 +426,103 @@ def test_every_dtype_reads_back_with_the_reference_reader(tmp_path: Path) -> Non
         assert torch.equal(loaded[chunk["key"]], expected), chunk["key"]
         assert torch.equal(dataset._chunk_tensor(chunk), expected)  # our memory-mapped view
         assert dataset._chunk_tensor(chunk).dtype == expected.dtype
+
+
+def _shard_bytes(directory: Path) -> bytes:
+    (name,) = _files(directory, ".safetensors")
+    return (directory / name).read_bytes()
+
+
+def _mixed_batch() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    return {
+        "f32": torch.randn(5, 7),
+        "f16": torch.randn(5, 3).half(),
+        "i64": torch.arange(10).view(5, 2),
+        "empty": torch.zeros(5, 0),
+        "bool": torch.rand(5, 4) > 0.5,
+    }
+
+
+def _write_batch(directory: Path, batch: dict[str, torch.Tensor]) -> None:
+    with ShardWriter(directory, run="wv", max_shard_bytes=1 << 30) as writer:
+        for name, tensor in batch.items():
+            writer.write(name, name, tensor, sample_index=range(5))
+
+
+def test_partial_writev_calls_are_resumed_where_they_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_recorder.activations import _format
+
+    if not hasattr(os, "writev"):
+        pytest.skip("os.writev is not available on this platform")
+    batch = _mixed_batch()
+    _write_batch(tmp_path / "whole", batch)
+    real_writev = os.writev
+    calls: list[int] = []
+
+    def short_writev(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        assert len(buffers) <= 2
+        first = memoryview(buffers[0]).cast("B")
+        return real_writev(fd, [first[:7]])  # at most 7 bytes per call: always partial
+
+    monkeypatch.setattr(_format, "_IOV_MAX", 2)
+    monkeypatch.setattr(_format.os, "writev", short_writev)
+    _write_batch(tmp_path / "short", batch)
+    assert len(calls) > 10  # the shard really went through many short calls
+    assert _shard_bytes(tmp_path / "short") == _shard_bytes(tmp_path / "whole")
+    dataset = ActivationDataset(tmp_path / "short")
+    for name, tensor in batch.items():
+        assert torch.equal(dataset.concat(name), tensor)
+
+
+def test_a_shard_written_to_a_file_object_has_the_same_bytes(tmp_path: Path) -> None:
+    import io
+
+    from lightning_recorder.activations._format import write_safetensors
+
+    batch = _mixed_batch()
+    metadata = {"run": "x"}
+    in_memory = io.BytesIO()  # no file descriptor: one write per buffer
+    size = write_safetensors(in_memory, batch, metadata)
+    with open(tmp_path / "local.safetensors", "wb") as handle:  # a local file: writev
+        handle.write(b"")  # something buffered in the handle goes first
+        assert write_safetensors(handle, batch, metadata) == size
+    assert (tmp_path / "local.safetensors").read_bytes() == in_memory.getvalue()
+    assert len(in_memory.getvalue()) == size
+
+
+def test_batches_wait_in_the_queue_until_a_shard_is_full_then_are_all_written(
+    tmp_path: Path,
+) -> None:
+    one = torch.ones(4, 25)  # 400 bytes
+    with ShardWriter(tmp_path, run="lazy", max_shard_bytes=2000, max_queue_bytes=1 << 20) as w:
+        for i in range(4):  # 1600 bytes: less than a shard, the thread is not needed yet
+            w.write("s", "m", one * i, batch_idx=i)
+        for i in range(4, 12):  # 4800 bytes: two shards complete, the rest stays pending
+            w.write("s", "m", one * i, batch_idx=i)
+        w.flush()
+        assert w.queued_bytes == 0 and w.shards_written == 3
+    dataset = ActivationDataset(tmp_path)
+    assert torch.equal(dataset.concat("s")[::4, 0], torch.arange(12.0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux-only")
+@pytest.mark.parametrize("low", [True, False])
+def test_low_priority_lowers_only_the_writing_thread(tmp_path: Path, low: bool) -> None:
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ShardWriter(tmp_path, run="nice", low_priority=low) as writer:
+        writer.write("s", "m", torch.ones(2, 2))
+        writer.flush()  # the thread has started and handled an item
+        thread = writer._thread
+        assert thread is not None and thread.native_id is not None
+        nice = os.getpriority(os.PRIO_PROCESS, thread.native_id)
+    assert nice == (min(before + 10, 19) if low else before)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_low_priority_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(RecorderConfigError, match=r"Expected `low_priority` of ShardWriter"):
+        ShardWriter(tmp_path, low_priority=1)  # type: ignore[arg-type]
