@@ -161,3 +161,27 @@ def test_a_manager_records_only_the_calls_of_the_thread_that_started_it() -> Non
         manager.release()
     assert [r.shape[0] for r in records] == [2, 3]  # the worker's call (5 rows) is not recorded
     assert any("was not recorded" in str(w.message) for w in caught)
+
+
+def test_reinstalling_a_hook_that_would_displace_another_raises() -> None:
+    from functools import partial
+
+    from torch.utils.hooks import RemovableHandle
+
+    from lightning_recorder._core.hooks import HookSet
+    from lightning_recorder.errors import RecorderStateError
+
+    class Rewinding(nn.Linear):
+        """Hands its new hook the id of the newest hook already there (what a counter that
+        could not be advanced would do)."""
+
+        def register_forward_hook(self, *args: Any, **kwargs: Any) -> RemovableHandle:
+            RemovableHandle.next_id = max(self._forward_hooks, default=RemovableHandle.next_id)
+            return super().register_forward_hook(*args, **kwargs)
+
+    model = Rewinding(2, 2)
+    user = model.register_forward_hook(lambda m, a, o: None)
+    with HookSet("test") as hooks, pytest.raises(RecorderStateError, match="took the id"):
+        hooks.install(partial(model.register_forward_hook, lambda m, a, o: None))
+    user.remove()
+    assert not model._forward_hooks
