@@ -28,7 +28,6 @@ its first dimension; row ``i`` is sample ``sample_index[i]`` and has shape ``sha
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -141,8 +140,7 @@ def write_safetensors(
     The layout of ``safetensors.torch.save_file``: the header's length, the header (JSON,
     padded with spaces to a multiple of 8 bytes), then each tensor's bytes, larger elements
     first so that every tensor starts aligned to its element size. Each tensor is written from
-    its own memory (no copy into one buffer): to a local file all of them in one ``writev``
-    system call (the GIL released once for the whole shard), elsewhere one ``write`` each.
+    its own memory (no copy into one buffer); the file's ``write`` releases the GIL.
 
     Returns:
         The number of bytes written.
@@ -161,61 +159,13 @@ def write_safetensors(
         offset = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    buffers: list[Any] = [struct.pack("<Q", len(text)), text]
+    handle.write(struct.pack("<Q", len(text)))
+    handle.write(text)
     for key in order:
         tensor = tensors[key]
         if tensor.numel():
-            buffers.append(tensor.reshape(-1).view(torch.uint8).numpy().data)
-    write_buffers(handle, buffers)
+            handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
     return 8 + len(text) + offset
-
-
-def _iov_max() -> int:
-    """Buffers per ``writev`` call: the system's limit, at most 1024 (Linux's)."""
-    try:
-        return min(1024, max(os.sysconf("SC_IOV_MAX"), 1))
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - no such name here
-        return 16
-
-
-_IOV_MAX = _iov_max()
-
-
-def _fileno(handle: Any) -> int | None:
-    """The file descriptor of a local file object, ``None`` for anything else."""
-    if not hasattr(os, "writev") or not isinstance(handle, (io.BufferedWriter, io.FileIO)):
-        return None
-    try:
-        return handle.fileno()
-    except (OSError, ValueError):  # pragma: no cover - closed or detached
-        return None
-
-
-def write_buffers(handle: Any, buffers: list[Any]) -> None:
-    """Write byte buffers to ``handle`` in order: to a local file with as few ``writev`` calls
-    as the system allows (a partial write is resumed where it stopped), else one ``write``
-    each."""
-    fd = _fileno(handle)
-    if fd is None:
-        for buffer in buffers:
-            handle.write(buffer)
-        return
-    handle.flush()  # what the handle holds goes first
-    views: list[memoryview] = [memoryview(b) for b in buffers]
-    views = [view for view in views if view.nbytes]
-    first = 0
-    while first < len(views):
-        written = os.writev(fd, views[first : first + _IOV_MAX])
-        if not written:
-            raise OSError(f"writev wrote nothing to file descriptor {fd}")
-        while written and first < len(views):
-            size = views[first].nbytes
-            if written >= size:
-                written -= size
-                first += 1
-            else:
-                views[first] = views[first].cast("B")[written:]
-                written = 0
 
 
 # ---------------------------------------------------------------------------------- filesystem
