@@ -19,7 +19,9 @@ Two measurements:
   shards, index files, ``fsync``), against the floor: one ``safetensors.torch.save_file`` call
   per shard of the same tensors (``floor``), and the same followed by an ``fsync`` (``floor +
   fsync``), each in interleaved repeats; MB/s is the median, the ratio the median of per-repeat
-  ratios. The writer's thread runs at the floor's priority here (``low_priority=False``): the
+  ratios. Between two ways, untimed, ``os.sync`` lets the kernel finish writing back what the
+  last one left in the page cache, so that no way pays for another's. The writer's thread runs
+  at the floor's priority here (``low_priority=False``): the
   table compares ways of writing; ``writer, low priority`` (the default, which favours the
   step) shows what the lower priority costs when other processes want the cores while the
   writer finishes a queue that nothing else is waiting on.
@@ -362,6 +364,8 @@ def throughput(steps: int, repeats: int, root: Path) -> dict[str, tuple[float, f
             directory.mkdir()
             seconds[name].append(ways[name](directory))
             shutil.rmtree(directory)
+            if hasattr(os, "sync"):  # untimed: the kernel's write-back of this way's files
+                os.sync()  # is not left to slow the next way down
     out = {"_bytes": (total / 1e6, 0.0)}
     for name, s in seconds.items():
         floor = seconds["floor + fsync" if name.endswith("fsync") else "floor"]
