@@ -21,10 +21,10 @@ Two measurements:
   fsync``), each in interleaved repeats; MB/s is the median, the ratio the median of per-repeat
   ratios. Between two ways, untimed, ``os.sync`` lets the kernel finish writing back what the
   last one left in the page cache, so that no way pays for another's. The writer's thread runs
-  at the floor's priority here (``low_priority=False``): the
-  table compares ways of writing; ``writer, low priority`` (the default, which favours the
-  step) shows what the lower priority costs when other processes want the cores while the
-  writer finishes a queue that nothing else is waiting on.
+  at the floor's priority here (``low_priority=False``): the table compares ways of writing;
+  ``writer, low priority`` (the default, which favours the step) shows what the lower priority
+  costs when other processes want the cores while the writer finishes a queue that nothing
+  else is waiting on.
 
 A third table times ``trainer.predict`` itself, with and without the ``ActivationWriter``
 callback writing every leaf output (per-batch wall time from a timing callback, the first batch
