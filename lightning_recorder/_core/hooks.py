@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -52,29 +52,31 @@ Maker = Callable[[], RemovableHandle]
 ``functools.partial(module.register_forward_hook, hook)``."""
 
 
-def _hook_dicts(target: object) -> Iterator[dict[Any, Any]]:
+def _hook_dicts(target: object) -> list[dict[Any, Any]]:
     """The hook dicts of a module or tensor (``_forward_hooks``, ``_backward_hooks`` …)."""
     if isinstance(target, torch.Tensor):
-        for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
-            found = getattr(target, name, None)
-            if isinstance(found, dict):
-                yield found
-        return
-    for name, value in vars(target).items():
-        if "hooks" in name and isinstance(value, dict):
-            yield value
+        found = [
+            getattr(target, n, None) for n in ("_backward_hooks", "_post_accumulate_grad_hooks")
+        ]
+        return [hooks for hooks in found if isinstance(hooks, dict)]
+    return [
+        value for name, value in vars(target).items() if "hooks" in name and isinstance(value, dict)
+    ]
 
 
 def reserve_hook_ids(*targets: object) -> None:
     """Advance PyTorch's hook-handle counter past every id in the hook dicts of ``targets``
     (modules or tensors; a module's submodules are not visited), so that a new registration
     on them cannot take the id of a hook already there."""
+    _reserve([hooks for target in targets for hooks in _hook_dicts(target)])
+
+
+def _reserve(dicts: list[dict[Any, Any]]) -> None:
     top = RemovableHandle.next_id
-    for target in targets:
-        for hooks in _hook_dicts(target):
-            ids = [key for key in hooks if isinstance(key, int)]
-            if ids:
-                top = max(top, max(ids) + 1)
+    for hooks in dicts:
+        for key in hooks:
+            if isinstance(key, int) and key >= top:
+                top = key + 1
     RemovableHandle.next_id = top
 
 
@@ -97,14 +99,13 @@ def register(make: Maker) -> RemovableHandle:
             hook is removed again.
     """
     target = _target_of(make)
-    if target is not None:
-        reserve_hook_ids(target)
-        before = {id(d): set(d) for d in _hook_dicts(target)}
-    else:
-        before = {}
+    dicts = _hook_dicts(target) if target is not None else []
+    _reserve(dicts)
+    # A registration under an id already in use replaces that hook: its dict does not grow.
+    sizes = [len(hooks) for hooks in dicts]
     handle = make()
-    hooks = handle.hooks_dict_ref()
-    if hooks is not None and handle.id in before.get(id(hooks), ()):
+    into = handle.hooks_dict_ref()
+    if any(hooks is into and len(hooks) == size for hooks, size in zip(dicts, sizes, strict=True)):
         handle.remove()
         raise RecorderStateError(
             f"Registering a hook on {type(target).__name__} took the id {handle.id} of a hook "

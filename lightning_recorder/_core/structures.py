@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -274,12 +275,31 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
-def make_transform(
+# ``t.detach()`` as one C call (a subclass's own ``detach`` is still the one called).
+_detach: Callable[[torch.Tensor], torch.Tensor] = operator.methodcaller("detach")
+
+
+def _detach_clone(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+def make_tensor_transform(
     detach: bool, clone: bool, device: torch.device | None, dtype: torch.dtype | None
-) -> Callable[[Any], Any] | None:
-    """The per-record transform for these options, or ``None`` when it is the identity."""
-    if not (detach or clone or device is not None or dtype is not None):
-        return None
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The transform of one tensor for these options, or ``None`` when it is the identity.
+
+    The common cases are one C call, or one small function: a hook applies it to every record.
+    """
+    if device is None and dtype is None:
+        if detach and clone:
+            return _detach_clone
+        if detach:
+            return _detach
+        return _clone if clone else None
 
     def one(t: torch.Tensor) -> torch.Tensor:
         out = t.detach() if detach else t
@@ -289,6 +309,17 @@ def make_transform(
             )
             return out
         return out.clone() if clone else out
+
+    return one
+
+
+def make_transform(
+    detach: bool, clone: bool, device: torch.device | None, dtype: torch.dtype | None
+) -> Callable[[Any], Any] | None:
+    """The per-record transform for these options, or ``None`` when it is the identity."""
+    one = make_tensor_transform(detach, clone, device, dtype)
+    if one is None:
+        return None
 
     def transform(value: Any) -> Any:
         return map_tensors(value, one)

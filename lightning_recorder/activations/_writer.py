@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -56,6 +57,26 @@ def _positive(value: object, name: str, owner: str) -> int:
     return value
 
 
+# A chunk's provenance as the producer hands it over: (source, module, batch fields, call,
+# sample indices). The thread turns it into the index entry's dict when it commits the shard.
+_Meta = tuple[str, str, dict[str, Any], int, list[int]]
+
+
+_NICER = 10  # how much lower the writing thread's priority is (``nice`` steps)
+
+
+def _lower_priority() -> None:
+    """Lower the CPU priority of the calling thread (Linux only: there a thread has its own
+    ``nice`` value; elsewhere ``setpriority`` would lower the whole process)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + _NICER, 19))
+    except OSError:  # pragma: no cover - a sandbox that forbids it: keep the priority
+        pass
+
+
 def _where(source: str, module: str) -> str:
     return f"source {source!r} (module {module!r})"
 
@@ -95,6 +116,11 @@ class ShardWriter:
             power loss or an operating-system crash too; without it a crash of the process
             still leaves only complete shards listed (the renames keep their order in the
             page cache), and writing is faster.
+        low_priority: run the thread at a lower CPU priority than the step (Linux: ``nice``
+            +10 for this thread only; elsewhere ignored), so that on a busy machine its copying
+            into the page cache takes the time the step leaves, rather than the step's. The
+            thread still gets every idle moment; the step waits for it only when the queue is
+            full.
 
     Raises:
         RecorderConfigError: an argument is invalid, or ``directory`` cannot be written (at
@@ -124,6 +150,7 @@ class ShardWriter:
         queue_full: QueueFull = "wait",
         generation: int = 0,
         fsync: bool = True,
+        low_priority: bool = True,
     ) -> None:
         owner = type(self).__name__
         self.run = new_run_id() if run is None else check_run_id(run, owner)
@@ -158,6 +185,11 @@ class ShardWriter:
                 f"Expected `fsync` of {owner} to be a bool but got {fsync!r}."
             )
         self.fsync = fsync
+        if not isinstance(low_priority, bool):
+            raise RecorderConfigError(
+                f"Expected `low_priority` of {owner} to be a bool but got {low_priority!r}."
+            )
+        self.low_priority = low_priority
         self.storage = Storage(directory, owner)
         self.storage.make_writable(owner)
         #: Batches not written because the queue was full (``queue_full="drop"``).
@@ -175,7 +207,7 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._seq: int | None = None  # next shard number (found on the first commit)
-        self._pending: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self._pending: list[tuple[_Meta, torch.Tensor]] = []
         self._pending_bytes = 0
 
     # ------------------------------------------------------------------ producer side
@@ -281,7 +313,7 @@ class ShardWriter:
         base: dict[str, Any],
         index: list[int] | None,
         call: int,
-    ) -> tuple[dict[str, Any], torch.Tensor, Any]:
+    ) -> tuple[_Meta, torch.Tensor, Any]:
         """Validate and prepare one tensor: ``(metadata, host tensor, copy event or None)``."""
         if not isinstance(tensor, torch.Tensor):
             raise RecorderConfigError(
@@ -308,7 +340,7 @@ class ShardWriter:
                 "are along its dimension 0."
             )
         event = None
-        if tensor.device.type != "cpu":  # copied without blocking; the thread waits for it
+        if not tensor.is_cpu:  # copied without blocking; the thread waits for it
             host = torch.empty(
                 tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available()
             )
@@ -321,9 +353,7 @@ class ShardWriter:
             tensor = tensor.contiguous()
         elif tensor.untyped_storage().nbytes() > tensor.nbytes:  # a view would keep (and the
             tensor = tensor.clone()  # queue not count) the whole of its base alive
-        meta = {"source": source, "module": module, **base, "call": call}
-        meta["sample_index"] = index
-        return meta, tensor, event
+        return (source, module, base, call, index), tensor, event
 
     def _put(self, item: tuple[Any, ...], nbytes: int) -> bool:
         with self._cond:
@@ -341,13 +371,22 @@ class ShardWriter:
                         "fewer or smaller activations, or pass queue_full='wait'."
                     )
                 start = time.perf_counter()
+                self._cond.notify_all()  # the thread drains the queue
                 while self._queue and self._queued_bytes + nbytes > limit and self._error is None:
                     self._cond.wait()
                 self.wait_seconds += time.perf_counter() - start
                 self._raise_error()
             self._queue.append((*item, nbytes))
-            self._queued_bytes += nbytes
-            self._cond.notify_all()
+            queued = self._queued_bytes = self._queued_bytes + nbytes
+            # The thread only collects chunks until a shard is full: waking it for every batch
+            # would cost the step a thread switch (and the GIL) for nothing. It is woken when
+            # the queue completes a shard or holds half its limit, and for flush and stop.
+            if (
+                not nbytes
+                or queued + self._pending_bytes >= self.max_shard_bytes
+                or 2 * queued >= limit
+            ):
+                self._cond.notify_all()
         return True
 
     def _start(self) -> None:
@@ -455,6 +494,8 @@ class ShardWriter:
 
     # ------------------------------------------------------------------ writer thread
     def _loop(self) -> None:
+        if self.low_priority:
+            _lower_priority()
         while True:
             with self._cond:
                 while not self._queue:
@@ -503,13 +544,17 @@ class ShardWriter:
         name = stem(self.run, self.rank, self._next_seq())
         tensors: dict[str, torch.Tensor] = {}
         chunks: list[dict[str, Any]] = []
-        for number, (meta, tensor) in enumerate(pending):
-            key = f"{meta['source']}/{meta['module']}/{number}"
+        for number, ((source, module, base, call, indices), tensor) in enumerate(pending):
+            key = f"{source}/{module}/{number}"
             tensors[key] = tensor
             chunks.append(
                 {
                     "key": key,
-                    **meta,
+                    "source": source,
+                    "module": module,
+                    **base,
+                    "call": call,
+                    "sample_index": indices,
                     "dtype": str(tensor.dtype).removeprefix("torch."),
                     "shape": list(tensor.shape),
                 }

@@ -116,6 +116,8 @@ class ActivationWriter(RecorderCallback):
             in ``writer.dropped``) or ``"raise"``.
         fsync: flush each file to the disk before renaming it (the index then survives an
             operating-system crash or power loss too; a crash of the process needs no fsync).
+        low_priority: run the writing thread at a lower CPU priority than the step (Linux),
+            so that on a busy machine it takes the time the step leaves.
         clone: record a copy of each output (for outputs changed in place afterwards, e.g. by
             ``ReLU(inplace=True)``). Outside inference mode such a change raises
             :class:`~lightning_recorder.RecordModifiedError`; under ``torch.inference_mode()``
@@ -166,6 +168,7 @@ class ActivationWriter(RecorderCallback):
         max_queue_bytes: int = 512 * _MiB,
         queue_full: Literal["wait", "drop", "raise"] = "wait",
         fsync: bool = True,
+        low_priority: bool = True,
         clone: bool = False,
         name: str | None = None,
         keep_hooks: bool | None = None,
@@ -211,6 +214,7 @@ class ActivationWriter(RecorderCallback):
             "max_queue_bytes": max_queue_bytes,
             "queue_full": queue_full,
             "fsync": fsync,
+            "low_priority": low_priority,
         }
         # Validates every option and that the directory is writable; no thread starts until a
         # batch is written, and this one is replaced (by rank) in `setup`.

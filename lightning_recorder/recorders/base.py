@@ -24,12 +24,14 @@ import torch
 from torch.compiler import is_compiling
 
 from .._core.checks import check_bool, parse_device, parse_dtype, suggestion
+from .._core.compat import current_autograd_node
 from .._core.hooks import HookSet, WeakHook
 from .._core.structures import (
     Path,
     PathKey,
     Versions,
     follow_path,
+    make_tensor_transform,
     make_transform,
     modified,
     parse_path,
@@ -44,6 +46,8 @@ from ..errors import (
 )
 
 Keep = Literal["all", "first", "last"] | int
+
+get_ident = threading.get_ident
 
 # Guards the check-then-start of a recording context, so that two threads entering the same
 # recorder (or manager) at once cannot both succeed. Module level: recorders stay picklable.
@@ -87,8 +91,9 @@ class RecordStream:
         self.num_calls = 0
 
     def _check(self) -> None:
-        for idx, (record, versions) in enumerate(zip(self._records, self._versions, strict=True)):
-            if modified(record, versions):
+        records = self._records
+        for idx, versions in enumerate(self._versions):
+            if versions is not None and modified(records[idx], versions):
                 raise RecordModifiedError(
                     f"Record {idx} of {self._label} (source {self.name!r}) was modified in place "
                     "after it was recorded, so it no longer holds what the source produced; an "
@@ -163,9 +168,14 @@ class RecorderHook(WeakHook["BaseRecorder"]):
     def recorder(self) -> BaseRecorder | None:
         """The recorder when it is recording now in this thread, else ``None`` (also in
         checkpoint re-runs)."""
-        rec = self.live()
-        if rec is None or not rec._recording:
+        # WeakHook.live() spelled out, cheapest test first: this runs for every call of every
+        # hooked module, recording or not.
+        rec = self._ref()
+        if rec is None or not rec._recording or current_autograd_node() is not None:
             return None
+        holder = rec._holder
+        if holder is None or holder[0] == get_ident():
+            return rec
         return rec if rec.records_this_thread() else None
 
     def on_grad(self, owner: BaseRecorder, grad: torch.Tensor, key: Any) -> None:
@@ -240,6 +250,8 @@ class BaseRecorder(abc.ABC):
         self.path: Path | None = parse_path(path)
         self._limit, self._last = _parse_keep(keep)
         self._transform = make_transform(detach, clone, self.device, self.dtype)
+        # The same for a record that is one tensor (the common case), without the tree walk.
+        self._one = make_tensor_transform(detach, clone, self.device, self.dtype)
         self._track = not clone
         #: The hooks this recorder owns (removed by :meth:`release`).
         self.hooks = HookSet(repr(self))
@@ -357,6 +369,17 @@ class BaseRecorder(abc.ABC):
             self._holder = _this_thread()
             self._start()
 
+    def _start_as(self, holder: tuple[int, str]) -> None:
+        """:meth:`start` for a manager that has checked the threads of all its recorders
+        (under ``_CONTEXT_LOCK``) and looked up the current thread once for all of them."""
+        if not self._initialized:
+            raise NotInitializedError(
+                f"{self!r} is not initialized: call `initialize(model)` before recording."
+            )
+        if not self._recording:
+            self._holder = holder
+            self._start()
+
     def _check_thread(self) -> None:
         other = held_elsewhere(self)
         if other is not None:
@@ -386,7 +409,7 @@ class BaseRecorder(abc.ABC):
         ``torch.compile`` the check is left out: the traced graph runs in the caller's thread.)
         """
         holder = self._holder
-        if holder is None or is_compiling() or holder[0] == threading.get_ident():
+        if holder is None or holder[0] == get_ident() or is_compiling():
             return True
         if not self._warned_thread:
             self._warned_thread = True
@@ -433,9 +456,17 @@ class BaseRecorder(abc.ABC):
         stream.num_calls = calls + 1
         if self._limit is not None and calls >= self._limit:
             return
-        if self._transform is not None:
-            value = self._transform(value)
-        versions = snapshot(value) if self._track else None
+        versions: Versions
+        if isinstance(value, torch.Tensor):  # snapshot() and the transform, for one tensor
+            one = self._one
+            if one is not None:
+                value = one(value)
+            # An inference tensor has no version counter (see snapshot).
+            versions = value._version if self._track and not value.is_inference() else None
+        else:
+            if self._transform is not None:
+                value = self._transform(value)
+            versions = snapshot(value) if self._track else None
         if self._last:
             stream._records = [value]
             stream._versions = [versions]

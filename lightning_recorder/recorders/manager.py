@@ -28,7 +28,7 @@ from torch import nn
 from .._core.registry import add_named, apply_all, get_named
 from ..errors import RecorderConfigError, RecorderStateError
 from ._registry import build_recorder
-from .base import _CONTEXT_LOCK, BaseRecorder, RecordStream, held_elsewhere
+from .base import _CONTEXT_LOCK, BaseRecorder, RecordStream, _this_thread, held_elsewhere
 
 __all__ = ["RecorderManager"]
 
@@ -119,7 +119,8 @@ class RecorderManager:
     def streams(self) -> Iterator[tuple[str, RecordStream]]:
         """``(recorder name, stream)`` for every stream of every initialized recorder."""
         for name, recorder in self._recorders.items():
-            for stream in recorder.streams.values():
+            recorder._require_initialized_once()  # as `recorder.streams` does
+            for stream in recorder._streams.values():
                 yield name, stream
 
     def initialize(self, model: nn.Module | None = None) -> None:
@@ -156,8 +157,13 @@ class RecorderManager:
         with _CONTEXT_LOCK:
             for recorder in self._recorders.values():
                 recorder._check_thread()
-            idle = [r for r in self._recorders.values() if not r.recording]
-            apply_all(idle, BaseRecorder.start, BaseRecorder.stop)
+            self._start_idle()
+
+    def _start_idle(self) -> None:
+        """Start the recorders not recording (threads checked by the caller, under the lock)."""
+        holder = _this_thread()  # looked up once for all the recorders
+        idle = [r for r in self._recorders.values() if not r._recording]
+        apply_all(idle, lambda r: r._start_as(holder), BaseRecorder.stop)
 
     def suspend(self) -> None:
         """Remove the hooks of every idle recorder until :meth:`start` reinstalls them.
@@ -169,7 +175,7 @@ class RecorderManager:
 
     def stop(self) -> None:
         """Stop every recorder (idempotent); records stay readable."""
-        for recorder in reversed(list(self._recorders.values())):
+        for recorder in reversed(self._recorders.values()):
             recorder.stop()
 
     def reset_data_buffer(self) -> None:
@@ -192,7 +198,7 @@ class RecorderManager:
                     raise RecorderStateError(
                         f"{recorder!r} is already recording: manager contexts do not nest."
                     )
-            self.start()
+            self._start_idle()
         return self
 
     def __exit__(

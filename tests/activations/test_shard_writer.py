@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import sys
 import threading
 from pathlib import Path
 
@@ -425,3 +426,37 @@ def test_every_dtype_reads_back_with_the_reference_reader(tmp_path: Path) -> Non
         assert torch.equal(loaded[chunk["key"]], expected), chunk["key"]
         assert torch.equal(dataset._chunk_tensor(chunk), expected)  # our memory-mapped view
         assert dataset._chunk_tensor(chunk).dtype == expected.dtype
+
+
+def test_batches_wait_in_the_queue_until_a_shard_is_full_then_are_all_written(
+    tmp_path: Path,
+) -> None:
+    one = torch.ones(4, 25)  # 400 bytes
+    with ShardWriter(tmp_path, run="lazy", max_shard_bytes=2000, max_queue_bytes=1 << 20) as w:
+        for i in range(4):  # 1600 bytes: less than a shard, the thread is not needed yet
+            w.write("s", "m", one * i, batch_idx=i)
+        for i in range(4, 12):  # 4800 bytes: two shards complete, the rest stays pending
+            w.write("s", "m", one * i, batch_idx=i)
+        w.flush()
+        assert w.queued_bytes == 0 and w.shards_written == 3
+    dataset = ActivationDataset(tmp_path)
+    assert torch.equal(dataset.concat("s")[::4, 0], torch.arange(12.0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux-only")
+@pytest.mark.parametrize("low", [True, False])
+def test_low_priority_lowers_only_the_writing_thread(tmp_path: Path, low: bool) -> None:
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ShardWriter(tmp_path, run="nice", low_priority=low) as writer:
+        writer.write("s", "m", torch.ones(2, 2))
+        writer.flush()  # the thread has started and handled an item
+        thread = writer._thread
+        assert thread is not None and thread.native_id is not None
+        nice = os.getpriority(os.PRIO_PROCESS, thread.native_id)
+    assert nice == (min(before + 10, 19) if low else before)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_low_priority_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(RecorderConfigError, match=r"Expected `low_priority` of ShardWriter"):
+        ShardWriter(tmp_path, low_priority=1)  # type: ignore[arg-type]
