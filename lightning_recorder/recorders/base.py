@@ -174,7 +174,8 @@ class RecorderHook(WeakHook["BaseRecorder"]):
         if rec is None or not rec._recording or current_autograd_node() is not None:
             return None
         holder = rec._holder
-        if holder is None or holder[0] == get_ident():
+        # is_compiling() first: under torch.compile the thread lookup would break the graph
+        if holder is None or is_compiling() or holder[0] == get_ident():
             return rec
         return rec if rec.records_this_thread() else None
 
@@ -409,7 +410,7 @@ class BaseRecorder(abc.ABC):
         ``torch.compile`` the check is left out: the traced graph runs in the caller's thread.)
         """
         holder = self._holder
-        if holder is None or holder[0] == get_ident() or is_compiling():
+        if holder is None or is_compiling() or holder[0] == get_ident():
             return True
         if not self._warned_thread:
             self._warned_thread = True
