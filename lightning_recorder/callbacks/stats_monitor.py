@@ -301,7 +301,9 @@ class _Pending:
     def recycle(self, spare: _Spare) -> None:
         """Give this batch's copies and samples (the monitor's own CPU tensors) to ``spare``:
         the next batch writes into them instead of allocating (and faulting in) new memory."""
-        for tensor in (*self.small, *self.samples):
+        for tensor in self.small:  # flat CPU copies, by construction
+            spare.setdefault((tensor.numel(), tensor.dtype), []).append(tensor)
+        for tensor in self.samples:
             if tensor.device.type == "cpu" and tensor.dim() == 1:
                 spare.setdefault((tensor.numel(), tensor.dtype), []).append(tensor)
 
@@ -737,7 +739,7 @@ class FeatureStatsMonitor(RecorderCallback):
         m = len(pendings)
         batch: Tensor | None = None
         if any(p.small for p in pendings):
-            fused = native_segments([p.small for p in pendings])
+            fused = native_segments([p.small for p in pendings], [p.small_held for p in pendings])
             if fused is not None:  # float32 on the CPU: one kernel call for every module
                 values, offsets, batch = fused
                 segments: tuple[str, Tensor, Tensor] = ("native", values, offsets)

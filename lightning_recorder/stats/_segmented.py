@@ -42,6 +42,8 @@ from ._kernels import (
     summed_over_ranks,
 )
 
+_FLOAT_32 = frozenset(EXACT_IN_32)
+
 __all__ = [
     "flatten_segments",
     "native_segmented_histograms",
@@ -112,20 +114,32 @@ def segmented_histograms(
     return counts, edges, vmin, vmax, sums
 
 
-def native_segments(groups: Sequence[Sequence[Tensor]]) -> tuple[Tensor, Tensor, Tensor] | None:
+def native_segments(
+    groups: Sequence[Sequence[Tensor]], sizes: Sequence[int] | None = None
+) -> tuple[Tensor, Tensor, Tensor] | None:
     """The tensors of each group in one flat float32 CPU buffer, the ``(m + 1,)`` segment
     offsets and the ``(m, 9)`` packed states of the segments, by the fused kernel in one call;
     ``None`` (nothing done) where it does not apply: no kernel, a tensor off the CPU or of
-    another dtype than float32, float16 or bfloat16."""
-    flat = [t if t.dim() == 1 else t.reshape(-1) for tensors in groups for t in tensors]
-    if not _native.available() or not all(
-        t.device.type == "cpu" and t.dtype in EXACT_IN_32 for t in flat
-    ):
+    another dtype than float32, float16 or bfloat16. ``sizes``: the number of elements of each
+    group, when the caller knows them."""
+    if not _native.available():
         return None
-    sizes = [sum(t.numel() for t in tensors) for tensors in groups]
-    values = torch.cat(flat) if flat else torch.zeros(0)
+    flat = [t if t.dim() == 1 else t.reshape(-1) for tensors in groups for t in tensors]
+    if not {t.dtype for t in flat} <= _FLOAT_32:  # float64, integers: the exact torch path
+        return None
+    if not flat:
+        values = torch.zeros(0)
+    else:
+        try:
+            values = torch.cat(flat)  # promotes to the widest dtype: float64 data declines
+        except RuntimeError:  # tensors on several devices
+            return None
+    if values.device.type != "cpu":
+        return None
     if values.dtype != torch.float32:
         values = values.float()
+    if sizes is None:
+        sizes = [sum(t.numel() for t in tensors) for tensors in groups]
     starts = [0, *itertools.accumulate(sizes)]
     offsets = torch.tensor(starts, dtype=torch.int64)
     rows = _native.segment_moments(values, offsets)  # (m, 7) float64
