@@ -275,8 +275,11 @@ _SIGNATURES = {
 }
 
 
+LIBRARY = "lightning_recorder_stats"
+
+
 def _library() -> Any:
-    return native.load("lightning_recorder_stats", SOURCE, _SIGNATURES)
+    return native.load(LIBRARY, SOURCE, _SIGNATURES)
 
 
 def available() -> bool:

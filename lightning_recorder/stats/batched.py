@@ -20,6 +20,8 @@ states cross ranks in one gather and reach the host in one copy:
   kernel runs;
 * :func:`foreach_norms` / :func:`host_floats` — norms of many tensors in one call, and 0-d
   tensors to the host in one copy;
+* :func:`fused_kernels` / :func:`fused_kernels_status` — whether the fused CPU kernels run
+  here, and why not;
 * :func:`copy_with_norms` / :func:`change_norms` — a parameter statistics' two passes (the copy
   before the optimizer step, the change after it) with their norms, fused on the CPU.
 """
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._core import native
 from .._core.compat import distributed_active, foreach_norm
 from . import _native
 from ._kernels import (
@@ -69,6 +72,7 @@ __all__ = [
     "flatten_segments",
     "foreach_norms",
     "fused_kernels",
+    "fused_kernels_status",
     "gather_merged",
     "histogram_rows",
     "histogram_rows_cpu",
@@ -127,8 +131,21 @@ def host_floats(tensors: Sequence[Tensor]) -> list[float]:
 def fused_kernels() -> bool:
     """Whether the fused CPU kernels run here: built on the first call (about 0.2 s with the
     system's C compiler, then loaded from the cache directory), ``False`` where they cannot be
-    (see :mod:`lightning_recorder._core.native`); the torch path is taken then."""
+    (see :mod:`lightning_recorder._core.native`); the torch path is taken then.
+
+    >>> from lightning_recorder.stats.batched import fused_kernels, fused_kernels_status
+    >>> fused_kernels() == fused_kernels_status().startswith("loaded from ")
+    True
+    """
     return _native.available()
+
+
+def fused_kernels_status() -> str:
+    """Why the fused CPU kernels run or not: ``"loaded from <file>"``, or the reason they are
+    not used (``"disabled by LIGHTNING_RECORDER_NATIVE"``, ``"no C compiler found (set CC)"``,
+    ``"build failed: ..."``); builds them first if no one asked yet."""
+    _native.available()
+    return native.status().get(_native.LIBRARY, "not asked for")
 
 
 def copy_with_norms(

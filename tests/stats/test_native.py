@@ -31,6 +31,8 @@ from lightning_recorder.stats.batched import (
     change_norms,
     copy_with_norms,
     flatten_segments,
+    fused_kernels,
+    fused_kernels_status,
     native_segmented_histograms,
     native_segments,
     segmented_histograms,
@@ -208,6 +210,8 @@ def test_disabled_kernels_fall_back_to_torch(
     monkeypatch.setenv("LIGHTNING_RECORDER_NATIVE", "0")
     assert not _native.available()
     assert native.status() == {"lightning_recorder_stats": "disabled by LIGHTNING_RECORDER_NATIVE"}
+    assert not fused_kernels()
+    assert fused_kernels_status() == "disabled by LIGHTNING_RECORDER_NATIVE"
     x = data("gaussian", 2**17)
     got = finalize(native_state(x, Workspace()), correction=1)
     assert got["mean"].item() == pytest.approx(x.double().mean().item(), rel=1e-6, abs=1e-7)
@@ -227,6 +231,7 @@ def test_a_failing_compiler_falls_back_with_the_reason(
     assert native.compiler() == [failing]
     assert not _native.available()
     assert native.status()["lightning_recorder_stats"].startswith("build failed")
+    assert fused_kernels_status().startswith("build failed")
     x = data("relu", 5000)
     got = finalize(native_state(x, Workspace()), correction=1)
     assert got["zero_fraction"].item() == (x == 0).double().mean().item()
