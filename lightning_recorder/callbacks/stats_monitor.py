@@ -41,8 +41,8 @@ from ..stats.batched import (
     native_segments,
     native_state,
     raw_table,
+    sample_of,
     sampled_row,
-    sampled_state,
     segmented_histograms,
     segmented_states,
     upcast,
@@ -240,7 +240,7 @@ class _Pending:
             else:
                 copy.copy_(x.reshape(-1))
             self.small.append(copy)
-            self.small_held += x.numel()
+            self.small_held += n
             if self.small_held > _SMALL_HELD:  # fold: memory stays bounded on long steps
                 joined, self.small, self.small_held = torch.cat(self.small), [], 0
                 self.add_large(joined, work, sample, spare)
@@ -262,9 +262,9 @@ class _Pending:
         elif sample <= 0:
             self.states.append(native_state(x, work))
             kept = None
-        else:
-            state, kept, weight = sampled_state(x, work, sample)
-            self.states.append(state)
+        else:  # the kernel does not take x (already asked above): torch's two passes
+            kept, weight = sample_of(x, sample)
+            self.states.append(native_state(x, work))
         if len(self.states) + len(self.rows) >= 64:  # a module called many times (an RNN cell)
             self.states = [self.state(x.device)]
             self.rows = []
@@ -739,7 +739,10 @@ class FeatureStatsMonitor(RecorderCallback):
         m = len(pendings)
         batch: Tensor | None = None
         if any(p.small for p in pendings):
-            fused = native_segments([p.small for p in pendings], [p.small_held for p in pendings])
+            fused = None
+            if device.type == "cpu":  # the states stay where the kernel wrote them
+                small = [p.small for p in pendings]
+                fused = native_segments(small, [p.small_held for p in pendings])
             if fused is not None:  # float32 on the CPU: one kernel call for every module
                 values, offsets, batch = fused
                 segments: tuple[str, Tensor, Tensor] = ("native", values, offsets)

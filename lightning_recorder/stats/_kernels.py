@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -362,8 +362,8 @@ def fused_state(
     The sums are of the deviations ``d`` from a shift ``k`` near the mean (the mean of a few of
     the elements, to 8 significant bits), so ``M2 = sum(d**2) - sum(d)**2 / n`` cancels little;
     where it would lose more than :data:`NATIVE_CANCEL_BITS` bits the deviations from the mean
-    are summed in a second pass, as in :func:`native_chunk`. A NaN,
-    an infinity or an overflow takes the exact masked path.
+    are summed in a second pass, as in :func:`native_chunk`. A NaN, an infinity or an overflow
+    takes the exact masked path.
     """
     return torch.tensor(fused_row(v, work, sample, stride), dtype=F64)
 
@@ -423,16 +423,13 @@ def native_state(x: Tensor, work: Workspace) -> Tensor:
 
 
 def sampled_state(x: Tensor, work: Workspace, size: int) -> tuple[Tensor, Tensor, float]:
-    """:func:`native_state` of ``x`` and :func:`sample_of` it (``size`` elements at most) -- in
-    one read where the fused kernel takes ``x``: the sample is copied while the statistics are
-    summed."""
-    flat = x.detach().reshape(-1)
-    n = flat.numel()
-    if n > size and x.dtype in EXACT_IN_32 and _native.available() and _native.usable(flat):
-        stride = _prime_at_least(-(-n // size))
-        sample = torch.empty(-(-n // stride), dtype=torch.float32)
-        state = fused_state(flat, work, sample, stride)
-        return state, sample, n / sample.numel()
+    """:func:`native_state` of ``x`` and :func:`sample_of` it (``size > 0`` elements at most) --
+    in one read where the fused kernel takes ``x`` (:func:`sampled_row`): the sample is copied
+    while the statistics are summed."""
+    fused = sampled_row(x, work, size)
+    if fused is not None:
+        row, sample, weight = fused
+        return torch.tensor(row, dtype=F64), cast(Tensor, sample), weight
     kept, weight = sample_of(x, size)
     return native_state(x, work), kept, weight
 

@@ -15,11 +15,10 @@ terms, or 64 without AVX), and the rows' sums in float64: within about ``1e-7`` 
 the exact sums, below what TensorBoard stores (a float32). The sum of the deviations from the
 shift is unbiased: the shift has 8 significant bits, so that ``x - shift`` is exact wherever the
 two are close, and its rounding elsewhere follows the varying low bits of ``x``, not those of the
-shift. Minimum, maximum and
-the count of zeros are exact.
-A NaN or an infinity makes the sums non-finite, which callers test for: they then take the exact
-float64 path, which counts them. The kernels are built by :mod:`lightning_recorder._core.native`
-on first use; where that is not possible (:func:`available` is false), callers use torch.
+shift. Minimum, maximum and the count of zeros are exact. A NaN or an infinity makes the sums
+non-finite, which callers test for: they then take the exact float64 path, which counts them.
+The kernels are built by :mod:`lightning_recorder._core.native` on first use; where that is not
+possible (:func:`available` is false), callers use torch.
 """
 
 from __future__ import annotations
