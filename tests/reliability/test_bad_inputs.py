@@ -979,6 +979,12 @@ case(
 )
 case("FeatureStatsMonitor-clone-int", lambda: fsm(clone=1), RecorderConfigError, r"`clone`.*bool")
 case(
+    "FeatureStatsMonitor-fast_checksums-int",
+    lambda: fsm(fast_checksums=1),
+    RecorderConfigError,
+    r"`fast_checksums`.*bool",
+)
+case(
     "FeatureStatsMonitor-exact_histograms-str",
     lambda: fsm(exact_histograms="yes"),
     RecorderConfigError,
