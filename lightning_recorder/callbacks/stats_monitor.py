@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from .._core.checks import check_bool, check_positive_int, suggestion
-from .._core.compat import foreach_copy_, foreach_sub_, is_compiled
+from .._core.compat import distributed_active, foreach_copy_, foreach_sub_, is_compiled
 from .._core.names import named_parameters, select
 from .._core.structures import iter_tensors, parse_path
 from ..errors import RecorderConfigError, UnknownSourceError
@@ -37,6 +37,7 @@ from ..stats.batched import (
     host_floats,
     merge,
     merged,
+    native_histograms,
     native_segmented_histograms,
     native_segments,
     native_state,
@@ -234,13 +235,14 @@ class _Pending:
         # Small CPU outputs are copied and reduced together at the end of the batch; off the
         # CPU the segmented reduction would need the segment sizes on the device (a host
         # synchronisation), so every output is reduced where it is, as a large one.
+        # (``x`` may require grad: the fast paths read its memory, the others detach it)
         n = x.numel()
-        if n <= _SMALL and x.device.type == "cpu":
+        if n <= _SMALL and x.is_cpu:
             copy = _take(spare, n, x.dtype)
             if type(x) is Tensor and x.is_contiguous():  # a plain memory copy, no dispatch
                 ctypes.memmove(copy.data_ptr(), x.data_ptr(), n * x.element_size())
             else:
-                copy.copy_(x.reshape(-1))
+                copy.copy_(x.detach().reshape(-1))
             self.small.append(copy)
             self.small_held += n
             if self.small_held > _SMALL_HELD:  # fold: memory stays bounded on long steps
@@ -255,13 +257,20 @@ class _Pending:
         # float32 CPU data: state and sample in one pass of the fused kernel, the state kept as
         # a host row (one tensor for every module at the end of the batch)
         fused = None
-        if x.device.type == "cpu":
+        if x.is_cpu:
             fused = sampled_row(x, work, sample, lambda n: _take(spare, n, torch.float32))
         kept: Tensor | None
         if fused is not None:
             row, kept, weight = fused
             self.rows.append(row)
-        elif sample <= 0:
+            if len(self.states) + len(self.rows) >= 64:  # a module called many times
+                self.states = [self.state(x.device)]
+                self.rows = []
+            if kept is not None:
+                self._keep(kept, weight, sample)
+            return
+        x = x.detach()
+        if sample <= 0:
             self.states.append(native_state(x, work))
             kept = None
         else:  # the kernel does not take x (already asked above): torch's two passes
@@ -270,8 +279,10 @@ class _Pending:
         if len(self.states) + len(self.rows) >= 64:  # a module called many times (an RNN cell)
             self.states = [self.state(x.device)]
             self.rows = []
-        if kept is None:
-            return
+        if kept is not None:
+            self._keep(kept, weight, sample)
+
+    def _keep(self, kept: Tensor, weight: float, sample: int) -> None:
         self.samples.append(kept)
         self.weights.append(weight)
         self.held += kept.numel()
@@ -690,7 +701,7 @@ class FeatureStatsMonitor(RecorderCallback):
         sample = self.histogram_sample if wanted else 0
         if type(value) is Tensor:  # the common case: one plain tensor (nothing records a graph)
             if not value.is_complex():
-                pending.add(value.detach(), work, sample)
+                pending.add(value, work, sample, self._spare)
             return
         with torch.no_grad():
             for tensor in iter_tensors(value):
@@ -856,6 +867,10 @@ class FeatureStatsMonitor(RecorderCallback):
             return raw_table(*count(values, index, states, self.bins, sync=True, group=None))
         # every rank; buckets in the data's precision, like the statistics
         if states.device.type == "cpu":
+            if not distributed_active(None):  # one process: every module in one kernel call
+                found = native_histograms(parts, states, self.bins, weights)
+                if found is not None:
+                    return raw_table(*found)
             work = cast(Workspace, self._work)
             return histogram_rows_cpu(
                 parts,

@@ -371,15 +371,16 @@ def fused_state(
 def fused_row(
     v: Tensor, work: Workspace, sample: Tensor | None = None, stride: int = 1
 ) -> list[float]:
-    """:func:`fused_state` as a host list of 9 floats (no tensor built)."""
+    """:func:`fused_state` as a host list of 9 floats (no tensor built). ``v`` may have any
+    shape, as long as it is contiguous (the kernel reads its memory in order)."""
     shift, total, squares, abs_sum, low, high, zeros = _native.moments(v, sample, stride)
     if not (math.isfinite(total) and math.isfinite(squares)):
-        return masked_state(flat64(v)).tolist()
+        return masked_state(flat64(v.detach().reshape(-1))).tolist()
     n = v.numel()
     mean = shift + total / n
     m2 = squares - total * total / n
     if not one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS):
-        m2 = deviations_m2(v, mean, work)
+        m2 = deviations_m2(v.detach().reshape(-1), mean, work)
     return [n, mean, m2, low, high, abs_sum / n, zeros, 0.0, n]
 
 
@@ -442,7 +443,9 @@ def sampled_row(
     in one pass of the fused kernel; ``None`` (nothing done) where the kernel does not take ``x``
     (not a float32 CPU tensor, no kernel). ``buffer(n)`` gives the sample's memory (a flat
     float32 CPU tensor of ``n`` elements); by default it is allocated."""
-    flat = x.detach().reshape(-1)
+    # a contiguous tensor is read as it is (the kernel sees its memory, in order); another
+    # one is copied into a flat one
+    flat = x if x.is_contiguous() else x.detach().reshape(-1)
     n = flat.numel()
     if n == 0 or not (_native.usable(flat) and _native.available()):
         return None
@@ -846,6 +849,54 @@ def histograms_device(
             counts[m] = scaled_to(counts[m], count[m])
     counts, sums = summed_over_ranks(counts, states, sync=sync, group=group)
     return counts, edges, vmin, vmax, sums
+
+
+def native_histograms(
+    parts: Sequence[Sequence[Tensor]],
+    states: Tensor,
+    bins: int,
+    weights: Sequence[Sequence[float]] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+    """:func:`histograms_device`'s histograms of CPU tensors in one pass of the fused kernel
+    over each and a few operations for every set at once (no Python per set), for one process
+    (no collective); ``None`` (nothing done) where it does not apply: no kernel, a tensor that
+    is not float32 (see :func:`~lightning_recorder.stats._native.usable`), or a range too
+    narrow for arithmetic bucketing. The buckets are :func:`histogram_rows_cpu`'s with
+    ``exact=False``: float32 positions, the last bucket closed, weighted counts scaled to each
+    set's count of finite values."""
+    if not _native.available():
+        return None
+    tensors, sets, scale_of = [], [], []
+    for m, group in enumerate(parts):
+        for i, x in enumerate(group):
+            if not _native.usable(x):
+                return None
+            if x.numel():
+                tensors.append(x)
+                sets.append(m)
+                scale_of.append(1.0 if weights is None else weights[m][i])
+    vmin, vmax, lo, edges = device_ranges(states, bins, sync=False, group=None)
+    hi = edges[:, -1]
+    span, reach = hi - lo, torch.maximum(lo.abs(), hi.abs())
+    arithmetic = (span > bins * reach * NARROW_64) & (span > 2.0**-900) & (span < 2.0**1000)
+    if not bool(arithmetic.all()):  # see bucket_path: "search" ranges
+        return None
+    m = states.shape[0]
+    summed = torch.zeros(m, bins + 1, dtype=F64)
+    if tensors:
+        index = torch.tensor(sets, dtype=torch.int64)
+        scale = (bins / span).contiguous()
+        counts = _native.buckets(tensors, index, lo.contiguous(), scale, bins)
+        w = torch.tensor(scale_of, dtype=F64)
+        summed.index_add_(0, index, counts.to(F64) * w[:, None])
+        # sets with a sampled tensor: counts scaled to the set's count of finite values
+        sampled = torch.zeros(m, dtype=F64).index_add_(0, index, (w != 1.0).to(F64)) > 0
+        found = summed.sum(1)
+        factor = torch.where(sampled & (found > 0), states[:, COUNT] / found.clamp(min=1e-300), 1.0)
+        summed *= factor[:, None]
+    summed[:, bins - 1] += summed[:, bins]  # values at the top edge: the last bucket is closed
+    counts_out, sums = summed_over_ranks(summed[:, :bins], states, sync=False, group=None)
+    return counts_out, edges, vmin, vmax, sums
 
 
 def device_ranges(

@@ -146,6 +146,14 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
     out[0] = s; out[1] = q; out[2] = a; out[3] = mn; out[4] = mx; out[5] = (double)z;
 }
 
+/* out = [shift, then lr_moments_f32's six values] of x[0:n], the shift chosen here, and
+   x[0], x[stride], ... copied into sample on the way if it is not NULL: one call for the
+   common case of a whole tensor. */
+void lr_row_f32(const float *x, int64_t n, double *out, float *sample, int64_t stride) {
+    out[0] = lr_shift_f32(x, n);
+    lr_moments_f32(x, n, out[0], out + 1, sample, 0, stride);
+}
+
 /* counts[i] += the number of finite v with floor((v - lo) * scale) == i, positions (in
    float32, as bucket_native's for float32 data) clamped to [0, bins]. counts holds 8 * (bins + 1)
    zeros: a tally per vector lane (no increment waits on another's), summed at the end. */
@@ -204,6 +212,21 @@ void lr_segment_bucket_f32(const float *x, const int64_t *offsets, int64_t m, co
         lr_bucket_f32(x + offsets[i], offsets[i + 1] - offsets[i], lo[i], scale[i], bins,
                       scratch);
         memcpy(counts + i * size, scratch, size * sizeof *counts);
+    }
+}
+
+/* lr_bucket_f32 of k tensors (data[j]: the address of n[j] floats) over the range of their set
+   (lo[set[j]], scale[set[j]]): counts holds k * (bins + 1) results; scratch 8 * (bins + 1)
+   int64 of any content. */
+void lr_buckets_f32(const int64_t *data, const int64_t *n, const int64_t *set, int64_t k,
+                    const double *lo, const double *scale, int32_t bins, int64_t *counts,
+                    int64_t *scratch) {
+    const int64_t size = (int64_t)bins + 1;
+    for (int64_t j = 0; j < k; j++) {
+        memset(scratch, 0, 8 * size * sizeof *scratch);
+        lr_bucket_f32((const float *)(intptr_t)data[j], n[j], lo[set[j]], scale[set[j]], bins,
+                      scratch);
+        memcpy(counts + j * size, scratch, size * sizeof *counts);
     }
 }
 
@@ -267,10 +290,12 @@ _SIGNATURES = {
     "lr_shift_f32": (ctypes.c_double, (_P, _N)),
     "lr_moments_f32": (None, (_P, _N, ctypes.c_double, _P, _P, _N, _N)),
     "lr_bucket_f32": (None, (_P, _N, ctypes.c_double, ctypes.c_double, ctypes.c_int32, _P)),
+    "lr_row_f32": (None, (_P, _N, _P, _P, _N)),
     "lr_copy_sumsq_f32": (None, (_P, _P, _P, _N, _P)),
     "lr_segment_moments_f32": (None, (_P, _P, _N, _P)),
     "lr_segment_bucket_f32": (None, (_P, _P, _N, _P, _P, ctypes.c_int32, _P, _P)),
     "lr_diff_sumsq_f32": (None, (_P, _P, _N, _P)),
+    "lr_buckets_f32": (None, (_P, _P, _P, _N, _P, _P, ctypes.c_int32, _P, _P)),
 }
 
 
@@ -290,15 +315,15 @@ def usable(x: Tensor) -> bool:
     """Whether ``x`` can be handed to the kernels: a contiguous float32 CPU tensor, not a
     subclass (a ``DTensor``'s storage is its shard)."""
     return (
-        type(x) in _PLAIN
-        and x.layout == torch.strided
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
+        (type(x) is Tensor or type(x) is _PARAMETER)
+        and x.dtype is _F32
+        and x.is_cpu
+        and x.layout is _STRIDED
         and x.is_contiguous()
     )
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+_PARAMETER, _F32, _STRIDED = torch.nn.Parameter, torch.float32, torch.strided
 
 
 # Large tensors are split across threads (the kernels release the GIL) when torch itself runs
@@ -309,8 +334,10 @@ _POOL_SIZE = 0
 
 
 def _parts(n: int) -> list[tuple[int, int]]:
+    if n < PARALLEL_MIN:
+        return [(0, n)]
     threads = torch.get_num_threads()
-    if threads <= 1 or n < PARALLEL_MIN:
+    if threads <= 1:
         return [(0, n)]
     count = min(threads, n // (PARALLEL_MIN // 2))
     step = -(-n // count)
@@ -339,10 +366,15 @@ def moments(
     lib = _library()
     n = x.numel()
     base = x.data_ptr()
-    shift = lib.lr_shift_f32(base, n)
     kept = sample.data_ptr() if sample is not None else None
+    if n < PARALLEL_MIN:  # the common case: one call, without the bookkeeping of parts
+        row = (ctypes.c_double * 7)()
+        lib.lr_row_f32(base, n, row, kept, stride)
+        shift, total, squares, abs_sum, low, high, zeros = row
+        return shift, total, squares, abs_sum, low, high, zeros
+    shift = lib.lr_shift_f32(base, n)
     parts = _parts(n)
-    if len(parts) == 1:  # the common case, without the bookkeeping of parts
+    if len(parts) == 1:
         one = (ctypes.c_double * 6)()
         lib.lr_moments_f32(base, n, shift, one, kept, 0, stride)
         return (shift, *one)
@@ -406,6 +438,31 @@ def segment_buckets(
         values.data_ptr(),
         offsets.data_ptr(),
         m,
+        lo.data_ptr(),
+        scale.data_ptr(),
+        bins,
+        counts.data_ptr(),
+        scratch.data_ptr(),
+    )
+    return counts
+
+
+def buckets(
+    tensors: Sequence[Tensor], sets: Tensor, lo: Tensor, scale: Tensor, bins: int
+) -> Tensor:
+    """:func:`bucket` of each of ``k`` :func:`usable` tensors over the range of its set
+    (``sets``: ``(k,)`` int64 indices into ``lo`` and ``scale``, float64 CPU), in one call:
+    ``(k, bins + 1)`` int64 counts."""
+    k = len(tensors)
+    data = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    sizes = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    counts = torch.empty(k, bins + 1, dtype=torch.int64)
+    scratch = torch.empty(8 * (bins + 1), dtype=torch.int64)
+    _library().lr_buckets_f32(
+        data.data_ptr(),
+        sizes.data_ptr(),
+        sets.data_ptr(),
+        k,
         lo.data_ptr(),
         scale.data_ptr(),
         bins,

@@ -20,10 +20,14 @@ import torch
 from lightning_recorder._core import native
 from lightning_recorder.stats import _native
 from lightning_recorder.stats._kernels import (
+    HistogramRow,
     Workspace,
     bucket_native,
+    empty_state,
     finalize,
+    histogram_rows_cpu,
     native_state,
+    raw_table,
     sample_of,
     sampled_state,
 )
@@ -33,6 +37,7 @@ from lightning_recorder.stats.batched import (
     flatten_segments,
     fused_kernels,
     fused_kernels_status,
+    native_histograms,
     native_segmented_histograms,
     native_segments,
     segmented_histograms,
@@ -306,3 +311,50 @@ def test_segments_match_the_torch_segmented_path() -> None:
 
 def test_segments_decline_float64() -> None:
     assert native_segments([[torch.randn(4, dtype=torch.float64)]]) is None
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_all_histograms_in_one_call_match_the_per_set_path() -> None:
+    """:func:`native_histograms` (every set at once) against :func:`histogram_rows_cpu`
+    (set by set, the same bucketing): the same rows, within float64 rounding of the scaling."""
+    g = torch.Generator().manual_seed(8)
+    big, small = torch.randn(3000, generator=g), torch.randn(50, generator=g) * 2
+    parts = [
+        [big[::7].clone(), small],  # a sample of one output and the whole of another
+        [],  # a module not called
+        [torch.randn(4096, generator=g).relu()],  # most values in one bucket
+        [torch.tensor([1.0, math.nan, -math.inf, 2.0, 2.0])],  # non-finite values not counted
+        [torch.full((9,), 3.0)],  # one value: the range widened to ±0.5
+    ]
+    weights = [[7.0, 1.0], [], [1.0], [1.0], [1.0]]
+    work = Workspace()
+    whole = [[big, small], *parts[1:]]  # the data the states describe
+    cpu = torch.device("cpu")
+    states = torch.stack(
+        [native_state(torch.cat(p), work) if p else empty_state(cpu) for p in whole]
+    )
+    found = native_histograms(parts, states, 12, weights)
+    assert found is not None
+    ours = [HistogramRow.from_flat(row, 12) for row in raw_table(*found).tolist()]
+    theirs = histogram_rows_cpu(
+        parts, states, 12, sync=False, group=None, work=work, exact=False, weights=weights
+    )
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.num, a.min, a.max) == (b.num, b.min, b.max)
+        assert a.edges == b.edges  # the same operations in float64
+        # weighted counts scaled to the count in another order of operations: 1e-12
+        assert a.counts == pytest.approx(b.counts, rel=1e-12, abs=1e-9)
+        assert a.sum == pytest.approx(b.sum, rel=1e-12, abs=1e-12)
+        assert a.sum_squares == pytest.approx(b.sum_squares, rel=1e-12, abs=1e-12)
+    assert sum(ours[0].counts) == pytest.approx(3050.0, rel=1e-12)  # scaled to the whole count
+    assert ours[1].num == 0 and sum(ours[1].counts) == 0
+    assert sum(ours[3].counts) == 3.0 and ours[4].edges[0] == 2.5
+
+
+def test_all_histograms_in_one_call_decline_what_they_cannot_take() -> None:
+    states = torch.stack([native_state(torch.tensor([1.0, 2.0]), Workspace())])
+    as64 = [[torch.tensor([1.0, 2.0], dtype=torch.float64)]]
+    assert native_histograms(as64, states, 10) is None  # not float32
+    narrow = torch.tensor([1e6, 1e6 + 0.0625])
+    narrow_states = torch.stack([native_state(narrow, Workspace())])
+    assert native_histograms([[narrow]], narrow_states, 2**25) is None  # a "search" range
