@@ -39,6 +39,7 @@ from ..stats.batched import (
     merged,
     native_histograms,
     native_segmented_histograms,
+    native_segmented_table,
     native_segments,
     native_state,
     raw_table,
@@ -863,6 +864,8 @@ class FeatureStatsMonitor(RecorderCallback):
         segments, self._segments = self._segments, None
         if segments is not None:  # every output small: one segmented pass for every module
             kind, values, index = segments
+            if kind == "native" and not distributed_active(None):
+                return native_segmented_table(values, index, states, self.bins)
             count = native_segmented_histograms if kind == "native" else segmented_histograms
             return raw_table(*count(values, index, states, self.bins, sync=True, group=None))
         # every rank; buckets in the data's precision, like the statistics

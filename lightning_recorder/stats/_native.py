@@ -202,6 +202,72 @@ void lr_segment_moments_f32(const float *x, const int64_t *offsets, int64_t m, d
     }
 }
 
+/* The packed states (n, mean, M2, min, max, mean |x|, zeros, 0, n) of the segments
+   x[offsets[i]:offsets[i + 1]] (i < m), 9 doubles each; an empty segment gets the state of no
+   data. redo[i] is 1 where the segment's sums are not finite (a NaN, an infinity or an
+   overflow), 2 where M2 = sum(d^2) - sum(d)^2 / n keeps less than sum(d^2) / cancel (lost to
+   cancellation), 0 otherwise: the caller recomputes those. Returns the number flagged. */
+int64_t lr_segment_states_f32(const float *x, const int64_t *offsets, int64_t m, double cancel,
+                              double *states, int8_t *redo) {
+    int64_t flagged = 0;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t n = offsets[i + 1] - offsets[i];
+        double *row = states + 9 * i, r[6];
+        redo[i] = 0;
+        if (n <= 0) {
+            for (int j = 0; j < 9; j++) row[j] = 0;
+            row[3] = INFINITY; row[4] = -INFINITY;
+            continue;
+        }
+        const double k = lr_shift_f32(x + offsets[i], n);
+        lr_moments_f32(x + offsets[i], n, k, r, 0, 0, 1);
+        const double total = r[0], squares = r[1], count = (double)n;
+        const double m2 = squares - total * total / count;
+        row[0] = count; row[1] = k + total / count; row[2] = m2; row[3] = r[3]; row[4] = r[4];
+        row[5] = r[2] / count; row[6] = r[5]; row[7] = 0; row[8] = count;
+        if (!(isfinite(total) && isfinite(squares))) redo[i] = 1;
+        else if (!(m2 * cancel >= squares)) redo[i] = 2;
+        flagged += redo[i] != 0;
+    }
+    return flagged;
+}
+
+/* The histogram table of the segments over the ranges of their states (9 doubles each), for
+   one process: per segment [num, sum, sum of squares, min, max, the bins + 1 edges, the bins
+   counts] (2 * bins + 6 doubles), as raw_table lays them out. The range is [min, max], [0, 1]
+   without data, +-0.5 around one value; the edges are linspace's (lo + step * i in the first
+   half, hi - step * (bins - i) in the second, each product rounded apart: volatile keeps the
+   compiler from fusing it into the sum); the buckets are lr_bucket_f32's, the last one
+   closed. scratch: 8 * (bins + 1) int64 of any content. */
+void lr_segment_table_f32(const float *x, const int64_t *offsets, int64_t m,
+                          const double *states, int32_t bins, double *table, int64_t *scratch) {
+    const int64_t size = (int64_t)bins + 1, width = 2 * (int64_t)bins + 6, half = size / 2;
+    for (int64_t i = 0; i < m; i++) {
+        const double *st = states + 9 * i;
+        double *row = table + width * i, *edges = row + 5, *counts = row + 5 + size;
+        const double count = st[0], mean = st[1], vmin = st[3], vmax = st[4];
+        const int seen = vmax >= vmin;
+        double lo = seen ? vmin : 0.0, hi = seen ? vmax : 1.0;
+        if (lo == hi) { lo -= 0.5; hi += 0.5; }
+        volatile double product;
+        row[0] = count;
+        row[1] = count * mean;
+        product = count * (mean * mean);
+        row[2] = st[2] + product;
+        row[3] = vmin; row[4] = vmax;
+        const double step = (hi - lo) / (double)(bins > 1 ? bins : 1);
+        for (int64_t j = 0; j < size; j++) {
+            if (j < half) { product = step * (double)j; edges[j] = lo + product; }
+            else { product = step * (double)(bins - j); edges[j] = hi - product; }
+        }
+        memset(scratch, 0, 8 * size * sizeof *scratch);
+        lr_bucket_f32(x + offsets[i], offsets[i + 1] - offsets[i], lo, bins / (hi - lo), bins,
+                      scratch);
+        scratch[bins - 1] += scratch[bins];
+        for (int64_t j = 0; j < bins; j++) counts[j] = (double)scratch[j];
+    }
+}
+
 /* lr_bucket_f32 of each segment over its own range: counts holds m * (bins + 1) results;
    scratch 8 * (bins + 1) int64 of any content. */
 void lr_segment_bucket_f32(const float *x, const int64_t *offsets, int64_t m, const double *lo,
@@ -294,6 +360,8 @@ _SIGNATURES = {
     "lr_copy_sumsq_f32": (None, (_P, _P, _P, _N, _P)),
     "lr_segment_moments_f32": (None, (_P, _P, _N, _P)),
     "lr_segment_bucket_f32": (None, (_P, _P, _N, _P, _P, ctypes.c_int32, _P, _P)),
+    "lr_segment_states_f32": (_N, (_P, _P, _N, ctypes.c_double, _P, _P)),
+    "lr_segment_table_f32": (None, (_P, _P, _N, _P, ctypes.c_int32, _P, _P)),
     "lr_diff_sumsq_f32": (None, (_P, _P, _N, _P)),
     "lr_buckets_f32": (None, (_P, _P, _P, _N, _P, _P, ctypes.c_int32, _P, _P)),
 }
@@ -424,6 +492,46 @@ def segment_moments(values: Tensor, offsets: Tensor) -> Tensor:
     out = torch.empty(m, 7, dtype=torch.float64)
     _library().lr_segment_moments_f32(values.data_ptr(), offsets.data_ptr(), m, out.data_ptr())
     return out
+
+
+def segment_states(
+    values: Tensor, offsets: Tensor, cancel_bits: int
+) -> tuple[Tensor, Tensor | None]:
+    """The ``(m, 9)`` packed float64 states of the segments of a :func:`usable` flat tensor
+    (``offsets``: contiguous int64 CPU) in one call, and a ``(m,)`` int8 tensor of the segments
+    to recompute: 1 where the sums are not finite, 2 where more than ``cancel_bits`` bits of
+    ``M2`` were lost to cancellation; ``None`` when there is none."""
+    m = offsets.numel() - 1
+    states = torch.empty(m, 9, dtype=torch.float64)
+    redo = torch.empty(m, dtype=torch.int8)
+    flagged = _library().lr_segment_states_f32(
+        values.data_ptr(),
+        offsets.data_ptr(),
+        m,
+        2.0**cancel_bits,
+        states.data_ptr(),
+        redo.data_ptr(),
+    )
+    return states, (redo if flagged else None)
+
+
+def segment_table(values: Tensor, offsets: Tensor, states: Tensor, bins: int) -> Tensor:
+    """The histogram rows of the segments over the ranges of ``states`` (``(m, 9)`` contiguous
+    float64), for one process, in one call: ``(m, 2 * bins + 6)`` float64 rows laid out as
+    :func:`~lightning_recorder.stats._kernels.raw_table`'s."""
+    m = offsets.numel() - 1
+    table = torch.empty(m, 2 * bins + 6, dtype=torch.float64)
+    scratch = torch.empty(8 * (bins + 1), dtype=torch.int64)
+    _library().lr_segment_table_f32(
+        values.data_ptr(),
+        offsets.data_ptr(),
+        m,
+        states.data_ptr(),
+        bins,
+        table.data_ptr(),
+        scratch.data_ptr(),
+    )
+    return table
 
 
 def segment_buckets(

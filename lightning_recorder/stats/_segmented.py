@@ -32,6 +32,8 @@ from . import _native
 from ._kernels import (
     EXACT_IN_32,
     F64,
+    M2,
+    MEAN,
     NATIVE_CANCEL_BITS,
     Workspace,
     deviations_m2,
@@ -47,6 +49,7 @@ _FLOAT_32 = frozenset(EXACT_IN_32)
 __all__ = [
     "flatten_segments",
     "native_segmented_histograms",
+    "native_segmented_table",
     "native_segments",
     "segmented_histograms",
     "segmented_states",
@@ -142,25 +145,20 @@ def native_segments(
         sizes = [sum(t.numel() for t in tensors) for tensors in groups]
     starts = [0, *itertools.accumulate(sizes)]
     offsets = torch.tensor(starts, dtype=torch.int64)
-    rows = _native.segment_moments(values, offsets)  # (m, 7) float64
-    shift, total, squares, abs_sum, low, high, zeros = rows.unbind(1)
-    n = torch.tensor(sizes, dtype=F64)
-    count = n.clamp(min=1.0)
-    mean = shift + total / count
-    m2 = squares - total * total / count
-    none = torch.zeros_like(n)  # non-finite values: none here (the others are redone below)
-    states = torch.stack([n, mean, m2, low, high, abs_sum / count, zeros, none, n], 1)
-    states[n == 0] = torch.tensor([0.0, 0.0, 0.0, math.inf, -math.inf, 0, 0, 0, 0], dtype=F64)
-    finite = torch.isfinite(total) & torch.isfinite(squares)
-    redo = (n > 0) & ~(finite & one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS))
+    # the states with one pass (non-finite values: none counted here; such segments are redone)
+    states, redo = _native.segment_states(values, offsets, NATIVE_CANCEL_BITS)
+    if redo is None:
+        return values, offsets, states
     work: Workspace | None = None
-    for i in redo.nonzero().flatten().tolist():  # rare: non-finite values, or cancellation
+    for i, why in enumerate(redo.tolist()):  # rare: non-finite values, or cancellation
+        if not why:
+            continue
         segment = values[starts[i] : starts[i] + sizes[i]]
-        if not finite[i]:
+        if why == 1:
             states[i] = masked_state(flat64(segment))
         else:
             work = work or Workspace()
-            states[i, 2] = deviations_m2(segment, mean[i].item(), work)
+            states[i, M2] = deviations_m2(segment, states[i, MEAN].item(), work)
     return values, offsets, states
 
 
@@ -176,3 +174,10 @@ def native_segmented_histograms(
     counts[:, bins - 1] += counts[:, bins]  # values at the top edge: the last bucket is closed
     counts, sums = summed_over_ranks(counts[:, :bins], states, sync=sync, group=group)
     return counts, edges, vmin, vmax, sums
+
+
+def native_segmented_table(values: Tensor, offsets: Tensor, states: Tensor, bins: int) -> Tensor:
+    """:func:`native_segmented_histograms` for one process (no collective), as the table of
+    :func:`~._kernels.raw_table`, in one call of the fused kernel: ranges, edges (linspace's
+    operations), buckets and sums of every segment."""
+    return _native.segment_table(values, offsets, states.contiguous(), bins)

@@ -59,6 +59,7 @@ from ._kernels import (
 from ._segmented import (
     flatten_segments,
     native_segmented_histograms,
+    native_segmented_table,
     native_segments,
     segmented_histograms,
     segmented_states,
@@ -84,6 +85,7 @@ __all__ = [
     "merged",
     "native_histograms",
     "native_segmented_histograms",
+    "native_segmented_table",
     "native_segments",
     "native_state",
     "raw_table",

@@ -39,6 +39,7 @@ from lightning_recorder.stats.batched import (
     fused_kernels_status,
     native_histograms,
     native_segmented_histograms,
+    native_segmented_table,
     native_segments,
     segmented_histograms,
     segmented_states,
@@ -282,11 +283,14 @@ def test_segments_match_the_torch_segmented_path() -> None:
         [torch.tensor([1.0, math.nan, -math.inf, 2.0])],  # non-finite values counted apart
         [torch.randn(33, generator=g).half()],
         [torch.full((9,), 3.0)],  # one value: the range widened to ±0.5
+        [torch.randn(40, generator=g) * 1e-3 + 1001],  # the shift 1000: M2 redone
     ]
     fused = native_segments(groups)
     assert fused is not None
     values, offsets, states = fused
-    assert offsets.tolist() == [0, 64, 64, 76, 80, 113, 122]
+    assert offsets.tolist() == [0, 64, 64, 76, 80, 113, 122, 162]
+    _, redo = _native.segment_states(values, offsets, 3)  # what the one pass leaves to redo
+    assert redo is not None and redo.tolist() == [0, 0, 0, 1, 0, 0, 2]  # non-finite; cancelled
     flat, seg = flatten_segments(groups, "cpu")
     reference_states = segmented_states(flat, seg, len(groups))
     ours, theirs = finalize(states, 1), finalize(reference_states, 1)
@@ -306,7 +310,13 @@ def test_segments_match_the_torch_segmented_path() -> None:
     # bucket; the totals are exact
     assert (counts - ref_counts).abs().sum().item() <= 2
     torch.testing.assert_close(counts.sum(1), ref_counts.sum(1), rtol=0, atol=0)
-    assert counts.sum(1).tolist() == [64.0, 0.0, 12.0, 2.0, 33.0, 9.0]
+    assert counts.sum(1).tolist() == [64.0, 0.0, 12.0, 2.0, 33.0, 9.0, 40.0]
+    # the whole table in one call (one process): the same rows
+    table = native_segmented_table(values, offsets, states, 10)
+    reference_table = raw_table(counts, edges, vmin, vmax, sums)
+    assert torch.equal(table[:, 3:16], reference_table[:, 3:16])  # extremes, edges: exact
+    assert torch.equal(table[:, 16:], reference_table[:, 16:])  # the same counts
+    torch.testing.assert_close(table[:, :3], reference_table[:, :3], rtol=1e-15, atol=0)
 
 
 def test_segments_decline_float64() -> None:
