@@ -190,6 +190,9 @@ def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
                 yield tensor
 
 
+# The statistics of a parameter, and of a histogram, as tag suffixes (see FeatureStatsMonitor._tags)
+_NORM, _STEPPED, _HISTOGRAM = ("norm",), ("grad_norm", "update_ratio"), ("histogram",)
+
 # A step whose kept records (``exact_histograms``) exceed this many bytes warns once.
 _RECORDS_WARN_BYTES = 256 * 2**20
 
@@ -554,6 +557,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self.exact_histograms = exact_histograms
         self.histogram_sample = histogram_sample
         self.fast_checksums = fast_checksums
+        self._tag_cache: dict[tuple[str, str, tuple[str, ...]], tuple[str, ...]] = {}
         # id of each TensorBoard logger written to -> the record writer given the C checksum
         self._checksummed: dict[int, Any] = {}
         self.stats: tuple[StatName, ...] = tuple(dict.fromkeys(stat_names))
@@ -584,6 +588,14 @@ class FeatureStatsMonitor(RecorderCallback):
     def tag(self, stage: Stage, name: str, stat: str) -> str:
         """The tag of statistic ``stat`` of module or parameter ``name`` in ``stage``."""
         return f"{self.prefix}/{stage}/{name}/{stat}"
+
+    def _tags(self, stage: Stage, name: str, stats: tuple[str, ...]) -> tuple[str, ...]:
+        """:meth:`tag` of each of ``stats`` (cached: every logged step writes the same tags)."""
+        key = (stage, name, stats)
+        tags = self._tag_cache.get(key)
+        if tags is None:
+            tags = self._tag_cache[key] = tuple(self.tag(stage, name, stat) for stat in stats)
+        return tags
 
     @override
     def _make_state_key(self) -> str:
@@ -913,7 +925,7 @@ class FeatureStatsMonitor(RecorderCallback):
         for module, row in zip(self._streams, rows, strict=True):
             kwargs = row.raw_kwargs()
             if kwargs is not None:
-                hists[self.tag(stage, module, "histogram")] = kwargs
+                hists[self._tags(stage, module, _HISTOGRAM)[0]] = kwargs
         return hists
 
     def _gathered(self, trainer: pl.Trainer, stage: Stage) -> Tensor:
@@ -937,10 +949,11 @@ class FeatureStatsMonitor(RecorderCallback):
     def _stat_scalars(self, stage: Stage, rows: list[list[float]]) -> dict[str, float]:
         """The statistics by tag from the host rows of the gathered states."""
         scalars: dict[str, float] = {}
+        stats = self.stats
         for module, row in zip(self._streams, rows, strict=True):
             values = finalize_host(row, correction=1)
             if values["numel"] > 0:
-                scalars.update((self.tag(stage, module, stat), values[stat]) for stat in self.stats)
+                scalars.update(zip(self._tags(stage, module, stats), [values[s] for s in stats], strict=False))
         return scalars
 
     def _parameter_tensors(self) -> tuple[list[str], list[Tensor]]:
@@ -986,12 +999,13 @@ class FeatureStatsMonitor(RecorderCallback):
             values[k + 2 * n :],
         )
         scalars = {
-            self.tag("train", name, "norm"): value
+            self._tags("train", name, _NORM)[0]: value
             for name, value in zip(names, values[:k], strict=True)
         }
         for name, size, delta, grad in zip(stepped, sizes, changes, grad_norms, strict=True):
-            scalars[self.tag("train", name, "grad_norm")] = grad
-            scalars[self.tag("train", name, "update_ratio")] = delta / (size + 1e-12)
+            grad_tag, ratio_tag = self._tags("train", name, _STEPPED)
+            scalars[grad_tag] = grad
+            scalars[ratio_tag] = delta / (size + 1e-12)
         return scalars
 
     def _log_train(
