@@ -953,7 +953,8 @@ class FeatureStatsMonitor(RecorderCallback):
         for module, row in zip(self._streams, rows, strict=True):
             values = finalize_host(row, correction=1)
             if values["numel"] > 0:
-                scalars.update(zip(self._tags(stage, module, stats), [values[s] for s in stats], strict=False))
+                tags = self._tags(stage, module, stats)
+                scalars.update(zip(tags, [values[s] for s in stats], strict=True))
         return scalars
 
     def _parameter_tensors(self) -> tuple[list[str], list[Tensor]]:
