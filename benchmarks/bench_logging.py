@@ -34,7 +34,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -44,13 +44,18 @@ from torch import Tensor, nn
 from lightning_recorder import FeatureStatsMonitor
 from lightning_recorder._core.compat import foreach_copy_, foreach_norm, foreach_sub, foreach_sub_
 from lightning_recorder.callbacks import stats_monitor
+from lightning_recorder.stats import _native
 from lightning_recorder.stats._kernels import (
+    MAX,
+    MIN,
     Workspace,
     chunks,
+    histogram_range,
     histogram_rows_cpu,
     masked_state,
     native_chunk,
     native_state,
+    sampled_row,
     sampled_state,
 )
 from lightning_recorder.stats.batched import change_norms, copy_with_norms, host_floats, merged
@@ -139,6 +144,13 @@ def kernel_row(x: Tensor, kind: str, work: Workspace, repeats: int) -> str:
             weights=[[weight]],
         )
 
+    spare = torch.empty(FeatureStatsMonitor.histogram_sample, dtype=torch.float32)
+
+    def passes() -> Any:  # the data work alone: one fused pass, then the sample's buckets
+        row, kept, _ = cast(Any, sampled_row(x, work, spare.numel(), lambda n: spare[:n]))
+        lo, hi = histogram_range(row[MIN], row[MAX])
+        return row, _native.bucket(kept, lo, hi, 30)
+
     variants = {
         "floor": lambda: x.sum(),
         "before": lambda: old_state(x, work),
@@ -146,11 +158,12 @@ def kernel_row(x: Tensor, kind: str, work: Workspace, repeats: int) -> str:
         "now": stats,
         "exact": lambda: (stats(), exact()),
         "sampled": sampled,
+        "passes": passes,
         "copy": lambda: x.clone(),
     }
     t = interleaved(variants, repeats, inner=3)
     floor_us = statistics.median(t["floor"]) * 1e6
-    keys = ("before", "torch", "now", "exact", "sampled", "copy")
+    keys = ("before", "torch", "now", "exact", "sampled", "passes", "copy")
     cells = [fmt(ratio(t, k, "floor")) for k in keys]
     size = x.numel().bit_length() - 1
     return f"| 2**{size} {kind} (one read: {floor_us:.0f} µs) | " + " | ".join(cells) + " |"
@@ -160,8 +173,9 @@ def kernels(repeats: int, sizes: Sequence[int]) -> list[str]:
     work = Workspace()
     lines = [
         "| tensor | statistics before | statistics, torch path | statistics, fused kernel | "
-        "+ exact histogram | + sampled histogram | copy |",
-        "|---|---|---|---|---|---|---|",
+        "+ exact histogram | + sampled histogram | data passes alone (fused pass, sample's "
+        "buckets) | copy |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n in sizes:
         for kind in ("gaussian", "relu"):
@@ -272,6 +286,41 @@ class StepTimer(pl.Callback):
         self._start = now
 
 
+class FloorReads(pl.Callback):
+    """The floor of a logging step: each monitored output read once (``x.sum()`` in a forward
+    hook), each parameter copied before the optimizer step while its gradient is read once, and
+    read once more with its copy after the step (the fused kernels, no difference written) --
+    the data an update ratio and the statistics must touch, and nothing else."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.handles: list[Any] = []
+        self.buffers: list[Tensor] = []
+        self.params: list[Tensor] = []
+        self.sink: list[Tensor] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.params = [p.detach() for m in self.modules for p in m.parameters(recurse=False)]
+        self.buffers = [torch.empty_like(p) for p in self.params]
+        for module in self.modules:
+            self.handles.append(module.register_forward_hook(self._read))
+
+    def _read(self, module: nn.Module, args: Any, out: Tensor) -> None:
+        self.sink.append(out.detach().sum())
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        grads = [p.grad for m in self.modules for p in m.parameters(recurse=False)]
+        copy_with_norms(self.buffers, self.params, grads)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        change_norms(self.params, self.buffers)
+        self.sink.clear()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 def fit_steps(
     model_name: str, config: str, steps: int, root: str
 ) -> tuple[list[float], list[float]]:
@@ -283,7 +332,12 @@ def fit_steps(
     )
     timer = StepTimer()
     callbacks: list[pl.Callback] = [timer]
-    if config != "plain":
+    if config == "floor":
+        types = (nn.Conv2d, nn.Linear)
+        kinds = [m for m in body.modules() if isinstance(m, types)]
+        modules = kinds if model_name.startswith("(a)") else list(body.modules())[1:]
+        callbacks.append(FloorReads(modules))
+    elif config != "plain":
         sources = "net.*" if not model_name.startswith("(a)") else [nn.Conv2d, nn.Linear]
         kept = config == "records kept"
         monitor = FeatureStatsMonitor(sources, every_n_steps=1, clone=kept, exact_histograms=kept)
@@ -307,12 +361,12 @@ def fit_steps(
 
 
 def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
-    configs = ("plain", "in the hook", "records kept", "no event write")
+    configs = ("plain", "in the hook", "records kept", "no event write", "floor")
     lines = [
         "| model | logging step, in the hook (default) | logging step, records kept | "
         "logging step, events not written (information) | training-thread CPU, in the hook | "
-        "plain step (ms) |",
-        "|---|---|---|---|---|---|",
+        "floor: one read of each output, parameters copied and compared | plain step (ms) |",
+        "|---|---|---|---|---|---|---|",
     ]
     rng = random.Random(1)
     with tempfile.TemporaryDirectory() as root:
@@ -326,8 +380,9 @@ def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
                     times, cpu_times = fit_steps(model_name, config, steps, root)
                     wall[config].append(statistics.median(times))
                     cpu[config].append(statistics.median(cpu_times))
-            cells = [fmt(ratio(wall, c, "plain")) for c in configs[1:]]
+            cells = [fmt(ratio(wall, c, "plain")) for c in configs[1:4]]
             cells.append(fmt(ratio(cpu, "in the hook", "plain")))
+            cells.append(fmt(ratio(wall, "floor", "plain")))
             plain = statistics.median(wall["plain"]) * 1e3
             lines.append(f"| {model_name} | " + " | ".join(cells) + f" | {plain:.1f} |")
     return lines
