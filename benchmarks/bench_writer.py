@@ -14,8 +14,9 @@ logged step:
 * **writer** — ``RecordWriter.write`` of those bytes into memory: TensorBoard's writer thread
   computes two masked CRC32C checksums in pure Python, holding the GIL, then writes the record
   (the file write itself is left out: it depends on the disk);
-* **writer, C CRC** — the same record with the ``crc32c`` package's checksum (the one
-  tensorboardX uses when that package is installed), when it is importable; ``n/a`` otherwise.
+* **writer, C CRC** — the same record with the checksums in C: the package's own (what
+  ``FeatureStatsMonitor(fast_checksums=True)``, the default, gives the logger's writer), or
+  where it cannot be built the ``crc32c`` package's (tensorboardX's); ``n/a`` without either.
 
 ``before`` builds the histograms with every bucket (the previous release); ``now`` collapses each
 run of empty buckets into one, as ``write_tensorboard`` does. The two take turns in a random
@@ -48,7 +49,8 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-from lightning_recorder.callbacks._lightning import tensorboard_summary
+from lightning_recorder._core import crc32c
+from lightning_recorder.callbacks._lightning import write_record, tensorboard_summary
 from lightning_recorder.stats import histogram_raw_kwargs
 
 STATS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
@@ -117,13 +119,20 @@ BUILDERS: dict[str, Callable[[dict[str, float], dict[str, dict[str, Any]]], Summ
 }
 
 
-def native_crc() -> Callable[[bytes], int] | None:
-    """The ``crc32c`` package's checksum, or ``None`` when it is not installed."""
+def native_writer() -> Callable[[bytes], None] | None:
+    """A record write into memory with a C checksum: the monitor's (``fast_checksums``), else
+    one with the ``crc32c`` package's; ``None`` without either."""
+    if crc32c.available():
+        return lambda data: write_record(io.BytesIO(), data)
     try:
-        from crc32c import crc32c  # type: ignore[import-not-found]
+        from crc32c import crc32c as package  # type: ignore[import-not-found]
     except ImportError:
         return None
-    return crc32c  # type: ignore[no-any-return]
+
+    def write(data: bytes) -> None:
+        io.BytesIO().write(native_record(package, data))
+
+    return write
 
 
 def native_record(crc: Callable[[bytes], int], data: bytes) -> bytes:
@@ -144,7 +153,7 @@ def measure(
     modules: int,
     histograms: bool,
     repeats: int,
-    crc: Callable[[bytes], int] | None,
+    native: Callable[[bytes], None] | None,
     clock: Callable[[], float],
 ) -> dict[str, dict[str, float]]:
     """Median seconds of each phase and the event's bytes, per variant (interleaved)."""
@@ -164,8 +173,8 @@ def measure(
             t2 = clock()
             RecordWriter(io.BytesIO()).write(data)
             t3 = clock()
-            if crc is not None:
-                io.BytesIO().write(native_record(crc, data))
+            if native is not None:
+                native(data)
             t4 = clock()
             if repeat:
                 for phase, seconds in zip(
@@ -176,7 +185,7 @@ def measure(
     result = {v: {p: statistics.median(times[v][p]) for p in phases} for v in BUILDERS}
     for v in BUILDERS:
         result[v]["bytes"] = size[v]
-        if crc is None:
+        if native is None:
             result[v]["writer, C CRC"] = float("nan")
     return result
 
@@ -186,7 +195,7 @@ def ms(seconds: float) -> str:
 
 
 def event_table(sizes: Sequence[int], repeats: int, clock: Callable[[], float]) -> list[str]:
-    crc = native_crc()
+    native = native_writer()
     lines = [
         "| modules | histograms | variant | bytes | bytes / module | build ms | serialize ms "
         "| writer ms (Python CRC) | writer ms (C CRC) |",
@@ -194,7 +203,7 @@ def event_table(sizes: Sequence[int], repeats: int, clock: Callable[[], float]) 
     ]
     for modules in sizes:
         for histograms in (True, False):
-            result = measure(modules, histograms, repeats, crc, clock)
+            result = measure(modules, histograms, repeats, native, clock)
             for variant, r in result.items():
                 lines.append(
                     f"| {modules} | {'on' if histograms else 'off'} | {variant} "

@@ -137,7 +137,7 @@ _LENGTH = struct.Struct("<Q")
 _CHECKSUM = struct.Struct("<I")
 
 
-def _write_record(file: Any, data: bytes) -> None:
+def write_record(file: Any, data: bytes) -> None:
     """TensorBoard's ``RecordWriter.write`` (length, its masked CRC-32C, the data, its masked
     CRC-32C) with the checksums computed in C."""
     header = _LENGTH.pack(len(data))
@@ -174,7 +174,7 @@ def native_checksums(logger: TensorBoardLogger) -> Any:
         return None
     if type(record_writer) is not RecordWriter or "write" in vars(record_writer):
         return None
-    record_writer.write = partial(_write_record, file)
+    record_writer.write = partial(write_record, file)
     return record_writer
 
 
@@ -182,7 +182,7 @@ def restore_checksums(record_writer: Any) -> None:
     """Give a record writer changed by :func:`native_checksums` back its own ``write`` (unless
     something else has replaced it since)."""
     write = vars(record_writer).get("write")
-    if isinstance(write, partial) and write.func is _write_record:
+    if isinstance(write, partial) and write.func is write_record:
         del record_writer.write
 
 
