@@ -50,7 +50,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from lightning_recorder._core import crc32c
-from lightning_recorder.callbacks._lightning import write_record, tensorboard_summary
+from lightning_recorder.callbacks._lightning import tensorboard_summary, write_record
 from lightning_recorder.stats import histogram_raw_kwargs
 
 STATS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
