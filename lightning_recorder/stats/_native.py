@@ -4,7 +4,11 @@
   the sum of squares of the deviations from a shift, the sum of ``|x|``, the minimum, the maximum
   and the number of zeros of a tensor, in one read (torch needs four passes: ``aminmax``, a sum,
   a sum of squares, and a sign count or an absolute sum); a strided sample for the histogram on
-  the way. :func:`bucket` counts that sample's histogram.
+  the way. :func:`bucket` counts that sample's histogram, :func:`buckets` the samples of many
+  tensors in one call.
+* :func:`segment_states` / :func:`segment_table` — the packed states of many small tensors laid
+  end to end (segments of one buffer), and their whole histogram table (ranges, edges, counts
+  and sums), one call each; :func:`segment_buckets` the counts alone, over ranges given.
 * :func:`copy_sumsq` / :func:`diff_sumsq` — for the monitor's parameter statistics: the copy
   of a parameter before the optimizer step together with its squared norm (and its gradient's),
   and, after the step, the squared norms of the parameter and of its change, without writing the
@@ -155,23 +159,36 @@ void lr_row_f32(const float *x, int64_t n, double *out, float *sample, int64_t s
 }
 
 /* counts[i] += the number of finite v with floor((v - lo) * scale) == i, positions (in
-   float32, as bucket_native's for float32 data) clamped to [0, bins]. counts holds 8 * (bins + 1)
-   zeros: a tally per vector lane (no increment waits on another's), summed at the end. */
+   float32, as bucket_native's for float32 data) clamped to [0, bins]. counts holds
+   8 * (bins + 1) zeros; its first 4 * (bins + 2) serve as four tallies (element i counted in
+   tally i % 4, so that no increment waits on the one before; index bins + 1 of each takes
+   the NaNs and infinities), summed into counts[0 : bins + 1] at the end. The positions of a
+   block of BLOCK values are computed in vector registers first, then tallied. */
+#define BLOCK 256
 void lr_bucket_f32(const float *v, int64_t n, double lo, double scale, int32_t bins,
                    int64_t *counts) {
-    const int64_t size = (int64_t)bins + 1;
+    const int64_t size = (int64_t)bins + 2;
     const vf lov = splat((float)lo), sv = splat((float)scale), top = splat((float)bins);
     const vf zero = splat(0.0f);
-    vi offset;
-    for (int j = 0; j < LANES; j++) offset[j] = (int32_t)(j * size);
+    vi trash;
+    for (int j = 0; j < LANES; j++) trash[j] = bins + 1;
+    int32_t index[BLOCK];
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        vf x = load(v + i);
-        /* NaN positions become 0 (max returns its second operand), then are not counted */
-        vf position = vmin(vmax((x - lov) * sv, zero), top);
-        vi index = __builtin_convertvector(position, vi) + offset;
-        vi finite = (x - x) == zero;  /* -1 where finite, 0 for NaN and infinities */
-        for (int j = 0; j < LANES; j++) counts[index[j]] -= finite[j];
+    for (; i + BLOCK <= n; i += BLOCK) {
+        for (int k = 0; k < BLOCK; k += LANES) {
+            vf x = load(v + i + k);
+            /* NaN positions become 0 (max returns its second operand), then go to the trash */
+            vf position = vmin(vmax((x - lov) * sv, zero), top);
+            vi finite = (x - x) == zero;  /* -1 where finite, 0 for NaN and infinities */
+            vi at = (__builtin_convertvector(position, vi) & finite) | (trash & ~finite);
+            memcpy(index + k, &at, sizeof at);
+        }
+        for (int k = 0; k < BLOCK; k += 4) {
+            counts[index[k]]++;
+            counts[size + index[k + 1]]++;
+            counts[2 * size + index[k + 2]]++;
+            counts[3 * size + index[k + 3]]++;
+        }
     }
     for (; i < n; i++) {
         float x = v[i];
@@ -181,25 +198,8 @@ void lr_bucket_f32(const float *v, int64_t n, double lo, double scale, int32_t b
         position = position < bins ? position : (float)bins;
         counts[(int64_t)position]++;
     }
-    for (int64_t j = 0; j < size; j++)
-        for (int lane = 1; lane < LANES; lane++) counts[j] += counts[lane * size + j];
-}
-
-/* The moments of each segment x[offsets[i]:offsets[i + 1]] (i < m): out[7 * i] is the
-   segment's shift, out[7 * i + 1 : 7 * i + 7] what lr_moments_f32 gives (an empty segment:
-   zeros, min inf, max -inf). */
-void lr_segment_moments_f32(const float *x, const int64_t *offsets, int64_t m, double *out) {
-    for (int64_t i = 0; i < m; i++) {
-        const int64_t n = offsets[i + 1] - offsets[i];
-        double *row = out + 7 * i;
-        if (n <= 0) {
-            for (int j = 0; j < 7; j++) row[j] = 0;
-            row[4] = INFINITY; row[5] = -INFINITY;
-            continue;
-        }
-        row[0] = lr_shift_f32(x + offsets[i], n);
-        lr_moments_f32(x + offsets[i], n, row[0], row + 1, 0, 0, 1);
-    }
+    for (int64_t j = 0; j < size - 1; j++)
+        counts[j] += counts[size + j] + counts[2 * size + j] + counts[3 * size + j];
 }
 
 /* The packed states (n, mean, M2, min, max, mean |x|, zeros, 0, n) of the segments
@@ -358,7 +358,6 @@ _SIGNATURES = {
     "lr_bucket_f32": (None, (_P, _N, ctypes.c_double, ctypes.c_double, ctypes.c_int32, _P)),
     "lr_row_f32": (None, (_P, _N, _P, _P, _N)),
     "lr_copy_sumsq_f32": (None, (_P, _P, _P, _N, _P)),
-    "lr_segment_moments_f32": (None, (_P, _P, _N, _P)),
     "lr_segment_bucket_f32": (None, (_P, _P, _N, _P, _P, ctypes.c_int32, _P, _P)),
     "lr_segment_states_f32": (_N, (_P, _P, _N, ctypes.c_double, _P, _P)),
     "lr_segment_table_f32": (None, (_P, _P, _N, _P, ctypes.c_int32, _P, _P)),
@@ -483,15 +482,6 @@ def bucket(x: Tensor, lo: float, hi: float, bins: int) -> list[int]:
     counts = (ctypes.c_int64 * (8 * (bins + 1)))()
     _library().lr_bucket_f32(x.data_ptr(), x.numel(), lo, bins / (hi - lo), bins, counts)
     return counts[: bins + 1]
-
-
-def segment_moments(values: Tensor, offsets: Tensor) -> Tensor:
-    """:func:`moments` of each segment ``values[offsets[i]:offsets[i + 1]]`` of a :func:`usable`
-    flat tensor (``offsets``: contiguous int64 CPU), in one call: ``(m, 7)`` float64 rows."""
-    m = offsets.numel() - 1
-    out = torch.empty(m, 7, dtype=torch.float64)
-    _library().lr_segment_moments_f32(values.data_ptr(), offsets.data_ptr(), m, out.data_ptr())
-    return out
 
 
 def segment_states(
