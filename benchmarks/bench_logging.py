@@ -29,11 +29,14 @@ Run ``python benchmarks/bench_logging.py`` (``--quick`` for a smoke run). One CP
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -43,7 +46,6 @@ from torch import Tensor, nn
 
 from lightning_recorder import FeatureStatsMonitor
 from lightning_recorder._core.compat import foreach_copy_, foreach_norm, foreach_sub, foreach_sub_
-from lightning_recorder.callbacks import stats_monitor
 from lightning_recorder.stats import _native
 from lightning_recorder.stats._kernels import (
     MAX,
@@ -261,29 +263,51 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-_WRITE = stats_monitor.write_tensorboard
+def _sibling(name: str) -> Any:
+    """Another benchmark module of this folder (importable however this one was loaded)."""
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _no_write(*args: Any) -> None:
-    return None
+class NoEventMonitor(FeatureStatsMonitor):
+    """The monitor without writing anything: its own work, without building and writing the
+    TensorBoard event (for information)."""
+
+    def _write(self, *args: Any) -> None:
+        return None
 
 
-class StepTimer(pl.Callback):
-    """Step times (batch start to the next batch start): wall clock, and the CPU time of the
-    training thread (which other processes on a loaded machine do not inflate, and which leaves
-    out the logger's writer thread)."""
+class TurnTimer(pl.Callback):
+    """Step times (batch start to the next batch start), on the wall clock and on the training
+    thread's CPU clock, while the configurations take turns one step at a time (the baton of
+    ``bench_callbacks``): the time spent waiting for the turn is not counted. At the start of
+    its turn a step first lets the logger's writer thread finish the previous step's event (in
+    a single run that work competes with the next step; here it must not fall on another
+    configuration's step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, baton: Any, me: int) -> None:
+        self.baton, self.me = baton, me
         self.times: list[float] = []
         self.cpu: list[float] = []
         self._start: tuple[float, float] | None = None
 
-    def on_train_batch_start(self, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         now = (time.perf_counter(), time.thread_time())
         if self._start is not None:
             self.times.append(now[0] - self._start[0])
             self.cpu.append(now[1] - self._start[1])
-        self._start = now
+            self.baton.pass_on(self.me)
+        else:
+            self.baton.ready.wait()
+        self.baton.wait(self.me)
+        self._start = (time.perf_counter(), time.thread_time())
+        flush = getattr(getattr(trainer.logger, "experiment", None), "flush", None)
+        if callable(flush):
+            flush()
 
 
 class FloorReads(pl.Callback):
@@ -321,16 +345,14 @@ class FloorReads(pl.Callback):
             handle.remove()
 
 
-def fit_steps(
-    model_name: str, config: str, steps: int, root: str
-) -> tuple[list[float], list[float]]:
+def job(model_name: str, config: str, steps: int, root: str, timer: pl.Callback) -> Any:
+    """The Trainer, model and data of one configuration (every model from the same seed)."""
     build, shape, batch = MODELS[model_name]
     torch.manual_seed(0)
     body = build()
     data = torch.utils.data.TensorDataset(
         torch.randn(batch * (steps + 1), *shape), torch.randint(0, 10, (batch * (steps + 1),))
     )
-    timer = StepTimer()
     callbacks: list[pl.Callback] = [timer]
     if config == "floor":
         types = (nn.Conv2d, nn.Linear)
@@ -340,11 +362,8 @@ def fit_steps(
     elif config != "plain":
         sources = "net.*" if not model_name.startswith("(a)") else [nn.Conv2d, nn.Linear]
         kept = config == "records kept"
-        monitor = FeatureStatsMonitor(sources, every_n_steps=1, clone=kept, exact_histograms=kept)
-        callbacks.append(monitor)
-    # "no event write": the monitor's work without TensorBoard's (event building, its
-    # pure-Python checksum on the writer thread): what the package itself costs
-    stats_monitor.write_tensorboard = _no_write if config == "no event write" else _WRITE
+        kind = NoEventMonitor if config == "no event write" else FeatureStatsMonitor
+        callbacks.append(kind(sources, every_n_steps=1, clone=kept, exact_histograms=kept))
     trainer = pl.Trainer(
         max_steps=steps + 1,
         accelerator="cpu",
@@ -356,8 +375,37 @@ def fit_steps(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Net(body), torch.utils.data.DataLoader(data, batch_size=batch))
-    return timer.times[2:], timer.cpu[2:]  # warm-up excluded
+    return trainer, Net(body), torch.utils.data.DataLoader(data, batch_size=batch)
+
+
+def side_by_side(
+    model_name: str, configs: Sequence[str], steps: int, root: str, seed: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    """One Trainer per configuration, each in its own thread, taking turns step by step (a
+    step of each in a fresh random order every round): the slow spells of a shared machine fall
+    on every configuration alike. ``(wall, CPU)`` step times of each, warm-up excluded."""
+    baton = _sibling("bench_callbacks")._Baton(len(configs), seed=seed)
+    timers = {c: TurnTimer(baton, k) for k, c in enumerate(configs)}
+    jobs = [job(model_name, c, steps, root, timers[c]) for c in configs]
+    errors: list[BaseException] = []
+
+    def fit(k: int) -> None:
+        trainer, model, loader = jobs[k]
+        try:
+            trainer.fit(model, loader)
+        except BaseException as err:
+            errors.append(err)
+        finally:
+            baton.finish(k)
+
+    threads = [threading.Thread(target=fit, args=(k,)) for k in range(len(configs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return {c: (t.times[2:], t.cpu[2:]) for c, t in timers.items()}
 
 
 def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
@@ -368,16 +416,13 @@ def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
         "floor: one read of each output, parameters copied and compared | plain step (ms) |",
         "|---|---|---|---|---|---|---|",
     ]
-    rng = random.Random(1)
     with tempfile.TemporaryDirectory() as root:
         for model_name in [m for m in MODELS if m[1] in models]:
             wall: dict[str, list[float]] = {c: [] for c in configs}
             cpu: dict[str, list[float]] = {c: [] for c in configs}
-            for _ in range(repeats):
-                order = list(configs)
-                rng.shuffle(order)
-                for config in order:
-                    times, cpu_times = fit_steps(model_name, config, steps, root)
+            for repeat in range(repeats):
+                found = side_by_side(model_name, configs, steps, root, seed=repeat)
+                for config, (times, cpu_times) in found.items():
                     wall[config].append(statistics.median(times))
                     cpu[config].append(statistics.median(cpu_times))
             cells = [fmt(ratio(wall, c, "plain")) for c in configs[1:4]]
