@@ -6,8 +6,10 @@ the per-repeat ratios):
 
 1. **Kernels** — on float32 tensors of 2**20 and 2**22 elements (Gaussian, and after a ReLU),
    the time of the monitor's statistics (one packed state), of the exact histogram (every
-   element bucketed) and of the sampled one (:func:`~lightning_recorder.stats.batched.sample_of`
-   and the weighted counts) in units of ``x.sum()``, one read of the data. ``before`` is the
+   element bucketed) and of the sampled one (the sample copied in the statistics' pass, then
+   the host rows of its histogram) in units of ``x.sum()``, one read of the data; the data
+   passes alone (the fused pass with the sample, the sample's buckets), without the fixed costs
+   a monitor pays once per step for all modules (measured in 3.); and a copy. ``before`` is the
    statistics kernel of the previous release (``mul`` into scratch, ``amin``, ``amax``).
 2. **Parameter statistics** — the parameters of the ResNet-18-like model (11.2 M): a clone
    before the step and a fresh difference after it (before), against persistent buffers filled
@@ -19,9 +21,11 @@ the per-repeat ratios):
    a TensorBoard logger) over that of a plain step, on (a) a small CNN, (b) a ResNet-18-like
    model (basic blocks 64-128-256-512, 32 x 32 inputs) with every module monitored, (c) a
    64-layer MLP (width 256) with every module monitored; the monitor with statistics in the
-   hook (default) and with kept records (``exact_histograms``, ``clone=True``), and, for
+   hook (default) and with kept records (``exact_histograms``, ``clone=True``); for
    information, the default with the TensorBoard event neither built nor written (the
-   package's own work, without TensorBoard's pure-Python checksum on its writer thread).
+   package's own work); and the floor, a callback that only reads each monitored output once
+   and copies and compares the parameters (:class:`FloorReads`). The configurations of a model
+   train in threads that take turns one step at a time (:func:`side_by_side`).
 
 Run ``python benchmarks/bench_logging.py`` (``--quick`` for a smoke run). One CPU thread.
 """

@@ -840,3 +840,28 @@ def test_source_dict_with_an_unknown_key_is_rejected() -> None:
         FeatureStatsMonitor([{"source": "m", "paht": 0}])
     with pytest.raises(RecorderConfigError, match=r"`sources`.*'source' key"):
         FeatureStatsMonitor({"path": 0})
+
+
+def test_logging_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """``benchmarks/bench_logging.py --quick``: every table, every row, positive ratios (a quick
+    run measures, it does not judge)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_logging.py"
+    spec = importlib.util.spec_from_file_location("bench_logging", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    threads = torch.get_num_threads()
+    try:
+        spec.loader.exec_module(bench)
+        report = bench.main(["--quick", "--models", "a"])
+    finally:
+        torch.set_num_threads(threads)
+    assert set(report) == {"kernels", "parameters", "layer", "trainer"}
+    assert len(report["kernels"]) == 2 + 2  # a Gaussian and a ReLU tensor of 2**16
+    (cnn,) = report["trainer"][2:]
+    cells = [c.strip() for c in cnn.strip("|").split("|")]
+    assert cells[0] == "(a) CNN (digits-sized)" and len(cells) == 7
+    ratios = [float(c.split()[0]) for c in cells[1:6]]
+    assert all(r > 0 for r in ratios)
+    assert "floor: one read of each output" in capsys.readouterr().out
