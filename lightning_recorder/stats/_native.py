@@ -268,19 +268,6 @@ void lr_segment_table_f32(const float *x, const int64_t *offsets, int64_t m,
     }
 }
 
-/* lr_bucket_f32 of each segment over its own range: counts holds m * (bins + 1) results;
-   scratch 8 * (bins + 1) int64 of any content. */
-void lr_segment_bucket_f32(const float *x, const int64_t *offsets, int64_t m, const double *lo,
-                           const double *scale, int32_t bins, int64_t *counts, int64_t *scratch) {
-    const int64_t size = (int64_t)bins + 1;
-    for (int64_t i = 0; i < m; i++) {
-        memset(scratch, 0, 8 * size * sizeof *scratch);
-        lr_bucket_f32(x + offsets[i], offsets[i + 1] - offsets[i], lo[i], scale[i], bins,
-                      scratch);
-        memcpy(counts + i * size, scratch, size * sizeof *counts);
-    }
-}
-
 /* lr_bucket_f32 of k tensors (data[j]: the address of n[j] floats) over the range of their set
    (lo[set[j]], scale[set[j]]): counts holds k * (bins + 1) results; scratch 8 * (bins + 1)
    int64 of any content. */
@@ -358,7 +345,6 @@ _SIGNATURES = {
     "lr_bucket_f32": (None, (_P, _N, ctypes.c_double, ctypes.c_double, ctypes.c_int32, _P)),
     "lr_row_f32": (None, (_P, _N, _P, _P, _N)),
     "lr_copy_sumsq_f32": (None, (_P, _P, _P, _N, _P)),
-    "lr_segment_bucket_f32": (None, (_P, _P, _N, _P, _P, ctypes.c_int32, _P, _P)),
     "lr_segment_states_f32": (_N, (_P, _P, _N, ctypes.c_double, _P, _P)),
     "lr_segment_table_f32": (None, (_P, _P, _N, _P, ctypes.c_int32, _P, _P)),
     "lr_diff_sumsq_f32": (None, (_P, _P, _N, _P)),
@@ -529,20 +515,9 @@ def segment_buckets(
 ) -> Tensor:
     """:func:`bucket` of each segment over its own range (``lo``, ``scale``: float64 CPU, one
     per segment), in one call: ``(m, bins + 1)`` int64 counts."""
-    m = offsets.numel() - 1
-    counts = torch.empty(m, bins + 1, dtype=torch.int64)
-    scratch = torch.empty(8 * (bins + 1), dtype=torch.int64)
-    _library().lr_segment_bucket_f32(
-        values.data_ptr(),
-        offsets.data_ptr(),
-        m,
-        lo.data_ptr(),
-        scale.data_ptr(),
-        bins,
-        counts.data_ptr(),
-        scratch.data_ptr(),
-    )
-    return counts
+    bounds = offsets.tolist()
+    segments = [values[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return buckets(segments, torch.arange(len(segments)), lo, scale, bins)
 
 
 def buckets(
