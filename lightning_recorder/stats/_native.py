@@ -28,6 +28,7 @@ possible (:func:`available` is false), callers use torch.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -516,7 +517,7 @@ def segment_buckets(
     """:func:`bucket` of each segment over its own range (``lo``, ``scale``: float64 CPU, one
     per segment), in one call: ``(m, bins + 1)`` int64 counts."""
     bounds = offsets.tolist()
-    segments = [values[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    segments = [values[a:b] for a, b in itertools.pairwise(bounds)]
     return buckets(segments, torch.arange(len(segments)), lo, scale, bins)
 
 
