@@ -75,6 +75,18 @@ static inline double total(vf v) {
     for (int j = 0; j < LANES; j++) s += v[j];
     return s;
 }
+/* float lanes to double lanes: the two halves of v, widened and added (LANES / 2 doubles) */
+typedef double vd __attribute__((vector_size(WIDTH)));
+static inline vd widen(vf v) {
+    vd low, high;
+    for (int j = 0; j < LANES / 2; j++) { low[j] = v[j]; high[j] = v[j + LANES / 2]; }
+    return low + high;
+}
+static inline double dtotal(vd v) {
+    double s = 0;
+    for (int j = 0; j < LANES / 2; j++) s += v[j];
+    return s;
+}
 
 /* A shift for the sums of deviations: the mean of up to 8 finite evenly spaced elements,
    rounded to 8 significant bits. The kernels subtract it in float32: a shift of few bits keeps
@@ -103,7 +115,7 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
     const vf kv = splat(kf), inf = splat(INFINITY), zero = splat(0.0f);
     const vi magnitude = (vi)splat(-0.0f);
     vf lo = inf, hi = -inf;
-    double s = 0, q = 0, a = 0;
+    vd sd = {0}, qd = {0}, ad = {0};  /* the rows' sums, lane by lane, in float64 */
     int64_t z = 0, i = 0;
     const int64_t whole = n / LANES * LANES;
     while (i < whole) {
@@ -132,11 +144,11 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
             lo = vmin(v, lo);
             hi = vmax(v, hi);
         }
-        s += total(sv);
-        q += total(qv); a += total(av);
+        sd += widen(sv); qd += widen(qv); ad += widen(av);
         for (int j = 0; j < LANES; j++) z += zv[j];
         for (; next < end; next += stride) sample[taken++] = x[next];
     }
+    double s = dtotal(sd), q = dtotal(qd), a = dtotal(ad);
     float mn = INFINITY, mx = -INFINITY;
     for (int j = 0; j < LANES; j++) { if (lo[j] < mn) mn = lo[j]; if (hi[j] > mx) mx = hi[j]; }
     for (; i < n; i++) {
