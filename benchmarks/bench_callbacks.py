@@ -65,7 +65,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -262,25 +262,36 @@ def _side_by_side(
         pl.seed_everything(0, verbose=False)  # the same initial weights for every configuration
         label = name.replace(" ", "-")
         jobs.append((_trainer(CONFIGS[name], steps, root, label, timers[name]), DigitsCNN()))
+    run_in_turns(
+        [
+            lambda trainer=trainer, model=model: trainer.fit(model, _loader(steps, batch_size))
+            for trainer, model in jobs
+        ],
+        baton,
+    )
+    return timers
+
+
+def run_in_turns(fits: Sequence[Callable[[], Any]], baton: _Baton) -> None:
+    """Run each of ``fits`` in its own thread (their timers hand the turn on with ``baton``),
+    wait for all, and raise the first error any of them raised."""
     errors: list[BaseException] = []
 
-    def fit(k: int) -> None:
-        trainer, model = jobs[k]
+    def run(k: int) -> None:
         try:
-            trainer.fit(model, _loader(steps, batch_size))
+            fits[k]()
         except BaseException as err:
             errors.append(err)
         finally:
             baton.finish(k)
 
-    threads = [threading.Thread(target=fit, args=(k,)) for k in range(len(names))]
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(fits))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     if errors:
         raise errors[0]
-    return timers
 
 
 def _summary(times: list[float], window: range) -> dict[str, float]:

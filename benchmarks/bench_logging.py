@@ -37,9 +37,9 @@ import importlib.util
 import random
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -388,27 +388,13 @@ def side_by_side(
     """One Trainer per configuration, each in its own thread, taking turns step by step (a
     step of each in a fresh random order every round): the slow spells of a shared machine fall
     on every configuration alike. ``(wall, CPU)`` step times of each, warm-up excluded."""
-    baton = _sibling("bench_callbacks")._Baton(len(configs), seed=seed)
+    turns = _sibling("bench_callbacks")
+    baton = turns._Baton(len(configs), seed=seed)
     timers = {c: TurnTimer(baton, k) for k, c in enumerate(configs)}
     jobs = [job(model_name, c, steps, root, timers[c]) for c in configs]
-    errors: list[BaseException] = []
-
-    def fit(k: int) -> None:
-        trainer, model, loader = jobs[k]
-        try:
-            trainer.fit(model, loader)
-        except BaseException as err:
-            errors.append(err)
-        finally:
-            baton.finish(k)
-
-    threads = [threading.Thread(target=fit, args=(k,)) for k in range(len(configs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    turns.run_in_turns(
+        [partial(trainer.fit, model, loader) for trainer, model, loader in jobs], baton
+    )
     return {c: (t.times[2:], t.cpu[2:]) for c, t in timers.items()}
 
 
