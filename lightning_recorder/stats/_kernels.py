@@ -373,6 +373,13 @@ def fused_row(
 ) -> list[float]:
     """:func:`fused_state` as a host list of 9 floats (no tensor built). ``v`` may have any
     shape, as long as it is contiguous (the kernel reads its memory in order)."""
+    if v.numel() < _native.PARALLEL_MIN:  # one call computes the state too
+        row, flag = _native.state_row(v, sample, stride, NATIVE_CANCEL_BITS)
+        if flag == 1:
+            return masked_state(flat64(v.detach().reshape(-1))).tolist()
+        if flag == 2:
+            row[M2] = deviations_m2(v.detach().reshape(-1), row[MEAN], work)
+        return row
     shift, total, squares, abs_sum, low, high, zeros = _native.moments(v, sample, stride)
     if not (math.isfinite(total) and math.isfinite(squares)):
         return masked_state(flat64(v.detach().reshape(-1))).tolist()

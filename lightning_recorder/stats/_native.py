@@ -171,6 +171,22 @@ void lr_row_f32(const float *x, int64_t n, double *out, float *sample, int64_t s
     lr_moments_f32(x, n, out[0], out + 1, sample, 0, stride);
 }
 
+/* The packed state (n, mean, M2, min, max, mean |x|, zeros, 0, n) of x[0:n] (n > 0), from
+   lr_row_f32 (the sample copied on the way if it is not NULL). Returns 0; 1 where the sums are
+   not finite; 2 where M2 = sum(d^2) - sum(d)^2 / n keeps less than sum(d^2) / cancel. The
+   caller computes the state another way in the last two cases. */
+int32_t lr_state_f32(const float *x, int64_t n, double cancel, double *state, float *sample,
+                     int64_t stride) {
+    double r[7];
+    lr_row_f32(x, n, r, sample, stride);
+    const double total = r[1], squares = r[2], count = (double)n;
+    const double m2 = squares - total * total / count;
+    state[0] = count; state[1] = r[0] + total / count; state[2] = m2; state[3] = r[4];
+    state[4] = r[5]; state[5] = r[3] / count; state[6] = r[6]; state[7] = 0; state[8] = count;
+    if (!(isfinite(total) && isfinite(squares))) return 1;
+    return m2 * cancel >= squares ? 0 : 2;
+}
+
 /* counts[i] += the number of finite v with floor((v - lo) * scale) == i, positions (in
    float32, as bucket_native's for float32 data) clamped to [0, bins]. counts holds
    8 * (bins + 1) zeros; its first 4 * (bins + 2) serve as four tallies (element i counted in
@@ -357,6 +373,7 @@ _SIGNATURES = {
     "lr_moments_f32": (None, (_P, _N, ctypes.c_double, _P, _P, _N, _N)),
     "lr_bucket_f32": (None, (_P, _N, ctypes.c_double, ctypes.c_double, ctypes.c_int32, _P)),
     "lr_row_f32": (None, (_P, _N, _P, _P, _N)),
+    "lr_state_f32": (ctypes.c_int32, (_P, _N, ctypes.c_double, _P, _P, _N)),
     "lr_copy_sumsq_f32": (None, (_P, _P, _P, _N, _P)),
     "lr_segment_states_f32": (_N, (_P, _P, _N, ctypes.c_double, _P, _P)),
     "lr_segment_table_f32": (None, (_P, _P, _N, _P, ctypes.c_int32, _P, _P)),
@@ -472,6 +489,19 @@ def moments(
         max(r[4] for r in rows),
         sum(r[5] for r in rows),
     )
+
+
+def state_row(
+    x: Tensor, sample: Tensor | None, stride: int, cancel_bits: int
+) -> tuple[list[float], int]:
+    """The packed state of a :func:`usable` tensor of fewer than :data:`PARALLEL_MIN` elements
+    as a host list of 9 floats, from one pass (``sample`` as in :func:`moments`), and a flag: 0,
+    or 1 where the sums are not finite, 2 where more than ``cancel_bits`` bits of ``M2`` were
+    lost to cancellation (the caller then computes them another way)."""
+    state = (ctypes.c_double * 9)()
+    kept = sample.data_ptr() if sample is not None else None
+    flag = _library().lr_state_f32(x.data_ptr(), x.numel(), 2.0**cancel_bits, state, kept, stride)
+    return list(state), flag
 
 
 def bucket(x: Tensor, lo: float, hi: float, bins: int) -> list[int]:

@@ -368,3 +368,38 @@ def test_all_histograms_in_one_call_decline_what_they_cannot_take() -> None:
     narrow = torch.tensor([1e6, 1e6 + 0.0625])
     narrow_states = torch.stack([native_state(narrow, Workspace())])
     assert native_histograms([[narrow]], narrow_states, 2**25) is None  # a "search" range
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_the_state_in_one_call_flags_what_it_cannot_finish() -> None:
+    """``state_row``: the packed state from the kernel's own arithmetic, or a flag (1: not
+    finite, 2: cancellation) that sends :func:`native_state` to the exact paths."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5000, generator=g) * 2 + 0.25
+    row, flag = _native.state_row(x, None, 1, 3)
+    assert flag == 0
+    shift, total, squares, abs_sum, low, high, zeros = _native.moments(x)
+    mean = shift + total / 5000
+    assert row == [
+        5000,
+        mean,
+        squares - total * total / 5000,
+        low,
+        high,
+        abs_sum / 5000,
+        zeros,
+        0,
+        5000,
+    ]
+    bad = x.clone()
+    bad[7] = math.inf
+    assert _native.state_row(bad, None, 1, 3)[1] == 1
+    far = torch.randn(5000, generator=g) * 1e-3 + 1001  # the shift is 1000: one pass cancels
+    assert _native.state_row(far, None, 1, 3)[1] == 2
+    for v in (bad, far):  # the flagged cases through the monitor's kernel: the exact values
+        got = finalize(native_state(v, Workspace())[None], 1)
+        exact = v.double()[torch.isfinite(v)]  # the statistics are of the finite values
+        assert got["min"].item() == exact.min().item() and got["max"].item() == exact.max().item()
+        assert got["nonfinite"].item() == v.numel() - exact.numel()
+        assert got["mean"].item() == pytest.approx(exact.mean().item(), rel=1e-6)
+        assert got["std"].item() == pytest.approx(exact.std().item(), rel=1e-5)
