@@ -145,3 +145,23 @@ def test_nothing_changes_without_the_native_code(
         monkeypatch.delenv("LIGHTNING_RECORDER_NATIVE")
         native.reset()
     assert crc32c.available()
+
+
+class _FailingNet(ProbeNet):
+    """Fails in its third training step, after two logged ones."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx == 2:
+            raise RuntimeError("the third step fails")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_writer_is_given_back_when_the_run_fails(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    monitor = FeatureStatsMonitor(["probe"], every_n_steps=1)
+    probe = _WriterProbe()
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=5, callbacks=[monitor, probe])
+    with pytest.raises(RuntimeError, match="third step fails"):
+        trainer.fit(_FailingNet(lr=1e-3), loader(features(20, seed=3)))
+    assert probe.seen == [True, True]
+    assert "write" not in vars(probe.record_writers[0])
