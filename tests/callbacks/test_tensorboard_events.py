@@ -24,6 +24,7 @@ import lightning_recorder.callbacks.stats_monitor as monitor_module
 from lightning_recorder import FeatureStatsMonitor
 from lightning_recorder.callbacks._lightning import (
     collapse_empty_buckets,
+    scalar_bytes,
     tensorboard_summary,
     write_tensorboard,
 )
@@ -125,6 +126,25 @@ def test_summary_is_smaller_with_empty_runs() -> None:
         50.0,
         900.0,
     )
+
+
+# ------------------------------------------------------------------ the scalars' wire bytes
+@settings(max_examples=150, deadline=None)
+@given(
+    st.dictionaries(
+        st.text(min_size=1, max_size=300),  # tags of more than 127 bytes: two-byte lengths
+        st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([-0.0, 1e39, 1e-50]),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_scalar_bytes_are_the_summary_protobuf_builds(values: dict[str, float]) -> None:
+    built = Summary()
+    for tag, value in values.items():
+        built.value.add(tag=tag, simple_value=value)  # protobuf's own encoder, value by value
+    ours = scalar_bytes(values)
+    assert Summary.FromString(ours).SerializeToString() == built.SerializeToString()
+    assert ours == built.SerializeToString()  # the very bytes, in the same order
 
 
 # ------------------------------------------------------------------ a real run, read back
