@@ -99,11 +99,11 @@ def write_tensorboard(
     Writing each scalar through ``add_scalar`` costs a queue hand-off to the writer thread per
     tag, two orders of magnitude more than building one ``Summary`` with many values. Runs of
     empty histogram buckets are written as one bucket each (:func:`collapse_empty_buckets`):
-    TensorBoard shows the same histogram from fewer bytes, and its writer thread checksums every
-    byte in Python. The logger's ``prefix`` is applied as its ``log_metrics`` would. The
-    writers of ``torch.utils.tensorboard`` and of tensorboardX get the one event (tensorboardX
-    checksums it in C when the ``crc32c`` package is installed); other writers get one call per
-    tag. Call on rank 0 only.
+    TensorBoard shows the same histogram from fewer bytes (which its writer thread checksums, in
+    Python unless :func:`native_checksums` gave it the C checksum). The logger's ``prefix`` is
+    applied as its ``log_metrics`` would. The writers of ``torch.utils.tensorboard`` and of
+    tensorboardX get the one event (tensorboardX checksums it in C when the ``crc32c`` package is
+    installed); other writers get one call per tag. Call on rank 0 only.
 
     Args:
         logger: the TensorBoard logger.

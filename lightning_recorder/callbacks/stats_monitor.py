@@ -263,30 +263,20 @@ class _Pending:
         fused = None
         if x.is_cpu:
             fused = sampled_row(x, work, sample, lambda n: _take(spare, n, torch.float32))
-        kept: Tensor | None
+        kept: Tensor | None = None
         if fused is not None:
             row, kept, weight = fused
             self.rows.append(row)
-            if len(self.states) + len(self.rows) >= 64:  # a module called many times
-                self.states = [self.state(x.device)]
-                self.rows = []
-            if kept is not None:
-                self._keep(kept, weight, sample)
-            return
-        x = x.detach()
-        if sample <= 0:
-            self.states.append(native_state(x, work))
-            kept = None
-        else:  # the kernel does not take x (already asked above): torch's two passes
-            kept, weight = sample_of(x, sample)
+        else:  # the kernel does not take x (already asked above): torch's passes
+            x = x.detach()
+            if sample > 0:
+                kept, weight = sample_of(x, sample)
             self.states.append(native_state(x, work))
         if len(self.states) + len(self.rows) >= 64:  # a module called many times (an RNN cell)
             self.states = [self.state(x.device)]
             self.rows = []
-        if kept is not None:
-            self._keep(kept, weight, sample)
-
-    def _keep(self, kept: Tensor, weight: float, sample: int) -> None:
+        if kept is None:
+            return
         self.samples.append(kept)
         self.weights.append(weight)
         self.held += kept.numel()

@@ -359,20 +359,13 @@ class BaseRecorder(abc.ABC):
             NotInitializedError: :meth:`initialize` was not called.
             RecorderStateError: another thread is recording with this recorder.
         """
-        if not self._initialized:
-            raise NotInitializedError(
-                f"{self!r} is not initialized: call `initialize(model)` before recording."
-            )
         with _CONTEXT_LOCK:
             self._check_thread()
-            if self._recording:
-                return
-            self._holder = _this_thread()
-            self._start()
+            self._start_as(_this_thread())
 
     def _start_as(self, holder: tuple[int, str]) -> None:
-        """:meth:`start` for a manager that has checked the threads of all its recorders
-        (under ``_CONTEXT_LOCK``) and looked up the current thread once for all of them."""
+        """:meth:`start` once the thread is checked (under ``_CONTEXT_LOCK``), ``holder`` the
+        current thread (a manager looks it up once for all its recorders)."""
         if not self._initialized:
             raise NotInitializedError(
                 f"{self!r} is not initialized: call `initialize(model)` before recording."

@@ -373,22 +373,32 @@ def fused_row(
 ) -> list[float]:
     """:func:`fused_state` as a host list of 9 floats (no tensor built). ``v`` may have any
     shape, as long as it is contiguous (the kernel reads its memory in order)."""
-    if v.numel() < _native.PARALLEL_MIN:  # one call computes the state too
-        row, flag = _native.state_row(v, sample, stride, NATIVE_CANCEL_BITS)
-        if flag == 1:
-            return masked_state(flat64(v.detach().reshape(-1))).tolist()
-        if flag == 2:
-            row[M2] = deviations_m2(v.detach().reshape(-1), row[MEAN], work)
-        return row
-    shift, total, squares, abs_sum, low, high, zeros = _native.moments(v, sample, stride)
-    if not (math.isfinite(total) and math.isfinite(squares)):
-        return masked_state(flat64(v.detach().reshape(-1))).tolist()
     n = v.numel()
-    mean = shift + total / n
-    m2 = squares - total * total / n
-    if not one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS):
-        m2 = deviations_m2(v.detach().reshape(-1), mean, work)
-    return [n, mean, m2, low, high, abs_sum / n, zeros, 0.0, n]
+    if n < _native.PARALLEL_MIN:  # one call computes the state too
+        row, flag = _native.state_row(v, sample, stride, NATIVE_CANCEL_BITS)
+    else:  # the sums of parts taken on several threads: the same state from them
+        shift, total, squares, abs_sum, low, high, zeros = _native.moments(v, sample, stride)
+        m2 = squares - total * total / n
+        row = [n, shift + total / n, m2, low, high, abs_sum / n, zeros, 0.0, n]
+        if not (math.isfinite(total) and math.isfinite(squares)):
+            flag = 1
+        else:
+            flag = 0 if one_pass_suffices(squares, m2, NATIVE_CANCEL_BITS) else 2
+    return row if flag == 0 else finished_row(v, row, flag, work)
+
+
+def finished_row(v: Tensor, row: list[float], flag: int, work: Workspace) -> list[float]:
+    """The packed state of the contiguous float32 CPU values ``v`` from the fused kernel's
+    ``row`` and its flag: the row itself (0); the exact masked path where its sums are not
+    finite (1); its ``M2`` summed from the deviations where one pass lost too many bits to
+    cancellation (2)."""
+    if flag == 0:
+        return row
+    flat = v.detach().reshape(-1)
+    if flag == 1:
+        return masked_state(flat64(flat)).tolist()
+    row[M2] = deviations_m2(flat, row[MEAN], work)
+    return row
 
 
 def deviations_m2(v: Tensor, mean: float, work: Workspace) -> float:
@@ -567,9 +577,21 @@ def bucket_path(dtype: torch.dtype, lo: float, hi: float, bins: int) -> str:
         and bins < 2**20
     ):
         return "float32"
-    if span > bins * reach * NARROW_64 and 2.0**-900 < span < 2.0**1000 and bins < 2**30:
-        return "float64"  # the comparisons are False for an infinite or NaN span
+    if arithmetic_64(lo, hi, bins) and bins < 2**30:
+        return "float64"
     return "search"
+
+
+def arithmetic_64(lo: Any, hi: Any, bins: int) -> Any:
+    """Whether ``[lo, hi]`` is wide enough, relative to its magnitude, for float64 positions
+    (the ``"float64"`` rule of :func:`bucket_path`, ``bins`` aside): Python floats give a bool,
+    tensors of ranges a boolean tensor. The comparisons are False for an infinite or NaN span."""
+    span = hi - lo
+    if isinstance(span, Tensor):
+        reach: Any = torch.maximum(lo.abs(), hi.abs())
+    else:
+        reach = max(abs(lo), abs(hi))
+    return (span > bins * reach * NARROW_64) & (span > 2.0**-900) & (span < 2.0**1000)
 
 
 def bucket_cpu(
@@ -884,15 +906,13 @@ def native_histograms(
                 scale_of.append(1.0 if weights is None else weights[m][i])
     vmin, vmax, lo, edges = device_ranges(states, bins, sync=False, group=None)
     hi = edges[:, -1]
-    span, reach = hi - lo, torch.maximum(lo.abs(), hi.abs())
-    arithmetic = (span > bins * reach * NARROW_64) & (span > 2.0**-900) & (span < 2.0**1000)
-    if not bool(arithmetic.all()):  # see bucket_path: "search" ranges
+    if not bool(arithmetic_64(lo, hi, bins).all()):  # see bucket_path: "search" ranges
         return None
     m = states.shape[0]
     summed = torch.zeros(m, bins + 1, dtype=F64)
     if tensors:
         index = torch.tensor(sets, dtype=torch.int64)
-        scale = (bins / span).contiguous()
+        scale = (bins / (hi - lo)).contiguous()
         counts = _native.buckets(tensors, index, lo.contiguous(), scale, bins)
         w = torch.tensor(scale_of, dtype=F64)
         summed.index_add_(0, index, counts.to(F64) * w[:, None])

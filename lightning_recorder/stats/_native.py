@@ -241,21 +241,14 @@ int64_t lr_segment_states_f32(const float *x, const int64_t *offsets, int64_t m,
     int64_t flagged = 0;
     for (int64_t i = 0; i < m; i++) {
         const int64_t n = offsets[i + 1] - offsets[i];
-        double *row = states + 9 * i, r[6];
-        redo[i] = 0;
+        double *row = states + 9 * i;
         if (n <= 0) {
             for (int j = 0; j < 9; j++) row[j] = 0;
             row[3] = INFINITY; row[4] = -INFINITY;
+            redo[i] = 0;
             continue;
         }
-        const double k = lr_shift_f32(x + offsets[i], n);
-        lr_moments_f32(x + offsets[i], n, k, r, 0, 0, 1);
-        const double total = r[0], squares = r[1], count = (double)n;
-        const double m2 = squares - total * total / count;
-        row[0] = count; row[1] = k + total / count; row[2] = m2; row[3] = r[3]; row[4] = r[4];
-        row[5] = r[2] / count; row[6] = r[5]; row[7] = 0; row[8] = count;
-        if (!(isfinite(total) && isfinite(squares))) redo[i] = 1;
-        else if (!(m2 * cancel >= squares)) redo[i] = 2;
+        redo[i] = (int8_t)lr_state_f32(x + offsets[i], n, cancel, row, 0, 1);
         flagged += redo[i] != 0;
     }
     return flagged;

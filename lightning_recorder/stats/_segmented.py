@@ -32,14 +32,10 @@ from . import _native
 from ._kernels import (
     EXACT_IN_32,
     F64,
-    M2,
-    MEAN,
     NATIVE_CANCEL_BITS,
     Workspace,
-    deviations_m2,
     device_ranges,
-    flat64,
-    masked_state,
+    finished_row,
     one_pass_suffices,
     summed_over_ranks,
 )
@@ -149,16 +145,12 @@ def native_segments(
     states, redo = _native.segment_states(values, offsets, NATIVE_CANCEL_BITS)
     if redo is None:
         return values, offsets, states
-    work: Workspace | None = None
+    work = Workspace()
     for i, why in enumerate(redo.tolist()):  # rare: non-finite values, or cancellation
-        if not why:
-            continue
-        segment = values[starts[i] : starts[i] + sizes[i]]
-        if why == 1:
-            states[i] = masked_state(flat64(segment))
-        else:
-            work = work or Workspace()
-            states[i, M2] = deviations_m2(segment, states[i, MEAN].item(), work)
+        if why:
+            segment = values[starts[i] : starts[i] + sizes[i]]
+            row = finished_row(segment, states[i].tolist(), why, work)
+            states[i] = torch.tensor(row, dtype=F64)
     return values, offsets, states
 
 
