@@ -9,7 +9,8 @@ that a change in Lightning touches one file.
   ``on_train_batch_end`` ``trainer.global_step`` is already ``k + 1``, and it counts one step per
   optimizer, so it is not that axis.)
 * **TensorBoard.** :func:`write_tensorboard` writes many scalars and histograms of one step as
-  one event, runs of empty buckets collapsed (:func:`collapse_empty_buckets`);
+  one event, runs of empty buckets collapsed (:func:`collapse_empty_buckets`); the histograms of
+  a :class:`HistogramTable` are encoded in C (:mod:`lightning_recorder._core.summary_proto`);
   :func:`native_checksums` gives a logger's event file the C CRC-32C
   (:mod:`lightning_recorder._core.crc32c`) in place of TensorBoard's pure-Python one, and
   :func:`restore_checksums` takes it back.
@@ -28,15 +29,16 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 
-from .._core import crc32c
+from .._core import crc32c, summary_proto
 from ..errors import RecorderConfigError
 
 Stage = Literal["train", "val", "test", "predict"]
@@ -91,7 +93,7 @@ def is_due(step: int, every_n_steps: int) -> bool:
 def write_tensorboard(
     logger: TensorBoardLogger,
     scalars: dict[str, float],
-    hists: dict[str, dict[str, Any]],
+    hists: Mapping[str, dict[str, Any]],
     step: int,
 ) -> None:
     """Write scalars and histograms as one TensorBoard event (one queue put, not one per tag).
@@ -108,14 +110,18 @@ def write_tensorboard(
     Args:
         logger: the TensorBoard logger.
         scalars: ``{tag: value}``.
-        hists: ``{tag: keyword arguments of SummaryWriter.add_histogram_raw}``.
+        hists: ``{tag: keyword arguments of SummaryWriter.add_histogram_raw}``, or a
+            :class:`HistogramTable` (encoded in C where the encoder is built).
         step: the ``global_step`` of every value.
     """
     prefix = getattr(logger, "_prefix", "")
     if prefix:
         join = getattr(logger, "LOGGER_JOIN_CHAR", "-")
         scalars = {f"{prefix}{join}{k}": v for k, v in scalars.items()}
-        hists = {f"{prefix}{join}{k}": v for k, v in hists.items()}
+        if isinstance(hists, HistogramTable):
+            hists = hists.prefixed(f"{prefix}{join}")
+        else:
+            hists = {f"{prefix}{join}{k}": v for k, v in hists.items()}
     writer = logger.experiment
     summary_type = summary_class(writer)
     if summary_type is None:  # a writer of unknown make: its public API, one call per tag
@@ -202,16 +208,82 @@ def summary_class(writer: object) -> Any:
     return None
 
 
+class HistogramTable(Mapping[str, dict[str, Any]]):
+    """The histograms of one logged step as one host table: row ``i`` of ``table`` (a contiguous
+    float64 CPU tensor of :func:`~lightning_recorder.stats._kernels.raw_table`'s rows, ``bins``
+    buckets) is the histogram of ``tags[i]``; rows without data are not histograms.
+
+    As a mapping it is the ``{tag: add_histogram_raw keyword arguments}`` of the others
+    (:meth:`HistogramRow.raw_kwargs`, built on first use); :func:`tensorboard_summary` encodes
+    its rows in C instead (:func:`histogram_entries`), without a Python object per histogram.
+    """
+
+    __slots__ = ("_kwargs", "bins", "table", "tags")
+
+    def __init__(self, table: torch.Tensor, bins: int, tags: tuple[str, ...]) -> None:
+        self.table, self.bins, self.tags = table, bins, tags
+        self._kwargs: dict[str, dict[str, Any]] | None = None
+
+    def prefixed(self, prefix: str) -> HistogramTable:
+        """The same histograms with ``prefix`` before every tag."""
+        return HistogramTable(self.table, self.bins, tuple(prefix + tag for tag in self.tags))
+
+    def _dict(self) -> dict[str, dict[str, Any]]:
+        if self._kwargs is None:
+            from ..stats._kernels import HistogramRow
+
+            self._kwargs = {}
+            for tag, row in zip(self.tags, self.table.tolist(), strict=True):
+                kwargs = HistogramRow.from_flat(row, self.bins).raw_kwargs()
+                if kwargs is not None:
+                    self._kwargs[tag] = kwargs
+        return self._kwargs
+
+    def __getitem__(self, tag: str) -> dict[str, Any]:
+        return self._dict()[tag]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+
+_TAG_BYTES: dict[tuple[str, ...], summary_proto.Tags] = {}  # each table's tags, encoded
+
+
+def _encoded_tags(tags: tuple[str, ...]) -> summary_proto.Tags:
+    found = _TAG_BYTES.get(tags)
+    if found is None:
+        if len(_TAG_BYTES) >= 64:  # a bound, for runs that invent tags
+            _TAG_BYTES.clear()
+        found = _TAG_BYTES[tags] = summary_proto.Tags(tags)
+    return found
+
+
+def histogram_entries(hists: HistogramTable) -> bytes | None:
+    """The serialized ``Summary.value`` entries of ``hists`` (runs of empty buckets collapsed, as
+    :func:`tensorboard_summary` collapses them), or ``None`` where the C encoder is not built."""
+    if not summary_proto.available():
+        return None
+    return summary_proto.histogram_entries(hists.table, hists.bins, _encoded_tags(hists.tags))
+
+
 def tensorboard_summary(
-    scalars: dict[str, float], hists: dict[str, dict[str, Any]], summary_type: Any = None
+    scalars: dict[str, float], hists: Mapping[str, dict[str, Any]], summary_type: Any = None
 ) -> Any:
     """One ``Summary`` of scalars (``simple_value``) and histograms (``HistogramProto``, runs of
     empty buckets collapsed) — the event :func:`write_tensorboard` writes. ``summary_type`` is
-    the message class (:func:`summary_class`); ``None`` is TensorBoard's."""
+    the message class (:func:`summary_class`); ``None`` is TensorBoard's. The histograms of a
+    :class:`HistogramTable` are encoded in C where the encoder is built."""
     if summary_type is None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         summary_type = Summary
+    if isinstance(hists, HistogramTable):
+        entries = histogram_entries(hists)
+        if entries is not None:  # scalars and histograms parsed from their wire bytes at once
+            return summary_type.FromString(scalar_bytes(scalars) + entries)
     # the scalars parsed from their wire bytes (one C call), then the histograms added in place
     summary = summary_type.FromString(scalar_bytes(scalars)) if scalars else summary_type()
     add = summary.value.add  # filling the message in place is twice as fast as building values
@@ -256,7 +328,14 @@ def _scalar_prefix(tag: str) -> bytes:
 def scalar_bytes(scalars: dict[str, float]) -> bytes:
     """The serialized ``Summary`` of ``scalars`` as ``simple_value`` s: each value rounded to
     float32 as protobuf rounds it (beyond its range to an infinity); the tags' bytes are cached,
-    a monitor writing the same tags on every logged step."""
+    a monitor writing the same tags on every logged step (encoded in C where it is built)."""
+    if scalars and summary_proto.available():
+        return summary_proto.scalar_entries(list(scalars.values()), _encoded_tags(tuple(scalars)))
+    return python_scalar_bytes(scalars)
+
+
+def python_scalar_bytes(scalars: dict[str, float]) -> bytes:
+    """:func:`scalar_bytes` without the C encoder."""
     with np.errstate(over="ignore"):
         raw = np.asarray(list(scalars.values()), dtype=np.float64).astype("<f4").tobytes()
     return b"".join([_scalar_prefix(tag) + raw[4 * i : 4 * i + 4] for i, tag in enumerate(scalars)])
@@ -323,7 +402,7 @@ def numpy_histogram(kwargs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
 def write_wandb(
     logger: WandbLogger,
     scalars: dict[str, float],
-    hists: dict[str, dict[str, Any]],
+    hists: Mapping[str, dict[str, Any]],
     step: int,
 ) -> None:
     """Log scalars and histograms (``wandb.Histogram`` from the very buckets written to

@@ -51,6 +51,7 @@ from ..stats.batched import (
 )
 from ..stats.sharded import any_sharded, full_values, is_sharded, shard_for_stats
 from ._lightning import (
+    HistogramTable,
     Stage,
     histogram_loggers,
     logger_names,
@@ -570,10 +571,10 @@ class FeatureStatsMonitor(RecorderCallback):
         self._states: dict[Stage, Tensor] = {}
         self._params: dict[str, nn.Parameter] = {}
         self._before: dict[str, Tensor] = {}
-        self._grad_norms: dict[str, Tensor] = {}
+        self._grad_norms: dict[str, Tensor | float] = {}  # floats from the fused CPU kernel
         self._before_squares: dict[str, float] = {}  # squared norms taken with the copies
         self._sharded = False  # monitored parameters are DTensors (norms are collectives)
-        self._eval_hists: dict[str, dict[str, Any]] | None = None
+        self._eval_hists: Mapping[str, dict[str, Any]] | None = None
 
     def tag(self, stage: Stage, name: str, stat: str) -> str:
         """The tag of statistic ``stat`` of module or parameter ``name`` in ``stage``."""
@@ -841,8 +842,7 @@ class FeatureStatsMonitor(RecorderCallback):
             if fused is not None:
                 sizes, grad_squares = fused
                 self._before_squares.update(zip(names, sizes, strict=True))
-                norms = list(torch.tensor(grad_squares, dtype=torch.float64).sqrt().unbind())
-                self._grad_norms.update(zip(names, norms, strict=True))
+                self._grad_norms.update(zip(names, map(math.sqrt, grad_squares), strict=True))
             else:
                 norms = foreach_norms(grads)
                 if self._sharded:
@@ -898,14 +898,21 @@ class FeatureStatsMonitor(RecorderCallback):
         parts: list[list[Tensor]],
         states: Tensor,
         weights: list[list[float]] | None = None,
-    ) -> dict[str, dict[str, Any]]:
+    ) -> Mapping[str, dict[str, Any]]:
         """TensorBoard histograms of this batch's records (a collective under DDP)."""
         table = self._histogram_table(parts, states, weights)
         if table is None or not trainer.is_global_zero:
             return {}
         if isinstance(table, Tensor):
+            if table.is_cpu:
+                return self._host_table(stage, table)
             table = [HistogramRow.from_flat(row, self.bins) for row in table.tolist()]
         return self._histogram_kwargs(stage, table)
+
+    def _host_table(self, stage: Stage, table: Tensor) -> HistogramTable:
+        """The histograms of a host table of :func:`raw_table` rows, one a module, by tag."""
+        tags = tuple(self._tags(stage, module, _HISTOGRAM)[0] for module in self._streams)
+        return HistogramTable(table.to(torch.float64).contiguous(), self.bins, tags)
 
     def _histogram_kwargs(
         self, stage: Stage, rows: list[HistogramRow]
@@ -948,10 +955,10 @@ class FeatureStatsMonitor(RecorderCallback):
         return scalars
 
     def _parameter_tensors(self) -> tuple[list[str], list[Tensor]]:
-        """The names of the stepped parameters, and the 0-d tensors of
-        :meth:`_parameter_scalars` (still on the device): the norm of every monitored parameter,
-        then of each stepped one's value before the step and its change, then its gradient norm.
-        """
+        """The names of the stepped parameters, and the tensors of :meth:`_parameter_scalars`
+        (still on the device; one tensor from the fused CPU kernels' floats): the norm of every
+        monitored parameter, then of each stepped one's value before the step and its change,
+        then its gradient norm."""
         stepped = list(dict.fromkeys(self._stepped))
         before = [self._before[name] for name in stepped]
         grad_norms = [self._grad_norms[name] for name in stepped]
@@ -967,17 +974,23 @@ class FeatureStatsMonitor(RecorderCallback):
                     norm_of.update(zip(others, rest.tolist(), strict=True))
                 sizes = [math.sqrt(self._before_squares[name]) for name in stepped]
                 values = torch.tensor(
-                    [*(norm_of[name] for name in self._params), *sizes, *map(math.sqrt, changes)],
+                    [
+                        *(norm_of[name] for name in self._params),
+                        *sizes,
+                        *map(math.sqrt, changes),
+                        *cast(list[float], grad_norms),  # floats: the fused kernel's
+                    ],
                     dtype=torch.float64,
                 )
-                return stepped, [values, *grad_norms]
+                return stepped, [values]
         with torch.no_grad():  # two foreach norms, one in-place foreach difference
             norms = foreach_norms([*self._params.values(), *before])
             foreach_sub_(before, upcast([self._params[name] for name in stepped]))
             norms = [*norms, *foreach_norms(before)]  # ||before - after|| = ||change||
             if self._sharded:
                 norms = full_values(norms)  # collectives, on every rank in the same order
-        return stepped, [*norms, *grad_norms]
+        as_tensors = [g if isinstance(g, Tensor) else torch.tensor(g) for g in grad_norms]
+        return stepped, [*norms, *as_tensors]
 
     def _parameter_scalars(self, stepped: list[str], values: list[float]) -> dict[str, float]:
         """Norms of the monitored parameters; gradient norms and update ratios of those stepped,
@@ -1012,13 +1025,15 @@ class FeatureStatsMonitor(RecorderCallback):
         table = self._histogram_table(parts, batch, weights)
         state = self._gathered(trainer, "train")
         scalars: dict[str, float] = {}
-        hists: dict[str, dict[str, Any]] = {}
+        hists: Mapping[str, dict[str, Any]] = {}
         sharded_norms = self._parameter_tensors() if self._params and self._sharded else None
         if trainer.is_global_zero:
             if sharded_norms is not None:
                 stepped, norms = sharded_norms
             else:
                 stepped, norms = self._parameter_tensors() if self._params else ([], [])
+            if isinstance(table, Tensor) and table.is_cpu:
+                hists, table = self._host_table("train", table), None
             on_device = [table] if isinstance(table, Tensor) else []
             values = host_floats([*on_device, state, *norms])  # the step's one host copy
             at = 0
@@ -1046,14 +1061,14 @@ class FeatureStatsMonitor(RecorderCallback):
         if stage not in self.stages or self._manager is None or trainer.sanity_checking:
             return
         scalars = self._compute(trainer, stage)
-        hists, self._eval_hists = self._eval_hists or {}, None
+        hists, self._eval_hists = self._eval_hists if self._eval_hists is not None else {}, None
         self._write(trainer, scalars, hists, step_axis(trainer))
 
     def _write(
         self,
         trainer: pl.Trainer,
         scalars: dict[str, float],
-        hists: dict[str, dict[str, Any]],
+        hists: Mapping[str, dict[str, Any]],
         step: int,
     ) -> None:
         if not trainer.is_global_zero:
