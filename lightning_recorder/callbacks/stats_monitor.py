@@ -37,7 +37,7 @@ from ..stats.batched import (
     host_floats,
     merge,
     merged,
-    native_histograms,
+    native_histogram_table,
     native_segmented_histograms,
     native_segmented_table,
     native_segments,
@@ -873,9 +873,9 @@ class FeatureStatsMonitor(RecorderCallback):
         # every rank; buckets in the data's precision, like the statistics
         if states.device.type == "cpu":
             if not distributed_active(None):  # one process: every module in one kernel call
-                found = native_histograms(parts, states, self.bins, weights)
+                found = native_histogram_table(parts, states, self.bins, weights)
                 if found is not None:
-                    return raw_table(*found)
+                    return found
             work = cast(Workspace, self._work)
             return histogram_rows_cpu(
                 parts,

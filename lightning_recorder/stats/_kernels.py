@@ -585,7 +585,8 @@ def bucket_path(dtype: torch.dtype, lo: float, hi: float, bins: int) -> str:
 def arithmetic_64(lo: Any, hi: Any, bins: int) -> Any:
     """Whether ``[lo, hi]`` is wide enough, relative to its magnitude, for float64 positions
     (the ``"float64"`` rule of :func:`bucket_path`, ``bins`` aside): Python floats give a bool,
-    tensors of ranges a boolean tensor. The comparisons are False for an infinite or NaN span."""
+    tensors of ranges a boolean tensor. The comparisons are False for an infinite or NaN span.
+    The fused kernel's table (``lr_sets_table_f32``) applies the same rule in C."""
     span = hi - lo
     if isinstance(span, Tensor):
         reach: Any = torch.maximum(lo.abs(), hi.abs())
@@ -887,12 +888,34 @@ def native_histograms(
     weights: Sequence[Sequence[float]] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
     """:func:`histograms_device`'s histograms of CPU tensors in one pass of the fused kernel
-    over each and a few operations for every set at once (no Python per set), for one process
-    (no collective); ``None`` (nothing done) where it does not apply: no kernel, a tensor that
-    is not float32 (see :func:`~lightning_recorder.stats._native.usable`), or a range too
-    narrow for arithmetic bucketing. The buckets are :func:`histogram_rows_cpu`'s with
-    ``exact=False``: float32 positions, the last bucket closed, weighted counts scaled to each
-    set's count of finite values."""
+    over each, for one process (no collective): :func:`native_histogram_table` split into
+    :func:`raw_table`'s parts; ``None`` (nothing done) where it does not apply."""
+    table = native_histogram_table(parts, states, bins, weights)
+    if table is None:
+        return None
+    return (
+        table[:, 6 + bins :],
+        table[:, 5 : 6 + bins],
+        table[:, 3],
+        table[:, 4],
+        table[:, :3],
+    )
+
+
+def native_histogram_table(
+    parts: Sequence[Sequence[Tensor]],
+    states: Tensor,
+    bins: int,
+    weights: Sequence[Sequence[float]] | None = None,
+) -> Tensor | None:
+    """The :func:`raw_table` of :func:`histograms_device`'s histograms of CPU tensors, for one
+    process (no collective), in one call of the fused kernel (ranges, edges, buckets, scaling
+    and sums of every set; no Python per set); ``None`` (nothing done) where it does not apply:
+    no kernel, a tensor that is not float32 (see
+    :func:`~lightning_recorder.stats._native.usable`), or a range too narrow for arithmetic
+    bucketing. The buckets are :func:`histogram_rows_cpu`'s with ``exact=False``: float32
+    positions, the last bucket closed, weighted counts scaled to each set's count of finite
+    values."""
     if not _native.available():
         return None
     tensors, sets, scale_of = [], [], []
@@ -904,26 +927,7 @@ def native_histograms(
                 tensors.append(x)
                 sets.append(m)
                 scale_of.append(1.0 if weights is None else weights[m][i])
-    vmin, vmax, lo, edges = device_ranges(states, bins, sync=False, group=None)
-    hi = edges[:, -1]
-    if not bool(arithmetic_64(lo, hi, bins).all()):  # see bucket_path: "search" ranges
-        return None
-    m = states.shape[0]
-    summed = torch.zeros(m, bins + 1, dtype=F64)
-    if tensors:
-        index = torch.tensor(sets, dtype=torch.int64)
-        scale = (bins / (hi - lo)).contiguous()
-        counts = _native.buckets(tensors, index, lo.contiguous(), scale, bins)
-        w = torch.tensor(scale_of, dtype=F64)
-        summed.index_add_(0, index, counts.to(F64) * w[:, None])
-        # sets with a sampled tensor: counts scaled to the set's count of finite values
-        sampled = torch.zeros(m, dtype=F64).index_add_(0, index, (w != 1.0).to(F64)) > 0
-        found = summed.sum(1)
-        factor = torch.where(sampled & (found > 0), states[:, COUNT] / found.clamp(min=1e-300), 1.0)
-        summed *= factor[:, None]
-    summed[:, bins - 1] += summed[:, bins]  # values at the top edge: the last bucket is closed
-    counts_out, sums = summed_over_ranks(summed[:, :bins], states, sync=False, group=None)
-    return counts_out, edges, vmin, vmax, sums
+    return _native.sets_table(tensors, sets, scale_of, states.to(F64).contiguous(), bins)
 
 
 def device_ranges(

@@ -103,6 +103,21 @@ double lr_shift_f32(const float *x, int64_t n) {
     return ldexp(nearbyint(ldexp(m, 8)), e - 8);
 }
 
+/* x[first], x[first + stride], ... below end copied to out; returns how many. Strides 1 to 3
+   are loops of a constant stride, which the compiler vectorizes (a scalar loop stores one
+   element a cycle: about 6 us for a 16 Ki-element sample). */
+static int64_t take(float *restrict out, const float *restrict x, int64_t first, int64_t end,
+                    int64_t stride) {
+    if (first >= end) return 0;
+    const int64_t count = (end - first + stride - 1) / stride;
+    const float *p = x + first;
+    if (stride == 1) memcpy(out, p, (size_t)count * sizeof(float));
+    else if (stride == 2) for (int64_t k = 0; k < count; k++) out[k] = p[2 * k];
+    else if (stride == 3) for (int64_t k = 0; k < count; k++) out[k] = p[3 * k];
+    else for (int64_t k = 0; k < count; k++) out[k] = p[k * stride];
+    return count;
+}
+
 /* out = [sum(x - k), sum((x - k)^2), sum|x|, min, max, zeros] of x[0:n]; if sample is not
    NULL, x[first], x[first + stride], ... are copied to sample[0], sample[1], ... on the way. */
 void lr_moments_f32(const float *x, int64_t n, double k, double *out,
@@ -146,7 +161,11 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
         }
         sd += widen(sv); qd += widen(qv); ad += widen(av);
         for (int j = 0; j < LANES; j++) z += zv[j];
-        for (; next < end; next += stride) sample[taken++] = x[next];
+        if (next < end) {
+            const int64_t count = take(sample + taken, x, next, end, stride);
+            taken += count;
+            next += count * stride;
+        }
     }
     double s = dtotal(sd), q = dtotal(qd), a = dtotal(ad);
     float mn = INFINITY, mx = -INFINITY;
@@ -157,9 +176,8 @@ void lr_moments_f32(const float *x, int64_t n, double k, double *out,
         if (v < mn) mn = v;
         if (v > mx) mx = v;
     }
-    for (; next < n; next += stride) sample[taken++] = x[next];
-    if (after)
-        for (int64_t j = first; j < n; j += stride) sample[taken++] = x[j];
+    if (next < n) taken += take(sample + taken, x, next, n, stride);
+    if (after) take(sample + taken, x, first, n, stride);
     out[0] = s; out[1] = q; out[2] = a; out[3] = mn; out[4] = mx; out[5] = (double)z;
 }
 
@@ -254,40 +272,96 @@ int64_t lr_segment_states_f32(const float *x, const int64_t *offsets, int64_t m,
     return flagged;
 }
 
+/* The head of a histogram table row from a packed state st (9 doubles): [num, sum, sum of
+   squares, min, max, the bins + 1 edges], as raw_table lays it out, and the range [lo, hi] of
+   the buckets: [min, max], [0, 1] without data, +-0.5 around one value. The edges are
+   linspace's (lo + step * i in the first half, hi - step * (bins - i) in the second, each
+   product rounded apart: volatile keeps the compiler from fusing it into the sum). */
+static void table_head(const double *st, int32_t bins, double *row, double *lo_out,
+                       double *hi_out) {
+    const int64_t size = (int64_t)bins + 1, half = size / 2;
+    double *edges = row + 5;
+    const double count = st[0], mean = st[1], vmin = st[3], vmax = st[4];
+    const int seen = vmax >= vmin;
+    double lo = seen ? vmin : 0.0, hi = seen ? vmax : 1.0;
+    if (lo == hi) { lo -= 0.5; hi += 0.5; }
+    volatile double product;
+    row[0] = count;
+    row[1] = count * mean;
+    product = count * (mean * mean);
+    row[2] = st[2] + product;
+    row[3] = vmin; row[4] = vmax;
+    const double step = (hi - lo) / (double)(bins > 1 ? bins : 1);
+    for (int64_t j = 0; j < size; j++) {
+        if (j < half) { product = step * (double)j; edges[j] = lo + product; }
+        else { product = step * (double)(bins - j); edges[j] = hi - product; }
+    }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
 /* The histogram table of the segments over the ranges of their states (9 doubles each), for
-   one process: per segment [num, sum, sum of squares, min, max, the bins + 1 edges, the bins
-   counts] (2 * bins + 6 doubles), as raw_table lays them out. The range is [min, max], [0, 1]
-   without data, +-0.5 around one value; the edges are linspace's (lo + step * i in the first
-   half, hi - step * (bins - i) in the second, each product rounded apart: volatile keeps the
-   compiler from fusing it into the sum); the buckets are lr_bucket_f32's, the last one
-   closed. scratch: 8 * (bins + 1) int64 of any content. */
+   one process: per segment table_head's row, then the bins counts (2 * bins + 6 doubles); the
+   buckets are lr_bucket_f32's, the last one closed. scratch: 8 * (bins + 1) int64 of any
+   content. */
 void lr_segment_table_f32(const float *x, const int64_t *offsets, int64_t m,
                           const double *states, int32_t bins, double *table, int64_t *scratch) {
-    const int64_t size = (int64_t)bins + 1, width = 2 * (int64_t)bins + 6, half = size / 2;
+    const int64_t size = (int64_t)bins + 1, width = 2 * (int64_t)bins + 6;
     for (int64_t i = 0; i < m; i++) {
-        const double *st = states + 9 * i;
-        double *row = table + width * i, *edges = row + 5, *counts = row + 5 + size;
-        const double count = st[0], mean = st[1], vmin = st[3], vmax = st[4];
-        const int seen = vmax >= vmin;
-        double lo = seen ? vmin : 0.0, hi = seen ? vmax : 1.0;
-        if (lo == hi) { lo -= 0.5; hi += 0.5; }
-        volatile double product;
-        row[0] = count;
-        row[1] = count * mean;
-        product = count * (mean * mean);
-        row[2] = st[2] + product;
-        row[3] = vmin; row[4] = vmax;
-        const double step = (hi - lo) / (double)(bins > 1 ? bins : 1);
-        for (int64_t j = 0; j < size; j++) {
-            if (j < half) { product = step * (double)j; edges[j] = lo + product; }
-            else { product = step * (double)(bins - j); edges[j] = hi - product; }
-        }
+        double *row = table + width * i, *counts = row + 5 + size, lo, hi;
+        table_head(states + 9 * i, bins, row, &lo, &hi);
         memset(scratch, 0, 8 * size * sizeof *scratch);
         lr_bucket_f32(x + offsets[i], offsets[i + 1] - offsets[i], lo, bins / (hi - lo), bins,
                       scratch);
         scratch[bins - 1] += scratch[bins];
         for (int64_t j = 0; j < bins; j++) counts[j] = (double)scratch[j];
     }
+}
+
+/* Whether [lo, hi] is wide enough, relative to its magnitude, for float64 positions: the rule
+   of arithmetic_64 in Python (false for an infinite or NaN span). */
+static int arithmetic_64(double lo, double hi, int32_t bins) {
+    const double span = hi - lo, reach = fabs(lo) > fabs(hi) ? fabs(lo) : fabs(hi);
+    return span > (double)bins * reach * 0x1p-40 && span > 0x1p-900 && span < 0x1p1000;
+}
+
+/* The histogram table of m sets of float32 arrays for one process, rows as
+   lr_segment_table_f32's: array j (data[j], n[j] elements) is in set set[j] (non-decreasing)
+   and each of its values stands for weight[j] values. A set's counts are the weighted sums of
+   its arrays' lr_bucket_f32 counts over the set's range, scaled to its count of finite values
+   where a weight is not 1 (a sample), the last bucket closed. Returns 0, or 1 (the table left
+   unfinished) where a range is too narrow for arithmetic positions (arithmetic_64). scratch:
+   8 * (bins + 1) int64, summed: bins + 1 doubles, both of any content. */
+int32_t lr_sets_table_f32(const int64_t *data, const int64_t *n, const int64_t *set,
+                          const double *weight, int64_t k, int64_t m, const double *states,
+                          int32_t bins, double *table, int64_t *scratch, double *summed) {
+    const int64_t size = (int64_t)bins + 1, width = 2 * (int64_t)bins + 6;
+    int64_t j = 0;
+    for (int64_t i = 0; i < m; i++) {
+        double *row = table + width * i, *counts = row + 5 + size, lo, hi;
+        table_head(states + 9 * i, bins, row, &lo, &hi);
+        if (!arithmetic_64(lo, hi, bins)) return 1;
+        const double scale = bins / (hi - lo);
+        int sampled = 0;
+        for (int64_t b = 0; b < size; b++) summed[b] = 0.0;
+        for (; j < k && set[j] == i; j++) {
+            memset(scratch, 0, 8 * size * sizeof *scratch);
+            lr_bucket_f32((const float *)(intptr_t)data[j], n[j], lo, scale, bins, scratch);
+            for (int64_t b = 0; b < size; b++) summed[b] += (double)scratch[b] * weight[j];
+            sampled |= weight[j] != 1.0;
+        }
+        if (sampled) {
+            double found = 0.0;
+            for (int64_t b = 0; b < size; b++) found += summed[b];
+            if (found > 0) {
+                const double factor = states[9 * i] / found;
+                for (int64_t b = 0; b < size; b++) summed[b] *= factor;
+            }
+        }
+        summed[bins - 1] += summed[bins];
+        for (int64_t b = 0; b < bins; b++) counts[b] = summed[b];
+    }
+    return 0;
 }
 
 /* lr_bucket_f32 of k tensors (data[j]: the address of n[j] floats) over the range of their set
@@ -372,6 +446,10 @@ _SIGNATURES = {
     "lr_segment_table_f32": (None, (_P, _P, _N, _P, ctypes.c_int32, _P, _P)),
     "lr_diff_sumsq_f32": (None, (_P, _P, _N, _P)),
     "lr_buckets_f32": (None, (_P, _P, _P, _N, _P, _P, ctypes.c_int32, _P, _P)),
+    "lr_sets_table_f32": (
+        ctypes.c_int32,
+        (_P, _P, _P, _P, _N, _N, _P, ctypes.c_int32, _P, _P, _P),
+    ),
 }
 
 
@@ -579,6 +657,42 @@ def buckets(
         scratch.data_ptr(),
     )
     return counts
+
+
+def sets_table(
+    tensors: Sequence[Tensor],
+    sets: Sequence[int],
+    weights: Sequence[float],
+    states: Tensor,
+    bins: int,
+) -> Tensor | None:
+    """The histogram table of ``m`` sets of :func:`usable` tensors over the ranges of their
+    states (``(m, 9)`` contiguous float64), for one process, in one call: ``(m, 2 * bins + 6)``
+    float64 rows laid out as :func:`~lightning_recorder.stats._kernels.raw_table`'s. Tensor
+    ``j`` is in set ``sets[j]`` (non-decreasing) and each of its values stands for
+    ``weights[j]`` values; a set with a weight other than 1 has its counts scaled to its count
+    of finite values. ``None`` where a range is too narrow for arithmetic bucketing."""
+    m, k = states.shape[0], len(tensors)
+    table = torch.empty(m, 2 * bins + 6, dtype=torch.float64)
+    data = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    sizes = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    index = torch.tensor(sets, dtype=torch.int64)
+    scale = torch.tensor(weights, dtype=torch.float64)
+    scratch = torch.empty(9 * (bins + 1), dtype=torch.int64)  # 8 (bins + 1) tallies, then sums
+    declined = _library().lr_sets_table_f32(
+        data.data_ptr(),
+        sizes.data_ptr(),
+        index.data_ptr(),
+        scale.data_ptr(),
+        k,
+        m,
+        states.data_ptr(),
+        bins,
+        table.data_ptr(),
+        scratch.data_ptr(),
+        scratch.data_ptr() + 64 * (bins + 1),
+    )
+    return None if declined else table
 
 
 def copy_sumsq(

@@ -11,8 +11,9 @@ states cross ranks in one gather and reach the host in one copy:
 * :func:`finalize_host` — a host row of the state to the statistics of :data:`STAT_NAMES`;
 * :func:`histogram_rows` — the histograms of ``m`` sets of tensors as :class:`HistogramRow` s
   (:func:`histogram_rows_cpu` on the host, :func:`histograms_device` and :func:`raw_table` on
-  the data's device without reading anything back; :func:`native_histograms` those of float32
-  CPU tensors in one call of the fused kernel);
+  the data's device without reading anything back; :func:`native_histogram_table` the table of
+  those of float32 CPU tensors in one call of the fused kernel, :func:`native_histograms` its
+  parts);
 * :func:`flatten_segments`, :func:`segmented_states`, :func:`segmented_histograms` — the
   states and histograms of many small tensors in one flat buffer, a few operations in all;
 * :func:`sample_of` — a small strided copy of a tensor, for approximate histograms (the
@@ -49,6 +50,7 @@ from ._kernels import (
     histograms_device,
     merge,
     merged,
+    native_histogram_table,
     native_histograms,
     native_state,
     raw_table,
@@ -83,6 +85,7 @@ __all__ = [
     "host_floats",
     "merge",
     "merged",
+    "native_histogram_table",
     "native_histograms",
     "native_segmented_histograms",
     "native_segmented_table",

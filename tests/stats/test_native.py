@@ -22,6 +22,7 @@ from lightning_recorder.stats import _native
 from lightning_recorder.stats._kernels import (
     HistogramRow,
     Workspace,
+    arithmetic_64,
     bucket_native,
     empty_state,
     finalize,
@@ -37,6 +38,7 @@ from lightning_recorder.stats.batched import (
     flatten_segments,
     fused_kernels,
     fused_kernels_status,
+    native_histogram_table,
     native_histograms,
     native_segmented_histograms,
     native_segmented_table,
@@ -136,16 +138,28 @@ def test_half_precision_is_upcast_exactly(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
-@pytest.mark.parametrize("n", [2**14 + 1, 2**18 + 3, 2**21 + 7])
-def test_the_sample_is_the_strided_copy(n: int) -> None:
+@pytest.mark.parametrize(
+    ("n", "size"),
+    [
+        (5_000, 2**14),  # stride 1: all of it
+        (2**14 + 1, 2**14),  # stride 2, sampled after the pass (in cache)
+        (40_000, 2**14),  # stride 3
+        (2**17 + 1, 2**16),  # stride 3, row by row
+        (2**17, 2**16),  # stride 2, row by row
+        (2**18 + 3, 2**14),  # stride 17
+        (2**21 + 7, 2**14),  # split across two threads
+        (2**21 + 7, 2**20),  # stride 3 in parts that start between two sampled elements
+    ],
+)
+def test_the_sample_is_the_strided_copy(n: int, size: int) -> None:
     x = torch.randn(n)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # 2**21 elements are split across two threads
     try:
-        state, sample, weight = sampled_state(x, Workspace(), 2**14)
+        state, sample, weight = sampled_state(x, Workspace(), size)
     finally:
         torch.set_num_threads(threads)
-    expected, expected_weight = sample_of(x, 2**14)
+    expected, expected_weight = sample_of(x, size)
     assert torch.equal(sample, expected)  # a copy: bit for bit
     assert weight == expected_weight
     # the mean within 2**-24 of mean |x - shift| (about 0.8 here): 1e-7
@@ -359,6 +373,29 @@ def test_all_histograms_in_one_call_match_the_per_set_path() -> None:
     assert sum(ours[0].counts) == pytest.approx(3050.0, rel=1e-12)  # scaled to the whole count
     assert ours[1].num == 0 and sum(ours[1].counts) == 0
     assert sum(ours[3].counts) == 3.0 and ours[4].edges[0] == 2.5
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+@pytest.mark.parametrize("bins", [1, 30, 1000])
+@pytest.mark.parametrize("low", [1.0, -3.0e6, 7.5e-200, 1e280])
+def test_the_table_declines_the_ranges_arithmetic_64_declines(bins: int, low: float) -> None:
+    """The C table applies :func:`arithmetic_64`'s rule: on both sides of its threshold (a span
+    of ``bins * |lo| * 2**-40``), it declines exactly the ranges the rule declines."""
+    threshold = bins * abs(low) * 2.0**-40
+    outcomes = set()
+    for factor in (0.5, 0.999, 1.001, 2.0, 1e6):
+        high = low + threshold * factor
+        if not high > low:
+            continue  # the span is below the resolution of ``low``: no such range
+        values = torch.tensor([low, high], dtype=torch.float64)
+        state = torch.tensor(
+            [[2.0, (low + high) / 2, 0.0, low, high, 0.0, 0.0, 0.0, 2.0]], dtype=torch.float64
+        )
+        sample = [[values.float()]] if values.float().isfinite().all() else [[]]
+        table = native_histogram_table(sample, state, bins)
+        assert (table is not None) == bool(arithmetic_64(low, high, bins)), factor
+        outcomes.add(table is not None)
+    assert outcomes == {True, False}  # both sides of the threshold were tried
 
 
 def test_all_histograms_in_one_call_decline_what_they_cannot_take() -> None:
