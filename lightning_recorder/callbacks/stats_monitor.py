@@ -27,7 +27,7 @@ from ..stats.batched import (
     change_norms,
     copy_with_norms,
     empty_state,
-    finalize_host,
+    finalize,
     flatten_segments,
     foreach_norms,
     fused_kernels,
@@ -640,6 +640,7 @@ class FeatureStatsMonitor(RecorderCallback):
             path = self._paths.get(recorder_name)
             streams.setdefault(stream.name if path is None else f"{stream.name}/{path}", stream)
         self._streams = streams
+        self._tag_cache.clear()  # the cached tags of every module follow these streams
         self._keys = {id(stream): key for key, stream in streams.items()}
         self._work = Workspace()
         self._spare: _Spare = {}
@@ -784,16 +785,24 @@ class FeatureStatsMonitor(RecorderCallback):
                 segments = ("torch", values, seg)
             if not any(p.samples for p in pendings):
                 self._segments = segments
+        large: Tensor | None = None
         if any(p.states for p in pendings):
             large = torch.stack([p.state(device) for p in pendings])
-            batch = large if batch is None else merge(torch.stack([batch, large]))
         elif any(p.rows for p in pendings):  # host rows only: one tensor for every module
             rows = [
                 p.rows[0] if len(p.rows) == 1 else p.state(device).tolist() if p.rows else _EMPTY
                 for p in pendings
             ]
             large = torch.tensor(rows, dtype=torch.float64, device=device)
-            batch = large if batch is None else merge(torch.stack([batch, large]))
+        if large is not None and batch is not None:  # small and large outputs: both states
+            small_only = [bool(p.small) and not (p.rows or p.states) for p in pendings]
+            if any(bool(p.small) and bool(p.rows or p.states) for p in pendings):
+                batch = merge(torch.stack([batch, large]))
+            else:  # no module has both: each row is one of the two (merging with no data)
+                pick = torch.tensor(small_only, device=device)[:, None]
+                batch = torch.where(pick, batch, large)
+        elif large is not None:
+            batch = large
         if batch is None:
             batch = empty_state(device).repeat(m, 1)
         parts = [[*p.small, *p.samples] for p in pendings]
@@ -911,7 +920,11 @@ class FeatureStatsMonitor(RecorderCallback):
 
     def _host_table(self, stage: Stage, table: Tensor) -> HistogramTable:
         """The histograms of a host table of :func:`raw_table` rows, one a module, by tag."""
-        tags = tuple(self._tags(stage, module, _HISTOGRAM)[0] for module in self._streams)
+        key = (stage, "", _HISTOGRAM)  # every module's histogram tag (cached)
+        tags = self._tag_cache.get(key)
+        if tags is None:
+            tags = tuple(self._tags(stage, module, _HISTOGRAM)[0] for module in self._streams)
+            self._tag_cache[key] = tags
         return HistogramTable(table.to(torch.float64).contiguous(), self.bins, tags)
 
     def _histogram_kwargs(
@@ -941,18 +954,40 @@ class FeatureStatsMonitor(RecorderCallback):
         state = self._gathered(trainer, stage)
         if not trainer.is_global_zero:
             return {}
-        return self._stat_scalars(stage, state.tolist())
+        return self._stat_scalars(stage, host_floats(self._stat_table(state)))
 
-    def _stat_scalars(self, stage: Stage, rows: list[list[float]]) -> dict[str, float]:
-        """The statistics by tag from the host rows of the gathered states."""
+    def _stat_table(self, state: Tensor) -> list[Tensor]:
+        """The statistics of the ``(modules, 9)`` states where they are: a ``(modules, k)``
+        tensor of :attr:`stats` (module by module), then the ``(modules,)`` element counts."""
+        columns = finalize(state, correction=1)
+        return [torch.stack([columns[stat] for stat in self.stats], 1), columns["numel"]]
+
+    def _stat_scalars(self, stage: Stage, values: list[float]) -> dict[str, float]:
+        """The statistics by tag from the host values of :meth:`_stat_table`; modules that saw
+        no element are left out."""
+        k, m = len(self.stats), len(self._streams)
+        found, numels = values[: m * k], values[m * k : m * k + m]
+        tags = self._flat_tags(stage)
+        if all(n > 0 for n in numels):  # the common case: every module called
+            return dict(zip(tags, found, strict=True))
         scalars: dict[str, float] = {}
-        stats = self.stats
-        for module, row in zip(self._streams, rows, strict=True):
-            values = finalize_host(row, correction=1)
-            if values["numel"] > 0:
-                tags = self._tags(stage, module, stats)
-                scalars.update(zip(tags, [values[s] for s in stats], strict=True))
+        for i, numel in enumerate(numels):
+            if numel > 0:
+                scalars.update(
+                    zip(tags[i * k : (i + 1) * k], found[i * k : (i + 1) * k], strict=True)
+                )
         return scalars
+
+    def _flat_tags(self, stage: Stage) -> tuple[str, ...]:
+        """The tags of every module's statistics in ``stage``, module by module (cached)."""
+        key = (stage, "", self.stats)  # no module is named "" in _tag_cache
+        tags = self._tag_cache.get(key)
+        if tags is None:
+            tags = tuple(
+                t for module in self._streams for t in self._tags(stage, module, self.stats)
+            )
+            self._tag_cache[key] = tags
+        return tags
 
     def _parameter_tensors(self) -> tuple[list[str], list[Tensor]]:
         """The names of the stepped parameters, and the tensors of :meth:`_parameter_scalars`
@@ -1035,7 +1070,8 @@ class FeatureStatsMonitor(RecorderCallback):
             if isinstance(table, Tensor) and table.is_cpu:
                 hists, table = self._host_table("train", table), None
             on_device = [table] if isinstance(table, Tensor) else []
-            values = host_floats([*on_device, state, *norms])  # the step's one host copy
+            stat_table = self._stat_table(state)
+            values = host_floats([*on_device, *stat_table, *norms])  # the step's one host copy
             at = 0
             if isinstance(table, Tensor):
                 width = table.shape[1]
@@ -1046,10 +1082,10 @@ class FeatureStatsMonitor(RecorderCallback):
                 ]
             if table is not None:
                 hists = self._histogram_kwargs("train", table)
-            rows = [values[at + 9 * i : at + 9 * (i + 1)] for i in range(state.shape[0])]
-            scalars = self._stat_scalars("train", rows)
+            scalars = self._stat_scalars("train", values[at:])
             if self._params:
-                scalars.update(self._parameter_scalars(stepped, values[at + state.numel() :]))
+                after = at + sum(t.numel() for t in stat_table)
+                scalars.update(self._parameter_scalars(stepped, values[after:]))
         # the buffers in _before are kept
         self._stepped, self._grad_norms, self._before_squares = [], {}, {}
         self._write(trainer, scalars, hists, step)

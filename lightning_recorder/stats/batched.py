@@ -8,7 +8,8 @@ states cross ranks in one gather and reach the host in one copy:
   and of several;
 * :func:`merge` — Chan's merge along the leading dimension; :func:`gather_merged` — the same over
   every rank (a collective);
-* :func:`finalize_host` — a host row of the state to the statistics of :data:`STAT_NAMES`;
+* :func:`finalize` — states to the statistics of :data:`STAT_NAMES`, where they are (a tensor a
+  statistic); :func:`finalize_host` — the same from a host row of a state;
 * :func:`histogram_rows` — the histograms of ``m`` sets of tensors as :class:`HistogramRow` s
   (:func:`histogram_rows_cpu` on the host, :func:`histograms_device` and :func:`raw_table` on
   the data's device without reading anything back; :func:`native_histogram_table` the table of
@@ -44,6 +45,7 @@ from ._kernels import (
     HistogramRow,
     Workspace,
     empty_state,
+    finalize,
     finalize_host,
     histogram_rows,
     histogram_rows_cpu,
@@ -73,6 +75,7 @@ __all__ = [
     "change_norms",
     "copy_with_norms",
     "empty_state",
+    "finalize",
     "finalize_host",
     "flatten_segments",
     "foreach_norms",

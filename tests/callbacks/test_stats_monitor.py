@@ -865,3 +865,58 @@ def test_logging_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None
     ratios = [float(c.split()[0]) for c in cells[1:6]]
     assert all(r > 0 for r in ratios)
     assert "floor: one read of each output" in capsys.readouterr().out
+
+
+class SmallAndLarge(pl.LightningModule):
+    """Outputs of both kinds in one step: ``large`` (2**15 elements, reduced in its hook),
+    ``small`` (320, copied and reduced with the others at the end of the batch) and, with
+    ``mixed``, a module called once with each kind (its two states merged)."""
+
+    def __init__(self, mixed: bool) -> None:
+        super().__init__()
+        self.names = ("large", "small", "mixed") if mixed else ("large", "small")
+        self.large = nn.Linear(8, 256)
+        self.small = nn.Linear(8, 10)
+        self.mixed = nn.Linear(8, 256)
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+        for name in self.names:
+            getattr(self, name).register_forward_hook(self._keep(name))
+
+    def _keep(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            self.outputs.setdefault(name, []).append(out.detach().clone())
+
+        return hook
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        loss = self.large(x).relu().mean() + self.small(x[:32]).mean()
+        if "mixed" in self.names:
+            loss = loss + self.mixed(x).sum() + self.mixed(x[:1]).sum()  # 2**15, then 256
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_small_and_large_outputs_in_one_step(tmp_path: Path, mixed: bool) -> None:
+    torch.manual_seed(3)
+    model = SmallAndLarge(mixed)
+    monitor = FeatureStatsMonitor(list(model.names), every_n_steps=1, parameters=False)
+    logger = TensorBoardLogger(tmp_path, name="kinds")
+    pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor]).fit(
+        model, loader(torch.randn(128, 8) * 3 + 1, batch_size=128)
+    )
+    got = scalars(logger.log_dir)
+    for name in model.names:
+        expected = reference_stats(torch.cat([o.reshape(-1) for o in model.outputs[name]]))
+        for stat in ("mean", "std", "min", "max", "abs_mean", "zero_fraction"):
+            assert got[f"stats/train/{name}/{stat}"][0] == approx(expected[stat]), (name, stat)
+    acc = events(logger.log_dir)
+    nums = {
+        name: acc.Histograms(f"stats/train/{name}/histogram")[0].histogram_value.num
+        for name in model.names
+    }
+    expected_nums = {"large": 128 * 256, "small": 320, "mixed": 128 * 256 + 256}
+    assert nums == {name: expected_nums[name] for name in model.names}
