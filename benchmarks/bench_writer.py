@@ -8,7 +8,11 @@ logged step:
 * **bytes** — the serialized ``Event`` (what the event file grows by, less 16 bytes of record
   framing), and bytes per module;
 * **build** — :func:`~lightning_recorder.callbacks._lightning.tensorboard_summary`, the
-  ``Summary`` that ``write_tensorboard`` fills (training thread);
+  ``Summary`` that ``write_tensorboard`` fills (training thread): from the histograms'
+  keyword arguments (``now``: the histograms through protobuf's Python API, the scalars' entries
+  encoded in C where the package's encoder is built), or from the monitor's one table of every
+  module's histogram (``C, one table``: a ``HistogramTable``, every entry encoded in C, then
+  parsed by protobuf in one call);
 * **serialize** — ``Event(...).SerializeToString()``, which ``EventFileWriter.add_event`` runs on
   the training thread before it queues the bytes;
 * **writer** — ``RecordWriter.write`` of those bytes into memory: TensorBoard's writer thread
@@ -18,8 +22,9 @@ logged step:
   ``FeatureStatsMonitor(fast_checksums=True)``, the default, gives the logger's writer), or
   where it cannot be built the ``crc32c`` package's (tensorboardX's); ``n/a`` without either.
 
-``before`` builds the histograms with every bucket (the previous release); ``now`` collapses each
-run of empty buckets into one, as ``write_tensorboard`` does. The two take turns in a random
+``before`` builds the histograms with every bucket (an earlier release); ``now`` and ``C, one
+table`` collapse each run of empty buckets into one, as ``write_tensorboard`` does (the same
+bytes). The variants take turns in a random
 order within every repeat; the figures are medians over the repeats, in CPU time of the thread
 (``--clock wall`` for wall-clock time): the writer thread's work is CPU work under the GIL, and
 CPU time stays steady on a loaded machine.
@@ -50,7 +55,11 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from lightning_recorder._core import crc32c
-from lightning_recorder.callbacks._lightning import tensorboard_summary, write_record
+from lightning_recorder.callbacks._lightning import (
+    HistogramTable,
+    tensorboard_summary,
+    write_record,
+)
 from lightning_recorder.stats import histogram_raw_kwargs
 
 STATS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
@@ -113,9 +122,25 @@ def summary_before(scalars: dict[str, float], hists: dict[str, dict[str, Any]]) 
     return summary
 
 
-BUILDERS: dict[str, Callable[[dict[str, float], dict[str, dict[str, Any]]], Summary]] = {
-    "before": summary_before,
-    "now": tensorboard_summary,
+def as_table(hists: dict[str, dict[str, Any]]) -> HistogramTable:
+    """The histograms as the monitor hands them to the writer: one table, a row a module."""
+    rows = [
+        [
+            *(kw["num"], kw["sum"], kw["sum_squares"], kw["min"], kw["max"]),
+            *kw["bucket_limits"],
+            *kw["bucket_counts"][1:],  # the leading empty bucket is the writer's
+        ]
+        for kw in hists.values()
+    ]
+    table = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), 2 * BINS + 6)
+    return HistogramTable(table, BINS, tuple(hists))
+
+
+Builder = Callable[[dict[str, float], dict[str, dict[str, Any]], HistogramTable], Summary]
+BUILDERS: dict[str, Builder] = {
+    "before": lambda scalars, hists, table: summary_before(scalars, hists),
+    "now": lambda scalars, hists, table: tensorboard_summary(scalars, hists),
+    "C, one table": lambda scalars, hists, table: tensorboard_summary(scalars, table),
 }
 
 
@@ -158,6 +183,7 @@ def measure(
 ) -> dict[str, dict[str, float]]:
     """Median seconds of each phase and the event's bytes, per variant (interleaved)."""
     scalars, hists = step_values(modules, histograms)
+    table = as_table(hists)
     phases = ("build", "serialize", "writer", "writer, C CRC")
     times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in phases} for v in BUILDERS}
     size: dict[str, int] = {}
@@ -167,7 +193,7 @@ def measure(
         rng.shuffle(order)
         for name in order:
             t0 = clock()
-            summary = BUILDERS[name](scalars, hists)
+            summary = BUILDERS[name](scalars, hists, table)
             t1 = clock()
             data = Event(wall_time=time.time(), step=7, summary=summary).SerializeToString()
             t2 = clock()

@@ -208,7 +208,8 @@ def test_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
     report = bench.main(["--quick", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "| 16 | on | before |" in out and "| 16 | on | now |" in out
-    assert len(report["event"]) == 2 + 4 and len(report["histogram"]) == 2 + 4
+    assert "| 16 | on | C, one table |" in out
+    assert len(report["event"]) == 2 + 6 and len(report["histogram"]) == 2 + 4
 
 
 # ------------------------------------------------------------------ tensorboardX's writer
