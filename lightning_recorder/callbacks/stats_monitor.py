@@ -193,6 +193,9 @@ def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
 
 # The statistics of a parameter, and of a histogram, as tag suffixes (see FeatureStatsMonitor._tags)
 _NORM, _STEPPED, _HISTOGRAM = ("norm",), ("grad_norm", "update_ratio"), ("histogram",)
+# The name under which the tags of every module together are cached (no module's name: module
+# names never hold a NUL; the root module's is "").
+_EVERY = "\0every module"
 
 # A step whose kept records (``exact_histograms``) exceed this many bytes warns once.
 _RECORDS_WARN_BYTES = 256 * 2**20
@@ -920,7 +923,7 @@ class FeatureStatsMonitor(RecorderCallback):
 
     def _host_table(self, stage: Stage, table: Tensor) -> HistogramTable:
         """The histograms of a host table of :func:`raw_table` rows, one a module, by tag."""
-        key = (stage, "", _HISTOGRAM)  # every module's histogram tag (cached)
+        key = (stage, _EVERY, _HISTOGRAM)  # every module's histogram tag, cached
         tags = self._tag_cache.get(key)
         if tags is None:
             tags = tuple(self._tags(stage, module, _HISTOGRAM)[0] for module in self._streams)
@@ -980,7 +983,7 @@ class FeatureStatsMonitor(RecorderCallback):
 
     def _flat_tags(self, stage: Stage) -> tuple[str, ...]:
         """The tags of every module's statistics in ``stage``, module by module (cached)."""
-        key = (stage, "", self.stats)  # no module is named "" in _tag_cache
+        key = (stage, _EVERY, self.stats)  # every module's tags, cached
         tags = self._tag_cache.get(key)
         if tags is None:
             tags = tuple(
