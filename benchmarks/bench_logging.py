@@ -7,9 +7,10 @@ the per-repeat ratios):
 1. **Kernels** — on float32 tensors of 2**20 and 2**22 elements (Gaussian, and after a ReLU),
    the time of the monitor's statistics (one packed state), of the exact histogram (every
    element bucketed) and of the sampled one (the sample copied in the statistics' pass, then
-   the host rows of its histogram) in units of ``x.sum()``, one read of the data; the data
-   passes alone (the fused pass with the sample, the sample's buckets), without the fixed costs
-   a monitor pays once per step for all modules (measured in 3.); and a copy. ``before`` is the
+   its histogram's row from one call of the kernels, as in one process) in units of
+   ``x.sum()``, one read of the data; the data passes alone (the fused pass with the sample,
+   the sample's buckets), without the fixed costs a monitor pays once per step for all
+   modules (measured in 3.); and a copy. ``before`` is the
    statistics kernel of the previous release (``mul`` into scratch, ``amin``, ``amax``).
 2. **Parameter statistics** — the parameters of the ResNet-18-like model (11.2 M): a clone
    before the step and a fresh difference after it (before), against persistent buffers filled
@@ -64,7 +65,13 @@ from lightning_recorder.stats._kernels import (
     sampled_row,
     sampled_state,
 )
-from lightning_recorder.stats.batched import change_norms, copy_with_norms, host_floats, merged
+from lightning_recorder.stats.batched import (
+    change_norms,
+    copy_with_norms,
+    host_floats,
+    merged,
+    native_histogram_table,
+)
 
 # --------------------------------------------------------------------------- timing
 
@@ -137,7 +144,14 @@ def kernel_row(x: Tensor, kind: str, work: Workspace, repeats: int) -> str:
     def exact() -> Any:
         return histogram_rows_cpu([[x]], state, 30, sync=False, group=None, work=work, exact=False)
 
+    spare = torch.empty(FeatureStatsMonitor.histogram_sample, dtype=torch.float32)
+
     def sampled() -> Any:  # the monitor's path: the sample taken in the statistics' pass
+        fused = sampled_row(x, work, spare.numel(), lambda n: spare[:n])
+        if fused is not None:  # one process: the histogram's row from one kernel call
+            row, kept, weight = fused
+            state = torch.tensor([row], dtype=torch.float64)
+            return native_histogram_table([[cast(Tensor, kept)]], state, 30, [[weight]])
         state, kept, weight = sampled_state(x, work, FeatureStatsMonitor.histogram_sample)
         return histogram_rows_cpu(
             [[kept]],
@@ -149,8 +163,6 @@ def kernel_row(x: Tensor, kind: str, work: Workspace, repeats: int) -> str:
             exact=False,
             weights=[[weight]],
         )
-
-    spare = torch.empty(FeatureStatsMonitor.histogram_sample, dtype=torch.float32)
 
     def passes() -> Any:  # the data work alone: one fused pass, then the sample's buckets
         row, kept, _ = cast(Any, sampled_row(x, work, spare.numel(), lambda n: spare[:n]))

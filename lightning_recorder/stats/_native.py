@@ -674,23 +674,15 @@ def sets_table(
     of finite values. ``None`` where a range is too narrow for arithmetic bucketing."""
     m, k = states.shape[0], len(tensors)
     table = torch.empty(m, 2 * bins + 6, dtype=torch.float64)
-    data = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-    sizes = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
-    index = torch.tensor(sets, dtype=torch.int64)
-    scale = torch.tensor(weights, dtype=torch.float64)
-    scratch = torch.empty(9 * (bins + 1), dtype=torch.int64)  # 8 (bins + 1) tallies, then sums
+    # the arrays of the call as ctypes arrays: a few µs less than a tensor each
+    data = (ctypes.c_int64 * k)(*(t.data_ptr() for t in tensors))
+    sizes = (ctypes.c_int64 * k)(*(t.numel() for t in tensors))
+    index = (ctypes.c_int64 * k)(*sets)
+    scale = (ctypes.c_double * k)(*weights)
+    tallies = (ctypes.c_int64 * (8 * (bins + 1)))()
+    sums = (ctypes.c_double * (bins + 1))()
     declined = _library().lr_sets_table_f32(
-        data.data_ptr(),
-        sizes.data_ptr(),
-        index.data_ptr(),
-        scale.data_ptr(),
-        k,
-        m,
-        states.data_ptr(),
-        bins,
-        table.data_ptr(),
-        scratch.data_ptr(),
-        scratch.data_ptr() + 64 * (bins + 1),
+        data, sizes, index, scale, k, m, states.data_ptr(), bins, table.data_ptr(), tallies, sums
     )
     return None if declined else table
 
