@@ -5,9 +5,9 @@ of its bytes). ``torch.utils.tensorboard`` writes through TensorBoard's own reco
 checksum is computed in pure Python: about 0.24 ms per KiB on the writer thread, holding the GIL,
 so a step that logs a large event slows the training thread that shares the GIL with it.
 :func:`masked_crc32c` computes the same number in C (the SSE4.2 ``crc32`` instruction where the
-kernels are built for AVX2, an eight-table loop otherwise), with the GIL released; it is built
-like the other kernels (:mod:`lightning_recorder._core.native`) and is ``None``-returning where
-they cannot be built, callers then keeping TensorBoard's.
+kernels are built for AVX2 or AVX-512, an eight-table loop otherwise), with the GIL released; it
+is built like the other kernels (:mod:`lightning_recorder._core.native`) and is
+``None``-returning where they cannot be built, callers then keeping TensorBoard's.
 """
 
 from __future__ import annotations

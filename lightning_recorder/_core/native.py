@@ -12,7 +12,8 @@ call builds it into a shared library in a cache directory, and later runs load t
   file.
 * **Which compiler.** ``$CC``, else the one Python was built with, else ``cc``, ``gcc`` or
   ``clang`` on the ``PATH``. GCC and Clang vector extensions are used (no intrinsics); on x86-64
-  CPUs where torch itself runs AVX2 kernels the build targets AVX2 too.
+  CPUs where torch itself runs AVX2 kernels the build targets AVX2 too, and AVX-512 (512-bit
+  vectors) where torch runs AVX-512 kernels.
 * **Without one.** Anything that fails (no compiler, a failed build, a library that does not
   load, ``LIGHTNING_RECORDER_NATIVE=0``) makes :func:`load` return ``None``, once per process,
   with the reason logged at INFO level and kept in :func:`status`; callers then take their
@@ -77,14 +78,17 @@ def compiler() -> list[str] | None:
 
 
 def cpu_flags() -> list[str]:
-    """Code-generation flags for this CPU: AVX2 where torch runs its own AVX2 kernels."""
+    """Code-generation flags for this CPU: AVX2 where torch runs its own AVX2 kernels, AVX-512
+    (512-bit vectors) where it runs its AVX-512 ones."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return []
     try:
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:  # pragma: no cover - very old torch
         return []
-    return ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+    if capability == "AVX512":
+        return ["-mavx2", "-mfma", "-mavx512f"]
+    return ["-mavx2", "-mfma"] if capability == "AVX2" else []
 
 
 def status() -> Mapping[str, str]:

@@ -45,7 +45,9 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX__)
+#if defined(__AVX512F__)
+#define WIDTH 64
+#elif defined(__AVX__)
 #define WIDTH 32
 #else
 #define WIDTH 16
@@ -59,7 +61,13 @@ static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v;
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 /* vmin(v, m) = v < m ? v : m, vmax(v, m) = v > m ? v : m: one instruction on x86 */
-#if defined(__AVX__)
+#if defined(__AVX512F__) && defined(__clang__)
+#define vmin(v, m) __builtin_ia32_minps512(v, m, 4)
+#define vmax(v, m) __builtin_ia32_maxps512(v, m, 4)
+#elif defined(__AVX512F__)
+#define vmin(v, m) __builtin_ia32_minps512_mask(v, m, v, (uint16_t)-1, 4)
+#define vmax(v, m) __builtin_ia32_maxps512_mask(v, m, v, (uint16_t)-1, 4)
+#elif defined(__AVX__)
 #define vmin(v, m) __builtin_ia32_minps256(v, m)
 #define vmax(v, m) __builtin_ia32_maxps256(v, m)
 #elif defined(__SSE__)

@@ -8,6 +8,7 @@ can be built, is compared with the same reference.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -440,3 +441,86 @@ def test_the_state_in_one_call_flags_what_it_cannot_finish() -> None:
         assert got["nonfinite"].item() == v.numel() - exact.numel()
         assert got["mean"].item() == pytest.approx(exact.mean().item(), rel=1e-6)
         assert got["std"].item() == pytest.approx(exact.std().item(), rel=1e-5)
+
+
+_LEVEL_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from lightning_recorder._core import native
+    flags = sys.argv[1].split()
+    native.cpu_flags = lambda: flags
+    from lightning_recorder.stats import _native
+    assert _native.available(), native.status()
+    g = torch.Generator().manual_seed(4)
+    found = {}
+    for n in (1, 15, 17, 4099, 2**16 + 3, 2**18 + 5):  # below and above a vector, in cache, rows
+        x = torch.randn(n, generator=g) * 2 + 0.5
+        x[::7] = 0.0
+        sample = torch.empty(-(-n // 3))
+        found[f"moments{n}"] = torch.tensor(_native.moments(x, sample, 3), dtype=torch.float64)
+        found[f"sample{n}"] = sample
+        row, flag = _native.state_row(x, None, 1, 20)
+        found[f"state{n}"] = torch.tensor([*row, flag], dtype=torch.float64)
+        found[f"bucket{n}"] = torch.tensor(_native.bucket(x, -4.0, 5.0, 30))
+    xs = [torch.randn(m, generator=g) for m in (100, 5000, 40000)]
+    states = torch.tensor([[m, 0.0, m, -4.5, 4.5, 1.0, 0.0, 0.0, m] for m in (100, 5000, 40000)],
+                          dtype=torch.float64)
+    found["table"] = _native.sets_table(xs, [0, 1, 2], [1.0, 2.0, 1.0], states, 30)
+    torch.save(found, sys.argv[2])
+    """
+)
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_every_vector_width_computes_the_same(tmp_path: Path) -> None:
+    """The kernels built for 16-byte (no flags), 32-byte (AVX2) and, where the CPU has it,
+    64-byte vectors (AVX-512): the same extremes, counts, samples and buckets; the sums in
+    another order of float32 additions (fewer or more lanes), within 1e-6 relative."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the vector widths are x86-64 flags")
+    levels = {"sse2": "", "avx2": "-mavx2 -mfma"}
+    if _cpu_has("avx512f"):
+        levels["avx512"] = "-mavx2 -mfma -mavx512f"
+    results = {}
+    for name, flags in levels.items():
+        out = tmp_path / f"{name}.pt"
+        env = {**os.environ, "LIGHTNING_RECORDER_CACHE": str(tmp_path / name)}
+        done = subprocess.run(
+            [sys.executable, "-c", _LEVEL_SCRIPT, flags, str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        results[name] = torch.load(out)
+    first, *others = results.values()
+    for other in others:
+        for key, value in first.items():
+            got = other[key]
+            if key.startswith(("sample", "bucket", "table")):
+                # copies, counts, and the table's head from the same states: exact
+                assert torch.equal(got, value), key
+            elif key.startswith("moments"):  # shift, sum(d), sum(d^2), sum|x|, min, max, zeros
+                n = int(key.removeprefix("moments"))
+                assert torch.equal(got[[0, 4, 5, 6]], value[[0, 4, 5, 6]]), key
+                # float32 lanes summed in another order: (lane terms) * 2**-24 * sum |d| at
+                # most, with sum |d| <= sum |x| + n |shift|; 1e-5 of it is ample
+                scale = value[3].item() + n * abs(value[0].item())
+                assert abs(got[1].item() - value[1].item()) <= 1e-5 * scale, key
+                torch.testing.assert_close(got[2:4], value[2:4], rtol=1e-6, atol=0.0)
+            else:  # the state: count, min, max, zeros, nonfinite, numel, flag exact
+                exact = [0, 3, 4, 6, 7, 8, 9]
+                assert torch.equal(got[exact], value[exact]), key
+                mean_scale = value[5].item() + abs(value[1].item())
+                assert abs(got[1].item() - value[1].item()) <= 1e-5 * mean_scale, key
+                torch.testing.assert_close(got[[2, 5]], value[[2, 5]], rtol=1e-5, atol=0.0)
