@@ -125,7 +125,23 @@ def _build_and_load(name: str, source: str) -> tuple[ctypes.CDLL | None, str]:
     command = compiler()
     if command is None:
         return None, "no C compiler found (set CC)"
-    flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", *cpu_flags()]
+    wanted = cpu_flags()
+    levels = [wanted]
+    if "-mavx512f" in wanted:  # a compiler too old for AVX-512 still builds for AVX2
+        levels.append([flag for flag in wanted if not flag.startswith("-mavx512")])
+    library, why = None, ""
+    for level in levels:
+        library, why = _build_level(name, source, command, level)
+        if not why.startswith("build failed"):
+            break
+    return library, why
+
+
+def _build_level(
+    name: str, source: str, command: list[str], level: list[str]
+) -> tuple[ctypes.CDLL | None, str]:
+    """Build (unless the cache has it) and load ``source`` with the CPU flags ``level``."""
+    flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", *level]
     key = hashlib.sha256("\0".join([source, *command, *flags]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():

@@ -259,6 +259,34 @@ def test_a_failing_compiler_falls_back_with_the_reason(
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
+def test_a_compiler_without_avx512_builds_for_avx2(
+    fresh_native: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Where torch runs AVX-512 kernels but the compiler cannot build for AVX-512, the kernels
+    are built for AVX2 rather than not at all."""
+    real = native.compiler()
+    assert real is not None
+    wrapper = tmp_path / "cc-without-avx512"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -mavx512f ] && { echo "unknown: $a" >&2; exit 1; }; done\n'
+        f'exec {" ".join(real)} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setattr(native, "cpu_flags", lambda: ["-mavx2", "-mfma", "-mavx512f"])
+    assert _native.available(), native.status()
+    assert native.status()["lightning_recorder_stats"].startswith("loaded from ")
+    (built,) = (tmp_path / "cache").glob("lightning_recorder_stats-*.so")
+    x = data("gaussian", 5000)
+    assert _native.moments(x)[4:6] == (x.min().item(), x.max().item())
+    monkeypatch.setattr(native, "cpu_flags", lambda: ["-mavx2", "-mfma"])
+    native.reset()
+    assert _native.available()
+    assert native.status()["lightning_recorder_stats"] == f"loaded from {built}"  # the AVX2 build
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="needs a C compiler")
 def test_a_built_library_is_reused_from_the_cache(tmp_path: Path) -> None:
     """A second process loads the file the first built instead of building it again."""
     script = textwrap.dedent(
