@@ -29,7 +29,7 @@ sysdeps:
 	fi
 
 demo: $(STAMP)
-	$(PY) examples/tensorboard_stats.py
+	$(PY) examples/tensorboard_stats.py --out lightning_logs
 
 lint: $(STAMP)
 	$(PY) -m ruff check lightning_recorder tests examples benchmarks

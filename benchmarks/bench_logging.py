@@ -5,16 +5,13 @@ order within every repeat; medians over the repeats; the spread is the interquar
 the per-repeat ratios):
 
 1. **Kernels** — on float32 tensors of 2**20 and 2**22 elements (Gaussian, and after a ReLU),
-   the time of the monitor's statistics (one packed state), of the exact histogram (every
-   element bucketed) and of the sampled one (the sample copied in the statistics' pass, then
-   its histogram's row from one call of the kernels, as in one process) in units of
-   ``x.sum()``, one read of the data; the data passes alone (the fused pass with the sample,
-   the sample's buckets), without the fixed costs a monitor pays once per step for all
-   modules (measured in 3.); and a copy. ``before`` is the
-   statistics kernel of the previous release (``mul`` into scratch, ``amin``, ``amax``).
+   the time of the monitor's statistics (one packed state: the engine eager, and compiled by
+   ``torch.compile``), of the statistics with the sampled histogram (the monitor's
+   ``Collector``: the state, a strided sample, its bucket counts) in units of ``x.sum()``, one
+   read of the data; and a copy.
 2. **Parameter statistics** — the parameters of the ResNet-18-like model (11.2 M): a clone
-   before the step and a fresh difference after it (before), against persistent buffers filled
-   by ``_foreach_copy_`` and an in-place ``_foreach_sub_`` (now), in units of one
+   before the step and a fresh difference after it, against persistent buffers filled by
+   ``_foreach_copy_`` and an in-place ``_foreach_sub_`` (the monitor), in units of one
    ``_foreach_norm`` of the parameters (one read).
 3. **Per-layer fixed cost** — 64 outputs of 64 elements (the data costs nothing): CPU time of
    the hook's work plus the logging step's merge, histograms and host copy, per layer.
@@ -22,11 +19,14 @@ the per-repeat ratios):
    a TensorBoard logger) over that of a plain step, on (a) a small CNN, (b) a ResNet-18-like
    model (basic blocks 64-128-256-512, 32 x 32 inputs) with every module monitored, (c) a
    64-layer MLP (width 256) with every module monitored; the monitor with statistics in the
-   hook (default) and with kept records (``exact_histograms``, ``clone=True``); for
-   information, the default with the TensorBoard event neither built nor written (the
-   package's own work); and the floor, a callback that only reads each monitored output once
-   and copies and compares the parameters (:class:`FloorReads`). The configurations of a model
-   train in threads that take turns one step at a time (:func:`side_by_side`).
+   hook (default) and with kept records (``exact_histograms``, ``clone=True``), both writing
+   through ``lightning_recorder.TensorBoardLogger`` (C checksums with the ``fast-tensorboard``
+   extra); for information, the default with the TensorBoard event neither built nor written
+   (the package's own work) and with Lightning's ``TensorBoardLogger`` (TensorBoard's
+   pure-Python checksum of every record); and the floor, a callback that only reads each
+   monitored output once and copies and compares the parameters (:class:`FloorReads`). The
+   configurations of a model train in threads that take turns one step at a time
+   (:func:`side_by_side`).
 
 Run ``python benchmarks/bench_logging.py`` (``--quick`` for a smoke run). One CPU thread.
 """
@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -50,28 +50,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
 
 from lightning_recorder import FeatureStatsMonitor
+from lightning_recorder import TensorBoardLogger as RecorderTensorBoardLogger
 from lightning_recorder._core.compat import foreach_copy_, foreach_norm, foreach_sub, foreach_sub_
-from lightning_recorder.stats import _native
-from lightning_recorder.stats._kernels import (
-    MAX,
-    MIN,
-    Workspace,
-    chunks,
-    histogram_range,
-    histogram_rows_cpu,
-    masked_state,
-    native_chunk,
-    native_state,
-    sampled_row,
-    sampled_state,
-)
-from lightning_recorder.stats.batched import (
-    change_norms,
-    copy_with_norms,
-    host_floats,
-    merged,
-    native_histogram_table,
-)
+from lightning_recorder.stats._collect import Collector
+from lightning_recorder.stats._engine import compile_status, eager_only, tensor_state, warm_up
+from lightning_recorder.stats._histogram import edges, ranges
 
 # --------------------------------------------------------------------------- timing
 
@@ -111,94 +94,48 @@ def fmt(r: tuple[float, float, float]) -> str:
 # --------------------------------------------------------------------------- 1. kernels
 
 
-def old_state(x: Tensor, work: Workspace) -> Tensor:
-    """The previous release's float32 chunk kernel (for the before/after column)."""
-    states = []
-    for start in range(0, x.numel(), 2**18):
-        v = x[start : start + 2**18]
-        n = v.numel()
-        scratch = work.get("old", n, torch.float32)
-        squares_t = torch.mul(v, v, out=scratch).sum()
-        total, low, high, squares = torch.stack([v.sum(), v.amin(), v.amax(), squares_t]).tolist()
-        abs_sum = abs(total) if low >= 0 or high <= 0 else torch.abs(v, out=scratch).sum().item()
-        zeros = 0.0
-        if not (low > 0 or high < 0):
-            sign = torch.sign(v, out=scratch)
-            zeros = n - torch.dot(sign, sign).item()
-        mean = total / n
-        m2 = squares - total * mean
-        states.append(
-            torch.tensor([n, mean, m2, low, high, abs_sum / n, zeros, 0, n], dtype=torch.float64)
-        )
-    return merged(states)
-
-
-def kernel_row(x: Tensor, kind: str, work: Workspace, repeats: int) -> str:
+def kernel_row(x: Tensor, kind: str, repeats: int) -> str:
     """One row of the kernel table: ratios to one read (``x.sum()``)."""
+    cpu = torch.device("cpu")
+    collector = Collector(1, FeatureStatsMonitor.histogram_sample, cpu)
 
-    def stats() -> Tensor:
-        return native_state(x, work)
+    def with_histogram() -> Any:  # the monitor's path: the state, a sample, its counts
+        collector.clear()
+        collector.add(0, x)
+        states = collector.states()
+        lo, hi = ranges(states)
+        return collector.counts(edges(lo, hi, 30), states)
 
-    state = stats()[None]
-
-    def exact() -> Any:
-        return histogram_rows_cpu([[x]], state, 30, sync=False, group=None, work=work, exact=False)
-
-    spare = torch.empty(FeatureStatsMonitor.histogram_sample, dtype=torch.float32)
-
-    def sampled() -> Any:  # the monitor's path: the sample taken in the statistics' pass
-        fused = sampled_row(x, work, spare.numel(), lambda n: spare[:n])
-        if fused is not None:  # one process: the histogram's row from one kernel call
-            row, kept, weight = fused
-            state = torch.tensor([row], dtype=torch.float64)
-            return native_histogram_table([[cast(Tensor, kept)]], state, 30, [[weight]])
-        state, kept, weight = sampled_state(x, work, FeatureStatsMonitor.histogram_sample)
-        return histogram_rows_cpu(
-            [[kept]],
-            state[None],
-            30,
-            sync=False,
-            group=None,
-            work=work,
-            exact=False,
-            weights=[[weight]],
-        )
-
-    def passes() -> Any:  # the data work alone: one fused pass, then the sample's buckets
-        row, kept, _ = cast(Any, sampled_row(x, work, spare.numel(), lambda n: spare[:n]))
-        lo, hi = histogram_range(row[MIN], row[MAX])
-        return row, _native.bucket(kept, lo, hi, 30)
+    def eager() -> Any:
+        with eager_only():
+            return tensor_state(x)
 
     variants = {
         "floor": lambda: x.sum(),
-        "before": lambda: old_state(x, work),
-        "torch": lambda: merged([native_chunk(c, work) for c in chunks(x)]),
-        "now": stats,
-        "exact": lambda: (stats(), exact()),
-        "sampled": sampled,
-        "passes": passes,
+        "eager": eager,
+        "compiled": lambda: tensor_state(x),
+        "histogram": with_histogram,
         "copy": lambda: x.clone(),
     }
     t = interleaved(variants, repeats, inner=3)
     floor_us = statistics.median(t["floor"]) * 1e6
-    keys = ("before", "torch", "now", "exact", "sampled", "passes", "copy")
-    cells = [fmt(ratio(t, k, "floor")) for k in keys]
+    cells = [fmt(ratio(t, k, "floor")) for k in ("eager", "compiled", "histogram", "copy")]
     size = x.numel().bit_length() - 1
     return f"| 2**{size} {kind} (one read: {floor_us:.0f} µs) | " + " | ".join(cells) + " |"
 
 
 def kernels(repeats: int, sizes: Sequence[int]) -> list[str]:
-    work = Workspace()
+    warm_up("cpu", [torch.float32], wait=True)
     lines = [
-        "| tensor | statistics before | statistics, torch path | statistics, fused kernel | "
-        "+ exact histogram | + sampled histogram | data passes alone (fused pass, sample's "
-        "buckets) | copy |",
-        "|---|---|---|---|---|---|---|---|",
+        f"(engine: {compile_status()})",
+        "",
+        "| tensor | statistics, eager | statistics, compiled | + sampled histogram | copy |",
+        "|---|---|---|---|---|",
     ]
     for n in sizes:
         for kind in ("gaussian", "relu"):
             x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-            lines.append(kernel_row(x.relu() if kind == "relu" else x, kind, work, repeats))
+            lines.append(kernel_row(x.relu() if kind == "relu" else x, kind, repeats))
     return lines
 
 
@@ -329,8 +266,8 @@ class TurnTimer(pl.Callback):
 class FloorReads(pl.Callback):
     """The floor of a logging step: each monitored output read once (``x.sum()`` in a forward
     hook), each parameter copied before the optimizer step while its gradient is read once, and
-    read once more with its copy after the step (the fused kernels, no difference written) --
-    the data an update ratio and the statistics must touch, and nothing else."""
+    read once more with its copy after the step (foreach copy and norms, the difference in
+    place) -- the data an update ratio and the statistics must touch, and nothing else."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
@@ -350,10 +287,13 @@ class FloorReads(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
         grads = [p.grad for m in self.modules for p in m.parameters(recurse=False)]
-        copy_with_norms(self.buffers, self.params, grads)
+        foreach_copy_(self.buffers, self.params)
+        self.sink.extend(foreach_norm([g for g in grads if g is not None]))
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        change_norms(self.params, self.buffers)
+        self.sink.extend(foreach_norm(self.params))
+        foreach_sub_(self.buffers, self.params)
+        self.sink.extend(foreach_norm(self.buffers))
         self.sink.clear()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -380,10 +320,13 @@ def job(model_name: str, config: str, steps: int, root: str, timer: pl.Callback)
         kept = config == "records kept"
         kind = NoEventMonitor if config == "no event write" else FeatureStatsMonitor
         callbacks.append(kind(sources, every_n_steps=1, clone=kept, exact_histograms=kept))
+    # lightning_recorder's logger (C checksum with the fast-tensorboard extra), but in the
+    # configuration that shows what Lightning's own logger (pure-Python checksum) costs
+    logger_type = TensorBoardLogger if config == LIGHTNING_LOGGER else RecorderTensorBoardLogger
     trainer = pl.Trainer(
         max_steps=steps + 1,
         accelerator="cpu",
-        logger=TensorBoardLogger(root, name=config.replace(" ", "-")),
+        logger=logger_type(root, name=config.replace(" ", "-").replace("'", "")),
         callbacks=callbacks,
         log_every_n_steps=1,
         limit_val_batches=0,
@@ -410,13 +353,27 @@ def side_by_side(
     return {c: (t.times[2:], t.cpu[2:]) for c, t in timers.items()}
 
 
+LIGHTNING_LOGGER = "in the hook, Lightning's logger"
+
+
 def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
-    configs = ("plain", "in the hook", "records kept", "no event write", "floor")
+    configs = (
+        "plain",
+        "in the hook",
+        "records kept",
+        "no event write",
+        LIGHTNING_LOGGER,
+        "floor",
+    )
+    warm_up("cpu", [torch.float32], wait=True)  # the compiled statistics, as after a run's start
     lines = [
+        f"(engine: {compile_status()})",
+        "",
         "| model | logging step, in the hook (default) | logging step, records kept | "
-        "logging step, events not written (information) | training-thread CPU, in the hook | "
+        "logging step, events not written (information) | logging step with Lightning's "
+        "TensorBoardLogger (pure-Python checksum) | training-thread CPU, in the hook | "
         "floor: one read of each output, parameters copied and compared | plain step (ms) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as root:
         for model_name in [m for m in MODELS if m[1] in models]:
@@ -427,7 +384,7 @@ def trainer_level(repeats: int, steps: int, models: str = "abc") -> list[str]:
                 for config, (times, cpu_times) in found.items():
                     wall[config].append(statistics.median(times))
                     cpu[config].append(statistics.median(cpu_times))
-            cells = [fmt(ratio(wall, c, "plain")) for c in configs[1:4]]
+            cells = [fmt(ratio(wall, c, "plain")) for c in configs[1:5]]
             cells.append(fmt(ratio(cpu, "in the hook", "plain")))
             cells.append(fmt(ratio(wall, "floor", "plain")))
             plain = statistics.median(wall["plain"]) * 1e3
@@ -454,14 +411,6 @@ def parameters(repeats: int) -> list[str]:
         foreach_sub_(buffers, params)
         return [*norms, *foreach_norm(buffers)]
 
-    def fused() -> Any:  # the monitor's CPU path: copy with the norm, change without a write
-        copied = copy_with_norms(buffers, params, [None] * len(params))
-        return copied, change_norms(params, buffers)
-
-    def fused_grads() -> Any:  # the same, the gradients' norms read in the copy's pass
-        copied = copy_with_norms(buffers, params, grads)
-        return copied, change_norms(params, buffers)
-
     def grad_norms() -> Any:  # what the gradients' norms cost apart (one read of them)
         return foreach_norm(grads)
 
@@ -469,67 +418,41 @@ def parameters(repeats: int) -> list[str]:
         "floor": lambda: foreach_norm(params),
         "before": before,
         "foreach": foreach,
-        "fused": fused,
-        "fused + grads": fused_grads,
         "grads": grad_norms,
     }
     t = interleaved(variants, repeats, inner=2)
     count = sum(p.numel() for p in params) / 1e6
-    cells = [fmt(ratio(t, k, "floor")) for k in ("before", "foreach", "fused", "fused + grads")]
+    cells = [fmt(ratio(t, k, "floor")) for k in ("before", "foreach")]
     return [
-        "| parameters | before (clone + difference) | foreach buffers, in place | "
-        "fused kernels | fused, with the gradients' norms | gradients' norms apart |",
-        "|---|---|---|---|---|---|",
+        "| parameters | clone + difference | foreach buffers, in place (the monitor) | "
+        "gradients' norms |",
+        "|---|---|---|---|",
         f"| ResNet-18-like, {count:.1f} M | " + " | ".join(cells) + f" | "
         f"{fmt(ratio(t, 'grads', 'floor'))} |",
     ]
 
 
 def per_layer(repeats: int) -> list[str]:
-    from lightning_recorder.callbacks.stats_monitor import _Pending
-
     layers = [torch.randn(8, 8) for _ in range(64)]
-    work = Workspace()
-
-    monitor = FeatureStatsMonitor("layer")
-    monitor._write_histograms, monitor._work, monitor._segments = True, work, None
     cpu = torch.device("cpu")
+    collector = Collector(len(layers), FeatureStatsMonitor.histogram_sample, cpu)
 
-    spare: dict[Any, list[Tensor]] = {}
+    def in_hook() -> Any:  # the hooks' copies, then the logging step's reductions and host copy
+        collector.clear()
+        for i, x in enumerate(layers):
+            collector.add(i, x)
+        states = collector.states()
+        lo, hi = ranges(states)
+        limits = edges(lo, hi, 30)
+        counts = collector.counts(limits, states)
+        return torch.cat([states.reshape(-1), limits.reshape(-1), counts.reshape(-1)]).tolist()
 
-    def in_hook() -> Any:  # the hook's copies, then the logging step's segmented reductions
-        nonlocal spare
-        pending = [_Pending() for _ in layers]
-        for p, x in zip(pending, layers, strict=True):
-            p.add(x, work, 2**16, spare)
-        states, parts, weights = monitor._hook_states(pending, cpu)
-        table = monitor._histogram_table(parts, states, weights)
-        spare = {}  # the copies serve the next step, as in the monitor
-        for p in pending:
-            p.recycle(spare)
-        return host_floats([table, states] if isinstance(table, Tensor) else [states])
-
-    def records_kept() -> Any:
-        states = torch.stack([native_state(x, work) for x in layers])
-        rows = histogram_rows_cpu(
-            [[x] for x in layers], states, 30, sync=False, group=None, work=work, exact=False
-        )
-        return host_floats([states]), rows
-
-    def masked() -> Any:  # the device path (no host read), run on the CPU for scale
-        return host_floats([torch.stack([masked_state(x.reshape(-1).double()) for x in layers])])
-
-    t = interleaved(
-        {"hook": in_hook, "kept": records_kept, "masked": masked},
-        repeats,
-        inner=2,
-        clock=time.thread_time,
-    )
-    us = {k: statistics.median(v) * 1e6 / len(layers) for k, v in t.items()}
+    t = interleaved({"hook": in_hook}, repeats, inner=2, clock=time.thread_time)
+    us = statistics.median(t["hook"]) * 1e6 / len(layers)
     return [
-        "| per monitored layer (CPU µs) | in the hook | records kept | device path on CPU |",
-        "|---|---|---|---|",
-        f"| 64 outputs of 64 elements | {us['hook']:.0f} | {us['kept']:.0f} | {us['masked']:.0f} |",
+        "| per monitored layer (CPU µs) | hooks' copies, states, histograms, host copy |",
+        "|---|---|",
+        f"| 64 outputs of 64 elements | {us:.0f} |",
     ]
 
 

@@ -3,7 +3,7 @@
 1. Train a small CNN on scikit-learn's bundled digits (8x8 images) for a few epochs.
 2. Run ``trainer.predict`` over every image with ``ActivationWriter`` recording the penultimate
    layer (the ReLU after the hidden linear layer): sharded safetensors files and their index
-   land in ``--out``.
+   land in ``--out`` (default: a temporary directory, removed at the end).
 3. Read them back with ``ActivationDataset``, line the rows up with the labels by their sample
    index, fit scikit-learn's logistic regression on the training images' activations and print
    its accuracy on the held-out ones.
@@ -16,6 +16,7 @@ Runs on a laptop CPU in well under a minute; the data ships with scikit-learn.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from typing import Any
@@ -57,6 +58,19 @@ class DigitsCNN(pl.LightningModule):
 
 
 def main(epochs: int, out: str | None) -> float:
+    """Train, write the activations into ``out`` (``None``: a temporary directory, removed at
+    the end), fit the probe; return its test accuracy."""
+    with contextlib.ExitStack() as stack:
+        directory = out
+        if directory is None:
+            directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="activations_"))
+        accuracy = _run(epochs, directory)
+    if out is None:
+        print("(a temporary directory, now removed: keep the activations with --out DIR)")
+    return accuracy
+
+
+def _run(epochs: int, directory: str) -> float:
     start = time.perf_counter()
     pl.seed_everything(0, verbose=False)
     digits = load_digits()
@@ -76,7 +90,6 @@ def main(epochs: int, out: str | None) -> float:
     train = TensorDataset(images[train_idx], labels[train_idx])
     pl.Trainer(**quiet, max_epochs=epochs).fit(model, DataLoader(train, 64, shuffle=True))
 
-    directory = out or tempfile.mkdtemp(prefix="activations_")
     writer = ActivationWriter({"penultimate": "hidden.1"}, directory, max_shard_bytes=64 << 10)
     everything = DataLoader(TensorDataset(images), batch_size=128)  # sample index = image index
     pl.Trainer(**quiet, callbacks=[writer]).predict(model, everything, return_predictions=False)
@@ -99,6 +112,10 @@ def main(epochs: int, out: str | None) -> float:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=3, help="training epochs of the CNN")
-    parser.add_argument("--out", default=None, help="directory for the activation dataset")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="directory for the activation dataset (default: a temporary one)",
+    )
     args = parser.parse_args()
     main(args.epochs, args.out)

@@ -1,24 +1,26 @@
 """Record the execution graph of a small CNN and draw it with Graphviz.
 
 Writes ``graph_example.svg`` and ``graph_example.png`` (all depths) and ``graph_example_depth1.svg``
-(the model's children only) into ``docs/images`` or the folder given with ``--out``. Runs in about
-a second on a laptop CPU; needs Graphviz's ``dot`` program (``apt-get install graphviz``,
-``brew install graphviz`` or ``conda install graphviz``).
+(the model's children only) into the folder given with ``--out``; without it, into a temporary
+folder that is removed at the end. Runs in about a second on a laptop CPU; needs Graphviz's ``dot``
+program (``apt-get install graphviz``, ``brew install graphviz`` or ``conda install graphviz``)
+and the ``graphviz`` Python package (``pip install "lightning-recorder[graph]"``).
 
-    python examples/graph_example.py --out /tmp/graphs
+    python examples/graph_example.py --out graphs/
+
+The pictures in the documentation's ``docs/images`` are made with ``--out docs/images``.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from lightning_recorder.graph import record_graph
-
-IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 
 
 class SmallCNN(nn.Module):
@@ -40,7 +42,7 @@ class SmallCNN(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
-def main(out: Path = IMAGES) -> list[Path]:
+def main(out: Path) -> list[Path]:
     """Record one forward pass of :class:`SmallCNN` and render it; return the files written."""
     torch.manual_seed(0)
     graph = record_graph(SmallCNN(), torch.randn(1, 3, 32, 32))
@@ -53,6 +55,15 @@ def main(out: Path = IMAGES) -> list[Path]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=IMAGES, help="folder for the pictures")
-    for path in main(parser.parse_args().out):
-        print(path)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="folder for the pictures (default: a temporary one)"
+    )
+    out = parser.parse_args().out
+    if out is not None:
+        for path in main(out):
+            print(path)
+    else:
+        with tempfile.TemporaryDirectory(prefix="graph_example_") as tmp:
+            for path in main(Path(tmp)):
+                print(f"{path.name}: {path.stat().st_size:,} bytes")
+        print("(written to a temporary folder, now removed: keep them with --out DIR)")

@@ -1,21 +1,25 @@
 """Watch the feature statistics of a small CNN in TensorBoard while it learns to read digits.
 
 Trains a two-layer CNN on scikit-learn's bundled 8x8 digits (no download) with one extra
-callback, :class:`~lightning_recorder.FeatureStatsMonitor`, then prints where the TensorBoard
-logs are and the last statistics it logged, read back from the event files::
+callback, :class:`~lightning_recorder.FeatureStatsMonitor`, then prints the last statistics it
+logged, read back from the event files. The logs go to the directory given with ``--out`` (each
+run in its own ``version_N`` folder), to look at in TensorBoard::
 
-    python examples/tensorboard_stats.py
+    python examples/tensorboard_stats.py --out lightning_logs
     tensorboard --logdir lightning_logs
 
-Options: ``--root-dir`` (where ``lightning_logs/`` goes, default: the current directory),
-``--max-epochs``, ``--every-n-steps``, and ``--plot PATH`` to render the logged statistics to an
-image with matplotlib.
+Without ``--out`` they go to a temporary directory, removed at the end. Other options:
+``--max-epochs``, ``--every-n-steps``, ``--lr`` (run twice with two learning rates and compare the
+runs in TensorBoard), and ``--plot PATH`` to render the logged statistics to an image with
+matplotlib. Needs ``pip install "lightning-recorder[examples]"``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -168,40 +172,57 @@ def plot(log_dir: str | Path, path: str | Path, prefix: str = "stats") -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> Path:
-    """Train, print where the logs are and the last statistics; return the run's log dir."""
+def main(argv: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Train, print the last statistics; return every logged scalar series (see ``--help``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root-dir", default=".", help="where lightning_logs/ is written")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="directory for the TensorBoard logs, kept (default: a temporary one, removed)",
+    )
     parser.add_argument("--max-epochs", type=int, default=4)
     parser.add_argument("--every-n-steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD's learning rate")
     parser.add_argument("--plot", default=None, help="also render the statistics to this image")
     args = parser.parse_args(argv)
 
+    with contextlib.ExitStack() as stack:
+        out = args.out or stack.enter_context(tempfile.TemporaryDirectory(prefix="tb_stats_"))
+        log_dir, prefix = train(out, args.max_epochs, args.every_n_steps, args.lr)
+        scalars = read_scalars(log_dir)
+        if args.out:
+            print(f"\nTensorBoard logs: {log_dir}")
+            print(f"View them with:   tensorboard --logdir {args.out}\n")
+        else:
+            print("\nTensorBoard logs in a temporary directory, removed at the end: keep them")
+            print("with --out DIR, then view them with: tensorboard --logdir DIR\n")
+        print(last_stats_table(scalars, prefix))
+        if args.plot:
+            plot(log_dir, args.plot, prefix)
+            print(f"\nPlot written to {args.plot}")
+    return scalars
+
+
+def train(out: str | Path, max_epochs: int, every_n_steps: int, lr: float) -> tuple[Path, str]:
+    """Fit the CNN with a :class:`FeatureStatsMonitor`, logging to ``out/version_N``; return
+    that run's directory and the monitor's tag prefix."""
     pl.seed_everything(0, verbose=False)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    train, val = digits_loaders()
-    logger = TensorBoardLogger(args.root_dir, name="lightning_logs")
-    monitor = FeatureStatsMonitor(SOURCES, every_n_steps=args.every_n_steps)
+    train_loader, val_loader = digits_loaders()
+    logger = TensorBoardLogger(out, name="")
+    monitor = FeatureStatsMonitor(SOURCES, every_n_steps=every_n_steps)
     trainer = pl.Trainer(
-        max_epochs=args.max_epochs,
+        max_epochs=max_epochs,
         accelerator="cpu",
         logger=logger,
         callbacks=[monitor],
-        log_every_n_steps=args.every_n_steps,
+        log_every_n_steps=every_n_steps,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(DigitsCNN(), train, val)
-
-    log_dir = Path(logger.log_dir)
-    print(f"\nTensorBoard logs: {log_dir}")
-    print(f"View them with:   tensorboard --logdir {Path(args.root_dir) / 'lightning_logs'}\n")
-    print(last_stats_table(read_scalars(log_dir), monitor.prefix))
-    if args.plot:
-        plot(log_dir, args.plot, monitor.prefix)
-        print(f"\nPlot written to {args.plot}")
-    return log_dir
+    trainer.fit(DigitsCNN(lr=lr), train_loader, val_loader)
+    return Path(logger.log_dir), monitor.prefix
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ if TYPE_CHECKING:  # resolved lazily below: they import Lightning or torchmetric
         FeatureDistillation,
         FeatureStatsMonitor,
         RecorderCallback,
+        TensorBoardLogger,
         distillation_loss,
     )
     from .stats import FeatureStats
@@ -90,6 +91,7 @@ _LAZY = {
     "FeatureDistillation": "lightning_recorder.callbacks",
     "FeatureStatsMonitor": "lightning_recorder.callbacks",
     "RecorderCallback": "lightning_recorder.callbacks",
+    "TensorBoardLogger": "lightning_recorder.callbacks",
     "distillation_loss": "lightning_recorder.callbacks",
     "FeatureStats": "lightning_recorder.stats.metric",
 }
@@ -163,6 +165,7 @@ __all__ = [
     "RecorderManager",
     "RecorderStateError",
     "ShardWriter",
+    "TensorBoardLogger",
     "UnknownRecorderTypeError",
     "UnknownSourceError",
     "__version__",

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recorder._core import native
 from lightning_recorder._core.hooks import live_hooks, remove_live_hooks
 from lightning_recorder._core.patching import active_patches
 
@@ -18,6 +17,10 @@ if str(TESTS) not in sys.path:  # test helper modules (e.g. toy modules to patch
     sys.path.insert(0, str(TESTS))
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
+# The statistics engine runs eagerly in the suite (the same function as compiled, op by op):
+# compiling costs seconds per process. Tests of the compiled path turn it on themselves
+# (``compiled_engine`` fixture).
+os.environ.setdefault("LIGHTNING_RECORDER_COMPILE", "0")
 
 
 @pytest.fixture(autouse=True)
@@ -30,14 +33,3 @@ def no_leftover_hooks_or_patches() -> Iterator[None]:
         remove_live_hooks()  # so that one leak does not fail the tests that follow
     assert hooks_after == hooks_before, f"hooks left behind: {hooks_after}"
     assert patches_after == patches_before, f"patches left behind: {patches_after}"
-
-
-@pytest.fixture
-def fresh_native(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """A process-wide build state of the fused kernels that the test may change (a cache
-    directory of its own; ``native.reset()`` before and after)."""
-    monkeypatch.setenv("LIGHTNING_RECORDER_CACHE", str(tmp_path / "cache"))
-    native.reset()
-    yield
-    monkeypatch.undo()
-    native.reset()

@@ -9,6 +9,4 @@
 * :mod:`.patching` — shared, reference-counted patches of functions and methods.
 * :mod:`.registry` — named types (recorders, deliveries, losses) and named groups.
 * :mod:`.compat` — every read of torch's private state.
-* :mod:`.native` — small C kernels built on first use (and the fallback where they cannot be);
-  :mod:`.crc32c` and :mod:`.summary_proto`, the C parts of TensorBoard's event write.
 """

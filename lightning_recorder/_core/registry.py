@@ -32,7 +32,7 @@ class Registry(Generic[C]):
         normalise: turns a user's spelling into a key (default: unchanged); lookups and
             registrations both go through it.
 
-    Example:
+    Examples:
         >>> reg = Registry("shape")
         >>> _ = reg.register(int, ["Int", "I"])
         >>> reg.resolve("I", "shape config")
@@ -188,7 +188,7 @@ def get_named(group: Mapping[str, T], name: str, what: str) -> T:
 def apply_all(items: Iterable[T], do: Callable[[T], object], undo: Callable[[T], object]) -> None:
     """Call ``do`` on every item; if one raises, ``undo`` the ones done (newest first) and re-raise.
 
-    Example:
+    Examples:
         >>> done = []
         >>> apply_all([1, 2], done.append, done.remove)
         >>> done

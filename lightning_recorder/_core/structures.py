@@ -46,7 +46,7 @@ class Arguments(tuple):
     ``Arguments((1, 2), names=("a", "b"))``. Defaults are filled in; ``*args`` items are named
     ``args[0]``, ``args[1]`` …; extra ``**kwargs`` follow, sorted by name.
 
-    Example:
+    Examples:
         >>> a = Arguments((1, 2), ("a", "b"))
         >>> a[1], a["b"], a.as_dict()
         (2, 2, {'a': 1, 'b': 2})

@@ -77,22 +77,28 @@ class ActivationDataset(Dataset[dict[str, Any]]):
     Args:
         directory: the directory (a path or an ``fsspec`` URL).
         sources: keep these sources (names given to the writer).
-        stages, steps, epochs, ranks, modules, runs: keep only rows with these values (one
-            value or a list each).
+        stages: keep only rows of these stages (one value or a list).
+        steps: keep only rows of these global steps (one value or a list).
+        epochs: keep only rows of these epochs (one value or a list).
+        ranks: keep only rows written by these ranks (one value or a list).
+        modules: keep only rows of these modules (one value or a list).
+        runs: keep only rows of these runs (one value or a list).
 
     Raises:
         RecorderConfigError: the directory holds no activation index, or a filter is invalid.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> import torch
         >>> from lightning_recorder.activations import ShardWriter
-        >>> directory = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> directory = tmp.name
         >>> with ShardWriter(directory) as writer:
         ...     _ = writer.write("feat", "fc", torch.arange(6.0).view(3, 2), sample_index=[7, 8, 9])
         >>> data = ActivationDataset(directory, sources="feat")
         >>> data[1]["activation"], data[1]["sample_index"]
         (tensor([2., 3.]), 8)
+        >>> tmp.cleanup()
     """
 
     def __init__(
@@ -295,15 +301,17 @@ def concat_activations(
     ``filters`` are those of :class:`ActivationDataset` (``stages=``, ``steps=``, ``ranks=`` …);
     rows come in its order (for one predict run: by sample index).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> import torch
         >>> from lightning_recorder.activations import ShardWriter
-        >>> directory = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> directory = tmp.name
         >>> with ShardWriter(directory) as writer:
         ...     _ = writer.write("feat", "fc", torch.ones(2, 3), sample_index=[1, 0])
         >>> concat_activations(directory, "feat").shape
         torch.Size([2, 3])
+        >>> tmp.cleanup()
     """
     unknown = sorted(set(filters) - set(_FILTERS) - {"sources"})
     if unknown:

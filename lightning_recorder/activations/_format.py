@@ -41,7 +41,9 @@ import torch
 from ..errors import RecorderConfigError
 
 FORMAT = "lightning_recorder.activations"
+"""The ``format`` field of every index file this package writes."""
 VERSION = 1
+"""The ``version`` field of the index files: the format version this package writes and reads."""
 SHARD_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".index.json"
 TMP_SUFFIX = ".tmp"

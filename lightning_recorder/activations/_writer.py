@@ -126,16 +126,18 @@ class ShardWriter:
         RecorderConfigError: an argument is invalid, or ``directory`` cannot be written (at
             construction, before any thread starts).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> import torch
         >>> from lightning_recorder.activations import ActivationDataset, ShardWriter
-        >>> directory = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> directory = tmp.name
         >>> with ShardWriter(directory, run="demo") as writer:
         ...     _ = writer.write("feat", "layer", torch.ones(4, 3), stage="predict",
         ...                  sample_index=[0, 1, 2, 3])
         >>> len(ActivationDataset(directory))
         4
+        >>> tmp.cleanup()
     """
 
     def __init__(
@@ -231,7 +233,12 @@ class ShardWriter:
             source: the source name (a key of ``sources``, or any name).
             module: the module (or stream) the tensor comes from.
             tensor: the activations; the source's options are applied first.
-            stage, global_step, epoch, batch_idx, dataloader_idx: provenance of the batch.
+            stage: provenance of the batch: the stage (``"train"``, ``"val"``, ``"test"`` or
+                ``"predict"``).
+            global_step: provenance of the batch: the optimizer step.
+            epoch: provenance of the batch: the epoch.
+            batch_idx: provenance of the batch: its index in the epoch.
+            dataloader_idx: provenance of the batch: the index of its dataloader.
             sample_index: the dataset index of each row (default: ``-1``, unknown).
             call: which call of the module in the forward (0 for the first).
 

@@ -454,12 +454,12 @@ class OutputGradsCollector(_Collector):
         slot.hooks.add(module.register_forward_hook(OutputGradsHook(slot, self.path)))
 
 
-#: torchfunc's name for :class:`ForwardInputsCollector`.
 ForwardPre = ForwardInputsCollector
-#: torchfunc's name for :class:`ForwardOutputsCollector`.
+"""torchfunc's name for :class:`ForwardInputsCollector`."""
 ForwardOutput = ForwardOutputsCollector
-#: torchfunc's name for :class:`OutputGradsCollector`.
+"""torchfunc's name for :class:`ForwardOutputsCollector`."""
 BackwardOutput = OutputGradsCollector
+"""torchfunc's name for :class:`OutputGradsCollector`."""
 
 
 def load_collected(

@@ -5,7 +5,9 @@
   statistics logged every N steps (built on :class:`RecorderCallback`);
 * :mod:`.distillation` — :class:`FeatureDistillation`: a frozen teacher distilled into the student;
 * :mod:`.activation_writer` — :class:`ActivationWriter`: recorded outputs written to sharded
-  safetensors files with their provenance (``lightning_recorder.activations`` reads them back).
+  safetensors files with their provenance (``lightning_recorder.activations`` reads them back);
+* :mod:`.tensorboard_logger` — :class:`TensorBoardLogger`: Lightning's TensorBoard logger with
+  its event file checksummed in C.
 
 ``_lightning`` holds every read of Lightning's private state, so that a change in Lightning
 touches one file.
@@ -15,6 +17,7 @@ from .activation_writer import ActivationWriter
 from .distillation import FeatureDistillation, LossSpec, distillation_loss
 from .recorder import RecorderCallback
 from .stats_monitor import FeatureStatsMonitor
+from .tensorboard_logger import TensorBoardLogger
 
 __all__ = [
     "ActivationWriter",
@@ -22,5 +25,6 @@ __all__ = [
     "FeatureStatsMonitor",
     "LossSpec",
     "RecorderCallback",
+    "TensorBoardLogger",
     "distillation_loss",
 ]

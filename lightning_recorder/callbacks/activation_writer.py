@@ -130,7 +130,7 @@ class ActivationWriter(RecorderCallback):
             construction); a source matches no module (``UnknownSourceError``, when the run
             starts, naming the closest names).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> import lightning.pytorch as pl
         >>> import torch

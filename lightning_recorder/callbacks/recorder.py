@@ -82,7 +82,7 @@ class RecorderCallback(Callback):
             the closest names).
         UnknownRecorderTypeError: a config's ``type`` names no recorder type.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> import torch
         >>> from torch import nn
@@ -165,6 +165,7 @@ class RecorderCallback(Callback):
         self._called: set[tuple[str, str]] = set()  # (recorder, stream) recorded in training
         self._silent: set[tuple[str, str]] = set()  # (recorder, stream) already reported
         self._train_step = 0  # the optimizer step of the current training batch
+        self._loader = 0  # the dataloader index of the current evaluation batch
 
     # ------------------------------------------------------------------ public API
     @property
@@ -476,6 +477,7 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        self._loader = dataloader_idx
         self._batch_start("val", self._records_eval(trainer, "val"))
 
     @override
@@ -507,6 +509,7 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        self._loader = dataloader_idx
         self._batch_start("test", self._records_eval(trainer, "test"))
 
     @override
@@ -538,6 +541,7 @@ class RecorderCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        self._loader = dataloader_idx
         self._batch_start("predict", self._records_eval(trainer, "predict"))
 
     @override

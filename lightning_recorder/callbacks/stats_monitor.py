@@ -2,62 +2,48 @@
 
 from __future__ import annotations
 
-import ctypes
-import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
 from .._core.checks import check_bool, check_positive_int, suggestion
-from .._core.compat import distributed_active, foreach_copy_, foreach_sub_, is_compiled
+from .._core.compat import is_compiled
 from .._core.names import named_parameters, select
-from .._core.structures import iter_tensors, parse_path
 from ..errors import RecorderConfigError, UnknownSourceError
 from ..recorders import RecordStream
-from ..stats import STAT_NAMES, StatName
-from ..stats.batched import (
-    HistogramRow,
-    Workspace,
-    change_norms,
-    copy_with_norms,
-    empty_state,
-    finalize,
-    flatten_segments,
-    foreach_norms,
-    fused_kernels,
-    gather_merged,
-    histogram_rows_cpu,
-    histograms_device,
-    host_floats,
-    merge,
-    merged,
-    native_histogram_table,
-    native_segmented_histograms,
-    native_segmented_table,
-    native_segments,
-    native_state,
-    raw_table,
-    sample_of,
-    sampled_row,
-    segmented_histograms,
-    segmented_states,
-    upcast,
+from ..stats import StatName
+from ..stats._collect import Collector
+from ..stats._engine import row_counts, warm_up
+from ..stats._histogram import edges, ranges, summaries
+from ..stats._state import F64, finalize
+from ..stats.metric import BucketCounts, StreamStates
+from ..stats.sharded import any_sharded
+from ._lightning import Stage, step_axis
+from ._parameter_stats import ParameterStats
+from ._stats_options import (
+    ALL,
+    DEFAULT_STATS,
+    PARAM_STATS,
+    ModuleSource,
+    item_key,
+    logger_stats,
+    parameter_patterns,
+    record_tensors,
+    source_and_path,
+    source_key,
+    stat_names,
+    value_tensors,
 )
-from ..stats.sharded import any_sharded, full_values, is_sharded, shard_for_stats
-from ._lightning import (
+from ._tensorboard import (
     HistogramTable,
-    Stage,
     histogram_loggers,
     logger_names,
-    native_checksums,
-    restore_checksums,
-    step_axis,
     write_tensorboard,
     write_wandb,
 )
@@ -65,262 +51,17 @@ from .recorder import RecorderCallback
 
 __all__ = ["FeatureStatsMonitor"]
 
-ModuleSource = str | type[nn.Module]
-
-_DEFAULT_STATS: tuple[StatName, ...] = (
-    "mean",
-    "std",
-    "min",
-    "max",
-    "abs_mean",
-    "zero_fraction",
-    "nonfinite",
-)
-_PARAM_STATS = ("norm", "grad_norm", "update_ratio")
-
-
-class _Everything(frozenset[str]):
-    """Every statistic: what a logger without a ``logger_stats`` entry gets."""
-
-    def __contains__(self, item: object) -> bool:
-        return True
-
-
-_ALL: frozenset[str] = _Everything()
-
-
-def _parameter_patterns(parameters: object, owner: str) -> tuple[str, ...] | None:
-    """``None`` for ``parameters=True``/``False``, else the name patterns as a tuple."""
-    if isinstance(parameters, bool):
-        return None
-    items = (parameters,) if isinstance(parameters, str) else parameters
-    if (
-        not isinstance(items, Sequence)
-        or not items
-        or not all(isinstance(p, str) and p for p in items)
-    ):
-        raise RecorderConfigError(
-            f"Expected `parameters` of {owner} to be a bool, a parameter name or pattern, or a "
-            f"non-empty list of them, but got {parameters!r}."
-        )
-    return tuple(items)
-
-
-def _logger_stats(
-    logger_stats: object, allowed: Sequence[str], owner: str
-) -> dict[str, frozenset[str]]:
-    """Validate ``logger_stats``: logger class name -> statistics that the monitor computes."""
-    if logger_stats is None:
-        return {}
-    if not isinstance(logger_stats, Mapping):
-        raise RecorderConfigError(
-            f"Expected `logger_stats` of {owner} to be a mapping from logger class names to "
-            f"statistics but got {logger_stats!r}."
-        )
-    found: dict[str, frozenset[str]] = {}
-    for key, names in logger_stats.items():
-        items = (names,) if isinstance(names, str) else names
-        if not isinstance(key, str) or not key or not isinstance(items, Sequence):
-            raise RecorderConfigError(
-                f"Expected `logger_stats` of {owner} to map logger class names to lists of "
-                f"statistics but got {key!r}: {names!r}."
-            )
-        for name in items:
-            if name not in allowed:
-                raise RecorderConfigError(
-                    f"Expected `logger_stats[{key!r}]` of {owner} to hold only statistics the "
-                    f"monitor computes ({', '.join(map(repr, allowed))}) but got {name!r}."
-                )
-        found[key] = frozenset(items)
-    return found
-
-
-def _source_key(source: ModuleSource) -> str:
-    if isinstance(source, type):
-        return f"{source.__module__}.{source.__qualname__}"
-    return source
-
-
-def _source_and_path(item: object, owner: str) -> tuple[ModuleSource, str | None]:
-    """The source of one item of ``sources`` and its path in dotted form (``None`` without)."""
-    if isinstance(item, Mapping):
-        for key in item:
-            if key not in ("source", "path"):
-                raise RecorderConfigError(
-                    f"Expected the keys of each dict of `sources` of {owner} to be 'source' and "
-                    f"'path' but got {key!r}. {suggestion(str(key), ['source', 'path'], 'keys')}"
-                )
-        if "source" not in item:
-            raise RecorderConfigError(
-                f"Expected each dict of `sources` of {owner} to have a 'source' key (a module "
-                f"name, glob pattern or module type) but got {dict(item)!r}."
-            )
-        source = item["source"]
-        parsed = parse_path(item.get("path"))
-        path = None if parsed is None else ".".join(str(k) for k in parsed)
-    else:
-        source, path = item, None
-    if not isinstance(source, (str, type)) or source == "":
-        raise RecorderConfigError(
-            f"Expected each of `sources` of {owner} to be a module name, glob pattern or "
-            f"module type, or a dict {{'source': ..., 'path': ...}}, but got {item!r}."
-        )
-    return source, path
-
-
-def _item_key(item: object) -> str:
-    """The key of one (validated) item of ``sources``: ``source`` or ``source/path``."""
-    if isinstance(item, Mapping):
-        parsed = parse_path(item.get("path"))
-        key = _source_key(item["source"])
-        return key if parsed is None else f"{key}/{'.'.join(str(k) for k in parsed)}"
-    return _source_key(cast(ModuleSource, item))
-
-
-def _record_tensors(stream: RecordStream) -> Iterator[Tensor]:
-    """The real-valued tensors of every record of a stream (structured outputs flattened); of a
-    ``DTensor``, the part this rank contributes (see ``stats.sharded.shard_for_stats``)."""
-    for record in stream.data_buffer:
-        for tensor in iter_tensors(record):
-            if is_sharded(tensor):
-                part = shard_for_stats(tensor)
-                if part is None:
-                    continue
-                tensor = part
-            if not tensor.is_complex():
-                yield tensor
-
-
 # The statistics of a parameter, and of a histogram, as tag suffixes (see FeatureStatsMonitor._tags)
 _NORM, _STEPPED, _HISTOGRAM = ("norm",), ("grad_norm", "update_ratio"), ("histogram",)
 # The name under which the tags of every module together are cached (no module's name: module
 # names never hold a NUL; the root module's is "").
 _EVERY = "\0every module"
-
-# A step whose kept records (``exact_histograms``) exceed this many bytes warns once.
+# A step whose kept records (``exact_histograms``, compiled models) exceed this many bytes warns.
 _RECORDS_WARN_BYTES = 256 * 2**20
+# Lightning's precision settings and the dtype of the outputs they produce.
+_PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
 
-
-# Outputs of at most _SMALL elements are copied in the hook and reduced at the batch's end, all
-# modules at once (one flat buffer, a segment each); a module's copies are folded into a state
-# and a sample once they exceed _SMALL_HELD elements.
-_SMALL = 2**14
-_SMALL_HELD = 2**16
-_EMPTY = [0.0, 0.0, 0.0, math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0]  # the state of no data
-
-
-# Flat CPU tensors of a previous batch, by (numel, dtype), for the copies and samples of the next.
-_Spare = dict[tuple[int, torch.dtype], list[Tensor]]
-
-
-def _take(spare: _Spare | None, n: int, dtype: torch.dtype) -> Tensor:
-    """A flat CPU tensor of ``n`` elements of ``dtype`` (contents undefined): a spare one if
-    there is one."""
-    if spare:
-        kept = spare.get((n, dtype))
-        if kept:
-            return kept.pop()
-    return torch.empty(n, dtype=dtype)
-
-
-class _Pending:
-    """What the monitor's hooks computed for one module in the current batch: copies of its
-    small outputs, the packed state of each large one (host rows from the fused CPU kernel,
-    tensors otherwise), and strided samples of the large ones for the histogram."""
-
-    __slots__ = ("held", "rows", "samples", "small", "small_held", "states", "weights")
-
-    def __init__(self) -> None:
-        self.small: list[Tensor] = []
-        self.small_held = 0
-        self.rows: list[list[float]] = []
-        self.states: list[Tensor] = []
-        self.samples: list[Tensor] = []
-        self.weights: list[float] = []
-        self.held = 0  # elements in the samples
-
-    def add(self, x: Tensor, work: Workspace, sample: int, spare: _Spare | None = None) -> None:
-        # Small CPU outputs are copied and reduced together at the end of the batch; off the
-        # CPU the segmented reduction would need the segment sizes on the device (a host
-        # synchronisation), so every output is reduced where it is, as a large one.
-        # (``x`` may require grad: the fast paths read its memory, the others detach it)
-        n = x.numel()
-        if n <= _SMALL and x.is_cpu:
-            copy = _take(spare, n, x.dtype)
-            if type(x) is Tensor and x.is_contiguous():  # a plain memory copy, no dispatch
-                ctypes.memmove(copy.data_ptr(), x.data_ptr(), n * x.element_size())
-            else:
-                copy.copy_(x.detach().reshape(-1))
-            self.small.append(copy)
-            self.small_held += n
-            if self.small_held > _SMALL_HELD:  # fold: memory stays bounded on long steps
-                joined, self.small, self.small_held = torch.cat(self.small), [], 0
-                self.add_large(joined, work, sample, spare)
-            return
-        self.add_large(x, work, sample, spare)
-
-    def add_large(
-        self, x: Tensor, work: Workspace, sample: int, spare: _Spare | None = None
-    ) -> None:
-        # float32 CPU data: state and sample in one pass of the fused kernel, the state kept as
-        # a host row (one tensor for every module at the end of the batch)
-        fused = None
-        if x.is_cpu:
-            fused = sampled_row(x, work, sample, lambda n: _take(spare, n, torch.float32))
-        kept: Tensor | None = None
-        if fused is not None:
-            row, kept, weight = fused
-            self.rows.append(row)
-        else:  # the kernel does not take x (already asked above): torch's passes
-            x = x.detach()
-            if sample > 0:
-                kept, weight = sample_of(x, sample)
-            self.states.append(native_state(x, work))
-        if len(self.states) + len(self.rows) >= 64:  # a module called many times (an RNN cell)
-            self.states = [self.state(x.device)]
-            self.rows = []
-        if kept is None:
-            return
-        self.samples.append(kept)
-        self.weights.append(weight)
-        self.held += kept.numel()
-        if self.held > 2 * sample:
-            self._thin()
-
-    def state(self, device: torch.device) -> Tensor:
-        """The merged state of the large outputs (rows and tensors) on ``device``."""
-        parts = [s if s.device == device else s.to(device) for s in self.states]
-        if self.rows:
-            parts.extend(torch.tensor(self.rows, dtype=torch.float64, device=device).unbind())
-        return merged(parts) if parts else empty_state(device)
-
-    def _thin(self) -> None:
-        """Join the samples of equal weight (calls of one shape) and keep every second element:
-        the samples stay below ``2 * sample`` elements, in few tensors, however many calls."""
-        groups: dict[float, list[Tensor]] = {}
-        for tensor, weight in zip(self.samples, self.weights, strict=True):
-            groups.setdefault(weight, []).append(tensor)
-        self.samples, self.weights = [], []
-        for weight, tensors in groups.items():
-            joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
-            half = joined[::2]
-            kept = torch.empty(half.shape, dtype=half.dtype, device=half.device).copy_(half)
-            self.samples.append(kept)
-            self.weights.append(weight * joined.numel() / kept.numel())
-        self.held = sum(t.numel() for t in self.samples)
-
-    def recycle(self, spare: _Spare) -> None:
-        """Give this batch's copies and samples (the monitor's own CPU tensors) to ``spare``:
-        the next batch writes into them instead of allocating (and faulting in) new memory."""
-        for tensor in self.small:  # flat CPU copies, by construction
-            spare.setdefault((tensor.numel(), tensor.dtype), []).append(tensor)
-        for tensor in self.samples:
-            if tensor.device.type == "cpu" and tensor.dim() == 1:
-                spare.setdefault((tensor.numel(), tensor.dtype), []).append(tensor)
-
-    def nbytes(self) -> int:
-        tensors = (*self.small, *self.states, *self.samples)
-        return sum(t.numel() * t.element_size() for t in tensors) + 72 * len(self.rows)
+Series = tuple[Stage, int | None]  # a stage and its dataloader (None: one, or pooled)
 
 
 class FeatureStatsMonitor(RecorderCallback):
@@ -334,23 +75,27 @@ class FeatureStatsMonitor(RecorderCallback):
     :class:`~lightning.pytorch.loggers.WandbLogger` (other loggers get scalars; a warning says so
     once; ``logger_stats`` narrows what each logger gets). For the parameters of those modules
     it logs the norm, the gradient norm (before clipping) and the update-to-parameter ratio
-    ``||Δp|| / ||p||`` of the optimizer step.
+    ``||Δp|| / ||p||`` of the optimizer step that updates them.
 
-    **Precision.** On the CPU, the statistics and histogram buckets of float32 (float16,
-    bfloat16) outputs are computed in float32, the data's own precision and the one TensorBoard
-    stores: mean, std and mean ``|x|`` within about ``1e-6`` (relative), min, max and counts
-    exact, a value within rounding of a bucket edge possibly in the next bucket. Float64 outputs
-    and other devices get float64 arithmetic. :mod:`lightning_recorder.stats` gives exact
-    float64 results.
+    **How.** The statistics of each output are taken in its forward hook, while it is intact
+    (no ``clone`` needed before an in-place op), by the statistics engine of
+    :mod:`lightning_recorder.stats`: one pass over the output, compiled by ``torch.compile``
+    where it can be (Triton on CUDA, inductor on the CPU; compiled in the background when the
+    run starts, eager until then), with every sum in ``float64`` and no copy of the output.
+    The histogram is taken over a strided sample of at most ``histogram_sample`` elements of
+    each output, bucketed exactly (the rule of :func:`torch.histogram`) and scaled to the
+    output's count of finite values.
 
     **When.** Training statistics are logged every ``every_n_steps`` optimizer steps (default:
     the Trainer's ``log_every_n_steps``, so they land on the same steps as the loss); with
     gradient accumulation they cover every micro-batch of the logged step, the histogram its
     last micro-batch. Nothing is recorded on the other steps, and the monitor's hooks are
     removed from the model until the next logged step (kept on a compiled model, see
-    ``keep_hooks``), so those steps run as they would without it. Evaluation statistics cover every
-    batch of the epoch (the histogram its first batch) and are logged at the epoch's end, on
-    Lightning's step axis. Nothing is recorded or written during the sanity check.
+    ``keep_hooks``), so those steps run as they would without it. Evaluation statistics cover
+    every batch of the epoch (the histogram its first batch) and are logged at the epoch's end,
+    on Lightning's step axis, for each dataloader apart when there are several (as Lightning
+    logs ``self.log`` metrics: tags end in ``/dataloader_idx_N``; ``pool_dataloaders=True``
+    pools them). Nothing is recorded or written during the sanity check.
 
     **Tags** are ``{prefix}/{stage}/{module}/{stat}`` (e.g. ``stats/train/features.0/mean``,
     ``stats/val/classifier/zero_fraction``), ``{prefix}/{stage}/{module}/histogram``, and
@@ -362,11 +107,18 @@ class FeatureStatsMonitor(RecorderCallback):
     a dict or a ``ModelOutput`` mix every tensor in it (a BERT model's ``last_hidden_state``
     with its ``pooler_output`` and every hidden state). Give the source a path,
     ``{"source": "bert", "path": "last_hidden_state"}``, to follow one of them; two paths into
-    one module are two series.
+    one module are two series. A sparse output counts its implicit zeros as zeros.
 
-    **Across processes** every statistic is over the data of all ranks: the streaming state and
-    the histograms are synchronised on every rank and rank 0 writes. Parameters and gradients
-    are replicated under DDP, so their norms are computed locally.
+    **Across processes** every statistic is over the data of all ranks: the streaming states
+    and the histograms are combined on every rank by the declared reductions of
+    :class:`~lightning_recorder.stats.metric.StreamStates` and
+    :class:`~lightning_recorder.stats.metric.BucketCounts`, and rank 0 writes. Parameters and
+    gradients are replicated under DDP, so their norms are computed locally (sharded ones, under
+    FSDP2, are reduced across their shards).
+
+    **Edges worth knowing.** A parameter without a gradient in a step (frozen, or unused) gets
+    its ``norm`` only. Under ``fast_dev_run`` the default cadence (``log_every_n_steps``, 50)
+    logs nothing on the one training batch: pass ``every_n_steps=1`` to see it.
 
     Args:
         sources: module names from ``named_modules()`` of the LightningModule (the root
@@ -382,7 +134,7 @@ class FeatureStatsMonitor(RecorderCallback):
             Trainer's ``log_every_n_steps``.
         stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         stats: the statistics to log (``"numel"`` too, if wanted).
-        histograms: also write histograms to TensorBoard loggers.
+        histograms: also write histograms to TensorBoard and W&B loggers.
         bins: the number of histogram buckets (30 by default, as TensorBoard's own histogram
             summary, ``tensorboard.summary.histogram``).
         parameters: also log the norms, gradient norms and update ratios of the parameters
@@ -394,8 +146,7 @@ class FeatureStatsMonitor(RecorderCallback):
             (``exact_histograms=True``, or a compiled model) and the model modifies a
             monitored output in place (e.g. ``ReLU(inplace=True)`` right after it): there such a
             change raises :class:`~lightning_recorder.RecordModifiedError` rather than logging
-            wrong values. By default the statistics are taken in the hook, before any later
-            in-place op, and no copy is needed.
+            wrong values.
         name: distinguishes two monitors with the same configuration.
         keep_hooks: keep the hooks installed between logged steps (see
             :class:`~lightning_recorder.RecorderCallback`); ``None`` keeps them on a compiled
@@ -405,16 +156,12 @@ class FeatureStatsMonitor(RecorderCallback):
             ``"grad_norm"``, ``"update_ratio"``, ``"histogram"``); other loggers get all.
             Keeps tabular loggers such as ``CSVLogger`` readable.
         exact_histograms: keep every output until the batch ends and histogram all of its
-            elements exactly (see the attribute of that name); by default the statistics are
-            taken in the forward hook and the histogram over a strided sample.
+            elements (see the attribute of that name); by default the histogram is taken over a
+            strided sample, in the hook.
         histogram_sample: the number of elements sampled from each larger output for the
-            approximate histogram (see the attribute of that name).
-        fast_checksums: while the monitor is attached, the event files of the Trainer's
-            TensorBoard loggers (``torch.utils.tensorboard`` writers) checksum their records with
-            the package's C CRC-32C instead of TensorBoard's pure-Python one, which costs about
-            0.24 ms per KiB written and holds the GIL the training thread needs; the bytes
-            written are the same. Nothing changes where the C code cannot be built. ``False``
-            leaves the writers alone.
+            histogram (see the attribute of that name).
+        pool_dataloaders: pool the statistics of several evaluation dataloaders into one series
+            per stage (default: one series per dataloader, as Lightning logs metrics).
 
     Raises:
         RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger,
@@ -422,7 +169,7 @@ class FeatureStatsMonitor(RecorderCallback):
             a ``parameters`` pattern no parameter of the monitored modules (at the start of the
             run, naming the closest names).
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> import torch
         >>> from lightning.pytorch.loggers import CSVLogger
@@ -448,33 +195,25 @@ class FeatureStatsMonitor(RecorderCallback):
         'stats/train/body.0/mean'
     """
 
-    #: Keep every output until the batch ends and histogram all of its elements exactly (the
-    #: statistics are the same). By default (``False``) the statistics of each output are
-    #: computed in the forward hook, while the output is intact (no ``clone`` needed before an
-    #: in-place op, nothing held on long steps), and the histogram is taken over a strided
-    #: sample of at most :attr:`histogram_sample` elements of each output. Given to
-    #: ``__init__``; it needs ``clone=True`` where an in-place op follows a monitored module.
-    #: Compiled models always keep their records.
+    #: Keep every output until the batch ends and histogram all of its elements (the statistics
+    #: are the same). By default (``False``) the statistics of each output are computed in the
+    #: forward hook, while the output is intact (no ``clone`` needed before an in-place op,
+    #: nothing held on long steps), and the histogram is taken over a strided sample of at most
+    #: :attr:`histogram_sample` elements of each output. It needs ``clone=True`` where an
+    #: in-place op follows a monitored module. Compiled models always keep their records.
     exact_histograms: bool = False
-    #: Elements sampled from each output of more than ``2**14`` elements for the approximate
-    #: histogram (smaller outputs are histogrammed whole): each bucket's fraction has a
-    #: standard error of at most ``0.5 / sqrt(n)`` for ``n`` sampled values (0.004 for the
-    #: default), for data in no particular order; the count, sums and range are exact.
+    #: Elements sampled from each output for its histogram (outputs with no more are
+    #: histogrammed whole): each bucket's fraction has a standard error of at most
+    #: ``0.5 / sqrt(n)`` for ``n`` sampled values (0.004 for the default), for data in no
+    #: particular order; the count, sums and range are exact. The sample is bucketed exactly.
     histogram_sample: int = 2**14
-
-    _in_hook: bool
-    _pending: dict[str, _Pending]
-    _stepped: list[str]
-    _records_warned: bool
-    _segments: tuple[str, Tensor, Tensor] | None
-    _keys: dict[int, str]
 
     def __init__(
         self,
         sources: ModuleSource | Mapping[str, Any] | Sequence[ModuleSource | Mapping[str, Any]],
         every_n_steps: int | None = None,
         stages: Stage | Sequence[Stage] = ("train", "val"),
-        stats: Sequence[StatName] = _DEFAULT_STATS,
+        stats: Sequence[StatName] = DEFAULT_STATS,
         histograms: bool = True,
         bins: int = 30,
         parameters: bool | str | Sequence[str] = True,
@@ -485,7 +224,7 @@ class FeatureStatsMonitor(RecorderCallback):
         logger_stats: Mapping[str, Sequence[str]] | None = None,
         exact_histograms: bool = False,
         histogram_sample: int = 2**14,
-        fast_checksums: bool = True,
+        pool_dataloaders: bool = False,
     ) -> None:
         owner = type(self).__name__
         items = [sources] if isinstance(sources, (str, type, Mapping)) else sources
@@ -498,8 +237,8 @@ class FeatureStatsMonitor(RecorderCallback):
         # recorder name -> the dotted path into the module's output (sources with a path)
         self._paths: dict[str, str] = {}
         for item in items:
-            source, path = _source_and_path(item, owner)
-            key = _source_key(source)
+            source, path = source_and_path(item, owner)
+            key = source_key(source)
             config: dict[str, Any] = {
                 "type": "ModuleOutputs",
                 "source": source,
@@ -511,34 +250,17 @@ class FeatureStatsMonitor(RecorderCallback):
                 config["path"] = path
                 self._paths.setdefault(key, path)
             configs.setdefault(key, config)
-        valid_stats = ", ".join(map(repr, STAT_NAMES))
-        if not isinstance(stats, (str, Sequence)) or isinstance(stats, bytes):
-            raise RecorderConfigError(
-                f"Expected `stats` of {owner} to be a non-empty list of {valid_stats} but got "
-                f"{stats!r}."
-            )
-        if not stats:
-            raise RecorderConfigError(
-                f"Expected `stats` of {owner} to hold at least one of {valid_stats} but got "
-                f"{stats!r}."
-            )
-        stat_names = [cast(StatName, stats)] if isinstance(stats, str) else list(stats)
-        for stat in stat_names:
-            if stat not in STAT_NAMES:
-                raise RecorderConfigError(
-                    f"Expected `stats` of {owner} to hold only {', '.join(map(repr, STAT_NAMES))} "
-                    f"but got {stat!r}."
-                )
+        chosen_stats = stat_names(stats, owner)
         check_positive_int(bins, "bins", owner)
         check_bool(exact_histograms, "exact_histograms", owner)
         check_positive_int(histogram_sample, "histogram_sample", owner)
-        check_bool(fast_checksums, "fast_checksums", owner)
+        check_bool(pool_dataloaders, "pool_dataloaders", owner)
         if not isinstance(histograms, bool):
             raise RecorderConfigError(
                 f"Expected `histograms` of {owner} to be a bool but got {histograms!r}."
             )
-        patterns = _parameter_patterns(parameters, owner)
-        per_logger = _logger_stats(logger_stats, (*stat_names, *_PARAM_STATS, "histogram"), owner)
+        patterns = parameter_patterns(parameters, owner)
+        per_logger = logger_stats_option(logger_stats, chosen_stats, owner)
         if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
             raise RecorderConfigError(
                 f"Expected `prefix` of {owner} to be a non-empty str without a trailing '/' but "
@@ -548,36 +270,34 @@ class FeatureStatsMonitor(RecorderCallback):
             configs, stages=stages, every_n_steps=every_n_steps, name=name, keep_hooks=keep_hooks
         )
         self.sources = list(items)
-        self.exact_histograms = exact_histograms
-        self.histogram_sample = histogram_sample
-        self.fast_checksums = fast_checksums
-        self._tag_cache: dict[tuple[str, str, tuple[str, ...]], tuple[str, ...]] = {}
-        # id of each TensorBoard logger written to -> the record writer given the C checksum
-        self._checksummed: dict[int, Any] = {}
-        self.stats: tuple[StatName, ...] = tuple(dict.fromkeys(stat_names))
+        self.stats: tuple[StatName, ...] = chosen_stats
         self.histograms = histograms
         self.bins = bins
         self.parameters = parameters
-        self._param_patterns = patterns
-        self.logger_stats = per_logger
         self.prefix = prefix
         self.clone = clone
+        self.logger_stats = per_logger
+        self.exact_histograms = exact_histograms
+        self.histogram_sample = histogram_sample
+        self.pool_dataloaders = pool_dataloaders
+        self._param_patterns = patterns
+        self._tag_cache: dict[tuple[str, str, tuple[str, ...]], tuple[str, ...]] = {}
         #: Training steps whose statistics were logged, and the step axis value of the last one.
         self.logged_steps = 0
         self.last_logged_step = -1
         self._write_histograms = False
         self._warned = False
+        self._records_warned = False
         self._streams: dict[str, RecordStream] = {}
-        self._keys = {}
-        self._work: Workspace | None = None
-        # Per stage, the packed streaming states of the monitored modules, one row each.
-        self._states: dict[Stage, Tensor] = {}
-        self._params: dict[str, nn.Parameter] = {}
-        self._before: dict[str, Tensor] = {}
-        self._grad_norms: dict[str, Tensor | float] = {}  # floats from the fused CPU kernel
-        self._before_squares: dict[str, float] = {}  # squared norms taken with the copies
-        self._sharded = False  # monitored parameters are DTensors (norms are collectives)
-        self._eval_hists: Mapping[str, dict[str, Any]] | None = None
+        self._index: dict[int, int] = {}  # id(stream) -> its index among the streams
+        self._collector: Collector | None = None
+        self._metrics: dict[Series, StreamStates] = {}
+        self._eval_tables: dict[Series, Tensor | None] = {}  # each series' first-batch histograms
+        self._params: ParameterStats | None = None
+        self._in_hook = True
+        self._trainer: pl.Trainer | None = None
+        self._batch_states: StreamStates | None = None
+        self._bucket_counts: BucketCounts | None = None
 
     def tag(self, stage: Stage, name: str, stat: str) -> str:
         """The tag of statistic ``stat`` of module or parameter ``name`` in ``stage``."""
@@ -591,12 +311,25 @@ class FeatureStatsMonitor(RecorderCallback):
             tags = self._tag_cache[key] = tuple(self.tag(stage, name, stat) for stat in stats)
         return tags
 
+    def _flat_tags(self, series: Series, stats: tuple[str, ...]) -> tuple[str, ...]:
+        """The tags of ``stats`` of every module in ``series``, module by module (cached)."""
+        stage, loader = series
+        key = (stage, _EVERY if loader is None else f"{_EVERY}/{loader}", stats)
+        tags = self._tag_cache.get(key)
+        if tags is None:
+            suffix = "" if loader is None else f"/dataloader_idx_{loader}"
+            tags = tuple(
+                t + suffix for module in self._streams for t in self._tags(stage, module, stats)
+            )
+            self._tag_cache[key] = tags
+        return tags
+
     @override
     def _make_state_key(self) -> str:
         if self.name is not None:
             return self._generate_state_key(name=self.name)
         return self._generate_state_key(
-            sources=[_item_key(s) for s in self.sources],
+            sources=[item_key(s) for s in self.sources],
             stages=self.stages,
             every_n_steps=self.every_n_steps,
             prefix=self.prefix,
@@ -644,179 +377,176 @@ class FeatureStatsMonitor(RecorderCallback):
             streams.setdefault(stream.name if path is None else f"{stream.name}/{path}", stream)
         self._streams = streams
         self._tag_cache.clear()  # the cached tags of every module follow these streams
-        self._keys = {id(stream): key for key, stream in streams.items()}
-        self._work = Workspace()
-        self._spare: _Spare = {}
-        if pl_module.device.type == "cpu":
-            fused_kernels()  # built (once, cached on disk) now rather than in a logged step
-        self._states = {}
-        self._stepped, self._before, self._grad_norms = [], {}, {}
-        self._before_squares = {}
-        self._records_warned = getattr(self, "_records_warned", False)
-        self._segments = None
+        self._index = {id(stream): i for i, stream in enumerate(streams.values())}
+        device = pl_module.device
+        self._collector = Collector(len(streams), self.histogram_sample, device)
+        self._metrics, self._eval_tables = {}, {}
+        self._batch_states = StreamStates(len(streams)).to(device)
+        self._bucket_counts = BucketCounts(len(streams), self.bins).to(device)
+        self._trainer = trainer
+        # Compile the statistics for the dtypes the outputs will have, now and in the
+        # background: never inside a training step (eager until it is ready).
+        dtypes = {p.dtype for p in pl_module.parameters() if p.is_floating_point()}
+        precision = str(getattr(trainer, "precision", "32"))
+        dtypes |= {torch.float32}
+        dtypes |= {d for k, d in _PRECISION_DTYPES.items() if precision.startswith(k)}
+        warm_up(device, sorted(dtypes, key=str))
         # The statistics in the hook: each recorder's capture is the monitor's.
         self._in_hook = not (self.exact_histograms or is_compiled(pl_module))
-        self._pending = {name: _Pending() for name in streams} if self._in_hook else {}
         if self._in_hook:
             for name in dict.fromkeys(name for name, _ in self.manager.streams()):
                 # an instance attribute shadows the method for this recorder only
                 recorder = self.manager.get_recorder(name)
                 recorder.capture = self._capture  # type: ignore[method-assign]
+        self._params = None
         if self.parameters is not False and "train" in self.stages:
-            prefixes = tuple(dict.fromkeys(s.name + "." for s in streams.values()))
-            inside = {
-                name: param
-                for name, param in named_parameters(pl_module).items()
-                if name.startswith(prefixes)
-            }
-            if self._param_patterns is not None:
-                chosen: set[str] = set()
-                for pattern in self._param_patterns:
-                    try:
-                        chosen.update(select(inside, pattern, "parameter"))
-                    except UnknownSourceError as err:
-                        raise UnknownSourceError(
-                            f"`parameters` of {type(self).__name__} selects among the parameters "
-                            f"of the monitored modules: {err}"
-                        ) from None
-                inside = {name: param for name, param in inside.items() if name in chosen}
-            self._params = inside
-        self._sharded = any_sharded(self._params.values())  # FSDP2 / tensor parallel
+            params = self._chosen_parameters(pl_module, streams)
+            self._params = ParameterStats(params, any_sharded(params.values()))
+
+    def _chosen_parameters(
+        self, pl_module: pl.LightningModule, streams: dict[str, RecordStream]
+    ) -> dict[str, torch.nn.Parameter]:
+        prefixes = tuple(dict.fromkeys(s.name + "." for s in streams.values()))
+        inside = {
+            name: param
+            for name, param in named_parameters(pl_module).items()
+            if name.startswith(prefixes)
+        }
+        if self._param_patterns is None:
+            return inside
+        chosen: set[str] = set()
+        for pattern in self._param_patterns:
+            try:
+                chosen.update(select(inside, pattern, "parameter"))
+            except UnknownSourceError as err:
+                raise UnknownSourceError(
+                    f"`parameters` of {type(self).__name__} selects among the parameters "
+                    f"of the monitored modules: {err}"
+                ) from None
+        return {name: param for name, param in inside.items() if name in chosen}
 
     @override
     def _on_detach(self) -> None:
-        self._streams, self._states, self._params, self._work = {}, {}, {}, None
-        self._sharded = False
-        self._before, self._grad_norms, self._eval_hists = {}, {}, None
-        self._before_squares = {}
-        self._pending, self._stepped, self._keys = {}, [], {}
-        for record_writer in self._checksummed.values():
-            if record_writer is not None:
-                restore_checksums(record_writer)
-        self._checksummed = {}
+        self._streams, self._index, self._metrics, self._eval_tables = {}, {}, {}, {}
+        self._collector, self._params, self._trainer = None, None, None
+        self._batch_states, self._bucket_counts = None, None
 
     def _capture(self, stream: RecordStream, value: Any) -> None:
         """The recorders' capture while the statistics are computed in the hook: the packed
         state of each real tensor of ``value`` (and a sample of it for a histogram written from
         this batch), taken now, before a later in-place op can change it; nothing else kept."""
         stream.num_calls += 1
-        key = self._keys.get(id(stream))
-        pending = None if key is None else self._pending.get(key)
-        if pending is None:
+        index = self._index.get(id(stream))
+        collector = self._collector
+        if index is None or collector is None:
             return  # a second recorder matching the same module (and path): counted once
-        work = cast(Workspace, self._work)
-        wanted = self._write_histograms and (self._active == "train" or self._eval_hists is None)
-        sample = self.histogram_sample if wanted else 0
-        if type(value) is Tensor:  # the common case: one plain tensor (nothing records a graph)
-            if not value.is_complex():
-                pending.add(value, work, sample, self._spare)
-            return
+        sample = self._wants_sample()
         with torch.no_grad():
-            for tensor in iter_tensors(value):
-                if is_sharded(tensor):  # a DTensor: the part this rank contributes
-                    part = shard_for_stats(tensor)
-                    if part is None:
-                        continue
-                    tensor = part
-                if not tensor.is_complex():
-                    pending.add(tensor.detach(), work, sample, self._spare)
+            if type(value) is Tensor:  # the common case: one plain tensor
+                if not value.is_complex():
+                    collector.add(index, value, sample)
+                return
+            for tensor in value_tensors(value):
+                collector.add(index, tensor, sample)
 
     def _held_bytes(self) -> int:
         """Bytes of the tensors the monitor holds for the current batch (records or states)."""
-        held = sum(p.nbytes() for p in self._pending.values())
+        held = 0 if self._collector is None else self._collector.nbytes()
         for stream in self._streams.values():
-            for record in stream._records:
-                held += sum(t.numel() * t.element_size() for t in iter_tensors(record))
+            for record in stream.data_buffer:
+                held += sum(t.numel() * t.element_size() for t in value_tensors(record))
         return held
+
+    def _wants_sample(self) -> bool:
+        """Whether this batch's outputs are sampled for a histogram written from it."""
+        if not self._write_histograms:
+            return False
+        stage = self._active
+        return stage == "train" or (
+            stage is not None and self._series(stage) not in self._eval_tables
+        )
+
+    def _series(self, stage: Stage) -> Series:
+        """The series the current batch of ``stage`` belongs to (its dataloader's, when the loop
+        has several and they are not pooled)."""
+        if stage == "train" or self.pool_dataloaders:
+            return (stage, None)
+        trainer = self._trainer
+        loaders = {"val": "num_val_batches", "test": "num_test_batches"}.get(
+            stage, "num_predict_batches"
+        )
+        counts = getattr(trainer, loaders, None) if trainer is not None else None
+        several = isinstance(counts, Sequence) and len(counts) > 1
+        return (stage, self._loader if several else None)
 
     # ------------------------------------------------------------------ statistics
     @override
     def _after_batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
     ) -> None:
-        device = pl_module.device
-        parts: list[list[Tensor]] = []
-        rows: list[Tensor] = []
-        weights: list[list[float]] | None = None
-        self._segments = None
-        if self._in_hook:
-            pendings = list(self._pending.values())
-            self._pending = {name: _Pending() for name in self._pending}
-            batch, parts, weights = self._hook_states(pendings, device)
-            spare: _Spare = {}  # this batch's buffers serve the next one (after they are read)
-            for pending in pendings:
-                pending.recycle(spare)
-        else:
-            work = cast(Workspace, self._work)
-            for stream in self._streams.values():
-                tensors = list(_record_tensors(stream))
-                states = [native_state(t, work) for t in tensors]
-                rows.append(merged(states) if states else empty_state(device))
-                parts.append(tensors)
-            self._check_records_size(parts)
-            batch = torch.stack([row if row.device == device else row.to(device) for row in rows])
-        so_far = self._states.get(stage)
-        self._states[stage] = batch if so_far is None else merge(torch.stack([so_far, batch]))
+        collector = cast(Collector, self._collector)
+        series = self._series(stage)
+        kept: list[list[Tensor]] = []
+        if not self._in_hook:  # records kept (exact histograms, compiled model): reduce now
+            sample = self._wants_sample() and not self.exact_histograms
+            with torch.no_grad():
+                for index, stream in enumerate(self._streams.values()):
+                    tensors = list(record_tensors(stream))
+                    for tensor in tensors:
+                        collector.add(index, tensor, sample)
+                    kept.append(tensors)
+            self._check_records_size(kept)
+        states = collector.states()
+        metric = self._metrics.get(series)
+        if metric is None:
+            metric = self._metrics[series] = StreamStates(len(self._streams)).to(pl_module.device)
+        metric.update(states)
         if stage == "train":
             if completes:
-                self._log_train(trainer, parts, batch, weights)
-        elif self._eval_hists is None:  # the first batch of the evaluation epoch
-            self._eval_hists = self._histograms(trainer, stage, parts, batch, weights)
-        if self._in_hook:
-            self._spare = spare
+                self._log_train(trainer, states, kept)
+        elif series not in self._eval_tables:  # the first batch of the evaluation epoch
+            self._eval_tables[series] = self._histogram_table(states, kept)
+        collector.clear()
 
-    def _hook_states(
-        self, pendings: list[_Pending], device: torch.device
-    ) -> tuple[Tensor, list[list[Tensor]], list[list[float]]]:
-        """The ``(modules, 9)`` states of a batch from what the hooks kept, and the tensors and
-        weights of its histograms. The small copies of every module are reduced together
-        (:func:`segmented_states`); when no module has a large output, their histograms are
-        too (``self._segments``, read by :meth:`_histogram_table`)."""
-        m = len(pendings)
-        batch: Tensor | None = None
-        if any(p.small for p in pendings):
-            fused = None
-            if device.type == "cpu":  # the states stay where the kernel wrote them
-                small = [p.small for p in pendings]
-                fused = native_segments(small, [p.small_held for p in pendings])
-            if fused is not None:  # float32 on the CPU: one kernel call for every module
-                values, offsets, batch = fused
-                segments: tuple[str, Tensor, Tensor] = ("native", values, offsets)
-            else:
-                values, seg = flatten_segments([p.small for p in pendings], device)
-                batch = segmented_states(values, seg, m)
-                segments = ("torch", values, seg)
-            if not any(p.samples for p in pendings):
-                self._segments = segments
-        large: Tensor | None = None
-        if any(p.states for p in pendings):
-            large = torch.stack([p.state(device) for p in pendings])
-        elif any(p.rows for p in pendings):  # host rows only: one tensor for every module
-            rows = [
-                p.rows[0] if len(p.rows) == 1 else p.state(device).tolist() if p.rows else _EMPTY
-                for p in pendings
-            ]
-            large = torch.tensor(rows, dtype=torch.float64, device=device)
-        if large is not None and batch is not None:  # small and large outputs: both states
-            small_only = [bool(p.small) and not (p.rows or p.states) for p in pendings]
-            if any(bool(p.small) and bool(p.rows or p.states) for p in pendings):
-                batch = merge(torch.stack([batch, large]))
-            else:  # no module has both: each row is one of the two (merging with no data)
-                pick = torch.tensor(small_only, device=device)[:, None]
-                batch = torch.where(pick, batch, large)
-        elif large is not None:
-            batch = large
-        if batch is None:
-            batch = empty_state(device).repeat(m, 1)
-        parts = [[*p.small, *p.samples] for p in pendings]
-        weights = [[1.0] * len(p.small) + p.weights for p in pendings]
-        return batch, parts, weights
+    def _histogram_table(self, states: Tensor, kept: list[list[Tensor]]) -> Tensor | None:
+        """The histograms of this batch (a collective under DDP, on every rank): one ``(m, 2 *
+        bins + 6)`` table on the device, rows ``[num, sum, sum_squares, min, max, *edges,
+        *counts]``; ``None`` without histograms to write."""
+        if not self._write_histograms:
+            return None
+        device = states.device
+        merged = cast(StreamStates, self._batch_states)  # this batch's states over every rank
+        merged.reset()
+        merged.update(states)
+        every = merged.compute()
+        lo, hi = ranges(every)
+        limits = edges(lo, hi, self.bins)
+        if self.exact_histograms:
+            found = self._exact_counts(kept, limits, device)
+        else:
+            found = cast(Collector, self._collector).counts(limits, states)
+        summed = cast(BucketCounts, self._bucket_counts)
+        summed.reset()
+        summed.update(found)
+        return torch.cat([summaries(every), limits, summed.compute()], 1)
 
-    def _check_records_size(self, parts: list[list[Tensor]]) -> None:
+    def _exact_counts(
+        self, kept: list[list[Tensor]], limits: Tensor, device: torch.device
+    ) -> Tensor:
+        """Counts of every element of the kept records (``exact_histograms``), chunk by chunk."""
+        found = torch.zeros(len(self._streams), self.bins, dtype=torch.int64, device=device)
+        for index, tensors in enumerate(kept):
+            for tensor in tensors:
+                for piece in tensor.detach().reshape(-1).split(2**18):
+                    values = piece.to(device, F64 if piece.dtype == F64 else torch.float32)
+                    found[index] += row_counts(values.view(1, -1), limits[index : index + 1])[0]
+        return found.to(F64)
+
+    def _check_records_size(self, kept: list[list[Tensor]]) -> None:
         """Warn once when a batch's kept records exceed ``_RECORDS_WARN_BYTES``."""
         if self._records_warned:
             return
-        held = sum(t.numel() * t.element_size() for tensors in parts for t in tensors)
+        held = sum(t.numel() * t.element_size() for tensors in kept for t in tensors)
         if held > _RECORDS_WARN_BYTES:
             self._records_warned = True
             rank_zero_warn(
@@ -830,147 +560,73 @@ class FeatureStatsMonitor(RecorderCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        # Sharded parameters: their norms are collectives, so every rank computes them.
-        if self._active != "train" or not (trainer.is_global_zero or self._sharded):
+        params = self._params
+        if self._active != "train" or params is None:
             return
-        names = [
-            n for n, p in self._params.items() if p.grad is not None and n not in self._grad_norms
-        ]
-        if not names:
+        if trainer.is_global_zero or params.sharded:  # sharded norms: collectives on every rank
+            params.before_step(optimizer)
+
+    def _log_train(self, trainer: pl.Trainer, states: Tensor, kept: list[list[Tensor]]) -> None:
+        """Log a training step: its histograms, statistics and parameter norms reach the host in
+        one copy (the collectives under DDP run first, on every rank)."""
+        step = step_axis(trainer)
+        series: Series = ("train", None)
+        table = self._histogram_table(states, kept)
+        metric = self._metrics[series]
+        every = metric.compute()
+        metric.reset()
+        params = self._params
+        stepped: list[str] = []
+        norms: list[Tensor] = []
+        if params is not None and (trainer.is_global_zero or params.sharded):
+            stepped, norms = params.tensors()
+        if trainer.is_global_zero:
+            stat_table = self._stat_table(every)
+            parts = [*stat_table, *([table] if table is not None else []), *norms]
+            values = torch.cat([t.reshape(-1).to(F64) for t in parts]).tolist()  # one host copy
+            at = sum(t.numel() for t in stat_table)
+            scalars = self._stat_scalars(series, values[:at])
+            hists: Mapping[str, dict[str, Any]] = {}
+            if table is not None:
+                width = table.shape[1]
+                rows = values[at : at + table.numel()]
+                hists = self._host_table(series, rows, width)
+                at += table.numel()
+            if params is not None:
+                scalars.update(self._parameter_scalars(params, stepped, values[at:]))
+            self._write(trainer, scalars, hists, step)
+        self.logged_steps += 1
+        self.last_logged_step = step
+
+    def _log_eval(self, trainer: pl.Trainer, stage: Stage) -> None:
+        if stage not in self.stages or self._manager is None or trainer.sanity_checking:
             return
-        with torch.no_grad():
-            grads = [cast(Tensor, self._params[name].grad) for name in names]
-            # persistent buffers (float32 at least), allocated on the first logged step only
-            for name in names:
-                param = self._params[name]
-                buffer = self._before.get(name)
-                if buffer is None or buffer.shape != param.shape or buffer.device != param.device:
-                    dtype = param.dtype if param.dtype == torch.float64 else torch.float32
-                    self._before[name] = torch.empty_like(param, dtype=dtype)
-            buffers = [self._before[n] for n in names]
-            params: list[Tensor] = [self._params[n] for n in names]
-            # float32 CPU parameters: copy, parameter norm and gradient norm in one pass
-            fused = None if self._sharded else copy_with_norms(buffers, params, grads)
-            if fused is not None:
-                sizes, grad_squares = fused
-                self._before_squares.update(zip(names, sizes, strict=True))
-                self._grad_norms.update(zip(names, map(math.sqrt, grad_squares), strict=True))
-            else:
-                norms = foreach_norms(grads)
-                if self._sharded:
-                    norms = full_values(norms)  # collectives, on every rank in the same order
-                self._grad_norms.update(zip(names, norms, strict=True))
-                if self._sharded:  # DTensor has no sharding rule for the foreach copy
-                    for dst, src in zip(buffers, params, strict=True):
-                        dst.copy_(src)
-                else:
-                    foreach_copy_(buffers, params)
-            self._stepped.extend(names)
+        for series in [s for s in self._metrics if s[0] == stage]:
+            metric = self._metrics.pop(series)
+            every = metric.compute()  # a collective under DDP: on every rank
+            table = self._eval_tables.pop(series, None)
+            if not trainer.is_global_zero:
+                continue
+            stat_table = self._stat_table(every)
+            parts = [*stat_table, *([table] if table is not None else [])]
+            values = torch.cat([t.reshape(-1).to(F64) for t in parts]).tolist()
+            at = sum(t.numel() for t in stat_table)
+            scalars = self._stat_scalars(series, values[:at])
+            hists = {} if table is None else self._host_table(series, values[at:], table.shape[1])
+            self._write(trainer, scalars, hists, step_axis(trainer))
 
-    def _histogram_table(
-        self, parts: list[list[Tensor]], states: Tensor, weights: list[list[float]] | None = None
-    ) -> Tensor | list[HistogramRow] | None:
-        """The histograms of this batch's records (a collective under DDP): rows on the host from
-        CPU data, one table still on the device otherwise (nothing read yet); ``None`` without
-        histograms to write."""
-        if not self._write_histograms:
-            return None
-        segments, self._segments = self._segments, None
-        if segments is not None:  # every output small: one segmented pass for every module
-            kind, values, index = segments
-            if kind == "native" and not distributed_active(None):
-                return native_segmented_table(values, index, states, self.bins)
-            count = native_segmented_histograms if kind == "native" else segmented_histograms
-            return raw_table(*count(values, index, states, self.bins, sync=True, group=None))
-        # every rank; buckets in the data's precision, like the statistics
-        if states.device.type == "cpu":
-            if not distributed_active(None):  # one process: every module in one kernel call
-                found = native_histogram_table(parts, states, self.bins, weights)
-                if found is not None:
-                    return found
-            work = cast(Workspace, self._work)
-            return histogram_rows_cpu(
-                parts,
-                states,
-                self.bins,
-                sync=True,
-                group=None,
-                work=work,
-                exact=False,
-                weights=weights,
-            )
-        return raw_table(
-            *histograms_device(parts, states, self.bins, sync=True, group=None, weights=weights)
-        )
-
-    def _histograms(
-        self,
-        trainer: pl.Trainer,
-        stage: Stage,
-        parts: list[list[Tensor]],
-        states: Tensor,
-        weights: list[list[float]] | None = None,
-    ) -> Mapping[str, dict[str, Any]]:
-        """TensorBoard histograms of this batch's records (a collective under DDP)."""
-        table = self._histogram_table(parts, states, weights)
-        if table is None or not trainer.is_global_zero:
-            return {}
-        if isinstance(table, Tensor):
-            if table.is_cpu:
-                return self._host_table(stage, table)
-            table = [HistogramRow.from_flat(row, self.bins) for row in table.tolist()]
-        return self._histogram_kwargs(stage, table)
-
-    def _host_table(self, stage: Stage, table: Tensor) -> HistogramTable:
-        """The histograms of a host table of :func:`raw_table` rows, one a module, by tag."""
-        key = (stage, _EVERY, _HISTOGRAM)  # every module's histogram tag, cached
-        tags = self._tag_cache.get(key)
-        if tags is None:
-            tags = tuple(self._tags(stage, module, _HISTOGRAM)[0] for module in self._streams)
-            self._tag_cache[key] = tags
-        return HistogramTable(table.to(torch.float64).contiguous(), self.bins, tags)
-
-    def _histogram_kwargs(
-        self, stage: Stage, rows: list[HistogramRow]
-    ) -> dict[str, dict[str, Any]]:
-        """``add_histogram_raw`` keyword arguments by tag, from the host rows of the histograms."""
-        hists: dict[str, dict[str, Any]] = {}
-        for module, row in zip(self._streams, rows, strict=True):
-            kwargs = row.raw_kwargs()
-            if kwargs is not None:
-                hists[self._tags(stage, module, _HISTOGRAM)[0]] = kwargs
-        return hists
-
-    def _gathered(self, trainer: pl.Trainer, stage: Stage) -> Tensor:
-        """The ``(modules, 9)`` streaming states of ``stage`` over every rank, reset (a
-        collective under DDP); still on the device."""
-        state = self._states.pop(stage, None)
-        if state is None:
-            state = empty_state(trainer.lightning_module.device).repeat(len(self._streams), 1)
-        return gather_merged(state)  # one gather for every module, on every rank
-
-    def _compute(self, trainer: pl.Trainer, stage: Stage) -> dict[str, float]:
-        """The statistics of ``stage`` by tag, reset; a collective under DDP, empty off rank 0.
-
-        Modules that saw no element (not called) are left out.
-        """
-        state = self._gathered(trainer, stage)
-        if not trainer.is_global_zero:
-            return {}
-        return self._stat_scalars(stage, host_floats(self._stat_table(state)))
-
-    def _stat_table(self, state: Tensor) -> list[Tensor]:
-        """The statistics of the ``(modules, 9)`` states where they are: a ``(modules, k)``
+    def _stat_table(self, states: Tensor) -> list[Tensor]:
+        """The statistics of the ``(modules, WIDTH)`` states where they are: a ``(modules, k)``
         tensor of :attr:`stats` (module by module), then the ``(modules,)`` element counts."""
-        columns = finalize(state, correction=1)
+        columns = finalize(states, correction=1)
         return [torch.stack([columns[stat] for stat in self.stats], 1), columns["numel"]]
 
-    def _stat_scalars(self, stage: Stage, values: list[float]) -> dict[str, float]:
+    def _stat_scalars(self, series: Series, values: list[float]) -> dict[str, float]:
         """The statistics by tag from the host values of :meth:`_stat_table`; modules that saw
         no element are left out."""
         k, m = len(self.stats), len(self._streams)
         found, numels = values[: m * k], values[m * k : m * k + m]
-        tags = self._flat_tags(stage)
+        tags = self._flat_tags(series, self.stats)
         if all(n > 0 for n in numels):  # the common case: every module called
             return dict(zip(tags, found, strict=True))
         scalars: dict[str, float] = {}
@@ -981,127 +637,19 @@ class FeatureStatsMonitor(RecorderCallback):
                 )
         return scalars
 
-    def _flat_tags(self, stage: Stage) -> tuple[str, ...]:
-        """The tags of every module's statistics in ``stage``, module by module (cached)."""
-        key = (stage, _EVERY, self.stats)  # every module's tags, cached
-        tags = self._tag_cache.get(key)
-        if tags is None:
-            tags = tuple(
-                t for module in self._streams for t in self._tags(stage, module, self.stats)
-            )
-            self._tag_cache[key] = tags
-        return tags
+    def _host_table(self, series: Series, values: list[float], width: int) -> HistogramTable:
+        """The histograms of a host table (rows of ``width`` values, one a module), by tag."""
+        table = torch.tensor(values, dtype=F64).view(-1, width)
+        return HistogramTable(table, self.bins, self._flat_tags(series, _HISTOGRAM))
 
-    def _parameter_tensors(self) -> tuple[list[str], list[Tensor]]:
-        """The names of the stepped parameters, and the tensors of :meth:`_parameter_scalars`
-        (still on the device; one tensor from the fused CPU kernels' floats): the norm of every
-        monitored parameter, then of each stepped one's value before the step and its change,
-        then its gradient norm."""
-        stepped = list(dict.fromkeys(self._stepped))
-        before = [self._before[name] for name in stepped]
-        grad_norms = [self._grad_norms[name] for name in stepped]
-        if stepped and all(name in self._before_squares for name in stepped):
-            fused = change_norms([self._params[name] for name in stepped], before)
-            if fused is not None:  # one pass over each parameter and its copy, nothing written
-                changes, after = fused
-                norm_of = {n: math.sqrt(v) for n, v in zip(stepped, after, strict=True)}
-                others = [name for name in self._params if name not in norm_of]
-                if others:  # parameters without a gradient this step
-                    with torch.no_grad():
-                        rest = torch.stack(foreach_norms([self._params[n] for n in others]))
-                    norm_of.update(zip(others, rest.tolist(), strict=True))
-                sizes = [math.sqrt(self._before_squares[name]) for name in stepped]
-                values = torch.tensor(
-                    [
-                        *(norm_of[name] for name in self._params),
-                        *sizes,
-                        *map(math.sqrt, changes),
-                        *cast(list[float], grad_norms),  # floats: the fused kernel's
-                    ],
-                    dtype=torch.float64,
-                )
-                return stepped, [values]
-        with torch.no_grad():  # two foreach norms, one in-place foreach difference
-            norms = foreach_norms([*self._params.values(), *before])
-            foreach_sub_(before, upcast([self._params[name] for name in stepped]))
-            norms = [*norms, *foreach_norms(before)]  # ||before - after|| = ||change||
-            if self._sharded:
-                norms = full_values(norms)  # collectives, on every rank in the same order
-        as_tensors = [g if isinstance(g, Tensor) else torch.tensor(g) for g in grad_norms]
-        return stepped, [*norms, *as_tensors]
-
-    def _parameter_scalars(self, stepped: list[str], values: list[float]) -> dict[str, float]:
-        """Norms of the monitored parameters; gradient norms and update ratios of those stepped,
-        from the host values of :meth:`_parameter_tensors`."""
-        names = list(self._params)
-        k, n = len(names), len(stepped)
-        sizes, changes, grad_norms = (
-            values[k : k + n],
-            values[k + n : k + 2 * n],
-            values[k + 2 * n :],
-        )
-        scalars = {
-            self._tags("train", name, _NORM)[0]: value
-            for name, value in zip(names, values[:k], strict=True)
-        }
-        for name, size, delta, grad in zip(stepped, sizes, changes, grad_norms, strict=True):
-            grad_tag, ratio_tag = self._tags("train", name, _STEPPED)
-            scalars[grad_tag] = grad
-            scalars[ratio_tag] = delta / (size + 1e-12)
+    def _parameter_scalars(
+        self, params: ParameterStats, stepped: list[str], values: list[float]
+    ) -> dict[str, float]:
+        norm_of, stepped_of = params.values(stepped, values)
+        scalars = {self._tags("train", name, _NORM)[0]: v for name, v in norm_of.items()}
+        for name, pair in stepped_of.items():
+            scalars.update(zip(self._tags("train", name, _STEPPED), pair, strict=True))
         return scalars
-
-    def _log_train(
-        self,
-        trainer: pl.Trainer,
-        parts: list[list[Tensor]],
-        batch: Tensor,
-        weights: list[list[float]] | None = None,
-    ) -> None:
-        """Log a training step: its histograms, statistics and parameter norms reach the host in
-        one copy (the collectives under DDP run first, on every rank)."""
-        step = step_axis(trainer)
-        table = self._histogram_table(parts, batch, weights)
-        state = self._gathered(trainer, "train")
-        scalars: dict[str, float] = {}
-        hists: Mapping[str, dict[str, Any]] = {}
-        sharded_norms = self._parameter_tensors() if self._params and self._sharded else None
-        if trainer.is_global_zero:
-            if sharded_norms is not None:
-                stepped, norms = sharded_norms
-            else:
-                stepped, norms = self._parameter_tensors() if self._params else ([], [])
-            if isinstance(table, Tensor) and table.is_cpu:
-                hists, table = self._host_table("train", table), None
-            on_device = [table] if isinstance(table, Tensor) else []
-            stat_table = self._stat_table(state)
-            values = host_floats([*on_device, *stat_table, *norms])  # the step's one host copy
-            at = 0
-            if isinstance(table, Tensor):
-                width = table.shape[1]
-                at = table.numel()
-                table = [
-                    HistogramRow.from_flat(values[i : i + width], self.bins)
-                    for i in range(0, at, width)
-                ]
-            if table is not None:
-                hists = self._histogram_kwargs("train", table)
-            scalars = self._stat_scalars("train", values[at:])
-            if self._params:
-                after = at + sum(t.numel() for t in stat_table)
-                scalars.update(self._parameter_scalars(stepped, values[after:]))
-        # the buffers in _before are kept
-        self._stepped, self._grad_norms, self._before_squares = [], {}, {}
-        self._write(trainer, scalars, hists, step)
-
-        self.logged_steps += 1
-        self.last_logged_step = step
-
-    def _log_eval(self, trainer: pl.Trainer, stage: Stage) -> None:
-        if stage not in self.stages or self._manager is None or trainer.sanity_checking:
-            return
-        scalars = self._compute(trainer, stage)
-        hists, self._eval_hists = self._eval_hists if self._eval_hists is not None else {}, None
-        self._write(trainer, scalars, hists, step_axis(trainer))
 
     def _write(
         self,
@@ -1115,12 +663,10 @@ class FeatureStatsMonitor(RecorderCallback):
         for logger in trainer.loggers:
             kept_scalars, kept_hists = scalars, hists
             allowed = self._logger_filter(logger)
-            if allowed is not _ALL:
-                kept_scalars = {t: v for t, v in scalars.items() if t.rsplit("/", 1)[1] in allowed}
+            if allowed is not ALL:
+                kept_scalars = {t: v for t, v in scalars.items() if _stat_of(t) in allowed}
                 kept_hists = hists if "histogram" in allowed else {}
             if isinstance(logger, TensorBoardLogger):
-                if self.fast_checksums and id(logger) not in self._checksummed:
-                    self._checksummed[id(logger)] = native_checksums(logger)
                 write_tensorboard(logger, kept_scalars, kept_hists, step)
             elif isinstance(logger, WandbLogger):
                 write_wandb(logger, kept_scalars, kept_hists, step)
@@ -1129,17 +675,17 @@ class FeatureStatsMonitor(RecorderCallback):
 
     def _logger_filter(self, logger: Logger) -> frozenset[str]:
         """The statistics ``logger`` gets: those of ``logger_stats`` for its class (the most
-        derived class named there), otherwise every one (:data:`_ALL`)."""
+        derived class named there), otherwise every one (:data:`ALL`)."""
         for cls in type(logger).__mro__:
             found = self.logger_stats.get(cls.__name__)
             if found is not None:
                 return found
-        return _ALL
+        return ALL
 
     # ------------------------------------------------------------------ evaluation epochs
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval_hists = None
+        self._start_eval("val")
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -1147,7 +693,7 @@ class FeatureStatsMonitor(RecorderCallback):
 
     @override
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval_hists = None
+        self._start_eval("test")
 
     @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -1155,11 +701,17 @@ class FeatureStatsMonitor(RecorderCallback):
 
     @override
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval_hists = None
+        self._start_eval("predict")
 
     @override
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log_eval(trainer, "predict")
+
+    def _start_eval(self, stage: Stage) -> None:
+        for series in [s for s in self._metrics if s[0] == stage]:
+            del self._metrics[series]
+        for series in [s for s in self._eval_tables if s[0] == stage]:
+            del self._eval_tables[series]
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -1177,6 +729,19 @@ class FeatureStatsMonitor(RecorderCallback):
         self.last_logged_step = int(state_dict.get("last_logged_step", self.last_logged_step))
 
     def __repr__(self) -> str:
-        sources = ", ".join(repr(_item_key(s)) for s in self.sources)
+        sources = ", ".join(repr(item_key(s)) for s in self.sources)
         extra = "" if self.name is None else f", name={self.name!r}"
         return f"{type(self).__name__}([{sources}]{extra})"
+
+
+def _stat_of(tag: str) -> str:
+    """The statistic a scalar tag ends with (before a ``/dataloader_idx_N`` suffix)."""
+    head, _, last = tag.rpartition("/")
+    return head.rpartition("/")[2] if last.startswith("dataloader_idx_") else last
+
+
+def logger_stats_option(
+    given: Mapping[str, Sequence[str]] | None, stats: tuple[str, ...], owner: str
+) -> dict[str, frozenset[str]]:
+    """Validate ``logger_stats`` against the statistics the monitor computes."""
+    return logger_stats(given, (*stats, *PARAM_STATS, "histogram"), owner)

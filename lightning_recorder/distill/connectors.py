@@ -6,7 +6,7 @@ maps, a linear layer for vectors and tokens, an identity when nothing differs);
 :func:`resolve_connector` turns what a user configured (``"auto"``, a module, a factory) into a
 module. Only the non-batch dims matter: a connector built from one batch works for any batch size.
 
-Example:
+Examples:
     >>> import torch
     >>> from lightning_recorder import build_connector
     >>> _ = torch.manual_seed(0)
@@ -109,7 +109,7 @@ def build_connector(
             differ without ``resize=True``, or the token counts of 3-D features differ (each
             message names both shapes).
 
-    Example:
+    Examples:
         >>> build_connector((32, 128), (32, 512))
         Linear(in_features=128, out_features=512, bias=False)
         >>> build_connector((2, 64, 8, 8), (2, 256, 8, 8))
@@ -191,7 +191,7 @@ def resolve_connector(
         RecorderConfigError: an unknown name (with the closest one), a factory that does not
             return a module, a spec of another type, or the errors of :func:`build_connector`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> s, t = torch.randn(2, 16, 8, 8), torch.randn(2, 32, 8, 8)
         >>> resolve_connector("auto", s, t)(s).shape

@@ -11,7 +11,7 @@ because either means the two passes did not call the function the same number of
 As with the function recorders, the path names the module that *uses* the function
 (``"mypkg.data.random_crop"`` where ``mypkg/data.py`` calls ``random_crop``).
 
-Example:
+Examples:
     >>> import random
     >>> delivery = FunctionOutputsDelivery("random.random", max_keep_data=2)
     >>> with delivery:  # record mode: the function runs, its outputs are kept
@@ -222,7 +222,7 @@ class FunctionOutputsDelivery(DistillDelivery):
         max_keep_data: how many outputs the queue holds.
         func_path: MMRazor's keyword for ``source`` (give one of the two).
 
-    Example:
+    Examples:
         >>> import random
         >>> delivery = FunctionOutputsDelivery("random.randint", max_keep_data=1)
         >>> with delivery:
@@ -249,7 +249,7 @@ class MethodOutputsDelivery(DistillDelivery):
         max_keep_data: how many outputs the queue holds.
         method_path: MMRazor's keyword for ``source`` (give one of the two).
 
-    Example:
+    Examples:
         >>> import random
         >>> delivery = MethodOutputsDelivery("random.Random.random")
         >>> rng = random.Random(0)
@@ -345,7 +345,7 @@ class DistillDeliveryManager:
         DuplicateNameError: a name appears twice.
         RecorderConfigError: a config is wrong.
 
-    Example:
+    Examples:
         >>> import random
         >>> manager = DistillDeliveryManager(
         ...     {"coin": {"type": "FunctionOutputs", "source": "random.random"}}

@@ -15,7 +15,7 @@ Which dimension holds the channels (or classes) depends on the rank of the featu
 
 :func:`cosine_loss` and :func:`kl_div_loss` take ``dim`` to override this.
 
-Example:
+Examples:
     >>> import torch
     >>> from lightning_recorder import get_loss
     >>> student = torch.randn(4, 10, requires_grad=True)
@@ -149,7 +149,7 @@ def mse_loss(student: Tensor, teacher: Tensor) -> Tensor:
         RecorderConfigError: the shapes differ (the message names both) or an input is not a
             tensor.
 
-    Example:
+    Examples:
         >>> import torch
         >>> float(mse_loss(torch.zeros(2, 3), torch.full((2, 3), 2.0)))
         4.0
@@ -173,7 +173,7 @@ def l1_loss(student: Tensor, teacher: Tensor) -> Tensor:
         RecorderConfigError: the shapes differ (the message names both) or an input is not a
             tensor.
 
-    Example:
+    Examples:
         >>> import torch
         >>> float(l1_loss(torch.zeros(2, 3), torch.full((2, 3), -2.0)))
         2.0
@@ -200,7 +200,7 @@ def cosine_loss(student: Tensor, teacher: Tensor, dim: int | None = None) -> Ten
     Raises:
         RecorderConfigError: the shapes differ, the features are 1-D, or ``dim`` is out of range.
 
-    Example:
+    Examples:
         >>> import torch
         >>> s = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
         >>> t = torch.tensor([[0.0, 3.0], [2.0, 2.0]])
@@ -247,7 +247,7 @@ def attention_transfer_loss(
             spatial sizes differ (the message names both shapes), ``p`` is not positive, or
             ``distance`` is unknown.
 
-    Example:
+    Examples:
         >>> import torch
         >>> s = torch.tensor([[[[1.0, 1.0]]]])  # (1, 1, 1, 2): map [1, 1] / sqrt(2)
         >>> t = torch.tensor([[[[1.0, 0.0]], [[1.0, 0.0]]]])  # (1, 2, 1, 2): map [1, 0]
@@ -305,7 +305,7 @@ def kl_div_loss(
         RecorderConfigError: the shapes differ, the logits are 1-D, ``dim`` is out of range or
             ``temperature`` is not positive.
 
-    Example:
+    Examples:
         >>> import torch
         >>> logits = torch.tensor([[2.0, 0.5, -1.0]])
         >>> float(kl_div_loss(logits, logits, temperature=4.0))
@@ -329,7 +329,7 @@ def kl_div_loss(
 class MSELoss(nn.Module):
     """Module form of :func:`mse_loss`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> float(MSELoss()(torch.zeros(2, 3), torch.ones(2, 3)))
         1.0
@@ -346,7 +346,7 @@ class MSELoss(nn.Module):
 class L1Loss(nn.Module):
     """Module form of :func:`l1_loss`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> float(L1Loss()(torch.zeros(2, 3), torch.ones(2, 3)))
         1.0
@@ -366,7 +366,7 @@ class CosineLoss(nn.Module):
     Args:
         dim: the channel dim; by default 1, or the last dim for 3-D features.
 
-    Example:
+    Examples:
         >>> import torch
         >>> round(float(CosineLoss()(torch.ones(2, 3), torch.full((2, 3), 5.0))), 6)
         0.0
@@ -395,7 +395,7 @@ class AttentionTransferLoss(nn.Module):
     Raises:
         RecorderConfigError: ``p`` is not positive or ``distance`` is unknown.
 
-    Example:
+    Examples:
         >>> import torch
         >>> loss = AttentionTransferLoss(p=2.0)
         >>> s, t = torch.randn(2, 8, 4, 4), torch.randn(2, 32, 4, 4)  # channels may differ
@@ -427,7 +427,7 @@ class KLDivLoss(nn.Module):
     Raises:
         RecorderConfigError: ``temperature`` is not positive.
 
-    Example:
+    Examples:
         >>> import torch
         >>> loss = KLDivLoss(temperature=2.0)
         >>> loss
@@ -539,7 +539,7 @@ def get_loss(spec: str | nn.Module | type[nn.Module] | LossFn, **options: Any) -
         RecorderConfigError: options the loss does not take, options given with a module
             instance, an invalid option value, or a spec of another type.
 
-    Example:
+    Examples:
         >>> import torch
         >>> get_loss("KL", temperature=4.0)
         KLDivLoss(temperature=4.0, dim=None)

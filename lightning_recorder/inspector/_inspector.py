@@ -29,8 +29,9 @@ from ._trace import (
 
 __all__ = ["Inspector", "LayerRow", "Postprocessor"]
 
-#: ``output -> replacement or None`` (``None`` keeps the output).
 Postprocessor = Callable[[Any], Any]
+"""A per-layer post-processing function: ``output -> replacement or None`` (``None`` keeps the
+output)."""
 
 
 class LabelMap(Mapping[Label, Any]):

@@ -51,7 +51,7 @@ def register_recorder(
         DuplicateNameError: the name is taken and ``replace`` is false.
         RecorderConfigError: ``cls`` is not a BaseRecorder subclass.
 
-    Example:
+    Examples:
         >>> from lightning_recorder import ModuleOutputsRecorder, register_recorder
         >>> @register_recorder
         ... class SignRecorder(ModuleOutputsRecorder):

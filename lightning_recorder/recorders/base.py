@@ -46,6 +46,8 @@ from ..errors import (
 )
 
 Keep = Literal["all", "first", "last"] | int
+"""Which calls a recorder keeps in one context: ``"all"``, the ``"first"``, the ``"last"``, or at
+most ``n`` (a positive int)."""
 
 get_ident = threading.get_ident
 

@@ -182,7 +182,7 @@ class FunctionOutputsRecorder(_CallableRecorder):
         source: ``"pkg.module.func"`` — the module that *uses* the function.
         **options: ``detach``, ``clone``, ``device``, ``dtype``, ``keep``, ``path``.
 
-    Example:
+    Examples:
         >>> import math
         >>> recorder = FunctionOutputsRecorder("math.sqrt").initialize()
         >>> with recorder:
@@ -202,7 +202,7 @@ class FunctionInputsRecorder(_CallableRecorder):
     Each record is an :class:`~lightning_recorder.Arguments` tuple; ``f(1, 2)``, ``f(1, b=2)``
     and ``f(b=2, a=1)`` give the same record.
 
-    Example:
+    Examples:
         >>> import math
         >>> recorder = FunctionInputsRecorder("math.pow").initialize()
         >>> with recorder:
@@ -224,7 +224,7 @@ class MethodOutputsRecorder(_CallableRecorder):
         source: ``"pkg.module.Class.method"``.
         **options: ``detach``, ``clone``, ``device``, ``dtype``, ``keep``, ``path``.
 
-    Example:
+    Examples:
         >>> from fractions import Fraction
         >>> recorder = MethodOutputsRecorder("fractions.Fraction.limit_denominator").initialize()
         >>> with recorder:
@@ -242,7 +242,7 @@ class MethodOutputsRecorder(_CallableRecorder):
 class MethodInputsRecorder(_CallableRecorder):
     """Record the arguments (without ``self``) of each call of a method, in signature order.
 
-    Example:
+    Examples:
         >>> from fractions import Fraction
         >>> recorder = MethodInputsRecorder("fractions.Fraction.limit_denominator").initialize()
         >>> with recorder:

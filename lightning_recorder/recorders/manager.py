@@ -1,6 +1,6 @@
 """`RecorderManager`: named recorders built from plain config dicts, used as one context.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU(), nn.Conv2d(2, 1, 1))

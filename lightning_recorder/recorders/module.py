@@ -166,7 +166,7 @@ class ModuleOutputsRecorder(_ModuleRecorder):
         **options: ``detach``, ``clone``, ``device``, ``dtype``, ``keep``, ``path``
             (see :class:`~lightning_recorder.BaseRecorder`).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
@@ -193,7 +193,7 @@ class ModuleInputsRecorder(_ModuleRecorder):
     ``forward`` signature, defaults filled in: ``m(x, mask=m)`` and ``m(x, m)`` give the same
     record, and ``data_idx`` (or ``path``) picks one argument by position or name.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(3, 4))
@@ -290,7 +290,7 @@ class ModuleOutputGradsRecorder(_ModuleRecorder):
     reverse of the call order for a module called several times). The forward and the backward
     must both run inside the context. For a structured output, ``path`` picks the tensor.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
@@ -323,7 +323,7 @@ class ModuleInputGradsRecorder(_ModuleRecorder):
     the gradient that flows through this module is recorded, even when the same tensor also
     feeds other modules. Inputs that do not require grad (e.g. the data) give no record.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))

@@ -84,7 +84,7 @@ class ParameterRecorder(_ParameterSource):
     the record *is* the live parameter, so it reflects later optimizer steps; pass
     ``clone=True`` for a snapshot taken when the context is entered.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 2))
         >>> recorder = ParameterRecorder("0.weight").initialize(model)
@@ -140,7 +140,7 @@ class ParameterGradRecorder(_ParameterSource):
     ones, is an error. ``clone`` defaults to ``True`` here because ``.grad`` is accumulated in
     place: without a copy, every record would be the same, changing tensor.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 1))

@@ -1,9 +1,11 @@
 """Streaming feature statistics, histograms synchronised across ranks, and norm helpers.
 
 The room's modules: :mod:`.features` (:data:`STAT_NAMES`, :func:`feature_stats`),
-:mod:`.metric` (:class:`FeatureStats`, the only one that imports torchmetrics, loaded on first
-use), :mod:`.histograms`, :mod:`.norms`, and :mod:`.batched` (many streams at once, the way
-:class:`~lightning_recorder.FeatureStatsMonitor` uses them); ``_kernels`` holds the arithmetic.
+:mod:`.metric` (:class:`FeatureStats`, and the metrics through which every statistic crosses
+ranks; the only module that imports torchmetrics, loaded on first use), :mod:`.histograms`,
+:mod:`.norms` and :mod:`.sharded`. The private modules hold the one definition of the state
+(``_state``), the engine that runs it compiled or eagerly (``_engine``), the one histogram
+(``_histogram``) and what a monitor collects in a batch (``_collect``).
 
 Definitions used everywhere in this module, for a stream of tensors ``x_1, x_2, …`` (any shape,
 any real dtype, on every rank):
@@ -22,26 +24,28 @@ any real dtype, on every rank):
 Statistics with nothing to describe are NaN: everything but ``numel``, ``nonfinite`` and
 ``zero_fraction`` when no finite element was seen, ``std`` when there are no more than
 ``correction`` finite elements, ``zero_fraction`` when ``numel`` is 0. Every value is a 0-d
-``float64`` tensor; counts are exact integers up to 2**53. Inputs are upcast to ``float64``
-(integers beyond 2**53 lose precision).
+``float64`` tensor; counts are exact integers up to 2**53.
 
-The streaming state is a count, a mean and a sum of squared deviations (``M2``), merged with
-Chan's parallel formula across updates and across ranks, so the result does not suffer from the
-cancellation of ``sum(x**2) - sum(x)**2 / n``: within one tensor (one chunk of 2**18 elements
-on the CPU) that one-pass form is used only where it loses at most 12 of float64's 53 bits
-(data whose mean is within about 64 standard deviations of zero), the sum of squared
-deviations elsewhere.
+**Precision.** Each tensor is read once; every value is converted to ``float64`` as it is read
+(no copy of the tensor is made) and every sum is taken in ``float64``, of the deviations from a
+shift near the mean (the mean of a few values spread over the tensor), so ``std`` does not
+suffer from the cancellation of ``sum(x**2) - sum(x)**2 / n``. Streams and ranks merge with
+Chan's parallel formula. Against a ``float64`` reference computed on the concatenated data,
+mean, std and abs_mean agree within ``1e-9`` (relative, plus ``1e-12`` of the data's scale for
+the mean) and min, max and the counts exactly. Histograms count with the exact rule of
+:func:`torch.histogram`.
 
-Off the CPU nothing synchronises with the host. On the CPU, where reading a value is free, a
-tensor whose float64 sum is finite (no NaN or infinity) skips the masking passes, and
-histograms find buckets arithmetically with an exact correction against the edges instead of a
-binary search: the same numbers and the same counts, several times faster.
+**Where.** The statistics run on the tensor's device, compiled by ``torch.compile`` where it can
+(Triton on CUDA, inductor on the CPU; in the background, eager until ready; see
+``LIGHTNING_RECORDER_COMPILE``) and eagerly elsewhere: the same function. Off the CPU nothing
+synchronises with the host.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._engine import compile_status
 from .features import STAT_NAMES, StatName, feature_stats
 from .histograms import HistogramRow, histogram, histogram_raw_kwargs
 from .norms import global_norm, tensor_norm, update_ratio
@@ -54,6 +58,7 @@ __all__ = [
     "FeatureStats",
     "HistogramRow",
     "StatName",
+    "compile_status",
     "feature_stats",
     "global_norm",
     "histogram",

@@ -11,7 +11,8 @@ import torch  # noqa: F401  (used by the examples)
 from torch import Tensor
 
 from .._core.checks import check_int, check_tensor
-from ._kernels import batch_state, finalize
+from ._engine import tensor_state
+from ._state import finalize
 
 __all__ = ["STAT_NAMES", "StatName", "feature_stats"]
 
@@ -42,9 +43,9 @@ def feature_stats(x: Tensor, correction: int = 1) -> dict[str, Tensor]:
     Raises:
         RecorderConfigError: if ``x`` is not a real tensor or ``correction`` is negative.
 
-    Example:
+    Examples:
         >>> s = feature_stats(torch.tensor([0.0, 1.0, 2.0, float("nan")]))
         >>> s["mean"].item(), s["std"].item(), s["nonfinite"].item(), s["zero_fraction"].item()
         (1.0, 1.0, 1.0, 0.25)
     """
-    return finalize(batch_state(check_tensor(x, "x", real=True)), check_correction(correction))
+    return finalize(tensor_state(check_tensor(x, "x", real=True)), check_correction(correction))

@@ -2,23 +2,56 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .._core.checks import check_int, check_tensor
-from ._kernels import (
-    F64,
-    HistogramRow,
-    Workspace,
-    batch_state,
-    histogram_rows,
-    histogram_rows_cpu,
-    histograms_device,
-)
+from .._core.compat import distributed_active
+from ._engine import CHUNK, flat_view, row_counts, tensor_state
+from ._histogram import edges, ranges, summaries
+from ._state import F64
 
 __all__ = ["HistogramRow", "histogram", "histogram_raw_kwargs"]
+
+
+class HistogramRow(NamedTuple):
+    """One histogram on the host: the summary of its finite values, its edges and its counts.
+
+    ``min``/``max`` are ``inf``/``-inf`` and the counts 0 when there is no finite value.
+    """
+
+    num: float
+    sum: float
+    sum_squares: float
+    min: float
+    max: float
+    edges: list[float]  # bins + 1 edges
+    counts: list[float]  # bins counts
+
+    @classmethod
+    def from_flat(cls, flat: Sequence[float], bins: int) -> HistogramRow:
+        """A row from ``[num, sum, sum_squares, min, max, *edges, *counts]``."""
+        num, total, squares, low, high = flat[:5]
+        return cls(num, total, squares, low, high, list(flat[5 : 6 + bins]), list(flat[6 + bins :]))
+
+    def raw_kwargs(self) -> dict[str, Any] | None:
+        """``SummaryWriter.add_histogram_raw`` keyword arguments (add ``tag`` and
+        ``global_step``), or ``None`` without a finite value: TensorBoard cannot show an empty
+        histogram. A leading empty bucket's limit is the left edge, as in TensorBoard's own."""
+        if self.num == 0:
+            return None
+        return {
+            "min": self.min,
+            "max": self.max,
+            "num": int(self.num),
+            "sum": self.sum,
+            "sum_squares": self.sum_squares,
+            "bucket_limits": self.edges,
+            "bucket_counts": [0.0, *self.counts],
+        }
 
 
 def _check_bins(bins: object) -> int:
@@ -52,19 +85,14 @@ def histogram(
     Raises:
         RecorderConfigError: if ``x`` is not a real tensor or ``bins`` is not a positive integer.
 
-    Example:
+    Examples:
         >>> counts, edges = histogram(torch.tensor([0.0, 1.0, 1.0, 4.0, float("nan")]), bins=4)
         >>> counts.tolist(), edges.tolist()
         ([1.0, 2.0, 0.0, 1.0], [0.0, 1.0, 2.0, 3.0, 4.0])
     """
-    x, bins = check_tensor(x, "x", real=True), _check_bins(bins)
-    work = Workspace()
-    state = batch_state(x, work)[None]
-    if x.device.type != "cpu":
-        counts, edges, *_ = histograms_device([[x]], state, bins, sync=sync, group=process_group)
-        return counts[0], edges[0]
-    (row,) = histogram_rows_cpu([[x]], state, bins, sync=sync, group=process_group, work=work)
-    return torch.tensor(row.counts, dtype=F64), torch.tensor(row.edges, dtype=F64)
+    bins = _check_bins(bins)
+    table = _table(check_tensor(x, "x", real=True), bins, sync, process_group)
+    return table[6 + bins :], table[5 : 6 + bins]
 
 
 def histogram_raw_kwargs(
@@ -91,15 +119,45 @@ def histogram_raw_kwargs(
     Raises:
         RecorderConfigError: if ``x`` is not a real tensor or ``bins`` is not a positive integer.
 
-    Example:
+    Examples:
         >>> kw = histogram_raw_kwargs(torch.tensor([0.0, 1.0, 1.0, 4.0]), bins=2)
         >>> kw["num"], kw["min"], kw["max"], kw["sum"], kw["sum_squares"]
         (4, 0.0, 4.0, 6.0, 18.0)
         >>> kw["bucket_limits"], kw["bucket_counts"]
         ([0.0, 2.0, 4.0], [0.0, 3.0, 1.0])
     """
-    x, bins = check_tensor(x, "x", real=True), _check_bins(bins)
-    work = Workspace()
-    state = batch_state(x, work)[None]
-    (row,) = histogram_rows([[x]], state, bins, sync=sync, group=process_group, work=work)
-    return row.raw_kwargs()
+    bins = _check_bins(bins)
+    table = _table(check_tensor(x, "x", real=True), bins, sync, process_group)
+    return HistogramRow.from_flat(table.tolist(), bins).raw_kwargs()
+
+
+_SEARCHED_32 = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _table(x: Tensor, bins: int, sync: bool, group: Any) -> Tensor:
+    """The histogram of every element of ``x`` (every rank's when syncing) as one ``float64``
+    row ``[num, sum, sum_squares, min, max, *edges, *counts]`` on ``x``'s device: its range from
+    the packed state, then the integer counts of each chunk of ``x`` (no host read)."""
+    syncing = sync and distributed_active(group)
+    state = tensor_state(x)[None]
+    if syncing:  # the declared reductions of the metrics: merged states, summed counts
+        from .metric import BucketCounts, StreamStates
+
+        merged = StreamStates(1, process_group=group).to(x.device)
+        merged.update(state)
+        state = merged.compute()
+    lo, hi = ranges(state)
+    limits = edges(lo, hi, bins)
+    counts = torch.zeros(1, bins, dtype=torch.int64, device=x.device)
+    if x.numel():
+        flat = flat_view(x)
+        pieces = flat.split(CHUNK) if flat is not None else x.reshape(-1).split(CHUNK)
+        for piece in pieces:
+            dtype = torch.float32 if piece.dtype in _SEARCHED_32 else F64
+            counts += row_counts(piece.to(dtype).view(1, -1), limits)
+    found = counts.to(F64)
+    if syncing:
+        summed = BucketCounts(1, bins, process_group=group).to(x.device)
+        summed.update(found)
+        found = summed.compute()
+    return torch.cat([summaries(state), limits, found], 1)[0]

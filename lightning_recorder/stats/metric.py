@@ -1,4 +1,11 @@
-"""`FeatureStats`: the streaming statistics as a torchmetrics ``Metric`` (synchronised by DDP).
+"""Streaming statistics as torchmetrics ``Metric`` s: the one place where states cross ranks.
+
+:class:`StreamStates` holds the packed states of ``m`` streams and declares how ranks combine
+them (:func:`~lightning_recorder.stats._state.merge` of the gathered states);
+:class:`BucketCounts` holds histogram counts and declares their sum. Every cross-rank reduction
+of the package's statistics goes through them, under DDP and FSDP alike: torchmetrics gathers on
+``compute()``, which every rank must therefore call. :class:`FeatureStats` is the public metric
+of one stream.
 
 This is the only module of the room that imports torchmetrics; ``lightning_recorder.stats``
 loads it on first use of :class:`FeatureStats`.
@@ -17,19 +24,108 @@ from torchmetrics import Metric
 
 from .._core.checks import check_tensor
 from ..errors import RecorderConfigError
-from ._kernels import batch_state, empty_state, finalize, merge
+from ._engine import tensor_state
+from ._state import F64, empty_states, finalize, merge
 from .features import check_correction
 
-__all__ = ["FeatureStats"]
+__all__ = ["BucketCounts", "FeatureStats", "StreamStates"]
 
 
-class FeatureStats(Metric):
+def _merge_ranks(gathered: Tensor) -> Tensor:
+    """The reduction of packed states gathered from every rank (stacked along dim 0)."""
+    return merge(gathered, 0)
+
+
+class _Quiet(Metric):
+    """A metric that may be computed before any update (no data is a normal state here)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        try:
+            super().__init__(**kwargs)
+        except ValueError as err:  # an unknown or malformed keyword argument
+            raise RecorderConfigError(str(err)) from err
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        wrapped = super()._wrap_compute(compute)
+
+        @functools.wraps(compute)
+        def quiet(*args: Any, **kwargs: Any) -> Any:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*called before the ``update``")
+                return wrapped(*args, **kwargs)
+
+        return quiet
+
+
+class StreamStates(_Quiet):
+    """The packed states of ``streams`` streams (``None``: one stream, a vector), merged over
+    every rank by ``compute()``.
+
+    ``update(states)`` merges packed states of the same shape (computed by the engine) into the
+    metric's; ``compute()`` returns the states over every rank.
+    """
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    packed: Tensor
+
+    def __init__(self, streams: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        shape = () if streams is None else (streams,)
+        self.add_state("packed", default=empty_states(*shape), dist_reduce_fx=_merge_ranks)
+
+    def update(self, states: Tensor) -> None:
+        """Merge packed states (the shape of the metric's) into the metric's."""
+        state = self.packed
+        if state.is_inference() and not torch.is_inference_mode_enabled():
+            state = state.clone()  # created under inference_mode (a standalone validate)
+        states = states.to(device=state.device, dtype=F64)
+        self.packed = merge(torch.stack([state, states]), 0)
+
+    def compute(self) -> Tensor:
+        """The packed states over every rank (a collective under DDP)."""
+        return self.packed
+
+    def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
+        """Add the states of another metric of this kind (or its ``metric_state``) to these."""
+        super().merge_state(incoming_state)
+        self._computed = None  # torchmetrics would return the result cached before the merge
+
+
+class BucketCounts(_Quiet):
+    """Histogram counts ``(streams, bins)`` summed over every rank by ``compute()``."""
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    counts: Tensor
+
+    def __init__(self, streams: int, bins: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state(
+            "counts", default=torch.zeros(streams, bins, dtype=F64), dist_reduce_fx="sum"
+        )
+
+    def update(self, counts: Tensor) -> None:
+        """Add counts of the metric's shape."""
+        self.counts = self.counts + counts.to(device=self.counts.device, dtype=F64)
+
+    def compute(self) -> Tensor:
+        """The counts summed over every rank (a collective under DDP)."""
+        return self.counts
+
+
+class FeatureStats(StreamStates):
     """Streaming mean, std, min, max, abs-mean, zero fraction and non-finite count of tensors.
 
     The state is a fixed-size ``float64`` vector on the metric's device: ``update`` stores no
     tensor and, off the CPU, never synchronises with the host. Move the metric to the device of
     its inputs (``stats.to(device)``); inputs on another device are reduced there and only their
-    9-number summary is copied. See the module documentation for the exact definitions.
+    summary is copied. See the module documentation of :mod:`lightning_recorder.stats` for the
+    exact definitions.
 
     ``compute()`` synchronises the state across ranks when ``torch.distributed`` is initialised
     (through torchmetrics), so under DDP **every rank must call it**, also a rank that saw no
@@ -46,15 +142,16 @@ class FeatureStats(Metric):
             ``sync_on_compute``, …).
 
     Raises:
-        RecorderConfigError: if ``correction`` is not a non-negative integer.
+        RecorderConfigError: if ``correction`` is not a non-negative integer, or a keyword
+            argument is not one of torchmetrics.
 
-    Example:
+    Examples:
         >>> stats = FeatureStats()
         >>> stats.update(torch.tensor([[1.0, 2.0], [3.0, float("inf")]]))
         >>> stats.update(torch.tensor([0, 4]))
         >>> out = stats.compute()
-        >>> out["mean"].item(), out["std"].item(), out["max"].item()
-        (2.0, 1.5811388300841898, 4.0)
+        >>> out["mean"].item(), round(out["std"].item(), 9), out["max"].item()
+        (2.0, 1.58113883, 4.0)
         >>> out["nonfinite"].item(), out["numel"].item(), out["zero_fraction"].item()
         (1.0, 6.0, 0.16666666666666666)
         >>> stats.reset()
@@ -62,57 +159,28 @@ class FeatureStats(Metric):
         0.0
     """
 
-    is_differentiable = False
-    higher_is_better = None
-    full_state_update = False
-
-    packed: Tensor
-
     def __init__(self, correction: int = 1, **kwargs: Any) -> None:
-        try:
-            super().__init__(**kwargs)
-        except ValueError as err:  # an unknown or malformed keyword argument
-            raise RecorderConfigError(str(err)) from err
+        super().__init__(None, **kwargs)
         self.correction = check_correction(correction)
-        self.add_state("packed", default=empty_state(), dist_reduce_fx=merge)
 
     def update(self, x: Tensor) -> None:
         """Add the elements of ``x`` (any shape, any real dtype) to the statistics.
 
         Args:
-            x: the tensor to add; it is detached, flattened and upcast to ``float64``.
+            x: the tensor to add; it is read as it is (detached, in its own dtype, its sums
+                taken in ``float64``).
 
         Raises:
             RecorderConfigError: if ``x`` is not a real tensor.
         """
         check_tensor(x, "x", real=True)
-        state = self.packed
-        if state.is_inference() and not torch.is_inference_mode_enabled():
-            state = state.clone()
-        batch = batch_state(x).to(state.device)
-        self.packed = merge(torch.stack([state, batch]))
+        super().update(tensor_state(x))
 
-    def compute(self) -> dict[str, Tensor]:
-        """The statistics so far, over every rank (a collective call under DDP).
+    def compute(self) -> dict[str, Tensor]:  # type: ignore[override]
+        """The statistics so far, over every rank (a collective under DDP).
 
         Returns:
-            A dictionary with the keys of :data:`STAT_NAMES`, each a 0-d ``float64`` tensor.
+            A dictionary with the keys of :data:`~lightning_recorder.stats.STAT_NAMES`, each a
+            0-d ``float64`` tensor.
         """
         return finalize(self.packed, self.correction)
-
-    def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
-        """Add the state of another :class:`FeatureStats` (or its ``metric_state``) to this one."""
-        super().merge_state(incoming_state)
-        self._computed = None  # torchmetrics would return the result cached before the merge
-
-    def _wrap_compute(self, compute: Callable) -> Callable:
-        # No data is a normal state for a monitored layer: skip torchmetrics' warning about it.
-        wrapped = super()._wrap_compute(compute)
-
-        @functools.wraps(compute)
-        def quiet(*args: Any, **kwargs: Any) -> Any:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=r".*called before the ``update``")
-                return wrapped(*args, **kwargs)
-
-        return quiet

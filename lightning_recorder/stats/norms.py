@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .._core.checks import check_tensor
 from ..errors import RecorderConfigError
-from ._kernels import F64
+from ._state import F64
 
 __all__ = ["global_norm", "tensor_norm", "update_ratio"]
 
@@ -32,7 +32,7 @@ def tensor_norm(t: Tensor) -> Tensor:
     Raises:
         RecorderConfigError: if ``t`` is not a real tensor.
 
-    Example:
+    Examples:
         >>> tensor_norm(torch.tensor([[3.0, 0.0], [0.0, 4.0]], dtype=torch.float16)).item()
         5.0
     """
@@ -55,7 +55,7 @@ def global_norm(tensors: Iterable[Tensor]) -> Tensor:
         RecorderConfigError: if ``tensors`` is not an iterable, or an element is not a real
             tensor.
 
-    Example:
+    Examples:
         >>> global_norm([torch.tensor([3.0]), torch.tensor([[4.0]])]).item()
         5.0
     """
@@ -97,7 +97,7 @@ def update_ratio(before: Tensor, after: Tensor, eps: float = 1e-12) -> Tensor:
         RecorderConfigError: if the shapes differ, an argument is not a real tensor, or ``eps``
             is negative.
 
-    Example:
+    Examples:
         >>> update_ratio(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.5])).item()
         0.10000000149011612
     """

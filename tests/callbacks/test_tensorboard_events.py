@@ -1,5 +1,7 @@
-"""The TensorBoard event of a logging step: runs of empty histogram buckets collapsed, read back
-by TensorBoard's own reader as the same histogram."""
+"""The TensorBoard event of a logging step: one ``Summary`` built with protobuf's API, runs of
+empty histogram buckets collapsed, the same values as TensorBoard's own ``add_scalar`` /
+``add_histogram_raw`` write, read back by TensorBoard's readers; the writers it goes through and
+their fallbacks."""
 
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ from tensorboard.util import tensor_util
 
 import lightning_recorder.callbacks.stats_monitor as monitor_module
 from lightning_recorder import FeatureStatsMonitor
-from lightning_recorder.callbacks._lightning import (
+from lightning_recorder.callbacks._tensorboard import (
+    HistogramTable,
     collapse_empty_buckets,
-    scalar_bytes,
+    kept_buckets,
+    summary_class,
     tensorboard_summary,
     write_tensorboard,
 )
@@ -128,25 +132,6 @@ def test_summary_is_smaller_with_empty_runs() -> None:
     )
 
 
-# ------------------------------------------------------------------ the scalars' wire bytes
-@settings(max_examples=150, deadline=None)
-@given(
-    st.dictionaries(
-        st.text(min_size=1, max_size=300),  # tags of more than 127 bytes: two-byte lengths
-        st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([-0.0, 1e39, 1e-50]),
-        min_size=1,
-        max_size=8,
-    )
-)
-def test_scalar_bytes_are_the_summary_protobuf_builds(values: dict[str, float]) -> None:
-    built = Summary()
-    for tag, value in values.items():
-        built.value.add(tag=tag, simple_value=value)  # protobuf's own encoder, value by value
-    ours = scalar_bytes(values)
-    assert Summary.FromString(ours).SerializeToString() == built.SerializeToString()
-    assert ours == built.SerializeToString()  # the very bytes, in the same order
-
-
 # ------------------------------------------------------------------ a real run, read back
 def test_trainer_run_reads_back_the_same_histograms_and_scalars(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -197,33 +182,215 @@ def test_trainer_run_reads_back_the_same_histograms_and_scalars(
     assert collapsed >= 3  # the outliers leave runs of empty buckets to collapse
 
 
-def test_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
+# ----------------------------------------------- the Summary against TensorBoard's own writes
+def read_values(log_dir: str | Path) -> dict[tuple[str, int], bytes]:
+    """Every summary value in the event files of a directory, by ``(tag, step)``, serialized (the
+    same message gives the same bytes; NaN included), as TensorBoard's reader reads them."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_writer.py"
-    spec = importlib.util.spec_from_file_location("bench_writer", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    report = bench.main(["--quick", "--repeats", "1"])
-    out = capsys.readouterr().out
-    assert "| 16 | on | before |" in out and "| 16 | on | now |" in out
-    assert "| 16 | on | C, one table |" in out
-    assert len(report["event"]) == 2 + 6 and len(report["histogram"]) == 2 + 4
+    found = {}
+    for path in sorted(Path(log_dir).glob("events.out.tfevents.*")):
+        for event in LegacyEventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                found[(value.tag, event.step)] = value.SerializeToString()
+    return found
+
+
+TAGS = st.text(alphabet="abcxyz019/._-", min_size=1, max_size=30)
+VALUES = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([-0.0, 1e39, 1e-50])
+
+
+@st.composite
+def histogram_tables(draw: st.DrawFn) -> HistogramTable:
+    """A table of 0 to 5 histograms of 1 to 12 buckets, about half of them empty, a row without
+    data among them now and then."""
+    bins = draw(st.integers(1, 12))
+    tags = draw(st.lists(TAGS, min_size=0, max_size=5, unique=True))
+    rows = []
+    for _ in tags:
+        counts = draw(st.lists(st.integers(0, 3), min_size=bins, max_size=bins))
+        counts = [float(c if c < 2 else 0) for c in counts]
+        low = draw(st.floats(-1e3, 1e3))
+        edges = [low + 0.5 * i for i in range(bins + 1)]
+        num = float(sum(counts))
+        head = [num, draw(st.floats(-1e3, 1e3)), draw(st.floats(0, 1e6)), edges[0], edges[-1]]
+        rows.append([*head, *edges, *counts])
+    table = torch.tensor(rows, dtype=torch.float64).reshape(len(tags), 2 * bins + 6)
+    return HistogramTable(table, bins, tags)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.dictionaries(TAGS, VALUES, max_size=6), histogram_tables(), st.integers(0, 10**6))
+def test_summary_reads_back_as_tensorboards_own_add_scalar_and_add_histogram_raw(
+    scalars_: dict[str, float], table: HistogramTable, step: int
+) -> None:
+    import tempfile
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    table = HistogramTable(table.table, table.bins, [f"h/{tag}" for tag in table.tags])
+    with tempfile.TemporaryDirectory() as root:
+        ours, theirs = f"{root}/ours", f"{root}/theirs"
+        with SummaryWriter(ours) as writer:
+            assert writer.file_writer is not None
+            writer.file_writer.add_summary(tensorboard_summary(scalars_, table), step)
+        with SummaryWriter(theirs) as writer:  # TensorBoard's own calls, tag by tag
+            for tag, value in scalars_.items():
+                writer.add_scalar(tag, value, step)
+            for tag, kw in table.items():
+                limits, counts = collapse_empty_buckets(kw["bucket_limits"], kw["bucket_counts"])
+                kw = {**kw, "bucket_limits": limits, "bucket_counts": counts}
+                writer.add_histogram_raw(tag, global_step=step, **kw)
+        got, want = read_values(ours), read_values(theirs)
+    assert got == want  # the same messages: the same values and buckets, copied, not computed
+    assert len(got) == len(scalars_) + len(table)
+
+
+@settings(max_examples=100, deadline=None)
+@given(histogram_tables())
+def test_the_table_and_its_mapping_build_the_same_summary(table: HistogramTable) -> None:
+    from_table = tensorboard_summary({"s": 1.0}, table)
+    from_mapping = tensorboard_summary({"s": 1.0}, dict(table))  # collapsed list by list
+    assert from_table.SerializeToString() == from_mapping.SerializeToString()
+    for value in from_table.value[1:]:  # no two empty buckets in a row
+        empty = [c == 0 for c in value.histo.bucket]
+        assert not any(a and b for a, b in pairwise(empty))
+
+
+def test_kept_buckets_of_a_table_are_those_of_each_row() -> None:
+    counts = np.array([[0, 3, 0, 0, 0, 2], [0, 0, 0, 1, 0, 0], [0, 1, 2, 3, 4, 5]], dtype=float)
+    keep = kept_buckets(counts)
+    limits = list(range(6))
+    for row, kept in zip(counts.tolist(), keep.tolist(), strict=True):
+        got_limits, _ = collapse_empty_buckets(limits, row)
+        assert list(got_limits) == [x for x, k in zip(limits, kept, strict=True) if k]
+
+
+# ------------------------------------------------------------------ HistogramTable
+def _row(num: float, bins: int = 3) -> list[float]:
+    edges = [float(i) for i in range(bins + 1)]
+    counts = [num, *([0.0] * (bins - 1))]
+    return [num, 0.5 * num, 0.25 * num, 0.0, 1.0, *edges, *counts]
+
+
+def test_histogram_table_from_a_tensor_or_an_array_and_as_a_mapping() -> None:
+    rows = [_row(4.0), _row(0.0), _row(2.0)]
+    tags = ("a/histogram", "empty/histogram", "b/histogram")
+    from_tensor = HistogramTable(torch.tensor(rows, dtype=torch.float64), 3, tags)
+    from_array = HistogramTable(np.array(rows, dtype=np.float32), 3, list(tags))
+    assert from_array.table.dtype == np.float64 and from_array.tags == tags
+    np.testing.assert_array_equal(from_tensor.table, from_array.table)
+    assert list(from_tensor) == ["a/histogram", "b/histogram"]  # no data: no histogram
+    assert from_tensor["a/histogram"] == {
+        "min": 0.0,
+        "max": 1.0,
+        "num": 4,
+        "sum": 2.0,
+        "sum_squares": 1.0,
+        "bucket_limits": [0.0, 1.0, 2.0, 3.0],
+        "bucket_counts": [0.0, 4.0, 0.0, 0.0],  # TensorBoard's leading empty bucket first
+    }
+    assert list(from_tensor.prefixed("p-")) == ["p-a/histogram", "p-b/histogram"]
+    summary = tensorboard_summary({}, from_tensor)
+    assert [v.tag for v in summary.value] == ["a/histogram", "b/histogram"]
+    assert list(summary.value[0].histo.bucket) == [0.0, 4.0, 0.0]  # the last two merged
+    assert list(summary.value[0].histo.bucket_limit) == [0.0, 1.0, 3.0]
+
+
+def test_histogram_table_of_the_wrong_shape_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"shape \(2, 12\).*bins=3.* but got \(2, 11\)"):
+        HistogramTable(torch.zeros(2, 11, dtype=torch.float64), 3, ("a", "b"))
+    with pytest.raises(ValueError, match=r"shape \(1, 12\).* but got \(2, 12\)"):
+        HistogramTable(torch.zeros(2, 12, dtype=torch.float64), 3, ("a",))
+
+
+# ------------------------------------------------------------------ the writers
+def test_logger_prefix_reaches_scalars_and_histograms(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="tb", prefix="run")
+    table = HistogramTable(torch.tensor([_row(4.0)], dtype=torch.float64), 3, ("m/histogram",))
+    write_tensorboard(logger, {"m/mean": 0.5}, table, step=3)
+    write_tensorboard(logger, {"m/std": 0.25}, {"m2/histogram": table["m/histogram"]}, step=4)
+    logger.experiment.flush()
+    assert set(read_values(logger.log_dir)) == {
+        ("run-m/mean", 3),
+        ("run-m/histogram", 3),
+        ("run-m/std", 4),
+        ("run-m2/histogram", 4),
+    }
+    logger.finalize("success")
+
+
+class _Recording:
+    """A ``SummaryWriter`` of another make: only its public per-tag methods."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.calls.append(("scalar", (tag, value, step)))
+
+    def add_histogram_raw(self, tag: str, global_step: int, **kwargs: Any) -> None:
+        self.calls.append(("histogram", (tag, global_step, kwargs)))
+
+
+class _OtherWriterLogger(TensorBoardLogger):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, name="other")
+        self.recording = _Recording()
+
+    @property
+    def experiment(self) -> Any:
+        return self.recording
+
+
+def test_a_writer_of_unknown_make_gets_one_public_call_per_tag(tmp_path: Path) -> None:
+    logger = _OtherWriterLogger(tmp_path)
+    assert summary_class(logger.experiment) is None
+    row = [*_row(4.0, bins=5)]
+    table = HistogramTable(torch.tensor([row], dtype=torch.float64), 5, ("m/histogram",))
+    write_tensorboard(logger, {"m/mean": 0.5, "m/std": 2.0}, table, step=7)
+    kinds = [kind for kind, _ in logger.recording.calls]
+    assert kinds == ["scalar", "scalar", "histogram"]
+    assert logger.recording.calls[0][1] == ("m/mean", 0.5, 7)
+    tag, step, kwargs = logger.recording.calls[2][1]
+    assert (tag, step) == ("m/histogram", 7)
+    assert kwargs["bucket_counts"] == [0.0, 4.0, 0.0]  # the empty run collapsed here too
+    assert kwargs["bucket_limits"] == [0.0, 1.0, 5.0]
+    assert kwargs["num"] == 4 and kwargs["min"] == 0.0 and kwargs["max"] == 1.0
+
+
+def test_a_closed_torch_writer_gets_the_values_through_add_scalar(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    writer = logger.experiment
+    writer.close()  # its file_writer is None until it is written to again
+    assert writer.file_writer is None
+    table = HistogramTable(torch.tensor([_row(4.0)], dtype=torch.float64), 3, ("m/histogram",))
+    write_tensorboard(logger, {"m/mean": 0.5}, table, step=2)
+    writer.flush()
+    assert set(read_values(logger.log_dir)) == {("m/mean", 2), ("m/histogram", 2)}
+    logger.finalize("success")
 
 
 # ------------------------------------------------------------------ tensorboardX's writer
 class _TensorBoardXLogger(TensorBoardLogger):
-    """A TensorBoard logger writing through tensorboardX (the way to its C checksum: Lightning
-    picks ``torch.utils.tensorboard`` whenever TensorBoard is installed)."""
+    """A TensorBoard logger writing through tensorboardX. (Lightning logs its ``hp_metric``
+    summary, a message of TensorBoard's classes, which a tensorboardX writer refuses: off.)"""
+
+    def __init__(self, root: Path, name: str) -> None:
+        super().__init__(root, name=name, default_hp_metric=False)
+        self.tbx: Any = None
 
     @property
     def experiment(self) -> Any:
-        if self._experiment is None:
+        if self.tbx is None:
             from tensorboardX import SummaryWriter
 
-            self._experiment = SummaryWriter(logdir=self.log_dir)
-        return self._experiment
+            self.tbx = SummaryWriter(logdir=self.log_dir)
+        return self.tbx
+
+    def finalize(self, status: str) -> None:
+        if self.tbx is not None:
+            self.tbx.close()
 
 
 def _stats_events(log_dir: str) -> list[tuple[int, list[str]]]:
@@ -250,8 +417,8 @@ def test_tensorboardx_writer_gets_the_same_single_event(tmp_path: Path) -> None:
         trainer = pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor])
         torch.manual_seed(0)  # the same model in both runs
         trainer.fit(ProbeNet(lr=1e-3), loader(x))
-        logger.experiment.flush()
         logs[name] = logger.log_dir
+    assert summary_class(logger.experiment).__module__.startswith("tensorboardX")
     torch_events, tbx_events = _stats_events(logs["torch"]), _stats_events(logs["tbx"])
     assert [step for step, _ in tbx_events] == [0, 1]  # one event per logged step
     assert tbx_events == torch_events
@@ -265,3 +432,20 @@ def test_tensorboardx_writer_gets_the_same_single_event(tmp_path: Path) -> None:
         (e.step, e.histogram_value) for e in h_torch
     ]
     assert all(len(e.histogram_value.bucket) < 31 for e in h_tbx)  # collapsed there too
+
+
+def test_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_writer.py"
+    spec = importlib.util.spec_from_file_location("bench_writer", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.main(quick=True)
+    out = capsys.readouterr().out
+    assert "| 16 | 7 |" in out and "| 16 | 13 |" in out
+    assert len(report["build"]) == 2 + 2
+    assert len(report["per KiB"]) == 2 + 2  # both checksums (the dev extra has the wheel)
+    rows = report["per logged step"][2:]
+    assert len(rows) == 4 and all(row.endswith("% |") for row in rows)

@@ -1,12 +1,15 @@
-"""The examples run as a new user runs them, and what they write is read back."""
+"""The examples run as a new user runs them, what they write is read back, and they leave
+nothing behind: no file in the source tree, the working directory or the temporary directory."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers.models import events, scalars
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,11 +17,41 @@ EXAMPLES = ROOT / "examples"
 STATS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
 MODULES = ("features.0", "features.1", "features.2", "features.3", "features.4", "classifier")
 
+#: Every example, with arguments that make it quick; none writes anything that it keeps.
+QUICK = {
+    "activation_dataset.py": ["--epochs", "1"],
+    "distill_digits.py": ["--teacher-epochs", "1", "--student-epochs", "1", "--train-size", "300"],
+    "graph_example.py": [],
+    "record_standalone.py": [],
+    "tensorboard_stats.py": ["--max-epochs", "1", "--every-n-steps", "20"],
+}
+#: Folders of the source tree that hold caches and build outputs, not sources (other tests,
+#: running at the same time, may write Lightning's default output folders there).
+NOT_SOURCES = {
+    "lightning_logs",
+    "checkpoints",
+    "bench_out",
+    ".git",
+    ".venv",
+    "__pycache__",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    "site",
+    "build",
+    "dist",
+}
 
-def run_example(name: str, *args: str, cwd: Path) -> str:
+
+def run_example(name: str, *args: str, cwd: Path, tmp: Path | None = None) -> str:
+    """Run ``examples/<name>`` in ``cwd`` with ``tmp`` as its temporary directory."""
+    tmp = tmp or cwd.parent / f"{cwd.name}_tmp"
+    tmp.mkdir(exist_ok=True)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TMPDIR": str(tmp),
     }
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
@@ -32,26 +65,37 @@ def run_example(name: str, *args: str, cwd: Path) -> str:
     return proc.stdout
 
 
+def files(root: Path) -> dict[str, tuple[int, int]]:
+    """``{path: (size, mtime)}`` of every file under ``root``, caches left out."""
+    found = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in NOT_SOURCES and not d.endswith(".egg-info")]
+        for name in names:
+            stat = (Path(folder) / name).stat()
+            found[os.path.relpath(Path(folder) / name, root)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
 def test_tensorboard_stats(tmp_path: Path) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
     out = run_example(
         "tensorboard_stats.py",
-        "--max-epochs",
-        "1",
-        "--every-n-steps",
-        "5",
-        "--plot",
-        "p.png",
-        cwd=tmp_path,
+        *("--out", "logs", "--max-epochs", "1", "--every-n-steps", "5", "--plot", "p.png"),
+        cwd=cwd,
+        tmp=tmp_path / "tmp",
     )
-    log_dir = tmp_path / "lightning_logs" / "version_0"
-    assert f"TensorBoard logs: {Path('lightning_logs') / 'version_0'}" in out
-    assert "tensorboard --logdir lightning_logs" in out
+    log_dir = cwd / "logs" / "version_0"
+    assert f"TensorBoard logs: {Path('logs') / 'version_0'}" in out
+    assert "tensorboard --logdir logs" in out
+    assert sorted(p.name for p in cwd.iterdir()) == ["logs", "p.png"]
+    assert list((tmp_path / "tmp").iterdir()) == []
     assert "Last logged statistics (train at step 44, val at step 44)" in out
     table = [line.split() for line in out.splitlines() if line.startswith(("train ", "val "))]
     assert [(row[0], row[1]) for row in table] == [
         (stage, module) for stage in ("train", "val") for module in sorted(MODULES)
     ]
-    assert (tmp_path / "p.png").stat().st_size > 10_000
+    assert (cwd / "p.png").stat().st_size > 10_000
 
     got = scalars(log_dir)
     steps = [4, 9, 14, 19, 24, 29, 34, 39, 44]  # 45 steps of 32 digits, every 5 steps
@@ -91,3 +135,23 @@ def test_record_standalone() -> None:
     dead = namespace["main"](epochs=2)
     assert sorted(dead) == ["1", "3"]  # one stream per ReLU, named after it
     assert all(0.0 <= fraction < 1.0 for fraction in dead.values())
+
+
+def test_every_example_is_run() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(QUICK)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_example_leaves_nothing_behind(name: str, tmp_path: Path) -> None:
+    if name == "graph_example.py" and shutil.which("dot") is None:
+        pytest.skip("Graphviz `dot` is not installed (the Makefile's set-up installs it)")
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    before = files(ROOT)
+    out = run_example(name, *QUICK[name], cwd=cwd, tmp=tmp)
+    after = files(ROOT)
+    assert out.strip()  # it ran and said something
+    assert {p for p in after if after[p] != before.get(p)} == set(), "written in the source tree"
+    assert list(cwd.iterdir()) == [], "written in the working directory"
+    assert list(tmp.iterdir()) == [], "left in the temporary directory"

@@ -53,6 +53,7 @@ EXPECTED = [
     "RecorderManager",
     "RecorderStateError",
     "ShardWriter",
+    "TensorBoardLogger",
     "UnknownRecorderTypeError",
     "UnknownSourceError",
     "__version__",

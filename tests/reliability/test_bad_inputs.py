@@ -979,10 +979,16 @@ case(
 )
 case("FeatureStatsMonitor-clone-int", lambda: fsm(clone=1), RecorderConfigError, r"`clone`.*bool")
 case(
-    "FeatureStatsMonitor-fast_checksums-int",
-    lambda: fsm(fast_checksums=1),
+    "FeatureStatsMonitor-pool_dataloaders-int",
+    lambda: fsm(pool_dataloaders=1),
     RecorderConfigError,
-    r"`fast_checksums`.*bool",
+    r"`pool_dataloaders`.*bool",
+)
+case(
+    "TensorBoardLogger-unknown-writer-option",
+    lambda: lr.TensorBoardLogger("unused", flush_sec=5),
+    RecorderConfigError,
+    r"SummaryWriter options .*'flush_secs'.* but got 'flush_sec'",
 )
 case(
     "FeatureStatsMonitor-exact_histograms-str",

@@ -114,7 +114,7 @@ class FeatureDistillation(Callback):
             is sharded but no process group is running.
         RecorderStateError: with ``on_nonfinite="raise"``, a non-finite teacher feature or term.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl, torch
         >>> from torch import nn
         >>> class Student(pl.LightningModule):

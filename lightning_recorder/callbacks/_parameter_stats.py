@@ -1,0 +1,118 @@
+"""The parameter statistics of :class:`~lightning_recorder.FeatureStatsMonitor`: norms, gradient
+norms and update ratios, each of the optimizer step that owns the parameter.
+
+At each optimizer step of a logged training step (``on_before_optimizer_step``), the monitored
+parameters that *this optimizer* updates and that have a gradient get their gradient norm and a
+copy of their value (persistent buffers, one foreach copy). With several optimizers (a GAN's
+discriminator and generator, Lightning's manual optimization) each parameter's figures are
+those of its own optimizer's step, never another optimizer's gradient left over from an earlier
+backward; a parameter stepped twice in a batch keeps its last step. At the batch's end, one
+foreach norm over the parameters and their copies, an in-place foreach difference and one more
+norm give ``||p||``, ``||before||`` and ``||Δp||``, still on the device.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from .._core.compat import foreach_copy_, foreach_norm, foreach_sub_
+from ..stats.sharded import full_values
+
+__all__ = ["ParameterStats"]
+
+
+def upcast(tensors: list[Tensor]) -> list[Tensor]:
+    """Tensors below float32 converted to it, as :func:`~lightning_recorder.stats.tensor_norm`."""
+    return [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in tensors]
+
+
+def norms(tensors: list[Tensor]) -> list[Tensor]:
+    """The L2 norm of each tensor (at least in float32), in one foreach call."""
+    return foreach_norm(upcast(tensors)) if tensors else []
+
+
+class ParameterStats:
+    """Norms, gradient norms and update ratios of ``params`` (``DTensor`` s if ``sharded``:
+    their norms are collectives, every rank computes them in the same order)."""
+
+    def __init__(self, params: dict[str, nn.Parameter], sharded: bool) -> None:
+        self.params, self.sharded = params, sharded
+        self._before: dict[str, Tensor] = {}  # persistent copies, reused from step to step
+        self._owned: dict[int, list[str]] = {}  # id(optimizer) -> the monitored names it steps
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget this batch's gradient norms and copies (the buffers are kept)."""
+        self._grad_norms: dict[str, Tensor] = {}
+        self._stepped: list[str] = []
+
+    def _names_of(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        found = self._owned.get(id(optimizer))
+        if found is None:
+            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            found = self._owned[id(optimizer)] = [
+                name for name, p in self.params.items() if id(p) in ids
+            ]
+        return found
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record the gradient norms and values of the parameters ``optimizer`` is about to
+        update (those with a gradient)."""
+        names = [n for n in self._names_of(optimizer) if self.params[n].grad is not None]
+        if not names:
+            return
+        with torch.no_grad():
+            grads = [cast(Tensor, self.params[name].grad) for name in names]
+            found = norms(grads)
+            if self.sharded:
+                found = full_values(found)  # collectives, on every rank in the same order
+            self._grad_norms.update(zip(names, found, strict=True))
+            buffers = []
+            for name in names:
+                param = self.params[name]
+                buffer = self._before.get(name)
+                if buffer is None or buffer.shape != param.shape or buffer.device != param.device:
+                    dtype = param.dtype if param.dtype == torch.float64 else torch.float32
+                    buffer = self._before[name] = torch.empty_like(param, dtype=dtype)
+                buffers.append(buffer)
+            params: list[Tensor] = [self.params[n] for n in names]
+            if self.sharded:  # DTensor has no sharding rule for the foreach copy
+                for dst, src in zip(buffers, params, strict=True):
+                    dst.copy_(src)
+            else:
+                foreach_copy_(buffers, params)
+        self._stepped.extend(n for n in names if n not in self._stepped)
+
+    def tensors(self) -> tuple[list[str], list[Tensor]]:
+        """The names of the stepped parameters and, on the device: the norm of every monitored
+        parameter, then of each stepped one's value before its step and of its change, then
+        its gradient norm. Resets the batch."""
+        stepped = list(self._stepped)
+        before = [self._before[name] for name in stepped]
+        with torch.no_grad():
+            found = norms([*self.params.values(), *before])
+            foreach_sub_(before, upcast([self.params[name] for name in stepped]))
+            found = [*found, *norms(before)]  # ||before - after|| = ||change||
+            if self.sharded:
+                found = full_values(found)  # collectives, on every rank in the same order
+        grad_norms = [self._grad_norms[name] for name in stepped]
+        self.clear()
+        return stepped, [*found, *grad_norms]
+
+    def values(
+        self, stepped: list[str], values: list[float]
+    ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+        """From the host values of :meth:`tensors`: the norm of each parameter, and the gradient
+        norm and update ratio ``||Δp|| / (||p|| + 1e-12)`` of each stepped one."""
+        names = list(self.params)
+        k, n = len(names), len(stepped)
+        sizes, changes, grads = values[k : k + n], values[k + n : k + 2 * n], values[k + 2 * n :]
+        norm_of = dict(zip(names, values[:k], strict=True))
+        stepped_of = {
+            name: (grad, change / (size + 1e-12))
+            for name, size, change, grad in zip(stepped, sizes, changes, grads, strict=True)
+        }
+        return norm_of, stepped_of

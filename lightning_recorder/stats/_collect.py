@@ -1,0 +1,292 @@
+"""What a monitor collects in one batch for ``m`` streams: packed states and histogram samples.
+
+A monitor calls :meth:`Collector.add` from its forward hooks with each output of each stream,
+while the output is intact (before any later in-place op), and reads the batch's results at the
+batch's end:
+
+* **Large tensors** (more than :data:`SMALL` elements) get their packed state at once, one pass
+  of the engine (:func:`~._engine.tensor_state`).
+* **Small tensors** are copied and reduced at the batch's end, all those of one size and dtype
+  in one call of the engine (the rows of a 2-d tensor): per-call costs paid per size, not per
+  tensor.
+* **Histogram samples.** Each tensor leaves at most ``sample`` evenly strided values (all of
+  them when it has no more) in one row of a reused staging buffer, padded with NaN, with the
+  number of elements each value stands for: one strided copy per tensor. The stride is the
+  smallest prime at least ``numel / sample``, which shares no factor with the periods of
+  typical layouts (channels, rows, batch items), so the sample visits every channel and
+  position alike.
+
+:meth:`Collector.states` merges the rows of each stream into ``(m, WIDTH)`` states;
+:meth:`Collector.counts` buckets every sample row against its stream's edges at once
+(:func:`~._histogram.row_counts`). Nothing synchronises with the host on any device (small
+bookkeeping tensors go to the device with a non-blocking copy from pinned memory).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from ._engine import flat_view, row_counts, rows_states, tensor_state
+from ._histogram import stream_counts
+from ._state import COUNT, F64, MAX, MIN, NUMEL, ZEROS, empty_states, merge
+
+__all__ = ["SMALL", "Collector", "sample_stride"]
+
+# Tensors of at most this many elements are copied and reduced at the batch's end, grouped.
+SMALL = 2**16
+# Floating dtypes whose samples are staged in float32 (exactly); others go to float64.
+_STAGED_32 = (torch.float32, torch.float16, torch.bfloat16)
+
+_PRIMES: dict[int, int] = {}
+
+
+def sample_stride(numel: int, size: int) -> int:
+    """The stride of the sample of a tensor of ``numel`` elements: 1 if it has at most ``size``,
+    else the smallest prime at least ``numel / size`` (cached: a training loop asks for few)."""
+    k = -(-numel // size)
+    if k <= 1:
+        return 1
+    found = _PRIMES.get(k)
+    if found is None:
+        p = k
+        while any(p % d == 0 for d in range(2, math.isqrt(p) + 1)):
+            p += 1
+        if len(_PRIMES) > 4096:
+            _PRIMES.clear()
+        found = _PRIMES[k] = p
+    return found
+
+
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list as a tensor on ``device``: on CUDA through pinned memory and a
+    non-blocking copy (a plain copy from the host would synchronise)."""
+    if device.type == "cuda":
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return host.to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+class _Stage:
+    """A reused ``(rows, sample)`` buffer of histogram samples (NaN where a row is shorter, and
+    in free rows), and the weight and stream of each row (``-1``: free)."""
+
+    def __init__(self, dtype: torch.dtype, sample: int) -> None:
+        self.dtype, self.sample = dtype, sample
+        self.buffer: Tensor | None = None
+        self.weights: list[float] = []
+        self.streams: list[int] = []
+        self.free: list[int] = []
+        self.width = 0  # the longest row used: the columns beyond hold NaN only
+
+    def take(self, device: torch.device) -> int:
+        """The index of a free (NaN-filled) row, growing the buffer when it is full."""
+        if self.free:
+            return self.free.pop()
+        used = len(self.streams)
+        buffer = self.buffer
+        if buffer is None or buffer.device != device or used >= buffer.shape[0]:
+            with torch.inference_mode(False):  # reused by training after an evaluation
+                grown = torch.full(
+                    (max(8, 2 * used), self.sample), math.nan, dtype=self.dtype, device=device
+                )
+            if buffer is not None and buffer.device == device and used:
+                grown[:used].copy_(buffer[:used])
+            self.buffer = grown
+        self.weights.append(0.0)
+        self.streams.append(-1)
+        return used
+
+    def release(self, row: int) -> None:
+        """Make ``row`` free again."""
+        cast(Tensor, self.buffer)[row].fill_(math.nan)
+        self.weights[row], self.streams[row] = 0.0, -1
+        self.free.append(row)
+
+    def clear(self) -> None:
+        if self.buffer is not None and self.streams:
+            self.buffer[: len(self.streams), : self.width].fill_(math.nan)
+        self.weights, self.streams, self.free = [], [], []
+        self.width = 0
+
+
+# A stream keeps at most this many sample rows in a batch: a module called more often (an RNN
+# cell) has every second row dropped and the others weighted for the dropped ones' elements.
+_MAX_ROWS = 4
+# Copies of small tensors held before they are reduced (elements), and state rows held before
+# they are merged stream by stream: a batch's memory stays bounded however many calls it has.
+_SMALL_HELD = 2**19
+_STATE_ROWS = 64
+
+
+class Collector:
+    """The states and histogram samples of ``streams`` streams in one batch, on ``device``.
+
+    Memory stays bounded however many times a stream is called in a batch: copies of small
+    tensors are reduced once they exceed :data:`_SMALL_HELD` elements, state rows merged once
+    there are :data:`_STATE_ROWS`, and a stream keeps at most :data:`_MAX_ROWS` sample rows.
+
+    Args:
+        streams: the number of streams (``add`` takes their index).
+        sample: the most values of one tensor kept for its stream's histogram.
+        device: where the batch's results are gathered (the model's device).
+    """
+
+    def __init__(self, streams: int, sample: int, device: torch.device) -> None:
+        self.m, self.sample, self.device = streams, sample, device
+        self._stages: dict[torch.dtype, _Stage] = {}
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget this batch's data (the staging buffers are kept for the next one)."""
+        self._rows: list[Tensor] = []  # blocks of state rows, (k, WIDTH) each
+        self._owners: list[int] = []  # the stream of each state row, block after block
+        self._small: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
+        self._of_small: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+        self._small_held = 0
+        self._samples: dict[int, list[tuple[_Stage, int]]] = {}
+        for stage in self._stages.values():
+            stage.clear()
+
+    @property
+    def empty(self) -> bool:
+        return not (self._rows or self._small)
+
+    def nbytes(self) -> int:
+        """Bytes of this batch's data held (copies, state rows, used sample rows)."""
+        held = sum(t.numel() * t.element_size() for ts in self._small.values() for t in ts)
+        held += sum(t.numel() * t.element_size() for t in self._rows)
+        for stage in self._stages.values():
+            used = sum(1 for owner in stage.streams if owner >= 0)
+            held += used * stage.sample * stage.dtype.itemsize
+        return held
+
+    def add(self, stream: int, x: Tensor, sample: bool = True) -> None:
+        """Add one tensor (any shape, real dtype) to ``stream``: its state, and a sample of it
+        for the histogram if ``sample``."""
+        x = x.detach()
+        n = x.numel()
+        if n == 0:
+            return
+        if x.layout != torch.strided:  # sparse: the stored values, and the implicit zeros
+            values = x.coalesce().values() if x.layout == torch.sparse_coo else x.values()
+            self.add(stream, values, sample)
+            self._add_zeros(stream, n - values.numel(), sample)
+            return
+        if n <= SMALL:
+            key = (n, x.dtype, x.device)
+            self._small.setdefault(key, []).append(x.reshape(-1).clone())
+            self._of_small.setdefault(key, []).append(stream)
+            self._small_held += n
+            if self._small_held > _SMALL_HELD:
+                self._reduce_small()
+        else:
+            self._add_rows(tensor_state(x).unsqueeze(0), [stream])
+        if sample:
+            self._sample(stream, x, n)
+
+    def _add_rows(self, rows: Tensor, owners: list[int]) -> None:
+        self._rows.append(rows.to(self.device))
+        self._owners.extend(owners)
+        if len(self._owners) > _STATE_ROWS:  # merged stream by stream: m rows
+            merged = self._merged()
+            self._rows, self._owners = [merged], list(range(self.m))
+
+    def _reduce_small(self) -> None:
+        """The states of the held copies, each group of one size and dtype in one call."""
+        small, owners = self._small, self._of_small
+        self._small, self._of_small, self._small_held = {}, {}, 0
+        for key, tensors in small.items():
+            stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+            self._add_rows(rows_states(stacked), owners[key])
+
+    def _add_zeros(self, stream: int, zeros: int, sample: bool) -> None:
+        """Add ``zeros`` elements equal to 0 (the implicit elements of a sparse tensor)."""
+        if zeros <= 0:
+            return
+        state = empty_states(1, device=self.device)
+        state[0, [COUNT, ZEROS, NUMEL]] = float(zeros)
+        state[0, [MIN, MAX]] = 0.0
+        self._add_rows(state, [stream])
+        if sample:
+            self._sample(stream, torch.zeros(1, device=self.device), 1, weight=float(zeros))
+
+    def _sample(self, stream: int, x: Tensor, n: int, weight: float | None = None) -> None:
+        dtype = torch.float32 if x.dtype in _STAGED_32 else F64
+        stage = self._stages.get(dtype)
+        if stage is None:
+            stage = self._stages[dtype] = _Stage(dtype, self.sample)
+        rows = self._samples.setdefault(stream, [])
+        if len(rows) >= _MAX_ROWS:
+            self._thin(rows)
+        stride = sample_stride(n, self.sample)
+        length = -(-n // stride)
+        index = stage.take(self.device)
+        row = cast(Tensor, stage.buffer)[index, :length]
+        flat = flat_view(x)
+        if flat is not None:
+            row.copy_(flat[::stride])
+        else:  # not one block of memory: the sampled elements, in logical order
+            row.copy_(torch.take(x, torch.arange(0, n, stride, device=x.device)))
+        stage.weights[index] = n / length if weight is None else weight
+        stage.streams[index] = stream
+        stage.width = max(stage.width, length)
+        rows.append((stage, index))
+
+    @staticmethod
+    def _thin(rows: list[tuple[_Stage, int]]) -> None:
+        """Drop every second row of a stream; the others carry the dropped rows' weight."""
+        total = sum(stage.weights[i] for stage, i in rows)
+        kept, dropped = rows[0::2], rows[1::2]
+        for stage, i in dropped:
+            stage.release(i)
+        left = sum(stage.weights[i] for stage, i in kept)
+        for stage, i in kept:
+            stage.weights[i] *= total / left
+        rows[:] = kept
+
+    def _merged(self) -> Tensor:
+        """The rows held merged stream by stream into ``(m, WIDTH)`` (empty for no data)."""
+        owners = self._owners
+        if not owners:
+            return empty_states(self.m, device=self.device)
+        table = torch.cat([*self._rows, empty_states(1, device=self.device)])
+        if len(owners) == self.m and sorted(owners) == list(range(self.m)):
+            order = sorted(range(self.m), key=owners.__getitem__)  # one row per stream
+            return table[to_device(order, torch.int64, self.device)]
+        slots: list[list[int]] = [[] for _ in range(self.m)]
+        for row, owner in enumerate(owners):
+            slots[owner].append(row)
+        width = max(len(s) for s in slots)
+        pad = len(owners)  # the empty row
+        index = [s + [pad] * (width - len(s)) for s in slots]
+        return merge(table[to_device(index, torch.int64, self.device)], 1)
+
+    def states(self) -> Tensor:
+        """The ``(m, WIDTH)`` packed states of this batch (the empty state for a stream that got
+        nothing), on the collector's device."""
+        self._reduce_small()
+        return self._merged()
+
+    def counts(self, limits: Tensor, states: Tensor) -> Tensor:
+        """The ``float64`` histogram counts ``(m, bins)`` of this batch's samples against each
+        stream's edges ``limits`` ``(m, bins + 1)``, scaled to the count of finite values of
+        the stream's packed state in ``states`` ``(m, WIDTH)`` (this batch's, this rank's)."""
+        bins = limits.shape[1] - 1
+        found = torch.zeros(self.m, bins, dtype=F64, device=self.device)
+        for stage in self._stages.values():
+            used = len(stage.streams)
+            if stage.buffer is None or not any(owner >= 0 for owner in stage.streams):
+                continue
+            owners = [max(owner, 0) for owner in stage.streams]  # free rows weigh 0
+            index = to_device(owners, torch.int64, self.device)
+            weights = to_device(stage.weights, F64, self.device)
+            counted = row_counts(stage.buffer[:used, : stage.width], limits[index])
+            found = found + stream_counts(counted, weights, index, states, scale=False)
+        total = found.sum(1, keepdim=True)
+        scale = states[:, COUNT].unsqueeze(1) / total.clamp(min=1e-300)
+        return torch.where(total > 0, found * scale, found)

@@ -1,0 +1,369 @@
+"""The statistics engine: the package's kernels, compiled where they can be, eager elsewhere.
+
+Two kernels, plain torch functions written once: :func:`~._state.rows_state` (the packed states
+of the rows of a 2-d tensor) and :func:`~._histogram.bucket_index` (the histogram bucket of
+every value of the rows of a 2-d tensor).
+
+**Compiled.** ``torch.compile(kernel, dynamic=True)`` fuses a kernel into one read of its data
+(inductor on the CPU, Triton on CUDA) with no ``float64`` copy of it. Inputs are 2-d (a
+flattened output is one row), so the sizes stay symbolic and one graph serves every size; each
+variant (kernel, device type, dtype, one row or several, inference mode, masking) gets a graph
+of its own (:func:`_own_copy`), compiled once per process (and cached on disk by torch). A
+compile is slow (seconds), so it never runs inside a training step: :func:`warm_up` compiles in
+a background thread (or waits, if asked), and until a graph is ready the same function runs
+eagerly; a variant nobody warmed up runs eagerly too. A compile that fails is reported once, as
+a :class:`UserWarning` saying why and what it costs, and everything stays eager.
+``LIGHTNING_RECORDER_COMPILE=0`` turns compiling off.
+
+**Eager.** The same functions, op by op, on pieces of at most :data:`CHUNK` elements (states
+are merged): the transient memory stays a few chunks, whatever the size of the tensor.
+
+**Two variants of the state.** *Masked* states count NaN and infinities apart and leave them
+out of the other statistics; *unmasked* states assume finite data and skip the masking
+(cheaper where arithmetic, not memory, bounds the pass: the CPU). On the CPU a tensor takes the
+unmasked variant and, when its sums show a NaN or an infinity (they propagate through a sum),
+the masked one; elsewhere it takes the masked one directly, since reading the result would
+synchronise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import types
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._histogram import bucket_index, tally
+from ._state import ABS_SUM, F64, M2, MAX, MIN, empty_states, merge, rows_state
+
+__all__ = [
+    "CHUNK",
+    "compile_enabled",
+    "compile_status",
+    "eager_only",
+    "flat_view",
+    "reset_compiled",
+    "row_counts",
+    "rows_states",
+    "tensor_state",
+    "warm_up",
+]
+
+# Eager passes take tensors in pieces of at most this many elements (bounded transient memory).
+CHUNK = 2**18
+# Dtypes the compiled graphs are built for; others (integers, bool) are converted first.
+COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+_ENV = "LIGHTNING_RECORDER_COMPILE"
+
+
+def compile_enabled() -> bool:
+    """Whether the engine may compile (``LIGHTNING_RECORDER_COMPILE`` is not ``0``/``off``)."""
+    flag = os.environ.get(_ENV, "1").strip().lower()
+    return flag not in ("0", "off", "false", "no")
+
+
+# kernel name, device type, dtype, several rows, inference mode, masked
+Key = tuple[str, str, torch.dtype, bool, bool, bool]
+
+_KERNELS: dict[str, Callable[..., Tensor]] = {"state": rows_state, "buckets": bucket_index}
+
+
+def _own_copy(fn: Any, key: Key) -> Any:
+    """``fn`` with a code object of its own: torch compiles and caches graphs per code object
+    (and limits how many one may have), so each variant gets its own."""
+    name = "_".join([fn.__name__, *(str(part).replace(".", "_") for part in key[1:])])
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _example(key: Key) -> tuple[Any, ...]:
+    """Arguments of the shape a variant is called with (its graph is compiled for them)."""
+    kernel, device, dtype, several, _, masked = key
+    rows = 2 if several else 1
+    x = torch.zeros(rows, 4096, dtype=dtype, device=device)
+    if kernel == "state":
+        return (x, not masked)
+    bounds = torch.zeros(rows, dtype=F64, device=device)
+    limits = torch.linspace(0, 1, 31, dtype=F64, device=device).repeat(rows, 1)
+    return (x, bounds, bounds + 1, limits)
+
+
+class _Compiler:
+    """The compiled graphs of the kernels, one per variant, and their readiness."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fns: dict[Key, Any] = {}
+        self._ready: set[Key] = set()
+        self._pending: set[Key] = set()
+        self._failed: str | None = None
+        self._threads: list[threading.Thread] = []
+
+    def function(self, key: Key) -> Any:
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = torch.compile(_own_copy(_KERNELS[key[0]], key), dynamic=True)
+        return fn
+
+    def ready(self, key: Key | None) -> bool:
+        return key is not None and key in self._ready and not getattr(_LOCAL, "eager", False)
+
+    def status(self) -> str:
+        if not compile_enabled():
+            return f"off ({_ENV}=0)"
+        if self._failed is not None:
+            return f"failed: {self._failed}"
+        if not self._ready and not self._pending:
+            return "not compiled yet"
+        done = ", ".join(sorted(_describe(k) for k in self._ready)) or "none"
+        return f"compiled for {done}" + (" (more compiling)" if self._pending else "")
+
+    def warm(self, keys: Iterable[Key], wait: bool) -> None:
+        if not compile_enabled() or self._failed is not None:
+            return
+        with self._lock:
+            todo = [k for k in dict.fromkeys(keys) if k not in self._ready | self._pending]
+            self._pending.update(todo)
+        if todo:
+            thread = threading.Thread(
+                target=self._compile, args=(todo,), name="lightning_recorder-compile"
+            )
+            self._threads.append(thread)
+            thread.start()
+        if wait:
+            for thread in list(self._threads):
+                thread.join()
+
+    def _compile(self, keys: Sequence[Key]) -> None:
+        for key in keys:
+            try:
+                with torch.inference_mode(key[4]):
+                    example = _example(key)
+                    with _plain(example[0]):
+                        self.function(key)(*example)
+            except Exception as err:  # any failure of the compiler: stay eager, say so once
+                self.fail(err)
+                return
+            finally:
+                with self._lock:
+                    self._pending.discard(key)
+            with self._lock:
+                self._ready.add(key)
+
+    def fail(self, err: BaseException) -> None:
+        with self._lock:
+            if self._failed is not None:
+                return
+            self._failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+            self._ready.clear()
+        warnings.warn(
+            "lightning_recorder computes feature statistics eagerly: torch.compile failed "
+            f"({self._failed}). The values are the same; a logged step costs more (several "
+            "passes over each monitored output instead of one). Set "
+            f"{_ENV}=0 to skip compiling and this warning.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def reset(self) -> None:
+        for thread in list(self._threads):
+            thread.join()
+        with self._lock:
+            self._ready.clear()
+            self._pending.clear()
+            self._failed = None
+            self._threads = []
+
+
+_COMPILER = _Compiler()
+_LOCAL = threading.local()  # ``eager``: this thread runs every kernel eagerly (eager_only)
+
+
+@contextlib.contextmanager
+def eager_only() -> Iterator[None]:
+    """Run every kernel of this thread eagerly, compiled graphs or not (to compare the two)."""
+    before = getattr(_LOCAL, "eager", False)
+    _LOCAL.eager = True
+    try:
+        yield
+    finally:
+        _LOCAL.eager = before
+
+
+def _describe(key: Key) -> str:
+    kernel, device, dtype, several, inference, masked = key
+    name = str(dtype).removeprefix("torch.")
+    extra = (" masked" * masked) + (" rows" * several) + (" inference" * inference)
+    return f"{kernel} {device} {name}{extra}"
+
+
+def _masked_by_default(device: torch.device) -> bool:
+    """Whether tensors on ``device`` take the masked state directly (no host read)."""
+    return device.type != "cpu"
+
+
+def warm_up(
+    device: torch.device | str, dtypes: Iterable[torch.dtype], *, wait: bool = False
+) -> None:
+    """Compile the graphs that statistics and histograms of ``dtypes`` on ``device`` use, in a
+    background thread (``wait``: and wait for it). Until then, and if compiling fails (one
+    warning), the same kernels run eagerly. Does nothing when compiling is off."""
+    device = torch.device(device)
+    masked = _masked_by_default(device)
+    chosen = [d for d in dtypes if d in COMPILED_DTYPES]
+    staged = {F64 if d == F64 else torch.float32 for d in chosen}  # the samples' dtypes
+    keys: list[Key] = []
+    for inference in (False, True):  # tensors made under inference mode (evaluation)
+        for several in (False, True):
+            keys += [("state", device.type, d, several, inference, masked) for d in chosen]
+    keys += [("buckets", device.type, d, True, False, False) for d in sorted(staged, key=str)]
+    _COMPILER.warm(keys, wait)
+
+
+def compile_status() -> str:
+    """How the statistics run in this process: compiled, eager, and why.
+
+    Returns:
+        ``"off (LIGHTNING_RECORDER_COMPILE=0)"``, ``"failed: <the compiler's error>"``, ``"not
+        compiled yet"``, or ``"compiled for <kernel device dtype ...>, ..."`` (with ``" (more
+        compiling)"`` while a background compile runs).
+
+    Examples:
+        >>> from lightning_recorder.stats import compile_status
+        >>> compile_status().startswith(("off", "failed", "not compiled", "compiled"))
+        True
+    """
+    return _COMPILER.status()
+
+
+def reset_compiled() -> None:
+    """Forget which graphs are ready and any failure (tests)."""
+    _COMPILER.reset()
+
+
+def flat_view(x: Tensor) -> Tensor | None:
+    """The elements of ``x`` as a flat view of its memory, in memory order, or ``None`` when
+    they are not one dense block (a slice with gaps). Statistics do not depend on the order:
+    a channels-last or transposed tensor is read as it lies."""
+    x = x.detach()
+    if x.is_contiguous():
+        return x.reshape(-1)
+    sizes_strides = sorted((s, n) for n, s in zip(x.shape, x.stride(), strict=True) if n != 1)
+    expected = 1
+    for stride, size in sizes_strides:
+        if stride != expected:
+            return None
+        expected *= size
+    return torch.as_strided(x, (x.numel(),), (1,), x.storage_offset())
+
+
+def _plain(x: Tensor) -> contextlib.ExitStack:
+    """No autograd and no autocast around a kernel: the same global state in every thread (the
+    graphs are compiled in one and run in another), and no graph recorded."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    if x.device.type in ("cpu", "cuda"):
+        stack.enter_context(torch.autocast(x.device.type, enabled=False))
+    return stack
+
+
+def _key(kernel: str, x: Tensor, several: bool, masked: bool) -> Key | None:
+    """The variant that runs ``x``: under inference mode (evaluation) the tensors are inference
+    tensors too, and that pair has graphs of its own; a mixed pair has none (eager)."""
+    inference = torch.is_inference_mode_enabled()
+    if inference != x.is_inference():
+        return None
+    return (kernel, x.device.type, x.dtype, several, inference, masked)
+
+
+def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
+    """A kernel on the 2-d tensor ``x`` (and ``args``): compiled when the graph of its variant
+    is ready, else eagerly, a few rows at a time when ``x`` is large."""
+    key = _key(kernel, x, x.shape[0] > 1, masked)
+    fn = _KERNELS[kernel]
+    with _plain(x):
+        if _COMPILER.ready(key):
+            try:
+                return _COMPILER.function(key)(x, *args)  # type: ignore[arg-type]
+            except Exception as err:  # a failure at run time: report it once, stay eager
+                _COMPILER.fail(err)
+        if x.numel() <= CHUNK or x.shape[0] == 1:
+            return fn(x, *args)
+        step = max(1, CHUNK // x.shape[1])
+        pieces = [
+            fn(x[i : i + step], *(a[i : i + step] if isinstance(a, Tensor) else a for a in args))
+            for i in range(0, x.shape[0], step)
+        ]
+        return torch.cat(pieces)
+
+
+def _suspicious(states: Tensor) -> Tensor:
+    """Rows whose unmasked sums show a NaN or an infinity (they propagate through sums)."""
+    return ~torch.isfinite(states[:, [M2, ABS_SUM, MIN, MAX]]).all(1)
+
+
+def rows_states(x: Tensor) -> Tensor:
+    """The packed states ``(R, WIDTH)`` of the rows of a 2-d tensor (any real dtype)."""
+    x = x.detach()
+    if x.dtype not in COMPILED_DTYPES:
+        x = x.to(F64)
+    if x.numel() == 0:
+        return empty_states(x.shape[0], device=x.device)
+    if _masked_by_default(x.device):
+        return _run("state", x, False, masked=True)
+    states = _run("state", x, True)
+    bad = _suspicious(states)
+    if bool(bad.any()):  # on the CPU: reading is free
+        states[bad] = _run("state", x[bad], False, masked=True)
+    return states
+
+
+def tensor_state(x: Tensor) -> Tensor:
+    """The packed state ``(WIDTH,)`` of all elements of ``x`` (any shape and real dtype).
+
+    Compiled: one pass over the whole tensor. Eager (and for memory that is not one dense
+    block): pieces of at most :data:`CHUNK` elements, merged.
+    """
+    x = x.detach()
+    n = x.numel()
+    if n == 0:
+        return empty_states(device=x.device)
+    flat = flat_view(x)
+    if flat is not None and x.dtype in COMPILED_DTYPES:
+        key = _key("state", x, False, _masked_by_default(x.device))
+        if n <= CHUNK or _COMPILER.ready(key):
+            return rows_states(flat.view(1, n))[0]
+    return merge(torch.cat([rows_states(chunk.view(1, -1)) for chunk in _chunks(x, flat)]))
+
+
+def row_counts(values: Tensor, limits: Tensor) -> Tensor:
+    """Integer bucket counts ``(R, bins)`` of the finite values of each row of ``values`` ``(R,
+    S)`` (float32 or float64; pad rows with NaN) against the edges of its row in ``limits``
+    ``(R, bins + 1)``, ``float64``, with :func:`torch.histogram`'s rule
+    (:func:`~._histogram.bucket_index`, then :func:`~._histogram.tally`). Values outside a row's
+    range are not counted."""
+    lo, hi = limits[:, 0].contiguous(), limits[:, -1].contiguous()
+    index = _run("buckets", values, lo, hi, limits.contiguous())
+    return tally(index, limits.shape[1] - 1)
+
+
+def _chunks(x: Tensor, flat: Tensor | None) -> Iterable[Tensor]:
+    """The elements of ``x`` in flat pieces of at most :data:`CHUNK` (views where its memory is
+    one block, else copies of at most that size)."""
+    if flat is not None:
+        yield from flat.split(CHUNK)
+    elif x.numel() <= CHUNK:
+        yield x.reshape(-1)
+    elif x[0].numel() > CHUNK:
+        for part in x.unbind(0):
+            yield from _chunks(part, flat_view(part))
+    else:
+        for part in x.split(CHUNK // x[0].numel()):
+            yield part.reshape(-1)

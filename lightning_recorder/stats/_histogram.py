@@ -1,0 +1,117 @@
+"""The one histogram: ranges from packed states, then integer bucket counts of many rows at once.
+
+**Ranges.** A stream's histogram spans ``[min, max]`` of its finite values (its packed state,
+merged over every rank first), with the rule of :func:`torch.histogram`: ``[v - 0.5, v + 0.5]``
+around a single value, ``[0, 1]`` without data; the ``bins + 1`` edges are those of
+``torch.linspace`` with both ends exact (:func:`edges`).
+
+**Buckets.** :func:`bucket_index` finds the bucket of every value of ``R`` rows (padded with
+NaN, which is never counted, like every non-finite value) against each row's edges with
+``torch.histogram``'s rule — bucket ``i`` holds ``edges[i] <= v < edges[i + 1]``, the last
+bucket closed — in one pass (a kernel of the engine, compiled where it can be), and
+:func:`tally` counts them with one integer ``index_add_`` for every row: no per-row Python, no
+floating-point atomics, the same counts on every device and under
+``torch.use_deterministic_algorithms(True)``.
+
+**Streams from rows.** A stream may have several rows (a module called twice, or samples of
+different sizes), each standing for ``weight`` elements per value: :func:`stream_counts` adds
+the weighted rows of each stream with one matrix product and scales the result to the stream's
+count of finite values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._state import COUNT, F64, M2, MAX, MEAN, MIN
+
+__all__ = ["bucket_index", "edges", "ranges", "stream_counts", "summaries", "tally"]
+
+
+def ranges(states: Tensor) -> tuple[Tensor, Tensor]:
+    """The ranges ``lo``, ``hi`` (``float64``, shaped like ``states[..., 0]``) of the histograms
+    of packed states, with the rule of :func:`torch.histogram`."""
+    low, high = states[..., MIN], states[..., MAX]
+    seen = high >= low
+    lo = torch.where(seen, low, 0.0)
+    hi = torch.where(seen, high, 1.0)
+    flat = lo == hi
+    return torch.where(flat, lo - 0.5, lo), torch.where(flat, hi + 0.5, hi)
+
+
+def edges(lo: Tensor, hi: Tensor, bins: int) -> Tensor:
+    """``torch.linspace(lo, hi, bins + 1)`` for tensors of end points (no host read), ``(...,
+    bins + 1)``; both ends are exact: the first half counts up from ``lo``, the second down
+    from ``hi``."""
+    steps = bins + 1
+    i = torch.arange(steps, dtype=F64, device=lo.device)
+    lo, hi = lo.unsqueeze(-1), hi.unsqueeze(-1)
+    step = (hi - lo) / bins
+    return torch.where(i < steps // 2, lo + step * i, hi - step * (steps - 1 - i))
+
+
+def bucket_index(values: Tensor, lo: Tensor, hi: Tensor, limits: Tensor) -> Tensor:
+    """The bucket of each value of the rows of ``values`` ``(R, S)`` (float32 or float64) over its
+    row's range ``[lo, hi]`` (``(R,)``) and edges ``limits`` (``(R, bins + 1)``), with
+    :func:`torch.histogram`'s rule; ``bins`` for a value that is not counted (non-finite, or
+    outside its row's range). An ``int64`` tensor of ``values``' shape. A kernel of the engine.
+
+    The bucket is found arithmetically, ``floor((v - lo) * bins / (hi - lo))`` in ``float64``,
+    then settled against the very edges: one step down where ``v < edges[k]``, one up where
+    ``v >= edges[k + 1]``. The arithmetic is within a bucket of the truth whenever the edges
+    are more than a few ``float64`` ulps of the range's magnitude apart, which holds for any
+    data exact in float32 (its range spans at least one float32 ulp) and for float64 data
+    whose range spans more than about ``bins * 2**-48`` of its magnitude; there the counts
+    are exactly those of ``torch.histogram``.
+    """
+    bins = limits.shape[-1] - 1
+    v = values.to(F64)
+    finite = torch.isfinite(v)
+    start = lo.unsqueeze(1)
+    v = torch.where(finite, v, start)
+    position = (v - start) * (bins / (hi - lo)).unsqueeze(1)
+    k = position.floor().clamp(0, bins - 1).to(torch.int64)
+    k = k - (v < limits.gather(1, k)).to(torch.int64)
+    k = k + ((v >= limits.gather(1, (k + 1).clamp(max=bins))) & (k < bins - 1)).to(torch.int64)
+    inside = finite & (v >= limits[:, :1]) & (v <= limits[:, -1:])
+    return torch.where(inside, k.clamp(0, bins - 1), bins)
+
+
+def tally(index: Tensor, bins: int) -> Tensor:
+    """Integer counts ``(R, bins)`` of the bucket indices ``(R, S)`` of :func:`bucket_index`
+    (index ``bins``: not counted), with one ``index_add_`` for every row: integer additions,
+    so the same counts in any order, on any device, deterministic or not."""
+    rows = index.shape[0]
+    key = (index + torch.arange(rows, device=index.device).unsqueeze(1) * (bins + 1)).reshape(-1)
+    flat = torch.zeros(rows * (bins + 1), dtype=torch.int64, device=index.device)
+    flat.index_add_(0, key, key.new_ones(()).expand_as(key))
+    return flat.view(rows, bins + 1)[:, :bins]
+
+
+def stream_counts(
+    counts: Tensor, weights: Tensor, stream_of_row: Tensor, states: Tensor, scale: bool = True
+) -> Tensor:
+    """The ``float64`` counts ``(m, bins)`` of ``m`` streams from the integer counts of their
+    rows ``(R, bins)``: each row weighted (``weights`` ``(R,)``, the elements each counted value
+    stands for), the rows of a stream added (``stream_of_row`` ``(R,)``, one matrix product),
+    and, if ``scale``, each stream scaled to add up to its count of finite values (``states``
+    ``(m, WIDTH)``)."""
+    m = states.shape[0]
+    member = stream_of_row.unsqueeze(0) == torch.arange(m, device=counts.device).unsqueeze(1)
+    found = (member.to(F64) * weights.to(F64).unsqueeze(0)) @ counts.to(F64)
+    if not scale:
+        return found
+    total = found.sum(1, keepdim=True)
+    factor = states[:, COUNT].unsqueeze(1) / total.clamp(min=1e-300)
+    return torch.where(total > 0, found * factor, found)
+
+
+def summaries(states: Tensor) -> Tensor:
+    """``(m, 5)`` ``[num, sum, sum of squares, min, max]`` of the finite values of packed states
+    ``(m, WIDTH)``: the summary of a TensorBoard histogram."""
+    count, mean = states[:, COUNT], states[:, MEAN]
+    return torch.stack(
+        [count, count * mean, states[:, M2] + count * mean * mean, states[:, MIN], states[:, MAX]],
+        1,
+    )

@@ -1,0 +1,392 @@
+"""The statistics engine: one definition of the state, run eagerly and compiled, against float64.
+
+Every path is held to the documented tolerance against a ``float64`` reference computed by torch
+on the same values: counts, min and max exactly, mean/std/abs_mean within ``1e-9`` (relative).
+Compiled and eager runs of the same function are compared within ``1e-12`` (they add the same
+terms in another order).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_recorder.stats import _engine as engine
+from lightning_recorder.stats._collect import Collector, sample_stride
+from lightning_recorder.stats._engine import row_counts
+from lightning_recorder.stats._histogram import edges, ranges
+from lightning_recorder.stats._state import (
+    COUNT,
+    F64,
+    MAX,
+    MIN,
+    NAN,
+    NEGINF,
+    NUMEL,
+    POSINF,
+    ZEROS,
+    finalize,
+    merge,
+    rows_state,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXACT = (COUNT, MIN, MAX, ZEROS, NAN, POSINF, NEGINF, NUMEL)
+
+
+def reference(x: torch.Tensor) -> dict[str, float]:
+    v = x.detach().reshape(-1).to(F64)
+    finite = v[torch.isfinite(v)]
+    seen = finite.numel() > 0
+    return {
+        "mean": finite.mean().item() if seen else math.nan,
+        "std": finite.std().item() if finite.numel() > 1 else math.nan,
+        "min": finite.min().item() if seen else math.nan,
+        "max": finite.max().item() if seen else math.nan,
+        "abs_mean": finite.abs().mean().item() if seen else math.nan,
+        "zero_fraction": (v == 0).double().mean().item() if v.numel() else math.nan,
+        "nonfinite": float((~torch.isfinite(v)).sum()),
+        "numel": float(v.numel()),
+    }
+
+
+def assert_matches(state: torch.Tensor, x: torch.Tensor) -> None:
+    got = {k: t.item() for k, t in finalize(state, 1).items()}
+    want = reference(x)
+    for name in ("min", "max", "zero_fraction", "nonfinite", "numel"):
+        assert got[name] == want[name] or (math.isnan(got[name]) and math.isnan(want[name])), name
+    scale = want["abs_mean"] if math.isfinite(want["abs_mean"]) else 0.0
+    for name in ("mean", "std", "abs_mean"):
+        if math.isnan(want[name]):
+            assert math.isnan(got[name]), name
+        else:
+            assert got[name] == pytest.approx(want[name], rel=1e-9, abs=1e-12 * scale), name
+
+
+def assert_close_states(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-12) -> None:
+    """Two packed states of the same data by two paths: counts and extremes exact, sums close."""
+    assert torch.equal(a[..., list(EXACT)], b[..., list(EXACT)])
+    torch.testing.assert_close(a, b, rtol=rel, atol=rel * float(b.abs().max().clamp(min=1)))
+
+
+def data(kind: str, dtype: torch.dtype = torch.float32, n: int = 5000) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(kind) % 2**31)
+    base = torch.randn(n, generator=g, dtype=F64)
+    if kind == "gaussian":
+        x = base
+    elif kind == "far":  # mean far from zero relative to the spread: cancellation
+        x = 1e6 + base
+    elif kind == "relu":
+        x = base.clamp(min=0)
+    elif kind == "negative":
+        x = -base.abs() - 1
+    elif kind == "specials":
+        x = base.clone()
+        x[::97], x[1::211], x[2::307], x[3::401] = 0.0, math.nan, math.inf, -math.inf
+    elif kind == "allnan":
+        x = torch.full((n,), math.nan, dtype=F64)
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+KINDS = ["gaussian", "far", "relu", "negative", "specials", "allnan"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_eager_state_matches_float64(kind: str, dtype: torch.dtype) -> None:
+    x = data(kind, dtype)
+    if kind == "far" and dtype in (torch.bfloat16, torch.float16):
+        x = data("gaussian", dtype) * 3 + 50  # 1e6 is beyond float16, coarse in bfloat16
+    assert_matches(engine.tensor_state(x), x)
+    assert_matches(rows_state(x.view(1, -1))[0], x)
+
+
+def test_unmasked_variant_equals_masked_on_finite_data() -> None:
+    x = torch.stack([data(k) for k in ("gaussian", "far", "relu", "negative")])
+    assert_close_states(rows_state(x, finite=True), rows_state(x))
+
+
+def test_cpu_takes_the_masked_variant_where_sums_show_a_nan_or_inf() -> None:
+    rows = torch.stack([data("gaussian"), data("specials"), data("relu"), data("allnan")])
+    states = engine.rows_states(rows)
+    for state, x in zip(states, rows, strict=True):
+        assert_matches(state, x)
+    assert states[1, NAN] > 0 and states[1, POSINF] > 0 and states[1, NEGINF] > 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(-1e30, 1e30, allow_nan=False).map(
+                lambda v: float(torch.tensor(v, dtype=torch.float32))
+            ),
+            st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0]),
+        ),
+        min_size=1,
+        max_size=300,
+    )
+)
+def test_property_state_matches_float64(values: list[float]) -> None:
+    x = torch.tensor(values, dtype=torch.float32)
+    assert_matches(engine.tensor_state(x), x)
+
+
+def test_chunks_merge_to_the_state_of_one_pass() -> None:
+    x = data("specials", n=3 * engine.CHUNK + 17)
+    whole = rows_state(x.view(1, -1))[0]
+    chunked = engine.tensor_state(x)  # eager: chunks of CHUNK, merged
+    assert_close_states(chunked, whole)
+    assert_matches(chunked, x)
+
+
+def test_memory_layouts_are_read_as_they_lie() -> None:
+    x = torch.randn(8, 6, 5, 7)
+    channels_last = x.to(memory_format=torch.channels_last)
+    assert engine.flat_view(channels_last) is not None
+    assert engine.flat_view(x.transpose(1, 3)) is not None
+    assert engine.flat_view(x[:, :, ::2]) is None  # gaps: not one block
+    for view in (channels_last, x.transpose(1, 3), x[:, :, ::2], x[..., 3]):
+        assert_matches(engine.tensor_state(view), view)
+    big = torch.randn(3, engine.CHUNK // 2 + 5, 3)[:, :, 1]  # not dense, more than a chunk
+    assert_matches(engine.tensor_state(big), big)
+
+
+def test_merge_is_chans_formula_along_any_dimension() -> None:
+    parts = [data(k)[: 100 + 37 * i] for i, k in enumerate(KINDS[:4])]
+    states = torch.stack([engine.tensor_state(p) for p in parts])
+    assert_matches(merge(states, 0), torch.cat(parts))
+    grid = torch.stack([states, states.flip(0)], 1)  # (4, 2, WIDTH)
+    assert_close_states(merge(grid, 0)[0], merge(states, 0))
+    assert_close_states(merge(grid, 1)[1], merge(states[[1, 2]], 0))
+
+
+# --- histograms ------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-100, 100, allow_nan=False, width=32), min_size=1, max_size=200),
+    st.integers(1, 40),
+    st.booleans(),
+)
+def test_row_counts_are_torch_histogram_counts(values: list[float], bins: int, f64: bool) -> None:
+    x = torch.tensor(values, dtype=F64 if f64 else torch.float32)
+    state = engine.tensor_state(x)[None]
+    lo, hi = ranges(state)
+    limits = edges(lo, hi, bins)
+    counts = row_counts(x.view(1, -1), limits)[0]
+    expected = torch.histogram(x.to(F64), limits[0]).hist
+    assert torch.equal(counts.to(F64), expected)
+    # values exactly on the edges (float32 edges rounded up keep every comparison exact)
+    on_edges = limits[0].to(x.dtype)
+    assert torch.equal(
+        row_counts(on_edges.view(1, -1), limits)[0].to(F64),
+        torch.histogram(on_edges.to(F64), limits[0]).hist,
+    )
+
+
+def test_row_counts_skip_padding_and_non_finite_values_and_are_deterministic() -> None:
+    rows = torch.full((3, 50), math.nan)
+    rows[0, :10] = torch.linspace(0, 1, 10)
+    rows[1, :3] = torch.tensor([math.inf, 0.5, -math.inf])
+    rows[2, :] = 2.0
+    limits = torch.stack([edges(torch.tensor(0.0), torch.tensor(1.0), 4)] * 3).to(F64)
+    torch.use_deterministic_algorithms(True)
+    try:
+        counts = [row_counts(rows, limits) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert counts[0].dtype == torch.int64
+    assert counts[0].sum(1).tolist() == [10, 1, 0]  # row 2 lies outside its range
+    assert all(torch.equal(counts[0], c) for c in counts)
+
+
+def test_collector_states_and_counts() -> None:
+    c = Collector(4, 2**10, torch.device("cpu"))
+    big = data("specials", n=200_000)
+    small = [torch.randn(7, 9), torch.randn(7, 9) + 4, torch.randn(300)]
+    sparse = torch.zeros(50, 40)
+    sparse[3, 4], sparse[10, 1] = 2.0, -1.0
+    c.add(0, big)
+    c.add(1, small[0])
+    c.add(1, small[1])
+    c.add(2, small[2].view(3, 100).t())  # not contiguous
+    c.add(3, sparse.to_sparse())
+    states = c.states()
+    assert_matches(states[0], big)
+    assert_matches(states[1], torch.cat([s.reshape(-1) for s in small[:2]]))
+    assert_matches(states[2], small[2])
+    assert_matches(states[3], sparse)
+    lo, hi = ranges(states)
+    counts = c.counts(edges(lo, hi, 16), states)
+    torch.testing.assert_close(counts.sum(1), states[:, COUNT], rtol=1e-12, atol=0)
+    # wholly sampled tensors give exact counts
+    exact = torch.histogram(small[2].double(), edges(lo[2], hi[2], 16)).hist
+    torch.testing.assert_close(counts[2], exact, rtol=1e-12, atol=0)
+    c.clear()
+    assert c.empty and torch.equal(c.states()[:, COUNT], torch.zeros(4, dtype=F64))
+
+
+def test_collector_memory_is_bounded_by_many_calls() -> None:
+    c = Collector(1, 256, torch.device("cpu"))
+    held = []
+    for i in range(3000):
+        c.add(0, torch.full((16, 64), float(i)))
+        held.append(c.nbytes())
+    assert max(held) <= 4 * 2**19 + 4 * 256 * 4 + 80 * 11 * 8
+    assert max(held[2000:]) <= max(held[:1000]) + 80 * 11 * 8  # no growth with the calls
+    state = c.states()[0]
+    assert state[NUMEL].item() == 3000 * 16 * 64
+    assert state[MAX].item() == 2999.0
+    assert c.counts(edges(*ranges(state[None]), 8), state[None]).sum().item() == pytest.approx(
+        3000 * 16 * 64, rel=1e-12
+    )
+
+
+def test_sample_stride_is_prime_and_keeps_the_budget() -> None:
+    for n in (10, 16384, 16385, 100_000, 2**22 + 3):
+        stride = sample_stride(n, 16384)
+        assert -(-n // stride) <= 16384
+        assert stride == 1 or all(stride % d for d in range(2, math.isqrt(stride) + 1))
+
+
+# --- compiled --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def compiled_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The engine with compiling on, its float32 and float64 CPU graphs compiled."""
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "1")
+    engine.reset_compiled()
+    engine.warm_up("cpu", [torch.float32, torch.float64, torch.bfloat16], wait=True)
+    if engine.compile_status().startswith("failed"):
+        pytest.fail(f"torch.compile failed on this machine: {engine.compile_status()}")
+    yield
+    monkeypatch.undo()
+    engine.reset_compiled()
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager_and_never_recompiles(
+    compiled_engine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch._dynamo
+
+    assert "state cpu float32" in engine.compile_status()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    warnings.simplefilter("error")  # a compiled graph that fails would fall back with a warning
+    for kind in KINDS:
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            for n in (70_001, 300_000, 2**20 + 3):
+                x = data(kind, dtype, n)
+                if kind == "far" and dtype == torch.bfloat16:
+                    continue
+                compiled = engine.tensor_state(x)  # one row, compiled
+                assert_close_states(
+                    compiled,
+                    merge(torch.cat([rows_state(c.view(1, -1)) for c in x.split(engine.CHUNK)])),
+                    rel=1e-11,
+                )
+                assert_matches(compiled, x)
+        rows = torch.stack([data(kind, n=40_000)[:30_000] for _ in range(3)])
+        assert_close_states(engine.rows_states(rows), rows_state(rows), rel=1e-11)
+    with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # global state
+        x = data("gaussian", n=100_000).requires_grad_()
+        assert_matches(engine.tensor_state(x), x.detach())
+    with torch.inference_mode():
+        x = data("relu", n=100_000)
+        assert_matches(engine.tensor_state(x), x)
+
+
+def test_a_failed_compile_warns_once_and_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "1")
+    engine.reset_compiled()
+
+    def broken(self: object, key: object) -> object:
+        raise RuntimeError("no C++ compiler here\nmore detail")
+
+    monkeypatch.setattr(engine._Compiler, "function", broken)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.warm_up("cpu", [torch.float32, torch.float64], wait=True)
+            engine.warm_up("cpu", [torch.float16], wait=True)
+        ours = [w for w in caught if "computes feature statistics eagerly" in str(w.message)]
+        assert len(ours) == 1
+        message = str(ours[0].message)
+        assert "no C++ compiler here" in message and "LIGHTNING_RECORDER_COMPILE=0" in message
+        assert "more detail" not in message
+        assert engine.compile_status() == "failed: RuntimeError: no C++ compiler here"
+        x = data("specials", n=300_000)
+        assert_matches(engine.tensor_state(x), x)
+    finally:
+        monkeypatch.undo()
+        engine.reset_compiled()
+
+
+def test_compiling_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "0")
+    engine.reset_compiled()
+    engine.warm_up("cpu", [torch.float32], wait=True)
+    assert engine.compile_status() == "off (LIGHTNING_RECORDER_COMPILE=0)"
+
+
+def test_an_unwarmed_dtype_runs_eagerly_and_compiles_nothing(
+    compiled_engine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[object] = []
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: calls.append(a) or (lambda *b: None))
+    x = data("gaussian", torch.float16, 300_000)  # float16 was not warmed up
+    assert_matches(engine.tensor_state(x), x)
+    assert not calls
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from lightning_recorder.stats._collect import Collector
+    from lightning_recorder.stats._engine import tensor_state
+
+    def peak():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+
+    torch.set_num_threads(1)
+    x = torch.randn(2**26, dtype=torch.bfloat16)  # 128 MiB
+    tensor_state(x)  # warm: allocator and kernels
+    before = peak()
+    state = tensor_state(x)
+    c = Collector(1, 2**14, torch.device("cpu"))
+    c.add(0, x.view(2**13, 2**13))
+    c.states(); c.counts(torch.linspace(-5, 5, 31, dtype=torch.float64)[None], state[None])
+    print(peak() - before, x.numel() * x.element_size())
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
+def test_a_large_bfloat16_output_adds_little_memory(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_RECORDER_COMPILE": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    added, size = int(out[0]), int(out[1])
+    # the old float64 formulas raised the peak by about 20x the tensor; a tenth of it here
+    assert added <= size / 10, (added, size)
