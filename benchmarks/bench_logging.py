@@ -104,7 +104,7 @@ def kernel_row(x: Tensor, kind: str, repeats: int) -> str:
         collector.add(0, x)
         states = collector.states()
         lo, hi = ranges(states)
-        return collector.counts(edges(lo, hi, 30), states)
+        return collector.counts(lo, hi, 30, states)
 
     def eager() -> Any:
         with eager_only():
@@ -444,7 +444,7 @@ def per_layer(repeats: int) -> list[str]:
         states = collector.states()
         lo, hi = ranges(states)
         limits = edges(lo, hi, 30)
-        counts = collector.counts(limits, states)
+        counts = collector.counts(lo, hi, 30, states)
         return torch.cat([states.reshape(-1), limits.reshape(-1), counts.reshape(-1)]).tolist()
 
     t = interleaved({"hook": in_hook}, repeats, inner=2, clock=time.thread_time)

@@ -83,8 +83,8 @@ class FeatureStatsMonitor(RecorderCallback):
     where it can be (Triton on CUDA, inductor on the CPU; compiled in the background when the
     run starts, eager until then), with every sum in ``float64`` and no copy of the output.
     The histogram is taken over a strided sample of at most ``histogram_sample`` elements of
-    each output, bucketed exactly (the rule of :func:`torch.histogram`) and scaled to the
-    output's count of finite values.
+    each output, bucketed in the data's precision (:func:`lightning_recorder.stats.histogram`'s
+    rule) and scaled to the output's count of finite values.
 
     **When.** Training statistics are logged every ``every_n_steps`` optimizer steps (default:
     the Trainer's ``log_every_n_steps``, so they land on the same steps as the loss); with
@@ -205,7 +205,7 @@ class FeatureStatsMonitor(RecorderCallback):
     #: Elements sampled from each output for its histogram (outputs with no more are
     #: histogrammed whole): each bucket's fraction has a standard error of at most
     #: ``0.5 / sqrt(n)`` for ``n`` sampled values (0.004 for the default), for data in no
-    #: particular order; the count, sums and range are exact. The sample is bucketed exactly.
+    #: particular order; the count, sums and range are exact.
     histogram_sample: int = 2**14
 
     def __init__(
@@ -522,16 +522,16 @@ class FeatureStatsMonitor(RecorderCallback):
         lo, hi = ranges(every)
         limits = edges(lo, hi, self.bins)
         if self.exact_histograms:
-            found = self._exact_counts(kept, limits, device)
+            found = self._exact_counts(kept, lo, hi, device)
         else:
-            found = cast(Collector, self._collector).counts(limits, states)
+            found = cast(Collector, self._collector).counts(lo, hi, self.bins, states)
         summed = cast(BucketCounts, self._bucket_counts)
         summed.reset()
         summed.update(found)
         return torch.cat([summaries(every), limits, summed.compute()], 1)
 
     def _exact_counts(
-        self, kept: list[list[Tensor]], limits: Tensor, device: torch.device
+        self, kept: list[list[Tensor]], lo: Tensor, hi: Tensor, device: torch.device
     ) -> Tensor:
         """Counts of every element of the kept records (``exact_histograms``), chunk by chunk."""
         found = torch.zeros(len(self._streams), self.bins, dtype=torch.int64, device=device)
@@ -539,7 +539,8 @@ class FeatureStatsMonitor(RecorderCallback):
             for tensor in tensors:
                 for piece in tensor.detach().reshape(-1).split(2**18):
                     values = piece.to(device, F64 if piece.dtype == F64 else torch.float32)
-                    found[index] += row_counts(values.view(1, -1), limits[index : index + 1])[0]
+                    part = slice(index, index + 1)
+                    found[index] += row_counts(values.view(1, -1), lo[part], hi[part], self.bins)[0]
         return found.to(F64)
 
     def _check_records_size(self, kept: list[list[Tensor]]) -> None:

@@ -32,8 +32,10 @@ shift near the mean (the mean of a few values spread over the tensor), so ``std`
 suffer from the cancellation of ``sum(x**2) - sum(x)**2 / n``. Streams and ranks merge with
 Chan's parallel formula. Against a ``float64`` reference computed on the concatenated data,
 mean, std and abs_mean agree within ``1e-9`` (relative, plus ``1e-12`` of the data's scale for
-the mean) and min, max and the counts exactly. Histograms count with the exact rule of
-:func:`torch.histogram`.
+the mean) and min, max and the counts exactly. Histograms count with the rule of
+:func:`torch.histogram`, the bucket of a value found arithmetically in the data's precision (a
+value within rounding of an edge may land in the bucket next to it, as with
+:func:`torch.histc`).
 
 **Where.** The statistics run on the tensor's device, compiled by ``torch.compile`` where it can
 (Triton on CUDA, inductor on the CPU; in the background, eager until ready; see

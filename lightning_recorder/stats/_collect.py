@@ -272,11 +272,10 @@ class Collector:
         self._reduce_small()
         return self._merged()
 
-    def counts(self, limits: Tensor, states: Tensor) -> Tensor:
-        """The ``float64`` histogram counts ``(m, bins)`` of this batch's samples against each
-        stream's edges ``limits`` ``(m, bins + 1)``, scaled to the count of finite values of
-        the stream's packed state in ``states`` ``(m, WIDTH)`` (this batch's, this rank's)."""
-        bins = limits.shape[1] - 1
+    def counts(self, lo: Tensor, hi: Tensor, bins: int, states: Tensor) -> Tensor:
+        """The ``float64`` histogram counts ``(m, bins)`` of this batch's samples over each
+        stream's range ``[lo, hi]`` (``(m,)``), scaled to the count of finite values of the
+        stream's packed state in ``states`` ``(m, WIDTH)`` (this batch's, this rank's)."""
         found = torch.zeros(self.m, bins, dtype=F64, device=self.device)
         for stage in self._stages.values():
             used = len(stage.streams)
@@ -285,7 +284,7 @@ class Collector:
             owners = [max(owner, 0) for owner in stage.streams]  # free rows weigh 0
             index = to_device(owners, torch.int64, self.device)
             weights = to_device(stage.weights, F64, self.device)
-            counted = row_counts(stage.buffer[:used, : stage.width], limits[index])
+            counted = row_counts(stage.buffer[:used, : stage.width], lo[index], hi[index], bins)
             found = found + stream_counts(counted, weights, index, states, scale=False)
         total = found.sum(1, keepdim=True)
         scale = states[:, COUNT].unsqueeze(1) / total.clamp(min=1e-300)

@@ -91,8 +91,7 @@ def _example(key: Key) -> tuple[Any, ...]:
     if kernel == "state":
         return (x, not masked)
     bounds = torch.zeros(rows, dtype=F64, device=device)
-    limits = torch.linspace(0, 1, 31, dtype=F64, device=device).repeat(rows, 1)
-    return (x, bounds, bounds + 1, limits)
+    return (x, bounds, bounds + 1, 30)
 
 
 class _Compiler:
@@ -343,15 +342,13 @@ def tensor_state(x: Tensor) -> Tensor:
     return merge(torch.cat([rows_states(chunk.view(1, -1)) for chunk in _chunks(x, flat)]))
 
 
-def row_counts(values: Tensor, limits: Tensor) -> Tensor:
+def row_counts(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     """Integer bucket counts ``(R, bins)`` of the finite values of each row of ``values`` ``(R,
-    S)`` (float32 or float64; pad rows with NaN) against the edges of its row in ``limits``
-    ``(R, bins + 1)``, ``float64``, with :func:`torch.histogram`'s rule
-    (:func:`~._histogram.bucket_index`, then :func:`~._histogram.tally`). Values outside a row's
-    range are not counted."""
-    lo, hi = limits[:, 0].contiguous(), limits[:, -1].contiguous()
-    index = _run("buckets", values, lo, hi, limits.contiguous())
-    return tally(index, limits.shape[1] - 1)
+    S)`` (float32 or float64; pad rows with NaN) over its row's range ``[lo, hi]`` (``(R,)``,
+    ``float64``): :func:`~._histogram.bucket_index`, then :func:`~._histogram.tally`. Values
+    outside a row's range are not counted."""
+    index = _run("buckets", values, lo.contiguous(), hi.contiguous(), bins)
+    return tally(index, bins)
 
 
 def _chunks(x: Tensor, flat: Tensor | None) -> Iterable[Tensor]:

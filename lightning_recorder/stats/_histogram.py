@@ -6,12 +6,12 @@ around a single value, ``[0, 1]`` without data; the ``bins + 1`` edges are those
 ``torch.linspace`` with both ends exact (:func:`edges`).
 
 **Buckets.** :func:`bucket_index` finds the bucket of every value of ``R`` rows (padded with
-NaN, which is never counted, like every non-finite value) against each row's edges with
-``torch.histogram``'s rule — bucket ``i`` holds ``edges[i] <= v < edges[i + 1]``, the last
-bucket closed — in one pass (a kernel of the engine, compiled where it can be), and
-:func:`tally` counts them with one integer ``index_add_`` for every row: no per-row Python, no
-floating-point atomics, the same counts on every device and under
-``torch.use_deterministic_algorithms(True)``.
+NaN, which is never counted, like every non-finite value) arithmetically in the values' own
+precision, as :func:`torch.histc` does — bucket ``i`` holds ``edges[i] <= v < edges[i + 1]``,
+the last bucket closed, up to rounding at the edges — in one pass (a kernel of the engine,
+compiled where it can be), and :func:`tally` counts them with one integer ``index_add_`` for
+every row: no per-row Python, no floating-point atomics, the same counts on every device and
+under ``torch.use_deterministic_algorithms(True)``.
 
 **Streams from rows.** A stream may have several rows (a module called twice, or samples of
 different sizes), each standing for ``weight`` elements per value: :func:`stream_counts` adds
@@ -51,31 +51,23 @@ def edges(lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     return torch.where(i < steps // 2, lo + step * i, hi - step * (steps - 1 - i))
 
 
-def bucket_index(values: Tensor, lo: Tensor, hi: Tensor, limits: Tensor) -> Tensor:
+def bucket_index(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     """The bucket of each value of the rows of ``values`` ``(R, S)`` (float32 or float64) over its
-    row's range ``[lo, hi]`` (``(R,)``) and edges ``limits`` (``(R, bins + 1)``), with
-    :func:`torch.histogram`'s rule; ``bins`` for a value that is not counted (non-finite, or
-    outside its row's range). An ``int64`` tensor of ``values``' shape. A kernel of the engine.
+    row's range ``[lo, hi]`` (``(R,)``, ``float64``): ``floor((v - lo) * bins / (hi - lo))`` in
+    the values' own precision, the last bucket closed; ``bins`` for a value that is not counted
+    (non-finite, or outside its row's range). An ``int32`` tensor of ``values``' shape. A kernel
+    of the engine (compiled where it can be: one pass, no gather).
 
-    The bucket is found arithmetically, ``floor((v - lo) * bins / (hi - lo))`` in ``float64``,
-    then settled against the very edges: one step down where ``v < edges[k]``, one up where
-    ``v >= edges[k + 1]``. The arithmetic is within a bucket of the truth whenever the edges
-    are more than a few ``float64`` ulps of the range's magnitude apart, which holds for any
-    data exact in float32 (its range spans at least one float32 ulp) and for float64 data
-    whose range spans more than about ``bins * 2**-48`` of its magnitude; there the counts
-    are exactly those of ``torch.histogram``.
+    As with :func:`torch.histc`, a value within rounding of a bucket edge (about ``1e-7`` of
+    the range's magnitude for float32 values, ``1e-16`` for float64) may be counted in the
+    bucket next to it; every counted value lands in one bucket of its range.
     """
-    bins = limits.shape[-1] - 1
-    v = values.to(F64)
-    finite = torch.isfinite(v)
-    start = lo.unsqueeze(1)
-    v = torch.where(finite, v, start)
-    position = (v - start) * (bins / (hi - lo)).unsqueeze(1)
-    k = position.floor().clamp(0, bins - 1).to(torch.int64)
-    k = k - (v < limits.gather(1, k)).to(torch.int64)
-    k = k + ((v >= limits.gather(1, (k + 1).clamp(max=bins))) & (k < bins - 1)).to(torch.int64)
-    inside = finite & (v >= limits[:, :1]) & (v <= limits[:, -1:])
-    return torch.where(inside, k.clamp(0, bins - 1), bins)
+    dtype = values.dtype
+    start, end = lo.to(dtype).unsqueeze(1), hi.to(dtype).unsqueeze(1)
+    scale = (bins / (hi - lo)).to(dtype).unsqueeze(1)
+    position = torch.nan_to_num((values - start) * scale, nan=0.0).clamp(0, bins - 1)
+    inside = (values >= start) & (values <= end)  # NaN and values outside: False
+    return torch.where(inside, position.to(torch.int32), bins)
 
 
 def tally(index: Tensor, bins: int) -> Tensor:
@@ -83,9 +75,11 @@ def tally(index: Tensor, bins: int) -> Tensor:
     (index ``bins``: not counted), with one ``index_add_`` for every row: integer additions,
     so the same counts in any order, on any device, deterministic or not."""
     rows = index.shape[0]
-    key = (index + torch.arange(rows, device=index.device).unsqueeze(1) * (bins + 1)).reshape(-1)
+    offsets = torch.arange(rows, dtype=index.dtype, device=index.device).unsqueeze(1)
+    key = (index + offsets * (bins + 1)).reshape(-1)
     flat = torch.zeros(rows * (bins + 1), dtype=torch.int64, device=index.device)
-    flat.index_add_(0, key, key.new_ones(()).expand_as(key))
+    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(key.shape)
+    flat.index_add_(0, key, ones)  # integer additions: the same counts in any order
     return flat.view(rows, bins + 1)[:, :bins]
 
 

@@ -66,9 +66,11 @@ def histogram(
 
     The ``bins + 1`` edges span ``[min, max]`` of the finite values of every rank (all-reduced
     first), and bucket ``i`` holds ``edges[i] <= v < edges[i + 1]``, the last one closed, as in
-    :func:`torch.histogram`. A single value ``v`` gives the range ``[v - 0.5, v + 0.5]``, no
-    finite value the range ``[0, 1]`` and zero counts. Off the CPU nothing synchronises with
-    the host.
+    :func:`torch.histogram`; buckets are found arithmetically in the data's precision (float32
+    for float32, float16 and bfloat16 data, float64 otherwise), so a value within rounding of an
+    edge may be counted in the bucket next to it, as with :func:`torch.histc`. A single value
+    ``v`` gives the range ``[v - 0.5, v + 0.5]``, no finite value the range ``[0, 1]`` and zero
+    counts. Off the CPU nothing synchronises with the host.
 
     When ``torch.distributed`` is initialised and ``sync`` is true this is a collective: every
     rank of ``process_group`` must call it with the same ``bins``, also a rank with no data.
@@ -154,7 +156,7 @@ def _table(x: Tensor, bins: int, sync: bool, group: Any) -> Tensor:
         pieces = flat.split(CHUNK) if flat is not None else x.reshape(-1).split(CHUNK)
         for piece in pieces:
             dtype = torch.float32 if piece.dtype in _SEARCHED_32 else F64
-            counts += row_counts(piece.to(dtype).view(1, -1), limits)
+            counts += row_counts(piece.to(dtype).view(1, -1), lo, hi, bins)
     found = counts.to(F64)
     if syncing:
         summed = BucketCounts(1, bins, process_group=group).to(x.device)

@@ -156,3 +156,30 @@ def reference_stats(x: torch.Tensor) -> dict[str, float]:
         "nonfinite": float((~torch.isfinite(flat)).sum().item()),
         "numel": float(flat.numel()),
     }
+
+
+def assert_counts_up_to_edges(
+    counts: torch.Tensor, values: torch.Tensor, edges: torch.Tensor, dtype: torch.dtype
+) -> None:
+    """``counts`` are ``torch.histogram``'s counts of the finite ``values`` over ``edges``, but for
+    values within rounding of an edge in ``dtype`` (the precision the buckets are computed in),
+    which may land in the bucket next to it, as with ``torch.histc``: every cumulative count
+    (values in the buckets before edge ``i``) lies between the number of values below
+    ``edges[i] - delta`` and below ``edges[i] + delta``, ``delta`` four units of rounding of the
+    range's magnitude."""
+    v = values.detach().reshape(-1).double()
+    v = v[torch.isfinite(v)]
+    e = edges.double()
+    assert counts.shape == (e.numel() - 1,)
+    assert float(counts.sum()) == v.numel()
+    if not dtype.is_floating_point:  # integers are bucketed in float64
+        dtype = torch.float64
+    elif dtype in (torch.float16, torch.bfloat16):  # upcast exactly to float32
+        dtype = torch.float32
+    magnitude = float(e.abs().max())
+    delta = 4 * torch.finfo(dtype).eps * magnitude
+    cumulative = torch.cumsum(counts.double(), 0)
+    for i in range(1, e.numel() - 1):
+        low = float((v < e[i] - delta).sum())
+        high = float((v < e[i] + delta).sum())
+        assert low <= float(cumulative[i - 1]) <= high, (i, low, float(cumulative[i - 1]), high)
