@@ -5,7 +5,10 @@
   statistics logged every N steps (built on :class:`RecorderCallback`);
 * :mod:`.distillation` — :class:`FeatureDistillation`: a frozen teacher distilled into the student;
 * :mod:`.activation_writer` — :class:`ActivationWriter`: recorded outputs written to sharded
-  safetensors files with their provenance (``lightning_recorder.activations`` reads them back).
+  safetensors files with their provenance (``lightning_recorder.activations`` reads them back);
+* :mod:`.health` — :class:`HealthMonitor`: the first NaN/Inf of a run traced to the module that
+  made it (a :class:`HealthEvent`), with evidence on disk, and bad steps skipped alike on every
+  rank.
 
 ``_lightning`` holds every read of Lightning's private state, so that a change in Lightning
 touches one file.
@@ -13,6 +16,7 @@ touches one file.
 
 from .activation_writer import ActivationWriter
 from .distillation import FeatureDistillation, LossSpec, distillation_loss
+from .health import HealthEvent, HealthMonitor, HealthRule
 from .recorder import RecorderCallback
 from .stats_monitor import FeatureStatsMonitor
 
@@ -20,6 +24,9 @@ __all__ = [
     "ActivationWriter",
     "FeatureDistillation",
     "FeatureStatsMonitor",
+    "HealthEvent",
+    "HealthMonitor",
+    "HealthRule",
     "LossSpec",
     "RecorderCallback",
     "distillation_loss",
