@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from .._core.checks import check_bool, check_callable, check_int, check_number, check_option
 from .._core.names import named_parameters
-from ..errors import RecorderConfigError
+from ..errors import RecorderConfigError, RecorderStateError
 from ._health_event import HealthEvent
 from ._health_evidence import Evidence
 from ._health_policy import Decisions, Pending

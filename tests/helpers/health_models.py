@@ -106,11 +106,35 @@ class Encoder(nn.Module):
         return self.head(self.norm(h)[:, -1])
 
 
+class Trap(nn.Module):
+    """The identity, except on a batch that carries the marker (a value above 100): NaN."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.where(x.abs().amax() > 100, math.nan, 1.0)
+
+
+def trapped_mlp() -> nn.Module:
+    return nn.Sequential(Trap(), mlp())
+
+
+class Recip(nn.Module):
+    """1/x: infinite where dropout zeroed its input."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return 1.0 / x
+
+
+def dropout_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 16), nn.Dropout(0.5), Recip(), nn.Linear(16, 4))
+
+
 ARCHS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "cnn": (cnn, (3, 8, 8)),
     "resnet": (resnet, (3, 8, 8)),
     "mlp": (mlp, (12,)),
     "transformer": (Encoder, (5, 6)),
+    "trapped": (trapped_mlp, (12,)),
+    "dropout": (dropout_mlp, (12,)),
 }
 
 
@@ -139,9 +163,14 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=1e-4)
 
 
-def data(arch: str, n: int, batch_size: int = 4, seed: int = 0) -> DataLoader:
+def data(
+    arch: str, n: int, batch_size: int = 4, seed: int = 0, marked: tuple[int, ...] = ()
+) -> DataLoader:
+    """``n`` samples in order; the batches in ``marked`` carry :class:`Trap`'s marker."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, *ARCHS[arch][1], generator=g)
+    for batch in marked:
+        x[batch * batch_size] = 1000.0
     y = torch.randint(0, 4, (n,), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
