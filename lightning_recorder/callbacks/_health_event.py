@@ -155,21 +155,14 @@ def _where(event: HealthEvent) -> str:
                 f"Code of `training_step` outside any module made non-finite values "
                 f"(first seen at `{path}`)"
             )
-        if event.direction == "loss":
+        if event.direction == "loss" and event.path == "loss":
             return "The loss computed outside any module was non-finite (the outputs were finite)"
         if event.direction == "backward":
             return (
                 f"The backward of code outside any module made non-finite gradients "
                 f"(first seen at `{path}`)"
             )
-        names = ", ".join(f"`{p}`" for p in event.parameters[:3])
-        more = f" and {len(event.parameters) - 3} more" if len(event.parameters) > 3 else ""
-        what = f"the gradients of {names}{more}" if names else "the loss"
-        if event.reproduced is False:
-            return (
-                f"{what[0].upper()}{what[1:]} were non-finite but the replay did not reproduce it"
-            )
-        return f"{what[0].upper()}{what[1:]} were non-finite"
+        return _unlocalised(event)
     own = "from finite inputs" if event.direction == "forward" else "from a finite output gradient"
     made = "made" if event.producer else "passed on"
     source = own if event.producer else "it received"
@@ -184,6 +177,20 @@ def _where(event: HealthEvent) -> str:
     else:
         what = f"the gradient of its parameter `{path}`"
     return f"`{module}` {made} non-finite values in its backward, in {what} ({source})"
+
+
+def _unlocalised(event: HealthEvent) -> str:
+    """What the always-on check saw, when no module was named."""
+    parts = ["the loss"] if event.direction == "loss" else []
+    if event.parameters:
+        names = ", ".join(f"`{p}`" for p in event.parameters[:3])
+        more = len(event.parameters) - 3
+        parts.append(f"the gradients of {names}" + (f" and {more} more" if more > 0 else ""))
+    what = " and ".join(parts) or "the loss or the gradients"
+    sentence = f"{what[0].upper()}{what[1:]} were non-finite"
+    if event.reproduced is False:
+        return sentence + " but the replay did not reproduce it"
+    return sentence + " (not localised)"
 
 
 def describe(event: HealthEvent) -> str:

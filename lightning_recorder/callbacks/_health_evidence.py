@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from ._health_trace import nonfinite_counts, tensor_paths
-from ._health_verdict import resolve_counts
+from ._health_trace import tensor_paths
+from ._health_verdict import exact_counts
 
 __all__ = ["Evidence", "describe_batch"]
 
@@ -92,7 +92,7 @@ class Evidence:
         kept: dict[str, torch.Tensor] = {}
         index: dict[str, Any] = {}
         omitted: dict[str, Any] = {}
-        rows = resolve_counts([nonfinite_counts(t) for _, t in tensors.values()])
+        rows = exact_counts([t for _, t in tensors.values()])
         for (key, (role, t)), row in zip(tensors.items(), rows, strict=True):
             size = t.numel() * t.element_size()
             info = {

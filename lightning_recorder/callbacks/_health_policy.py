@@ -33,7 +33,7 @@ from ._health_event import HealthEvent
 from ._health_evidence import Evidence
 from ._health_replay import MicroBatch, replay
 from ._health_report import Reporter
-from ._health_sentinel import Reading, exact_counts
+from ._health_sentinel import Reading, step_counts
 from ._health_step import (
     Check,
     all_reduce_max,
@@ -99,13 +99,19 @@ class Decisions:
         if not bool(flag):  # the one synchronisation of a clean step
             self._streak = 0
             return
-        total, loss, grads = exact_counts(reading.losses, named)
+        total, loss, grads = step_counts(reading.losses, named)
         mine = [float(any(total.values())), float(any(loss.values()))]
         any_bad, loss_bad = all_reduce_max(torch.tensor(mine, device=flag.device)).tolist()
         if not any_bad:  # a norm overflowed float32, no value was NaN or infinite
             self._streak = 0
             return
         check = Check(total, loss, [name for name, _ in grads])
+        if timelines:  # "always": the gradients counted here are the parameters' part
+            by_name = dict(named)
+            timelines[-1].params = [
+                (*_split(n), by_name[n].grad.dtype, by_name[n].grad.shape, _row(c))  # type: ignore[union-attr]
+                for n, c in grads
+            ]
         step, log_step = trainer.global_step, step_axis(trainer)
         scaler = _scaler(trainer)
         if scaler is not None and not loss_bad and scaler.get_scale() > 1.0:
@@ -117,7 +123,8 @@ class Decisions:
         finding: Finding | None = None
         micro = window[-1] if window else None
         if replayed:
-            finding, micro = replay(trainer, pl_module, window, self.exclude, scaler)
+            summarize = self._evidence.enabled
+            finding, micro = replay(trainer, pl_module, window, self.exclude, scaler, summarize)
         elif timelines:
             finding, micro = _first(timelines, window)
         rank, found = trainer.global_rank, None
@@ -224,8 +231,12 @@ class Decisions:
         if not pending.reading.host_bad():
             self._streak = 0
             return
-        counts, names, loss = pending.reading.tensor_counts()
-        check = Check(counts, loss, names)
+        counts, bad, loss = pending.reading.tensor_counts()
+        check = Check(counts, loss, [name for name, _ in bad])
+        if pending.timelines:
+            pending.timelines[-1].params = [
+                (*_split(n), torch.float32, (), _row({key: 1})) for n, key in bad
+            ]
         self._streak += 1
         self.counters["nonfinite_steps"] += 1
         finding: Finding | None = None
@@ -242,6 +253,15 @@ class Decisions:
         extra["read"] = "lazily"
         loud = self._streak == 1
         self._finish(trainer, event, "warned", micro, finding, check, extra, loud, pending.log_step)
+
+
+def _split(name: str) -> tuple[str, str]:
+    owner, _, local = name.rpartition(".")
+    return owner, local
+
+
+def _row(counts: dict[str, int]) -> tuple[int, int, int]:
+    return counts.get("nan", 0), counts.get("posinf", 0), counts.get("neginf", 0)
 
 
 def _scaler(trainer: pl.Trainer) -> Any:

@@ -132,18 +132,21 @@ def replay(
     window: Sequence[MicroBatch],
     exclude: Sequence[str] = (),
     scaler: Any = None,
+    summarize: bool = True,
 ) -> tuple[Finding, MicroBatch | None]:
     """Replay the micro-batches of a step in order until one shows non-finite values.
 
     Returns the finding (``reproduced=False`` when none did, with ``error`` set when the
-    replay itself failed) and the micro-batch it is about.
+    replay itself failed; with ``summarize``, the timeline's summary for the evidence) and the
+    micro-batch it is about.
     """
     if not window:
         return Finding(False, error="no batch to replay"), None
     trace = Trace(pl_module, exclude, keep=True, owner="HealthMonitor replay")
     devices = _cuda_devices(pl_module)
     takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-    params = [p for p in pl_module.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     finding, about = Finding(False), window[-1]
     try:
         with contextlib.ExitStack() as stack:
@@ -165,10 +168,13 @@ def replay(
                 finding = trace.timeline.verdict()  # the forward: no backward needed if found
                 if not finding.reproduced and loss is not None and loss.requires_grad:
                     target = scaler.scale(loss) if scaler is not None else loss
-                    torch.autograd.grad(target, params, allow_unused=True)
+                    grads = torch.autograd.grad(target, params, allow_unused=True)
+                    trace.parameter_grads((n, g) for (n, _), g in zip(named, grads, strict=True))
+                    del grads
                     finding = trace.timeline.verdict()
                 line = trace.finish()
-                finding.summary = line.summary()
+                if summarize:
+                    finding.summary = line.summary()
                 about = micro
                 if finding.reproduced:
                     break

@@ -42,4 +42,3 @@ class HealthRule:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
-

@@ -5,7 +5,7 @@ group's L2 norms are computed by one fused multi-tensor call (torch's ``_foreach
 kernel per group on a GPU, no per-tensor launch and no ``.item()``); the step's loss values and
 the norms go into one float32 vector. A NaN anywhere makes its norm NaN, an infinity makes it
 infinite, so the vector is finite exactly when every value is — or, in one case, not: a norm
-that overflows float32 (gradients around 1e19) is not finite either. :func:`exact_counts` counts
+that overflows float32 (gradients around 1e19) is not finite either. :func:`step_counts` counts
 NaN/+inf/-inf element by element on the steps the vector flags, so that such a step is not
 called non-finite where it is decided before the optimizer step. Half-precision gradients are
 normed in float32 (their own range would overflow at 65504).
@@ -26,10 +26,9 @@ from typing import Any
 import torch
 
 from ._health_event import COUNT_KEYS
-from ._health_trace import nonfinite_counts
-from ._health_verdict import resolve_counts
+from ._health_verdict import exact_counts
 
-__all__ = ["Reading", "Sentinel", "exact_counts", "nonfinite_parameters"]
+__all__ = ["Reading", "Sentinel", "nonfinite_parameters", "step_counts"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -109,9 +108,10 @@ class Reading:
         assert self.host is not None
         return not bool(torch.isfinite(self.host).all())
 
-    def tensor_counts(self) -> tuple[dict[str, int], list[str], dict[str, int]]:
+    def tensor_counts(self) -> tuple[dict[str, int], list[tuple[str, str]], dict[str, int]]:
         """From the copied values: how many *tensors* (loss values, gradients) hold a NaN or
-        have an infinite norm; the parameters whose norm is not finite; the losses' counts."""
+        have an infinite norm; ``(parameter, "nan" or "posinf")`` for each gradient whose norm
+        is not finite; the losses' counts."""
         assert self.host is not None
         values = self.host.tolist()
         n = len(self.losses)
@@ -125,7 +125,7 @@ class Reading:
             if k < n:
                 loss[key] += 1
             else:
-                names.append(self.names[k - n])
+                names.append((self.names[k - n], key))
         return total, names, loss
 
 
@@ -156,14 +156,14 @@ class Sentinel:
         return Reading(values, list(self.losses), [with_grad[k][0] for k in order])
 
 
-def exact_counts(
+def step_counts(
     losses: Sequence[torch.Tensor], named: Sequence[tuple[str, torch.Tensor]]
 ) -> tuple[dict[str, int], dict[str, int], list[tuple[str, dict[str, int]]]]:
     """Element counts, for a flagged step: all of them, the losses', and each non-finite
     gradient's ``(name, counts)``."""
     tensors = [*losses, *(p.grad for _, p in named if p.grad is not None)]
     names = [n for n, p in named if p.grad is not None]
-    rows = resolve_counts([nonfinite_counts(t) for t in tensors])
+    rows = exact_counts(tensors)
     keys = COUNT_KEYS
     total = {k: sum(r[i] for r in rows) for i, k in enumerate(keys)}
     loss = {k: sum(r[i] for r in rows[: len(losses)]) for i, k in enumerate(keys)}
@@ -189,7 +189,7 @@ def nonfinite_parameters(
     )
     keys = COUNT_KEYS
     found = []
-    rows = resolve_counts([nonfinite_counts(tensors[k]) for k in flagged])
+    rows = exact_counts([tensors[k] for k in flagged])
     for k, row in zip(flagged, rows, strict=True):
         if any(row):
             found.append((named[k][0], named[k][1], dict(zip(keys, row, strict=True))))

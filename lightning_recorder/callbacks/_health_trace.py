@@ -1,15 +1,17 @@
 """The hooks that write a :class:`~._health_verdict.Timeline` of one forward and backward.
 
 A :class:`Trace` hooks every submodule of a model — a forward pre-hook and a forward hook, put
-*before* any other hook so that they see what the module itself received and returned — and
-every parameter (a gradient hook). It records, with their NaN/+inf/-inf counts:
+*before* any other hook so that they see what the module itself received and returned. It
+records, with their NaN/+inf/-inf counts:
 
 * forward: each call's inputs (before the call, so before an in-place module such as
   ``ReLU(inplace=True)`` changes them) and outputs (before the next module changes them);
 * backward, in the order autograd computes them: the gradient of each module output, each
   call's *share* of the gradient of each input — the input is handed to the module as a
   ``view_as`` of itself whose gradient hook sees only this call's share, so that a residual input
-  used by two submodules has two shares — and each parameter's gradient.
+  used by two submodules has two shares; and, given after the backward
+  (:meth:`Trace.parameter_grads`: no hook on the parameters, whose hooks cost the backward more
+  than all the rest), each parameter's gradient.
 
 Tensors are told apart by identity and version (an in-place change makes a new value); they are
 held weakly unless ``keep`` (the replay keeps them for the evidence). Names for ``exclude``
@@ -27,7 +29,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -38,23 +40,9 @@ from .._core.compat import current_autograd_node
 from .._core.hooks import HookSet
 from .._core.names import canonical_name, named_modules
 from .._core.structures import modified, snapshot
-from ._health_verdict import ZERO, Call, Counts, Entry, Timeline, Value
+from ._health_verdict import ZERO, Call, Entry, Timeline, Value, quick_counts
 
-__all__ = ["Trace", "nonfinite_counts", "tensor_paths"]
-
-
-def nonfinite_counts(t: torch.Tensor) -> Counts:
-    """``(nan, posinf, neginf)`` of a tensor: ints on the CPU, a device tensor elsewhere."""
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if not t.is_floating_point() or t.numel() == 0:
-        return ZERO
-    if t.device.type == "cpu":  # reading a CPU tensor waits for nothing
-        if bool(torch.isfinite(t).all()):
-            return ZERO
-        return int(t.isnan().sum()), int(t.isposinf().sum()), int(t.isneginf().sum())
-    return torch.stack((t.isnan().sum(), t.isposinf().sum(), t.isneginf().sum()))
+__all__ = ["Trace", "tensor_paths"]
 
 
 def tensor_paths(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -75,14 +63,21 @@ def tensor_paths(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
         yield from tensor_paths(item, f"{prefix}.{key}" if prefix else str(key))
 
 
+_ARGUMENT_NAMES: dict[type, list[str]] = {}
+
+
 def _argument_names(module: nn.Module) -> list[str]:
     """The positional parameter names of the class's ``forward`` (without ``self``)."""
-    try:
-        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return []
-    simple = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in params if p.kind in simple]
+    cls = type(module)
+    names = _ARGUMENT_NAMES.get(cls)
+    if names is None:
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        except (TypeError, ValueError):
+            params = []
+        simple = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = _ARGUMENT_NAMES[cls] = [p.name for p in params if p.kind in simple]
+    return names
 
 
 class Trace:
@@ -124,11 +119,6 @@ class Trace:
             self.hooks.add(
                 partial(module.register_forward_hook, post, with_kwargs=True, prepend=True)
             )
-        for pname, param in self.model.named_parameters():
-            if param.requires_grad:
-                owner, _, local = pname.rpartition(".")
-                hook = partial(self._grad_param, canonical_name(owner), local)
-                self.hooks.add(partial(param.register_hook, hook))
 
     def remove(self) -> None:
         """Remove every hook (idempotent) and drop the timeline."""
@@ -147,7 +137,7 @@ class Trace:
         if batch is not None:
             named = ((f"batch.{p}" if p else "batch", t) for p, t in tensor_paths(batch))
             self.timeline.batch = [
-                (name, nonfinite_counts(t)) for name, t in named if not self._excluded(name)
+                (name, quick_counts(t)) for name, t in named if not self._excluded(name)
             ]
         return self.timeline
 
@@ -156,7 +146,7 @@ class Trace:
         line = self.timeline
         if line.forward_end < 0:
             line.forward_end = len(line.entries)
-            line.loss_counts = nonfinite_counts(loss) if loss is not None else ZERO
+            line.loss_counts = quick_counts(loss) if loss is not None else ZERO
 
     def finish(self) -> Timeline:
         """Stop recording; the timeline is returned."""
@@ -193,7 +183,7 @@ class Trace:
         call = Call(len(line.calls), name, type(module).__name__, parent, len(self._stack))
         line.calls.append(call)
         self._stack.append(call.index)
-        names = self._argnames.get(id(module), [])
+        names = self._argnames.get(id(module), ())
         new_args: list[Any] | None = None
         for i, item in enumerate(args):
             share = self._inputs(line, call, names[i] if i < len(names) else f"args.{i}", item)
@@ -215,29 +205,26 @@ class Trace:
     def _inputs(self, line: Timeline, call: Call, label: str, item: Any) -> Any:
         """Record the tensors of one argument; a tensor argument that needs a gradient is
         returned as a view of itself whose gradient hook sees this call's share."""
+        pairs = (("", item),) if isinstance(item, torch.Tensor) else tensor_paths(item)
         share = item
-        for path, t in tensor_paths(item):
+        for path, t in pairs:
             if not (t.is_floating_point() or t.is_complex()):
                 continue
-            full = f"input.{label}" + (f".{path}" if path else "")
+            full = f"input.{label}.{path}" if path else f"input.{label}"
             value = self._value(t)
-            excluded = (value is not None and value.excluded) or self._excluded(
-                f"{call.name}.{full}"
+            excluded = (value is not None and value.excluded) or (
+                bool(self.patterns) and self._excluded(f"{call.name}.{full}")
             )
-            counts = ZERO if excluded else nonfinite_counts(t)
-            line.entries.append(
-                Entry("input", call.index, full, str(t.dtype), tuple(t.shape), counts, excluded)
-            )
+            counts = ZERO if excluded else quick_counts(t)
+            entry = Entry("input", call.index, full, t.dtype, t.shape, counts, excluded)
+            line.entries.append(entry)
             if value is not None:
                 value.consumers.append((call.index, full))
             if self.keep:
+                entry.tensor, entry.version = t, snapshot(t)
                 call.tensors.append((full, t))
-            if (
-                path == ""
-                and t.requires_grad
-                and not isinstance(t, nn.Parameter)
-                and torch.is_grad_enabled()
-            ):
+            needs = not path and t.requires_grad and not t.is_leaf  # a leaf: a parameter
+            if needs and torch.is_grad_enabled():
                 share = t.view_as(t)
                 hook = partial(self._grad_share, line, call.index, full, value, excluded)
                 share.register_hook(hook)
@@ -250,20 +237,20 @@ class Trace:
             return
         line = self.timeline
         call = line.calls[self._stack.pop()]
-        for path, t in tensor_paths(output):
+        pairs = (("", output),) if isinstance(output, torch.Tensor) else tensor_paths(output)
+        for path, t in pairs:
             if not (t.is_floating_point() or t.is_complex()):
                 continue
-            full = "output" + (f".{path}" if path else "")
+            full = f"output.{path}" if path else "output"
             value = self._value(t)
-            excluded = (value is not None and value.excluded) or self._excluded(
-                f"{call.name}.{full}"
+            excluded = (value is not None and value.excluded) or (
+                bool(self.patterns) and self._excluded(f"{call.name}.{full}")
             )
-            counts = ZERO if excluded else nonfinite_counts(t)
-            entry = Entry(
-                "output", call.index, full, str(t.dtype), tuple(t.shape), counts, excluded
-            )
+            counts = ZERO if excluded else quick_counts(t)
+            entry = Entry("output", call.index, full, t.dtype, t.shape, counts, excluded)
             line.entries.append(entry)
             if self.keep:
+                entry.tensor, entry.version = t, snapshot(t)
                 call.tensors.append((full, t))
             if value is None:
                 value = Value(t if self.keep else weakref.ref(t), snapshot(t))
@@ -275,21 +262,12 @@ class Trace:
             entry.value = value
 
     # ------------------------------------------------------------------ gradient hooks
-    @staticmethod
-    def _grad_entry(
-        line: Timeline, kind: str, call: int, path: str, grad: torch.Tensor, **kw: Any
-    ) -> None:
-        counts = ZERO if kw.get("excluded") else nonfinite_counts(grad)
-        line.entries.append(
-            Entry(kind, call, path, str(grad.dtype), tuple(grad.shape), counts, **kw)
-        )
-
     def _grad_output(self, line: Timeline, value: Value, path: str, grad: torch.Tensor) -> None:
         if value.producers:
-            call = value.producers[-1]
-            self._grad_entry(
-                line, "grad_output", call, path, grad, excluded=value.excluded, value=value
-            )
+            counts = ZERO if value.excluded else quick_counts(grad)
+            entry = Entry("grad_output", value.producers[-1], path, grad.dtype, grad.shape, counts)
+            entry.excluded, entry.value = value.excluded, value
+            line.entries.append(entry)
 
     def _grad_share(
         self,
@@ -302,8 +280,16 @@ class Trace:
     ) -> None:
         if value is not None:
             value.shares_seen.add(call)
-        self._grad_entry(line, "grad_input", call, path, grad, excluded=excluded)
+        counts = ZERO if excluded else quick_counts(grad)
+        line.entries.append(
+            Entry("grad_input", call, path, grad.dtype, grad.shape, counts, excluded)
+        )
 
-    def _grad_param(self, owner: str, local: str, grad: torch.Tensor) -> None:
-        if self.active:
-            self._grad_entry(self.timeline, "grad_param", -1, local, grad, module=owner)
+    def parameter_grads(self, named: Iterable[tuple[str, torch.Tensor | None]]) -> None:
+        """Count the parameters' gradients of the backward just traced (``(name, grad)``)."""
+        for name, grad in named:
+            if grad is not None:
+                owner, _, local = canonical_name(name).rpartition(".")
+                self.timeline.params.append(
+                    (owner, local, grad.dtype, grad.shape, quick_counts(grad))
+                )

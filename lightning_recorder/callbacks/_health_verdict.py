@@ -14,45 +14,102 @@ parameters' gradients — each with its NaN/+inf/-inf counts.
   module between its submodules made it (``producer=True``); at the top level it came with the
   batch (``module=None``, ``producer=False``) or from ``training_step``'s own code;
 * **the loss**, the outputs finite — the loss computed outside any module;
-* **a call's share of an input gradient**, or **a parameter's gradient** — that module's
-  backward made it; ``producer`` says whether the gradients that reached its outputs were
-  finite;
+* **a call's share of an input gradient** — that module's backward made it; ``producer`` says
+  whether the gradients that reached its outputs were finite;
 * **the gradient of an output** whose consumers' shares were all finite — the enclosing code
   that used the output (outside any submodule) made it; a consumer whose share was not seen
-  (its input changed in place, which detaches the share from the graph) is blamed instead.
+  (its input changed in place, which detaches the share from the graph) is blamed instead;
+* nothing, but **a parameter's gradient** is non-finite — made where that weight's gradient is
+  computed (it flows nowhere else): the module the forward called last among those whose
+  parameter gradients are non-finite (its backward ran first).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .._core.structures import modified
 from ._health_event import COUNT_KEYS
 
-__all__ = ["Counts", "Finding", "Timeline", "as_dict", "resolve_counts"]
+__all__ = [
+    "Counts",
+    "Finding",
+    "Timeline",
+    "as_dict",
+    "exact_counts",
+    "quick_counts",
+    "resolve_counts",
+]
 
 Counts = tuple[int, int, int] | torch.Tensor
 ZERO: tuple[int, int, int] = (0, 0, 0)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def quick_counts(t: torch.Tensor) -> Counts:
+    """``(nan, posinf, neginf)`` of a tensor without waiting for a device.
+
+    One reduction: the sum (in float32 for half precision) is finite exactly when every value
+    is, unless it overflows. On the CPU a non-finite sum is followed by an exact count (so the
+    answer is exact); elsewhere the sum stays on the device as a 1-element *flag*, read later by
+    :func:`resolve_counts` as "at least one" NaN/+inf/-inf (a kept tensor is counted exactly by
+    :meth:`Timeline.resolve`).
+    """
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if not t.is_floating_point() or t.numel() == 0:
+        return ZERO
+    total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+    if t.device.type == "cpu":  # reading a CPU tensor waits for nothing
+        return ZERO if math.isfinite(float(total)) else exact_counts([t])[0]
+    return total.reshape(1)
+
+
+def exact_counts(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """``(nan, posinf, neginf)`` of each tensor, element by element (one read per device)."""
+    rows: list[Any] = []
+    for t in tensors:
+        t = t.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if not t.is_floating_point() or t.numel() == 0:
+            rows.append(ZERO)
+        else:
+            rows.append(torch.stack((t.isnan().sum(), t.isposinf().sum(), t.isneginf().sum())))
+    return resolve_counts(rows)
+
+
+def _at_least(flag: float) -> tuple[int, int, int]:
+    """What a flag (a sum) tells: nothing, or at least one NaN, +inf or -inf."""
+    if math.isfinite(flag):
+        return ZERO
+    return (1, 0, 0) if math.isnan(flag) else (0, 1, 0) if flag > 0 else (0, 0, 1)
+
+
 def resolve_counts(counts: Sequence[Counts]) -> list[tuple[int, int, int]]:
-    """Every count as ints, reading the device ones with one transfer per device."""
+    """Every count as ints, reading the device ones with one transfer per device (a flag of
+    :func:`quick_counts` becomes a lower bound)."""
     out: list[Any] = list(counts)
-    by_device: dict[torch.device, list[int]] = {}
+    by_device: dict[tuple[torch.device, int], list[int]] = {}
     for k, value in enumerate(out):
         if isinstance(value, torch.Tensor):
-            by_device.setdefault(value.device, []).append(k)
-    for indices in by_device.values():
-        rows = torch.stack([out[k] for k in indices]).tolist()
+            by_device.setdefault((value.device, value.numel()), []).append(k)
+    for (_, width), indices in by_device.items():
+        rows = torch.stack([out[k].reshape(-1).double() for k in indices]).tolist()
         for k, row in zip(indices, rows, strict=True):
-            out[k] = tuple(int(v) for v in row)
+            out[k] = _at_least(row[0]) if width == 1 else _triple(row)
     return out
 
 
-def _triple(row: Sequence[int]) -> tuple[int, int, int]:
+def _triple(row: Sequence[Any]) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
 
@@ -78,13 +135,15 @@ class Value:
 class Entry:
     kind: str  # input, output, grad_output, grad_input, grad_param
     call: int  # index into calls; -1 for a parameter
-    path: str  # relative to the module: "input.x", "output.0", "weight"
-    dtype: str
+    path: str  # relative to the module: "input.x", "output.0"
+    dtype: torch.dtype
     shape: tuple[int, ...]
     counts: Counts
     excluded: bool = False
     value: Value | None = None
     module: str = ""  # a parameter's module
+    tensor: torch.Tensor | None = None  # kept (replay): recounted exactly if still unchanged
+    version: Any = None
 
 
 @dataclass(slots=True)
@@ -132,11 +191,20 @@ class Timeline:
     forward_end: int = -1  # entries before it are the forward's; the loss comes there
     loss_counts: Counts = ZERO
     batch: list[tuple[str, Counts]] = field(default_factory=list)  # the batch's tensors
+    # the parameters' gradients: (module, name, dtype, shape, counts)
+    params: list[tuple[str, str, torch.dtype, tuple[int, ...], Counts]] = field(
+        default_factory=list
+    )
 
     # ------------------------------------------------------------------ counts
     def counts(self) -> list[Counts]:
-        """Every count: the entries', the batch's, the loss's last."""
-        return [e.counts for e in self.entries] + [c for _, c in self.batch] + [self.loss_counts]
+        """Every count: the entries', the batch's, the parameters', the loss's last."""
+        return [
+            *(e.counts for e in self.entries),
+            *(c for _, c in self.batch),
+            *(p[-1] for p in self.params),
+            self.loss_counts,
+        ]
 
     def pack(self) -> torch.Tensor | None:
         """The counts still on a device, stacked (``None`` when all are ints already)."""
@@ -152,14 +220,26 @@ class Timeline:
         self._set(values)
 
     def resolve(self) -> None:
-        """Turn every count into ints (one read per device)."""
+        """Turn every count into ints (one read per device); a kept tensor whose flag fired,
+        and that was not changed in place since, is counted exactly."""
+        flagged = [
+            e for e in self.entries
+            if isinstance(e.counts, torch.Tensor) and e.counts.numel() == 1 and e.tensor is not None
+        ]  # fmt: skip
         self._set(resolve_counts(self.counts()))
+        recount = [e for e in flagged if any(e.counts) and not modified(e.tensor, e.version)]
+        for entry, row in zip(recount, exact_counts([e.tensor for e in recount]), strict=True):  # type: ignore[misc]
+            entry.counts = row if any(row) else entry.counts
+        for entry in self.entries:
+            entry.tensor = None
 
     def _set(self, values: Sequence[Counts]) -> None:
         for entry, counts in zip(self.entries, values, strict=False):
             entry.counts = counts
         n = len(self.entries)
         self.batch = [(name, values[n + k]) for k, (name, _) in enumerate(self.batch)]
+        n += len(self.batch)
+        self.params = [(*p[:-1], values[n + k]) for k, p in enumerate(self.params)]
         self.loss_counts = values[-1]
 
     @property
@@ -184,7 +264,23 @@ class Timeline:
             return self._backward(entry)
         if end >= len(self.entries) and any(self.loss_counts):
             return self._loss()
-        return Finding(False)
+        return self._parameters()
+
+    def _parameters(self) -> Finding:
+        """A gradient non-finite only in parameters (made where a weight's gradient is
+        computed, passed on nowhere): the module whose backward ran first, i.e. that the
+        forward called last."""
+        last = {c.name: c.index for c in self.calls}
+        bad = [p for p in self.params if any(p[-1])]
+        if not bad:
+            return Finding(False)
+        owner, local, dtype, shape, counts = max(bad, key=lambda p: last.get(p[0], -1))
+        call = last.get(owner, -1)
+        producer = self._outputs_finite(call) if call >= 0 else None
+        entry = Entry("grad_param", call, local, dtype, shape, counts)
+        found = self._finding(call, "backward", entry, producer)
+        found.module = owner or None
+        return found
 
     def _loss(self) -> Finding:
         return Finding(True, None, "loss", "loss", as_dict(self.loss_counts))
@@ -199,8 +295,8 @@ class Timeline:
             direction,
             path or entry.path,
             as_dict(entry.counts),
-            entry.dtype,
-            entry.shape,
+            str(entry.dtype),
+            tuple(entry.shape),
             producer,
             tensors=list(found.tensors) if found is not None else [],
         )
@@ -219,12 +315,6 @@ class Timeline:
     def _backward(self, entry: Entry) -> Finding:
         if entry.kind == "grad_input":
             return self._finding(entry.call, "backward", entry, self._outputs_finite(entry.call))
-        if entry.kind == "grad_param":
-            calls = [c.index for c in self.calls if c.name == entry.module]
-            producer = all(self._outputs_finite(c) for c in calls)
-            found = self._finding(calls[-1] if calls else -1, "backward", entry, producer)
-            found.module = entry.module or None
-            return found
         value = entry.value  # the gradient of an output: whose share was it?
         assert value is not None
         unseen = [(c, p) for c, p in value.consumers if c not in value.shares_seen]
@@ -263,7 +353,7 @@ class Timeline:
                     "call": e.call,
                     "kind": e.kind,
                     "path": e.path,
-                    "dtype": e.dtype,
+                    "dtype": str(e.dtype),
                     "shape": list(e.shape),
                     "excluded": e.excluded,
                     **as_dict(e.counts),

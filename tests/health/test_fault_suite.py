@@ -123,7 +123,7 @@ def test_injected_faults_are_traced_to_their_module(
 def test_a_bad_batch_is_not_blamed_on_a_module() -> None:
     model = Net("resnet")
     loader = data("resnet", 12)
-    x, y = loader.dataset.tensors  # type: ignore[attr-defined]
+    x = loader.dataset.tensors[0]  # type: ignore[attr-defined]
     x[5, 1, 2, 3] = float("nan")  # batch 1, sample 1
     monitor = HealthMonitor("skip", evidence_max_bytes=0)
     pl.Trainer(**QUIET, logger=False, max_steps=3, callbacks=[monitor]).fit(model, loader)

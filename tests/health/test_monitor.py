@@ -63,7 +63,9 @@ def same(a: Any, b: Any) -> bool:
         if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
             return False
         if a.is_floating_point():  # NaN where NaN, the same bits elsewhere
-            return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
+            return torch.equal(a.isnan(), b.isnan()) and torch.equal(
+                a.nan_to_num(0), b.nan_to_num(0)
+            )
         return torch.equal(a, b)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
@@ -321,7 +323,9 @@ def test_evidence_stays_within_its_budget(tmp_path: Path) -> None:
     fit(Net("resnet"), [Injector(faults), monitor], steps=2)
     first, second = monitor.events
     meta = json.loads((Path(first.evidence) / "event.json").read_text())
-    assert meta["omitted"] and all(v["why"] == "over the evidence budget" for v in meta["omitted"].values())
+    assert meta["omitted"] and all(
+        v["why"] == "over the evidence budget" for v in meta["omitted"].values()
+    )
     assert second.evidence is None and "no evidence written" in second.message
     total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
     assert total <= (1 << 20) + 600

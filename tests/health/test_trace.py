@@ -10,8 +10,13 @@ from helpers.health_models import Block, _Corrupt
 from torch import Tensor, nn
 
 from lightning_recorder._core.hooks import live_hooks
-from lightning_recorder.callbacks._health_trace import Trace, nonfinite_counts, tensor_paths
-from lightning_recorder.callbacks._health_verdict import Finding, resolve_counts
+from lightning_recorder.callbacks._health_trace import Trace, tensor_paths
+from lightning_recorder.callbacks._health_verdict import (
+    Finding,
+    exact_counts,
+    quick_counts,
+    resolve_counts,
+)
 
 
 def run(model: nn.Module, x: Any, exclude: tuple[str, ...] = (), backward: bool = True) -> Finding:
@@ -23,8 +28,9 @@ def run(model: nn.Module, x: Any, exclude: tuple[str, ...] = (), backward: bool 
         loss = out.float().square().mean()
         trace.end_forward(loss)
         if backward:
-            params = [p for p in model.parameters() if p.requires_grad]
-            torch.autograd.grad(loss, params, allow_unused=True)
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+            trace.parameter_grads((n, g) for (n, _), g in zip(named, grads, strict=True))
         return trace.finish().verdict()
     finally:
         trace.remove()
@@ -56,10 +62,15 @@ class Between(nn.Module):
 
 def test_counts_on_cpu_are_ints_and_paths_walk_structures() -> None:
     t = torch.tensor([1.0, math.nan, math.inf, -math.inf, -math.inf])
-    assert nonfinite_counts(t) == (1, 1, 2)
-    assert nonfinite_counts(torch.ones(3)) == (0, 0, 0)
-    assert nonfinite_counts(torch.arange(3)) == (0, 0, 0)  # integers are always finite
-    assert resolve_counts([torch.tensor([1, 2, 3]), (0, 0, 1)]) == [(1, 2, 3), (0, 0, 1)]
+    assert quick_counts(t) == (1, 1, 2) == exact_counts([t])[0]
+    assert quick_counts(torch.ones(3)) == (0, 0, 0)
+    assert quick_counts(torch.arange(3)) == (0, 0, 0)  # integers are always finite
+    huge = torch.full((4,), 3e38)  # its sum overflows: the exact count says it is finite
+    assert quick_counts(huge) == (0, 0, 0)
+    assert quick_counts(torch.tensor([1.0, math.inf], dtype=torch.bfloat16)) == (0, 1, 0)
+    # a device's flag (a sum) read later: at least one of the kind its value says
+    flags = [torch.tensor([math.nan]), torch.tensor([-math.inf]), torch.tensor([2.0])]
+    assert resolve_counts([*flags, (0, 0, 1)]) == [(1, 0, 0), (0, 0, 1), (0, 0, 0), (0, 0, 1)]
     paths = [p for p, _ in tensor_paths({"a": (t, [t]), "b": 3})]
     assert paths == ["a.0", "a.1.0"]
 
