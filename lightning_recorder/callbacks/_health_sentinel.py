@@ -28,7 +28,7 @@ import torch
 from ._health_event import COUNT_KEYS
 from ._health_verdict import exact_counts
 
-__all__ = ["Reading", "Sentinel", "nonfinite_parameters", "step_counts"]
+__all__ = ["Reading", "Sentinel", "nonfinite_parameters", "step_counts", "to_host_later"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -84,14 +84,12 @@ class Reading:
         return bool(self.flag())
 
     def later(self) -> Reading:
-        """Start reading without waiting: a non-blocking copy to pinned host memory."""
+        """Start reading without waiting: a non-blocking copy to pinned host memory, and an
+        event that says when it (and every copy started before it) has arrived."""
+        self.host = to_host_later(self.values)
         if self.values.device.type == "cuda":
-            self.host = torch.empty(self.values.shape, dtype=self.values.dtype, pin_memory=True)
-            self.host.copy_(self.values, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-        else:
-            self.host = self.values
         return self
 
     def ready(self) -> bool:
@@ -127,6 +125,16 @@ class Reading:
             else:
                 names.append((self.names[k - n], key))
         return total, names, loss
+
+
+def to_host_later(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a CUDA tensor in pinned host memory, started without waiting (read it after a
+    CUDA event recorded later has completed); a CPU tensor itself."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class Sentinel:

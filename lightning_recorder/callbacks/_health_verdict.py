@@ -109,6 +109,7 @@ def resolve_counts(counts: Sequence[Counts]) -> list[tuple[int, int, int]]:
     return out
 
 
+
 def _triple(row: Sequence[Any]) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
@@ -207,16 +208,17 @@ class Timeline:
         ]
 
     def pack(self) -> torch.Tensor | None:
-        """The counts still on a device, stacked (``None`` when all are ints already)."""
-        found = [c for c in self.counts() if isinstance(c, torch.Tensor)]
-        return torch.stack(found) if found else None
+        """The flags of :func:`quick_counts` still on a device, as one vector (``None`` when
+        every count is an int already)."""
+        found = [c.reshape(1).double() for c in self.counts() if isinstance(c, torch.Tensor)]
+        return torch.cat(found) if found else None
 
-    def unpack(self, rows: list[list[int]] | None) -> None:
-        """Put the rows of :meth:`pack` (read on the host) back in place."""
+    def unpack(self, flags: list[float] | None) -> None:
+        """Put the values of :meth:`pack` (read on the host) back in place, as lower bounds."""
         values = self.counts()
-        if rows is not None:
-            it = iter(rows)
-            values = [_triple(next(it)) if isinstance(c, torch.Tensor) else c for c in values]
+        if flags is not None:
+            it = iter(flags)
+            values = [_at_least(next(it)) if isinstance(c, torch.Tensor) else c for c in values]
         self._set(values)
 
     def resolve(self) -> None:

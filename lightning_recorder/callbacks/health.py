@@ -27,7 +27,7 @@ from ._health_policy import Decisions, Pending
 from ._health_replay import MicroBatch, capture_rng, why_not_replayable
 from ._health_report import Reporter
 from ._health_rules import HealthRule
-from ._health_sentinel import Sentinel
+from ._health_sentinel import Sentinel, to_host_later
 from ._health_step import (
     finish_event,
 )
@@ -296,10 +296,8 @@ class HealthMonitor(Decisions, Callback):
             self._decide(trainer, pl_module, named, reading, window, timelines)
             return
         pending = Pending(reading, step, log_step, window, timelines)
-        pending.packed = [line.pack() for line in timelines]
-        pending.packed = [
-            p.to("cpu", non_blocking=True) if p is not None else None for p in pending.packed
-        ]
+        packed = [line.pack() for line in timelines]
+        pending.packed = [to_host_later(p) if p is not None else None for p in packed]
         reading.later()  # its event is recorded after the copies above
         self._pending.append(pending)
         self._resolve(trainer, wait=False)

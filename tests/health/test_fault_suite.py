@@ -27,6 +27,7 @@ from helpers.health_models import (
     Fault,
     Injector,
     Net,
+    Truth,
     candidates,
     data,
 )
@@ -37,22 +38,6 @@ from lightning_recorder import HealthMonitor
 ARCHS = ("cnn", "resnet", "mlp", "transformer")
 PRECISIONS = ("32-true", "bf16-mixed")
 STEPS = 32
-
-
-class Truth(pl.Callback):
-    """Which steps had a non-finite loss or gradient, by plain PyTorch (before the monitor)."""
-
-    def __init__(self) -> None:
-        self.bad: set[int] = set()
-        self._loss_bad = False
-
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
-        self._loss_bad = not bool(torch.isfinite(loss).all())
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if self._loss_bad or not all(bool(torch.isfinite(g).all()) for g in grads):
-            self.bad.add(trainer.global_step)
 
 
 def run_suite(arch: str, precision: str) -> dict[str, Any]:

@@ -236,3 +236,30 @@ def test_replay_of_a_checkpointed_module_counts_each_call_once() -> None:
         trace.remove()
     assert [c.name for c in line.calls] == ["0", "1", "1.inner", "1.inner.0", "1.inner.1"]
     assert (found.module, found.direction) == ("1.inner.1", "backward")
+
+
+def test_device_flags_become_lower_bounds_or_exact_counts() -> None:
+    """On a GPU a count is a flag (a sum) read later; a kept tensor is recounted exactly."""
+    from lightning_recorder._core.structures import snapshot
+    from lightning_recorder.callbacks._health_verdict import Entry, Timeline
+
+    def line() -> Timeline:
+        kept = torch.tensor([math.nan, math.nan, 1.0])
+        timeline = Timeline()
+        shape = tuple(kept.shape)
+        timeline.entries = [
+            Entry("output", -1, "output", kept.dtype, shape, kept.sum().reshape(1)),
+            Entry("output", -1, "output", kept.dtype, shape, torch.tensor([-math.inf])),
+            Entry("output", -1, "output", kept.dtype, shape, torch.tensor([3.0])),
+        ]
+        timeline.entries[0].tensor, timeline.entries[0].version = kept, snapshot(kept)
+        return timeline
+
+    resolved = line()
+    resolved.resolve()
+    assert [e.counts for e in resolved.entries] == [(2, 0, 0), (0, 0, 1), (0, 0, 0)]
+    packed = line()
+    flags = packed.pack()
+    assert flags is not None and flags.shape == (3,)  # the loss, an int already, is not packed
+    packed.unpack(flags.tolist())
+    assert [e.counts for e in packed.entries] == [(1, 0, 0), (0, 0, 1), (0, 0, 0)]

@@ -18,7 +18,7 @@ A :class:`Fault` makes one module produce a NaN, +inf or -inf on one step:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,7 +270,7 @@ class Fault:
 
 
 def _takes_grad_input(model: nn.Module, name: str) -> bool:
-    """Whether the module's first input needs a gradient (found by a forward on a probe)."""
+    """Whether the module's inputs need a gradient (all but the layers the batch goes into)."""
     return name not in FIRST_LAYERS.get(getattr(model, "arch", ""), ())
 
 
@@ -338,8 +338,17 @@ class Injector(pl.Callback):
             self._remove = None
 
 
-def tensors_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> Iterator[str]:
-    """The names whose tensors differ (bit for bit: the skipped update must leave no trace)."""
-    for name in a:
-        if not torch.equal(a[name], b[name]):
-            yield name
+class Truth(pl.Callback):
+    """Which steps had a non-finite loss or gradient, by plain PyTorch (before the monitor)."""
+
+    def __init__(self) -> None:
+        self.bad: set[int] = set()
+        self._loss_bad = False
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
+        self._loss_bad = not bool(torch.isfinite(loss).all())
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if self._loss_bad or not all(bool(torch.isfinite(g).all()) for g in grads):
+            self.bad.add(trainer.global_step)
