@@ -194,8 +194,9 @@ class Decisions:
     def _checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int
     ) -> str | None:
-        """Save a checkpoint before the bad update, once a run, when it fits the budget (the
-        same answer on every rank: ``save_checkpoint`` is a collective)."""
+        """Save a checkpoint before the bad update, once a run, when the parameters and the
+        optimizer state fit in ``evidence_max_bytes`` (a test that gives the same answer on
+        every rank: ``save_checkpoint`` is a collective). It counts against the budget."""
         self._checkpointed = True
         size = sum(p.numel() * p.element_size() for p in pl_module.parameters())
         for optimizer in trainer.optimizers:
@@ -203,7 +204,7 @@ class Decisions:
                 size += sum(
                     v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v)
                 )
-        if not self._evidence.enabled or size > self._evidence.max_bytes - self._evidence.used:
+        if not self._evidence.enabled or size > self._evidence.max_bytes:  # alike on every rank
             return None
         assert self._evidence.root is not None
         path = self._evidence.root / f"step{step:08d}-before-update.ckpt"

@@ -109,7 +109,6 @@ def resolve_counts(counts: Sequence[Counts]) -> list[tuple[int, int, int]]:
     return out
 
 
-
 def _triple(row: Sequence[Any]) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 

@@ -417,3 +417,14 @@ def test_messages_read_as_one_sentence() -> None:
     )
     assert HealthEvent.from_dict(json.loads(json.dumps(event.to_dict()))) == event
     assert not math.isnan(event.total)
+
+
+def test_next_to_feature_stats_monitor(tmp_path: Path) -> None:
+    from lightning_recorder import FeatureStatsMonitor
+
+    stats = FeatureStatsMonitor([torch.nn.Linear], every_n_steps=1, histograms=False)
+    monitor = HealthMonitor("skip", evidence_max_bytes=0)
+    logger = TensorBoardLogger(tmp_path, name="both", version=0)
+    faults = {1: Fault("body.2", "forward", "nan", 1)}
+    fit(Net("mlp"), [Injector(faults), stats, monitor], steps=3, logger=logger)
+    assert [(e.step, e.module, e.action) for e in monitor.events] == [(1, "body.2", "skipped")]
