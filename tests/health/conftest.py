@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,3 +26,9 @@ def quiet_lightning() -> Iterator[None]:
     logger.setLevel(logging.WARNING)
     yield
     logger.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs without a logger write their evidence under the working directory: a fresh one."""
+    monkeypatch.chdir(tmp_path)

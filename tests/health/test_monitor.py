@@ -238,7 +238,7 @@ def test_gradient_accumulation_finds_the_micro_batch(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- other modes
 def test_lazy_check_without_localisation() -> None:
     model = Net("mlp")
-    monitor = HealthMonitor("warn", localize=False)
+    monitor = HealthMonitor("warn", localize=False, evidence_max_bytes=0)
     fit(model, [Injector({1: Fault("body.6", "backward", "posinf", 1)}), monitor], steps=2)
     [event] = monitor.events
     assert (event.step, event.module, event.direction, event.reproduced) == (1, None, None, None)
