@@ -8,10 +8,13 @@ working.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "DuplicateNameError",
     "InvalidSourceError",
     "NoRecordError",
+    "NonFiniteError",
     "NotInitializedError",
     "RecordModifiedError",
     "RecorderConfigError",
@@ -60,3 +63,25 @@ class RecordModifiedError(RecorderStateError):
 
 class NoRecordError(RecorderStateError, IndexError):
     """A record was requested that does not exist (out of range, or nothing was recorded)."""
+
+
+class NonFiniteError(RecorderError, RuntimeError):
+    """Training produced non-finite values (NaN, +inf, -inf) and the policy was to stop.
+
+    Raised by :class:`~lightning_recorder.HealthMonitor` with ``on_nonfinite="raise"``, or after
+    ``max_consecutive_skips`` skipped steps in a row with ``"skip"``, once the evidence is
+    written. ``event`` is the :class:`~lightning_recorder.HealthEvent` that says where the values
+    first appeared (``None`` when raised without one).
+
+    Examples:
+        >>> err = NonFiniteError("step 3 was non-finite")
+        >>> isinstance(err, RuntimeError), err.event is None
+        (True, True)
+    """
+
+    def __init__(self, message: str, event: Any = None) -> None:
+        super().__init__(message)
+        self.event = event
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable with its event (e.g. across processes)
+        return (type(self), (str(self), self.event))

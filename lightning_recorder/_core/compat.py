@@ -58,9 +58,17 @@ def distributed_active(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, in one call (torch's private ``_foreach_norm``)."""
-    return list(torch._foreach_norm(tensors))
+def foreach_norm(
+    tensors: list[torch.Tensor], dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, in one call (torch's private ``_foreach_norm``), computed and
+    returned in ``dtype`` when it is given (float32 norms of float16 gradients, say)."""
+    if dtype is None:
+        return list(torch._foreach_norm(tensors))
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+    except TypeError:  # a torch whose _foreach_norm takes no dtype: convert first
+        return list(torch._foreach_norm([t.to(dtype) for t in tensors]))
 
 
 def foreach_sub(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -8,6 +8,9 @@
   safetensors files with their provenance (``lightning_recorder.activations`` reads them back);
 * :mod:`.tensorboard_logger` — :class:`TensorBoardLogger`: Lightning's TensorBoard logger with
   its event file checksummed in C.
+* :mod:`.health` — :class:`HealthMonitor`: the first NaN/Inf of a run traced to the module that
+  made it (a :class:`HealthEvent`), with evidence on disk, and bad steps skipped alike on every
+  rank.
 
 ``_lightning`` holds every read of Lightning's private state, so that a change in Lightning
 touches one file.
@@ -15,6 +18,7 @@ touches one file.
 
 from .activation_writer import ActivationWriter
 from .distillation import FeatureDistillation, LossSpec, distillation_loss
+from .health import HealthEvent, HealthMonitor, HealthRule
 from .recorder import RecorderCallback
 from .stats_monitor import FeatureStatsMonitor
 from .tensorboard_logger import TensorBoardLogger
@@ -23,6 +27,9 @@ __all__ = [
     "ActivationWriter",
     "FeatureDistillation",
     "FeatureStatsMonitor",
+    "HealthEvent",
+    "HealthMonitor",
+    "HealthRule",
     "LossSpec",
     "RecorderCallback",
     "TensorBoardLogger",

@@ -1,0 +1,213 @@
+"""`HealthEvent`: one finding of a :class:`~lightning_recorder.HealthMonitor`, and its sentence.
+
+An event says *what* was found (``kind``), *when* (``step``, ``batch_idx``, ``rank``), *where*
+(``module``, ``direction``, ``path``, ``dtype``, ``shape``) and *how much* (``counts``), whether
+the module made the values or passed them on (``producer``), whether a replay of the step saw
+the same (``reproduced``), what the monitor did (``action``) and where the evidence is
+(``evidence``); ``message`` says all of it in one sentence. Events are plain data: ``to_dict()``
+gives JSON-ready values, so that an event can be written, sent to an alert or compared.
+
+``kind`` is ``"nonfinite"`` for NaN/Inf found in the loss, the gradients or a replay,
+``"amp_skipped"`` for a step that the AMP grad scaler skipped itself (not an alarm), or the name
+of a :class:`~lightning_recorder.callbacks.health.HealthRule` for the rules' findings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["COUNT_KEYS", "Direction", "HealthEvent", "describe", "format_counts"]
+
+Direction = Literal["forward", "backward", "loss", "parameter"]
+"""Where non-finite values were found: a module's forward output (or the code between its
+submodules), a gradient computed by its backward, the loss, or a parameter itself."""
+
+COUNT_KEYS = ("nan", "posinf", "neginf")
+"""The keys of :attr:`HealthEvent.counts`, in this order."""
+
+
+def _zero_counts() -> dict[str, int]:
+    return dict.fromkeys(COUNT_KEYS, 0)
+
+
+@dataclass
+class HealthEvent:
+    """One finding of :class:`~lightning_recorder.HealthMonitor`, appended to its ``events``.
+
+    Attributes:
+        kind: ``"nonfinite"``, ``"amp_skipped"`` or the name of the rule that found it.
+        step: Lightning's global step (optimizer steps done before this one).
+        batch_idx: the batch index of the step (the micro-batch that showed it, with gradient
+            accumulation); ``None`` when not known.
+        rank: the global rank where it was found (under DDP, the rank whose batch produced it).
+        module: the qualified name of the module to blame (as in ``named_modules()`` of the
+            LightningModule), or ``None`` when no module is to blame (a bad batch, the loss
+            computed outside any module, or nothing localised).
+        direction: ``"forward"``, ``"backward"``, ``"loss"`` or ``"parameter"``; ``None`` when
+            not localised.
+        counts: ``{"nan": ..., "posinf": ..., "neginf": ...}`` in the offending tensor.
+        producer: whether ``module`` made the values from finite ones (its inputs, or backward
+            its output's gradient, were finite) rather than passed them on; ``None`` when no
+            module is named.
+        reproduced: whether the replay of the step saw non-finite values too (``None`` without a
+            replay).
+        message: one readable sentence: what, where, when, and the evidence path.
+        path: the offending tensor relative to ``module``: ``"output"``, ``"output.0"``,
+            ``"output.logits"``, ``"input.x"`` (backward: the gradient sent to input ``x``),
+            ``"weight"`` (a parameter or its gradient), or a submodule's input such as
+            ``"conv2.input.input"`` when the code between submodules made it.
+        dtype: the offending tensor's dtype, e.g. ``"torch.float32"``.
+        shape: the offending tensor's shape.
+        action: what the monitor did: ``"warned"``, ``"skipped"``, ``"raised"`` or ``None``.
+        evidence: the directory of the evidence bundle, or ``None`` when none was written.
+        parameters: the parameters whose gradient the always-on check found non-finite (at most
+            the first 16).
+        details: anything more a rule wants to say (plain values).
+
+    Examples:
+        >>> event = HealthEvent("nonfinite", step=3, batch_idx=3, rank=0, module="net.2",
+        ...                     direction="forward", counts={"nan": 4, "posinf": 0, "neginf": 0})
+        >>> event.total, event.to_dict()["module"]
+        (4, 'net.2')
+    """
+
+    kind: str
+    step: int
+    batch_idx: int | None
+    rank: int = 0
+    module: str | None = None
+    direction: Direction | None = None
+    counts: dict[str, int] = field(default_factory=_zero_counts)
+    producer: bool | None = None
+    reproduced: bool | None = None
+    message: str = ""
+    path: str | None = None
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    action: str | None = None
+    evidence: str | None = None
+    parameters: tuple[str, ...] = ()
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """The number of non-finite values counted (NaN, +inf and -inf together)."""
+        return sum(self.counts.get(key, 0) for key in COUNT_KEYS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event as JSON-ready plain values."""
+        out = dataclasses.asdict(self)
+        out["shape"] = list(self.shape) if self.shape is not None else None
+        out["parameters"] = list(self.parameters)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HealthEvent:
+        """The event written by :meth:`to_dict` (unknown keys are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        if values.get("shape") is not None:
+            values["shape"] = tuple(values["shape"])
+        values["parameters"] = tuple(values.get("parameters") or ())
+        return cls(**values)
+
+
+def format_counts(counts: dict[str, int]) -> str:
+    """``"3 NaN, 0 +inf, 1 -inf"``."""
+    return (
+        f"{counts.get('nan', 0)} NaN, {counts.get('posinf', 0)} +inf, "
+        f"{counts.get('neginf', 0)} -inf"
+    )
+
+
+_ACTIONS = {
+    "warned": "training goes on with this update",
+    "skipped": "the update was skipped",
+    "raised": "training stopped",
+}
+
+
+def _tensor(event: HealthEvent) -> str:
+    parts = [format_counts(event.counts)]
+    if event.dtype is not None:
+        shape = list(event.shape) if event.shape is not None else "?"
+        parts.append(f"in a {event.dtype.removeprefix('torch.')} tensor of shape {shape}")
+    return " ".join(parts)
+
+
+def _where(event: HealthEvent) -> str:
+    """The finding, as the subject of the sentence."""
+    module, path = event.module, event.path or ""
+    if event.kind == "amp_skipped":
+        return "The AMP grad scaler skipped a step whose gradients overflowed (not an alarm)"
+    if event.kind != "nonfinite":
+        return f"Rule {event.kind!r} fired" + (f" on `{module}`" if module else "")
+    if event.direction == "parameter":
+        return f"The parameter `{module}.{path}` was already non-finite before the forward"
+    if module is None:
+        if event.direction == "forward" and event.producer is False:
+            where = f" (`{path}`)" if path else ""
+            return f"The batch itself holds non-finite values{where}, before any module ran"
+        if event.direction == "forward":
+            return (
+                f"Code of `training_step` outside any module made non-finite values "
+                f"(first seen at `{path}`)"
+            )
+        if event.direction == "loss" and event.path == "loss":
+            return "The loss computed outside any module was non-finite (the outputs were finite)"
+        if event.direction == "backward":
+            return (
+                f"The backward of code outside any module made non-finite gradients "
+                f"(first seen at `{path}`)"
+            )
+        return _unlocalised(event)
+    own = "from finite inputs" if event.direction == "forward" else "from a finite output gradient"
+    made = "made" if event.producer else "passed on"
+    source = own if event.producer else "it received"
+    if event.direction == "forward":
+        if path.startswith("output"):
+            return f"`{module}` {made} non-finite values in its forward {path} ({source})"
+        return f"Code of `{module}` between its submodules {made} non-finite values at `{path}`"
+    if path.startswith("input"):
+        what = f"the gradient of its {path.replace('input.', 'input `', 1)}`"
+    elif path.startswith("output") or "." in path:
+        what = f"the gradient of `{path}`"
+    else:
+        what = f"the gradient of its parameter `{path}`"
+    return f"`{module}` {made} non-finite values in its backward, in {what} ({source})"
+
+
+def _unlocalised(event: HealthEvent) -> str:
+    """What the always-on check saw, when no module was named."""
+    parts = ["the loss"] if event.direction == "loss" else []
+    if event.parameters:
+        names = ", ".join(f"`{p}`" for p in event.parameters[:3])
+        more = len(event.parameters) - 3
+        parts.append(f"the gradients of {names}" + (f" and {more} more" if more > 0 else ""))
+    what = " and ".join(parts) or "the loss or the gradients"
+    sentence = f"{what[0].upper()}{what[1:]} were non-finite"
+    if event.reproduced is False:
+        return sentence + " but the replay did not reproduce it"
+    return sentence + " (not localised)"
+
+
+def describe(event: HealthEvent) -> str:
+    """The event in one sentence: what, where (module, direction), when (step, batch, rank),
+    how much, what was done and where the evidence is."""
+    when = f"at step {event.step}"
+    if event.batch_idx is not None:
+        when += f", batch {event.batch_idx}"
+    when += f", rank {event.rank}"
+    sentence = f"{_where(event)} {when}"
+    if event.total or event.dtype is not None:
+        sentence += f": {_tensor(event)}"
+    tail = []
+    if event.action in _ACTIONS:
+        tail.append(_ACTIONS[event.action])
+    if event.evidence:
+        tail.append(f"evidence in {event.evidence}")
+    elif event.kind == "nonfinite":
+        tail.append("no evidence written")
+    return sentence + ("; " + "; ".join(tail) if tail else "") + "."

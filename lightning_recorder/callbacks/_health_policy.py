@@ -1,0 +1,284 @@
+"""What a :class:`~lightning_recorder.HealthMonitor` does with a step's check: decide before the
+optimizer step, or read it lazily at the next; localise; write the event and the evidence; act.
+
+**Deciding before the step** (``"skip"``, ``"raise"``, ``"warn"`` with replays, and every run
+with an AMP grad scaler, which synchronises on every step itself): the check's flag is reduced
+over the ranks (a maximum) and read — the one synchronisation of a clean step. A flagged step
+is counted element by element (the flag also fires on a float32 norm overflow, which is not a
+NaN); a step whose gradients overflowed under a grad scaler at a scale above 1 with a finite
+loss is the scaler's business (``amp_skipped``). Otherwise the step is replayed (under ``"warn"``
+only the first of a run of consecutive non-finite steps: after a non-finite update every later
+step is non-finite), the ranks' findings are gathered and the most telling chosen, the evidence
+is written on every rank, the event reported, and the policy applied: ``"skip"`` sets every
+gradient of the optimizer to ``None`` (optimizers skip parameters without a gradient and leave
+their state alone); ``"raise"``, or ``"skip"`` past ``max_consecutive_skips``, raises
+:class:`~lightning_recorder.NonFiniteError`.
+
+**Reading lazily** (``"warn"`` without replays): the check and the ``"always"`` timelines are
+copied to the host without waiting and handled at a later batch start (or at the end of
+training); each rank reports what it saw, without collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+
+from ..errors import NonFiniteError
+from ._health_event import HealthEvent
+from ._health_evidence import Evidence
+from ._health_replay import MicroBatch, replay
+from ._health_report import Reporter
+from ._health_sentinel import Reading, step_counts
+from ._health_step import (
+    Check,
+    all_reduce_max,
+    choose,
+    finish_event,
+    gather,
+    make_event,
+    write_evidence,
+)
+from ._health_verdict import Finding, Timeline
+from ._lightning import step_axis
+
+if TYPE_CHECKING:
+    from ._health_rules import HealthRule
+
+__all__ = ["Decisions", "Pending"]
+
+
+@dataclass
+class Pending:
+    """A step read lazily: its check (copied without waiting) and its timelines."""
+
+    reading: Reading
+    step: int
+    log_step: int
+    window: list[MicroBatch]
+    timelines: list[Timeline] = field(default_factory=list)
+    packed: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class Decisions:
+    """The flagged-step half of :class:`~lightning_recorder.HealthMonitor` (a mixin)."""
+
+    on_nonfinite: str
+    max_consecutive_skips: int
+    exclude: tuple[str, ...]
+    evidence_checkpoint: bool
+    rules: tuple[HealthRule, ...]
+    events: list[HealthEvent]
+    counters: dict[str, int]
+    _reporter: Reporter
+    _evidence: Evidence
+    _pending: list[Pending]
+    _replays: bool
+    _streak: int
+    _checkpointed: bool
+
+    # ------------------------------------------------------------------ decisions
+    def _decides_now(self, trainer: pl.Trainer) -> bool:
+        """Whether the check is read before the optimizer step (else lazily, at the next)."""
+        return self.on_nonfinite != "warn" or self._replays or _scaler(trainer) is not None
+
+    def _decide(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        named: list[tuple[str, torch.Tensor]],
+        reading: Reading,
+        window: list[MicroBatch],
+        timelines: list[Timeline],
+    ) -> None:
+        flag = all_reduce_max(reading.flag().float().reshape(1))
+        if not bool(flag):  # the one synchronisation of a clean step
+            self._streak = 0
+            return
+        total, loss, grads = step_counts(reading.losses, named)
+        mine = [float(any(total.values())), float(any(loss.values()))]
+        any_bad, loss_bad = all_reduce_max(torch.tensor(mine, device=flag.device)).tolist()
+        if not any_bad:  # a norm overflowed float32, no value was NaN or infinite
+            self._streak = 0
+            return
+        check = Check(total, loss, [name for name, _ in grads])
+        if timelines:  # "always": the gradients counted here are the parameters' part
+            by_name = dict(named)
+            timelines[-1].params = [
+                (*_split(n), by_name[n].grad.dtype, by_name[n].grad.shape, _row(c))  # type: ignore[union-attr]
+                for n, c in grads
+            ]
+        step, log_step = trainer.global_step, step_axis(trainer)
+        scaler = _scaler(trainer)
+        if scaler is not None and not loss_bad and scaler.get_scale() > 1.0:
+            self._amp_skipped(trainer, step, log_step, window, check)
+            return
+        self._streak += 1
+        self.counters["nonfinite_steps"] += 1
+        replayed = self._replays and (self.on_nonfinite != "warn" or self._streak == 1)
+        finding: Finding | None = None
+        micro = window[-1] if window else None
+        if replayed:
+            summarize = self._evidence.enabled
+            finding, micro = replay(trainer, pl_module, window, self.exclude, scaler, summarize)
+        elif timelines:
+            finding, micro = _first(timelines, window)
+        rank, found = trainer.global_rank, None
+        if finding is not None:  # every rank is here: the decision was reduced
+            batch_idx = micro.batch_idx if micro is not None else None
+            findings = gather({**finding.plain(), "batch_idx": batch_idx})
+            rank = choose(findings)
+            found = findings[rank]
+        event = make_event(step, micro, rank, check, found, replayed)
+        action = {"warn": "warned", "skip": "skipped", "raise": "raised"}[self.on_nonfinite]
+        too_many = action == "skipped" and self._streak > self.max_consecutive_skips
+        action = "raised" if too_many else action
+        loud = self.on_nonfinite != "warn" or self._streak == 1
+        extra: dict[str, Any] = {"rank": trainer.global_rank, "world_size": trainer.world_size}
+        if loud and self.evidence_checkpoint and not self._checkpointed:
+            extra["checkpoint"] = self._checkpoint(trainer, pl_module, step)
+        self._finish(trainer, event, action, micro, finding, check, extra, loud, log_step)
+        if action == "skipped":
+            for _, p in named:
+                p.grad = None  # optimizers skip parameters without a gradient: no state change
+            self.counters["skipped_steps"] += 1
+        elif action == "raised":
+            reason = event.message
+            if too_many:
+                reason = (
+                    f"{self.max_consecutive_skips} non-finite steps in a row were skipped "
+                    f"(`max_consecutive_skips`); this one is not: {event.message}"
+                )
+            raise NonFiniteError(reason, event)
+
+    def _finish(
+        self,
+        trainer: pl.Trainer,
+        event: HealthEvent,
+        action: str,
+        micro: MicroBatch | None,
+        finding: Finding | None,
+        check: Check,
+        extra: dict[str, Any],
+        loud: bool,
+        log_step: int,
+    ) -> None:
+        """Write the evidence (the first step of a run of "warn" steps, every loud one) and
+        report."""
+        at = self._evidence.path(event.step, event.rank) if loud else None
+        finish_event(event, action, str(at) if at is not None else None)
+        mine = self._evidence.path(event.step, trainer.global_rank) if loud else None
+        written = write_evidence(self._evidence, mine, event, micro, finding, check, extra)
+        if written is None and event.rank == trainer.global_rank and at is not None:
+            finish_event(event, action, None)  # nothing could be written here after all
+        self._emit(trainer, event, log_step, loud)
+
+    def _amp_skipped(
+        self,
+        trainer: pl.Trainer,
+        step: int,
+        log_step: int,
+        window: list[MicroBatch],
+        check: Check,
+    ) -> None:
+        self.counters["amp_skipped_steps"] += 1
+        micro = window[-1] if window else None
+        event = make_event(step, micro, trainer.global_rank, check, None, False, "amp_skipped")
+        finish_event(event, None, None)
+        self._emit(trainer, event, log_step, loud=False)
+
+    def _checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int
+    ) -> str | None:
+        """Save a checkpoint before the bad update, once a run, when the parameters and the
+        optimizer state fit in ``evidence_max_bytes`` (a test that gives the same answer on
+        every rank: ``save_checkpoint`` is a collective). It counts against the budget."""
+        self._checkpointed = True
+        size = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        for optimizer in trainer.optimizers:
+            for state in optimizer.state.values():
+                size += sum(
+                    v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v)
+                )
+        if not self._evidence.enabled or size > self._evidence.max_bytes:  # alike on every rank
+            return None
+        assert self._evidence.root is not None
+        path = self._evidence.root / f"step{step:08d}-before-update.ckpt"
+        trainer.save_checkpoint(path)
+        self._evidence.used += size
+        return str(path)
+
+    def _emit(self, trainer: pl.Trainer, event: HealthEvent, log_step: int, loud: bool) -> None:
+        self.events.append(event)
+        self._reporter.report(trainer, event, self.counters, log_step, loud)
+
+    # ------------------------------------------------------------------ lazy reading
+    def _resolve(self, trainer: pl.Trainer, wait: bool) -> None:
+        """Handle the checks of earlier steps whose values have arrived (all when ``wait``)."""
+        while self._pending:
+            pending = self._pending[0]
+            if not pending.reading.ready():
+                if not wait:
+                    return
+                pending.reading.wait()
+            self._pending.pop(0)
+            self._lazy(trainer, pending)
+
+    def _lazy(self, trainer: pl.Trainer, pending: Pending) -> None:
+        if not pending.reading.host_bad():
+            self._streak = 0
+            return
+        counts, bad, loss = pending.reading.tensor_counts()
+        check = Check(counts, loss, [name for name, _ in bad])
+        if pending.timelines:
+            pending.timelines[-1].params = [
+                (*_split(n), torch.float32, (), _row({key: 1})) for n, key in bad
+            ]
+        self._streak += 1
+        self.counters["nonfinite_steps"] += 1
+        finding: Finding | None = None
+        micro = pending.window[-1] if pending.window else None
+        for line, packed in zip(pending.timelines, pending.packed, strict=True):
+            line.unpack(packed.tolist() if packed is not None else None)
+        if pending.timelines:
+            finding, micro = _first(pending.timelines, pending.window)
+        found = None
+        if finding is not None:
+            found = {**finding.plain(), "batch_idx": micro.batch_idx if micro else None}
+        event = make_event(pending.step, micro, trainer.global_rank, check, found, False)
+        extra: dict[str, Any] = {"rank": trainer.global_rank, "world_size": trainer.world_size}
+        extra["read"] = "lazily"
+        loud = self._streak == 1
+        self._finish(trainer, event, "warned", micro, finding, check, extra, loud, pending.log_step)
+
+
+def _split(name: str) -> tuple[str, str]:
+    owner, _, local = name.rpartition(".")
+    return owner, local
+
+
+def _row(counts: dict[str, int]) -> tuple[int, int, int]:
+    return counts.get("nan", 0), counts.get("posinf", 0), counts.get("neginf", 0)
+
+
+def _scaler(trainer: pl.Trainer) -> Any:
+    """The AMP grad scaler of the run (``precision="16-mixed"``), or ``None``."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def _first(
+    timelines: Sequence[Timeline], window: Sequence[MicroBatch]
+) -> tuple[Finding, MicroBatch | None]:
+    """The first micro-batch's timeline with a finding (``localize="always"``)."""
+    fallback = window[-1] if window else None
+    for k, line in enumerate(timelines):
+        finding = line.verdict()
+        if finding.reproduced:
+            finding.summary = line.summary()
+            return finding, window[k] if k < len(window) else fallback
+    return Finding(False), fallback

@@ -1,0 +1,94 @@
+"""Telling people about a health event: Python logging, the Trainer's loggers, an alert.
+
+On global rank zero only (nothing here is a collective):
+
+* **Python logging** — the logger ``"lightning_recorder.health"``: ``WARNING`` for the first
+  event of a run of consecutive non-finite steps and for rule findings, ``INFO`` for steps the
+  AMP grad scaler skipped, ``DEBUG`` for the later steps of a run (counted, not repeated);
+* **the Trainer's loggers** — the counters as scalars through ``log_metrics`` on every event
+  (``health/nonfinite_steps``, ``health/skipped_steps``, ``health/amp_skipped_steps``,
+  ``health/rule_events`` and the event's ``health/nan``, ``health/posinf``, ``health/neginf``
+  counts: integers, so loggers that refuse non-finite metrics take them), and the message as a
+  text entry (``health/events``) where the logger can show text: TensorBoard (``add_text``)
+  and Weights & Biases (``log_text``);
+* **an alert** — an optional callable given each loud event, at most once per
+  ``alert_interval_s`` seconds; an alert that raises is reported and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ._health_event import HealthEvent
+
+__all__ = ["LOGGER_NAME", "Reporter"]
+
+LOGGER_NAME = "lightning_recorder.health"
+log = logging.getLogger(LOGGER_NAME)
+
+
+class Reporter:
+    """Sends events to Python logging, the Trainer's loggers and the alert (rank zero)."""
+
+    def __init__(self, alert: Callable[[HealthEvent], Any] | None, alert_interval_s: float) -> None:
+        self.alert, self.interval = alert, alert_interval_s
+        self._last_alert = -math.inf
+        self.suppressed_alerts = 0
+
+    def report(
+        self,
+        trainer: pl.Trainer,
+        event: HealthEvent,
+        counters: dict[str, int],
+        log_step: int,
+        loud: bool,
+    ) -> None:
+        """Report ``event`` (``loud``: the first of its run, worth a warning and an alert)."""
+        if not trainer.is_global_zero:
+            return
+        if event.kind == "amp_skipped":
+            level = logging.INFO
+        else:
+            level = logging.WARNING if loud else logging.DEBUG
+        log.log(level, event.message)
+        metrics: dict[str, float] = {f"health/{k}": float(v) for k, v in counters.items()}
+        metrics.update({f"health/{k}": float(v) for k, v in event.counts.items()})
+        for logger in trainer.loggers:
+            try:
+                logger.log_metrics(metrics, step=log_step)
+                if loud or event.kind == "amp_skipped":
+                    _text(logger, event, log_step)
+            except Exception as err:  # a logger's failure must not stop training
+                rank_zero_warn(f"HealthMonitor could not write to {type(logger).__name__}: {err}")
+        if loud and self.alert is not None and event.kind != "amp_skipped":
+            now = time.monotonic()
+            if now - self._last_alert < self.interval:
+                self.suppressed_alerts += 1
+                return
+            self._last_alert = now
+            try:
+                self.alert(event)
+            except Exception as err:
+                rank_zero_warn(f"HealthMonitor's `alert` raised {type(err).__name__}: {err}")
+
+
+def _text(logger: Any, event: HealthEvent, step: int) -> None:
+    if isinstance(logger, TensorBoardLogger):
+        logger.experiment.add_text("health/events", event.message, global_step=step)
+    elif isinstance(logger, WandbLogger):
+        row: list[Any] = [event.step, event.kind, event.module or "", event.direction or ""]
+        row.append(event.message)
+        logger.log_text(
+            key="health/events",
+            columns=["step", "kind", "module", "direction", "message"],
+            data=[row],
+            step=step,
+        )

@@ -1,0 +1,362 @@
+"""`HealthMonitor`: where the first NaN/Inf of a run came from, told in one message; and training
+that goes on past a bad batch, alike on every rank.
+
+The classes a user meets are re-exported here: :class:`HealthEvent` (a finding) and
+:class:`HealthRule` (the extension point for rules).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from .._core.checks import check_bool, check_callable, check_int, check_number, check_option
+from .._core.names import named_parameters
+from ..errors import RecorderConfigError, RecorderStateError
+from ._health_event import HealthEvent
+from ._health_evidence import Evidence
+from ._health_policy import Decisions, Pending
+from ._health_replay import MicroBatch, capture_rng, why_not_replayable
+from ._health_report import Reporter
+from ._health_rules import HealthRule
+from ._health_sentinel import Sentinel, to_host_later
+from ._health_step import (
+    finish_event,
+)
+from ._health_trace import Trace
+from ._health_verdict import Timeline
+from ._lightning import step_axis
+
+__all__ = ["HealthEvent", "HealthMonitor", "HealthRule"]
+
+Policy = Literal["warn", "skip", "raise"]
+Localize = Literal["replay", "always", False]
+_MiB = 1 << 20
+_NO_RNG = torch.empty(0, dtype=torch.uint8)
+
+
+class HealthMonitor(Decisions, Callback):
+    """Find the first NaN/Inf of a training run, say which module made it, and keep training.
+
+    **The check (every step).** Before each optimizer step the loss and every parameter
+    gradient are checked for NaN and ±Inf with one fused multi-tensor norm per device and dtype
+    (no per-tensor synchronisation). With ``"skip"`` or ``"raise"``, or with ``"warn"`` and
+    ``localize="replay"``, the result is read before the optimizer step: one host
+    synchronisation per step on a GPU (none on the CPU). Otherwise it is copied without waiting
+    and read at the next step: a clean step never synchronises. Steps that the AMP grad scaler
+    skips itself (``precision="16-mixed"``: gradients overflowed, loss finite) are reported as
+    ``kind="amp_skipped"``, not as alarms.
+
+    **Where it came from.** ``localize="replay"`` (default): on a flagged step, before the
+    optimizer step, the same batch runs again through ``training_step`` with every module and
+    parameter hooked (random generators reset to the step's start, buffers such as BatchNorm
+    statistics written back, ``self.log`` muted, the real gradients untouched), and the event
+    names the first module whose forward output, or whose backward gradient, was non-finite —
+    with its direction, the tensor's path, dtype, shape and counts, and whether the module made
+    the values from finite ones (``producer``). A batch that holds NaN itself is reported with
+    ``module=None``. ``localize="always"`` hooks every module on every step instead (for what
+    cannot be replayed: manual optimization steps inside ``training_step``); it costs about one
+    extra pass over every module output and gradient per step. ``False``: the check only.
+
+    **What happens then** (``on_nonfinite``): ``"warn"`` reports and lets the update happen
+    (the parameters will usually become non-finite; later steps of that run are counted, not
+    replayed). ``"skip"`` reports and discards the update — every gradient of the optimizer is
+    set to ``None``, so neither the parameters nor the optimizer's state (momentum, Adam's
+    moments and step count) change — the same decision on every DDP rank (the flag is reduced
+    across ranks first); after ``max_consecutive_skips`` skipped steps in a row the next
+    non-finite step raises. ``"raise"`` reports, writes the evidence, and raises
+    :class:`~lightning_recorder.NonFiniteError` (its ``event`` attribute is the event). With
+    manual optimization the policy applies at each ``optimizer.step()`` in ``training_step``:
+    ``"skip"`` turns that call into a no-op, ``"raise"`` raises from it, and steps are localised
+    only with ``localize="always"``.
+
+    **Evidence.** Each non-finite event writes a bundle (safetensors + JSON, atomically): the
+    batch, the blamed module's inputs and outputs, the per-module summary of the replay, the
+    random generators' states, step, batch index and rank (optionally a checkpoint taken before
+    the bad update); all bundles of a run share ``evidence_max_bytes``.
+
+    **Reporting.** Python logging (``"lightning_recorder.health"``, rank zero), the loggers (a
+    text entry and the event counters as scalars), the ``alert`` callable (rate-limited), and
+    :attr:`events`. A Weights & Biases alert is two lines::
+
+        import wandb
+        alert = lambda e: wandb.alert(title=f"HealthMonitor: {e.kind}", text=e.message)
+
+    Args:
+        on_nonfinite: ``"warn"``, ``"skip"`` or ``"raise"`` (see above).
+        localize: ``"replay"``, ``"always"`` or ``False`` (see above).
+        rules: :class:`HealthRule` objects checked after every optimizer step (an extension
+            point; none ship yet).
+        evidence_dir: where bundles go; default ``<trainer.log_dir>/health``.
+        alert: called with each event worth an alert (the first of a run of non-finite steps,
+            rule findings), at most once per ``alert_interval_s``.
+        max_consecutive_skips: with ``"skip"``, how many non-finite steps in a row are skipped
+            before the next one raises.
+        exclude: glob patterns of tensors that may hold non-finite values on purpose, e.g.
+            ``["*.input.attn_mask"]``: names are ``"<module>.output[.<path>]"``,
+            ``"<module>.input.<argument>"`` and ``"batch.<path>"``.
+        evidence_max_bytes: the bytes all bundles of a run may take; 0 writes none.
+        evidence_checkpoint: also save a Trainer checkpoint before the first bad update (when
+            the model and optimizer state fit in ``evidence_max_bytes``).
+        alert_interval_s: the least time between two alerts, in seconds.
+
+    Raises:
+        RecorderConfigError: an argument is invalid.
+        NonFiniteError: during ``fit``, as the policy says.
+
+    Examples:
+        >>> import lightning.pytorch as pl
+        >>> import torch
+        >>> from torch import nn
+        >>> class Net(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        ...     def training_step(self, batch, batch_idx):
+        ...         x = batch[0]
+        ...         if batch_idx == 2:
+        ...             x = x / 0.0 * 0.0  # a bad batch: NaN before any module
+        ...         return self.body(x).square().mean()
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        >>> data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)),
+        ...                                    batch_size=4)
+        >>> monitor = HealthMonitor(on_nonfinite="skip", evidence_max_bytes=0)
+        >>> trainer = pl.Trainer(max_steps=4, callbacks=[monitor], logger=False,
+        ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(Net(), data)
+        >>> [(e.step, e.module, e.direction, e.path, e.action) for e in monitor.events]
+        [(2, None, 'forward', 'body.input.input', 'skipped')]
+    """
+
+    def __init__(
+        self,
+        on_nonfinite: Policy = "warn",
+        localize: Localize = "replay",
+        rules: Sequence[HealthRule] = (),
+        evidence_dir: str | os.PathLike[str] | None = None,
+        alert: Callable[[HealthEvent], Any] | None = None,
+        max_consecutive_skips: int = 5,
+        *,
+        exclude: Sequence[str] = (),
+        evidence_max_bytes: int = 256 * _MiB,
+        evidence_checkpoint: bool = False,
+        alert_interval_s: float = 300.0,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        check_option("on_nonfinite", on_nonfinite, ("warn", "skip", "raise"))
+        if localize not in ("replay", "always") and localize is not False:
+            raise RecorderConfigError(
+                f"Expected `localize` of {owner} to be 'replay', 'always' or False but got "
+                f"{localize!r}."
+            )
+        self.rules = _check_rules(rules, owner)
+        check_callable(alert, "alert", "a function of a HealthEvent")
+        check_int(max_consecutive_skips, "max_consecutive_skips", owner, minimum=0)
+        check_int(evidence_max_bytes, "evidence_max_bytes", owner, minimum=0)
+        check_bool(evidence_checkpoint, "evidence_checkpoint", owner)
+        check_number(alert_interval_s, "alert_interval_s", owner, positive=True)
+        if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude):
+            raise RecorderConfigError(
+                f"Expected `exclude` of {owner} to be a list of glob patterns such as "
+                f"['*.input.attn_mask'] but got {exclude!r}."
+            )
+        if evidence_dir is not None and not isinstance(evidence_dir, (str, os.PathLike)):
+            raise RecorderConfigError(
+                f"Expected `evidence_dir` of {owner} to be a path or None but got {evidence_dir!r}."
+            )
+        self.on_nonfinite: Policy = on_nonfinite
+        self.localize: Localize = localize
+        self.evidence_dir = evidence_dir
+        self.max_consecutive_skips = max_consecutive_skips
+        self.exclude = tuple(exclude)
+        self.evidence_checkpoint = evidence_checkpoint
+        self.events: list[HealthEvent] = []
+        self.counters = {
+            "nonfinite_steps": 0,
+            "skipped_steps": 0,
+            "amp_skipped_steps": 0,
+            "rule_events": 0,
+        }
+        self._reporter = Reporter(alert, alert_interval_s)
+        self._evidence = Evidence(None, evidence_max_bytes)
+        self._sentinel = Sentinel()
+        self._trace: Trace | None = None
+        self._window: list[MicroBatch] = []
+        self._timelines: list[Timeline] = []
+        self._pending: list[Pending] = []
+        self._names: dict[int, str] = {}
+        self._replays = False
+        self._streak = 0
+        self._stepped = False
+        self._checkpointed = False
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(on_nonfinite=self.on_nonfinite, localize=self.localize)
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        root = self.evidence_dir
+        if root is None:  # every rank asks: log_dir is broadcast from rank 0
+            root = Path(trainer.log_dir or trainer.default_root_dir) / "health"
+        self._evidence.root = Path(root)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._names = {id(p): n for n, p in named_parameters(pl_module).items()}
+        self._window, self._timelines, self._pending = [], [], []
+        self._sentinel.reset()
+        self._replays = False
+        if self.localize == "replay":
+            why = why_not_replayable(trainer, pl_module)
+            self._replays = why is None
+            if why is not None:
+                rank_zero_warn(
+                    f"HealthMonitor cannot replay steps: {why}. Non-finite steps are reported "
+                    "without the module that made them; pass `localize='always'` to check every "
+                    "module on every step."
+                )
+        if self.localize == "always":
+            self._trace = Trace(pl_module, self.exclude, owner="HealthMonitor(always)")
+            self._trace.install()
+
+    def _detach(self) -> None:
+        if self._trace is not None:
+            self._trace.remove()
+            self._trace = None
+        self._window, self._timelines = [], []
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._resolve(trainer, wait=True)
+        self._detach()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._detach()
+
+    # ------------------------------------------------------------------ per batch
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._resolve(trainer, wait=False)
+        if self._trace is not None:
+            if self._window and self._trace.active:  # an earlier micro-batch of this step
+                self._timelines.append(self._trace.finish())
+            self._trace.begin(batch)
+        if self._replays:
+            self._window.append(capture_rng(pl_module, batch, batch_idx))
+        else:
+            self._window.append(MicroBatch(batch, batch_idx, _NO_RNG))
+
+    @override
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        self._sentinel.add_loss(loss)
+        if self._trace is not None:
+            self._trace.end_forward(loss)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        named = [(self._names.get(id(p), f"param{k}"), p) for k, p in enumerate(params)]
+        reading = self._sentinel.read(named, pl_module.device)
+        timelines = self._timelines
+        if self._trace is not None:
+            timelines = [*timelines, self._trace.finish()]
+        window, step, log_step = self._window, trainer.global_step, step_axis(trainer)
+        self._window, self._timelines, self._stepped = [], [], True
+        self._sentinel.reset()
+        if self._trace is not None:  # manual optimization may go on in this batch
+            self._trace.begin()
+        if self._decides_now(trainer):
+            self._decide(trainer, pl_module, named, reading, window, timelines)
+            return
+        pending = Pending(reading, step, log_step, window, timelines)
+        packed = [line.pack() for line in timelines]
+        pending.packed = [to_host_later(p) if p is not None else None for p in packed]
+        reading.later()  # its event is recorded after the copies above
+        self._pending.append(pending)
+        self._resolve(trainer, wait=False)
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self._stepped or not self.rules:
+            self._stepped = False
+            return
+        self._stepped = False
+        step = trainer.global_step - 1  # the optimizer step this batch completed
+        for rule in self.rules:
+            for event in rule.check(trainer, pl_module, step):
+                if not isinstance(event, HealthEvent):
+                    raise RecorderStateError(
+                        f"Expected rule {rule.name!r} to return HealthEvent objects but it "
+                        f"returned {type(event).__name__} {event!r}."
+                    )
+                if not event.message:
+                    finish_event(event, event.action, event.evidence)
+                self.counters["rule_events"] += 1
+                self._emit(trainer, event, step_axis(trainer) - 1, loud=True)
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"counters": dict(self.counters), "streak": self._streak}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.counters.update(state_dict.get("counters", {}))
+        self._streak = int(state_dict.get("streak", 0))
+
+
+def _check_rules(rules: object, owner: str) -> tuple[HealthRule, ...]:
+    if isinstance(rules, HealthRule):
+        rules = (rules,)
+    if not isinstance(rules, Sequence) or isinstance(rules, str):
+        raise RecorderConfigError(
+            f"Expected `rules` of {owner} to be a sequence of HealthRule objects but got {rules!r}."
+        )
+    names: set[str] = set()
+    for rule in rules:
+        if not isinstance(rule, HealthRule):
+            raise RecorderConfigError(
+                f"Expected every item of `rules` of {owner} to be a HealthRule (a subclass "
+                f"with a `name` and a `check` method) but got {type(rule).__name__} {rule!r}."
+            )
+        if rule.name in names or rule.name in ("nonfinite", "amp_skipped"):
+            raise RecorderConfigError(
+                f"Expected the rules of {owner} to have unique names other than 'nonfinite' "
+                f"and 'amp_skipped' but {rule.name!r} is taken."
+            )
+        names.add(rule.name)
+    return tuple(rules)

@@ -1,0 +1,65 @@
+"""Two DDP processes where only one rank's batch is bad: with ``"skip"`` both ranks skip the step,
+the event names the rank and module, and the parameters stay identical and finite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "health_ddp_script.py"
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("health_ddp")
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]
+        ),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return {"ranks": ranks, "out": out}
+
+
+@pytest.mark.slow
+def test_both_ranks_skip_the_step_of_one_bad_batch(ddp_run: dict[str, Any]) -> None:
+    events = [r["events"] for r in ddp_run["ranks"]]
+    assert events[0] == events[1]  # the same decision and the same event on both ranks
+    [event] = events[0]
+    assert (event["step"], event["batch_idx"], event["rank"]) == (1, 1, 1)
+    assert (event["module"], event["direction"], event["producer"]) == ("body.0", "forward", True)
+    assert event["action"] == "skipped" and event["reproduced"] is True
+    params = [r["params"] for r in ddp_run["ranks"]]
+    for step in range(3):
+        for name, value in params[0][step].items():
+            assert torch.equal(value, params[1][step][name]), (step, name)
+            assert torch.isfinite(value).all()
+    # the skipped step changed nothing; the steps around it did
+    assert all(torch.equal(params[0][0][n], params[0][1][n]) for n in params[0][0])
+    assert any(not torch.equal(params[0][1][n], params[0][2][n]) for n in params[0][1])
+
+
+@pytest.mark.slow
+def test_each_rank_wrote_its_evidence(ddp_run: dict[str, Any]) -> None:
+    health = ddp_run["out"] / "health"
+    assert sorted(p.name for p in health.iterdir()) == ["step00000001-rank0", "step00000001-rank1"]
+    event = ddp_run["ranks"][0]["events"][0]
+    assert event["evidence"] == str(health / "step00000001-rank1")

@@ -1,0 +1,430 @@
+"""HealthMonitor in real Trainer runs: policies, replay hygiene, evidence, reporting, options."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import pickle
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers.health_models import Fault, Injector, Net, data
+from helpers.models import QUIET
+from lightning.pytorch.loggers import TensorBoardLogger
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_recorder import (
+    HealthEvent,
+    HealthMonitor,
+    NonFiniteError,
+    RecorderConfigError,
+    RecorderError,
+)
+from lightning_recorder.callbacks.health import HealthRule
+
+
+def fit(
+    model: pl.LightningModule,
+    callbacks: list[pl.Callback],
+    steps: int = 4,
+    loader: Any = None,
+    **kwargs: Any,
+) -> pl.Trainer:
+    options = {**QUIET, "logger": False, "max_steps": steps, **kwargs}
+    trainer = pl.Trainer(callbacks=callbacks, **options)
+    trainer.fit(model, loader if loader is not None else data(model.arch, 4 * steps))
+    return trainer
+
+
+class Snapshots(pl.Callback):
+    """Parameters and optimizer state after every batch."""
+
+    def __init__(self) -> None:
+        self.states: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        self.states.append(
+            {
+                "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+                "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()["state"]),
+            }
+        )
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal bit for bit (a skipped update must leave no trace at all)."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_floating_point():  # NaN where NaN, the same bits elsewhere
+            return torch.equal(a.isnan(), b.isnan()) and torch.equal(
+                a.nan_to_num(0), b.nan_to_num(0)
+            )
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+# ---------------------------------------------------------------------------- policies
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_skip_changes_neither_parameters_nor_optimizer_state(
+    optimizer: str, tmp_path: Path
+) -> None:
+    model = Net("mlp", optimizer=optimizer)
+    shots = Snapshots()
+    monitor = HealthMonitor("skip", evidence_dir=tmp_path)
+    fit(model, [Injector({2: Fault("body.2", "forward", "nan", 2)}), monitor, shots], steps=4)
+    assert [(e.step, e.module, e.direction, e.action) for e in monitor.events] == [
+        (2, "body.2", "forward", "skipped")
+    ]
+    before, skipped, after = shots.states[1], shots.states[2], shots.states[3]
+    assert same(before, skipped)  # momentum, weight decay, Adam's moments and step count
+    assert not same(skipped["params"], after["params"])  # and training went on
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert monitor.counters["skipped_steps"] == 1 and monitor.counters["nonfinite_steps"] == 1
+
+
+def test_raise_writes_the_evidence_then_raises(tmp_path: Path) -> None:
+    model = Net("resnet")
+    monitor = HealthMonitor("raise", evidence_dir=tmp_path)
+    fault = Fault("body.3.bn1", "forward", "posinf", 1, index=5)
+    with pytest.raises(NonFiniteError, match=r"`body\.3\.bn1` made non-finite values") as info:
+        fit(model, [Injector({1: fault}), monitor], steps=3)
+    err = info.value
+    assert isinstance(err, RecorderError) and isinstance(err, RuntimeError)
+    event = err.event
+    assert isinstance(event, HealthEvent) and event is monitor.events[-1]
+    assert (event.module, event.direction, event.path, event.producer) == (
+        "body.3.bn1",
+        "forward",
+        "output",
+        True,
+    )
+    assert event.counts == {"nan": 0, "posinf": 1, "neginf": 0}
+    assert event.shape == (4, 8, 8, 8) and event.dtype == "torch.float32"
+    assert (event.step, event.batch_idx, event.rank, event.action) == (1, 1, 0, "raised")
+    assert event.reproduced is True
+    bundle = Path(event.evidence)
+    assert bundle == tmp_path / "step00000001-rank0" and str(bundle) in event.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step00000001-rank0"]  # no temp dirs
+    # readable without lightning_recorder: safetensors and JSON
+    tensors = load_file(str(bundle / "tensors.safetensors"))
+    meta = json.loads((bundle / "event.json").read_text())
+    x, y = list(data("resnet", 12))[1]
+    assert torch.equal(tensors["batch.0"], x) and torch.equal(tensors["batch.1"], y)
+    assert tensors["body.3.bn1.output"].isposinf().sum() == 1
+    assert "body.3.bn1.input.input" in tensors and tensors["rng.cpu"].dtype == torch.uint8
+    assert meta["event"]["module"] == "body.3.bn1" and meta["step"] == 1 and meta["rank"] == 0
+    assert meta["tensors"]["body.3.bn1.output"]["posinf"] == 1
+    assert meta["batch"] == [
+        {"tensor": "torch.float32", "shape": [4, 3, 8, 8]},
+        {"tensor": "torch.int64", "shape": [4]},
+    ]
+    kinds = {row["kind"] for row in meta["summary"]}
+    assert {"input", "output", "loss"} <= kinds
+    assert pickle.loads(pickle.dumps(err)).event.module == "body.3.bn1"
+
+
+def test_warn_lets_training_go_on_and_replays_only_the_first_bad_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = Net("mlp")
+    monitor = HealthMonitor("warn", evidence_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="lightning_recorder.health"):
+        fit(model, [Injector({1: Fault("body.4", "forward", "nan", 1)}), monitor], steps=4)
+    first, *later = monitor.events
+    assert (first.step, first.module, first.direction, first.action) == (
+        1,
+        "body.4",
+        "forward",
+        "warned",
+    )
+    # The update went through: every later step is non-finite, counted, not replayed.
+    assert [e.step for e in later] == [2, 3]
+    assert all(e.module is None and e.reproduced is None and e.evidence is None for e in later)
+    assert model.logged == [0, 1, 1, 2, 3]  # training_step ran again for step 1 only
+    assert [r.getMessage() for r in caplog.records] == [first.message]
+    assert monitor.counters["nonfinite_steps"] == 3
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_max_consecutive_skips_then_raise(tmp_path: Path) -> None:
+    faults = {s: Fault("body.0", "forward", "nan", s) for s in range(5)}
+    monitor = HealthMonitor("skip", max_consecutive_skips=2, evidence_max_bytes=0)
+    with pytest.raises(NonFiniteError, match=r"2 non-finite steps in a row were skipped"):
+        fit(Net("mlp"), [Injector(faults), monitor], steps=5)
+    assert [e.action for e in monitor.events] == ["skipped", "skipped", "raised"]
+
+
+def test_a_clean_run_reports_nothing(tmp_path: Path) -> None:
+    monitor = HealthMonitor("raise", evidence_dir=tmp_path)
+    fit(Net("transformer"), [monitor], steps=3)
+    assert monitor.events == [] and not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------- replay hygiene
+class LogCounter(Net):
+    def __init__(self, arch: str) -> None:
+        super().__init__(arch)
+        self.log_calls = 0
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        self.log_calls += 1
+        super().log(*args, **kwargs)
+
+
+class Around(pl.Callback):
+    """Snapshots at ``on_before_optimizer_step`` (one before the monitor, one after it)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
+        self.seen.append(
+            {
+                "buffers": {n: b.clone() for n, b in pl_module.named_buffers()},
+                "grads": {n: p.grad.clone() for n, p in pl_module.named_parameters()},
+                "rng": torch.get_rng_state(),
+            }
+        )
+
+
+def test_replay_restores_buffers_rng_and_gradients_and_logs_nothing_twice() -> None:
+    model = LogCounter("resnet")
+    before, after = Around(), Around()
+    monitor = HealthMonitor("warn", evidence_max_bytes=0)
+    injector = Injector({1: Fault("body.4.bn2", "backward", "nan", 1)})
+    fit(model, [injector, before, monitor, after], steps=2)
+    assert [(e.module, e.direction) for e in monitor.events] == [("body.4.bn2", "backward")]
+    assert model.logged == [0, 1, 1]  # the replay ran training_step ...
+    assert model.log_calls == 2  # ... but self.log only went through once per step
+    assert same(before.seen[1], after.seen[1])  # BatchNorm statistics, grads, RNG restored
+
+
+def test_replay_draws_the_same_dropout_masks() -> None:
+    counts: list[int] = []
+    model = Net("dropout")
+    model.body[2].register_forward_hook(
+        lambda m, i, out: counts.append(int((~torch.isfinite(out)).sum()))
+    )
+    monitor = HealthMonitor("skip", max_consecutive_skips=10, evidence_max_bytes=0)
+    fit(model, [monitor], steps=3)
+    # every step: the real forward, then the replay's; the replay saw what the step saw
+    assert len(counts) == 6 and counts[0::2] == counts[1::2]
+    assert [e.total for e in monitor.events] == counts[0::2]
+    assert all(e.module == "body.2" and e.reproduced for e in monitor.events)
+
+
+def test_gradient_accumulation_finds_the_micro_batch(tmp_path: Path) -> None:
+    monitor = HealthMonitor("skip", evidence_max_bytes=0)
+    loader = data("trapped", 24, marked=(2,))  # batches 2 and 3 make optimizer step 1
+    fit(Net("trapped"), [monitor], steps=3, loader=loader, accumulate_grad_batches=2)
+    [event] = monitor.events
+    assert (event.step, event.batch_idx, event.module, event.direction) == (
+        1,
+        2,
+        "body.0",
+        "forward",
+    )
+
+
+# ---------------------------------------------------------------------------- other modes
+def test_lazy_check_without_localisation() -> None:
+    model = Net("mlp")
+    monitor = HealthMonitor("warn", localize=False, evidence_max_bytes=0)
+    fit(model, [Injector({1: Fault("body.6", "backward", "posinf", 1)}), monitor], steps=2)
+    [event] = monitor.events
+    assert (event.step, event.module, event.direction, event.reproduced) == (1, None, None, None)
+    assert event.parameters and all(p.startswith("body.") for p in event.parameters)
+    assert "were non-finite" in event.message and model.logged == [0, 1]  # no replay
+
+
+def test_always_localises_every_step_without_replay() -> None:
+    model = Net("cnn")
+    monitor = HealthMonitor("skip", localize="always", evidence_max_bytes=0)
+    fit(model, [Injector({1: Fault("body.4", "forward", "neginf", 1, index=3)}), monitor], steps=3)
+    [event] = monitor.events
+    assert (event.module, event.direction, event.reproduced) == ("body.4", "forward", None)
+    assert model.logged == [0, 1, 2]
+
+
+class Manual(Net):
+    def __init__(self) -> None:
+        super().__init__("mlp")
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()  # type: ignore[union-attr]
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+
+
+def test_manual_optimization_cannot_replay_but_always_localises() -> None:
+    with pytest.warns(UserWarning, match="cannot replay steps: manual optimization"):
+        monitor = HealthMonitor("skip", evidence_max_bytes=0)
+        shots = Snapshots()
+        fit(Manual(), [Injector({1: Fault("body.2", "forward", "nan", 1)}), monitor, shots], 3)
+    [event] = monitor.events
+    assert event.module is None and event.action == "skipped"
+    assert same(shots.states[0]["params"], shots.states[1]["params"])  # opt.step() did nothing
+    monitor = HealthMonitor("warn", localize="always", evidence_max_bytes=0)
+    fit(Manual(), [Injector({1: Fault("body.2", "forward", "nan", 1)}), monitor], steps=2)
+    assert [(e.module, e.direction) for e in monitor.events] == [("body.2", "forward")]
+
+
+# ---------------------------------------------------------------------------- reporting
+def test_loggers_get_a_text_entry_and_the_counters(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    monitor = HealthMonitor("skip")
+    faults = {1: Fault("body.1", "forward", "nan", 1), 3: Fault("body.3", "backward", "neginf", 3)}
+    fit(Net("mlp"), [Injector(faults), monitor], steps=4, logger=logger)
+    acc = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"tensors": 0})
+    acc.Reload()
+    nonfinite = {e.step: e.value for e in acc.Scalars("health/nonfinite_steps")}
+    assert nonfinite == {1: 1.0, 3: 2.0}
+    assert {e.step: e.value for e in acc.Scalars("health/nan")} == {1: 1.0, 3: 0.0}
+    assert {e.step: e.value for e in acc.Scalars("health/neginf")}[3] == 1.0
+    texts = acc.Tensors("health/events/text_summary")
+    assert [t.step for t in texts] == [1, 3]
+    assert texts[0].tensor_proto.string_val[0].decode() == monitor.events[0].message
+    # the evidence went under the logger's directory by default
+    assert Path(monitor.events[0].evidence).parent == tmp_path / "run" / "version_0" / "health"
+
+
+def test_alert_is_rate_limited_and_may_fail_without_stopping_training() -> None:
+    alerts: list[HealthEvent] = []
+    faults = {s: Fault("body.0", "forward", "nan", s) for s in (0, 2)}
+    monitor = HealthMonitor("skip", alert=alerts.append, evidence_max_bytes=0)
+    fit(Net("mlp"), [Injector(faults), monitor], steps=3)
+    assert alerts == [monitor.events[0]]  # the second came within alert_interval_s
+
+    def broken(event: HealthEvent) -> None:
+        raise ConnectionError("no network")
+
+    monitor = HealthMonitor("skip", alert=broken, evidence_max_bytes=0, alert_interval_s=1e-9)
+    with pytest.warns(UserWarning, match="`alert` raised ConnectionError: no network"):
+        fit(Net("mlp"), [Injector(faults), monitor], steps=3)
+    assert len(monitor.events) == 2
+
+
+# ---------------------------------------------------------------------------- evidence
+def test_evidence_stays_within_its_budget(tmp_path: Path) -> None:
+    monitor = HealthMonitor("skip", evidence_dir=tmp_path, evidence_max_bytes=(1 << 20) + 600)
+    faults = {s: Fault("body.0", "forward", "nan", s) for s in (0, 1)}
+    fit(Net("resnet"), [Injector(faults), monitor], steps=2)
+    first, second = monitor.events
+    meta = json.loads((Path(first.evidence) / "event.json").read_text())
+    assert meta["omitted"] and all(
+        v["why"] == "over the evidence budget" for v in meta["omitted"].values()
+    )
+    assert second.evidence is None and "no evidence written" in second.message
+    total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert total <= (1 << 20) + 600
+
+
+def test_checkpoint_before_the_bad_update(tmp_path: Path) -> None:
+    model = Net("mlp")
+    shots = Snapshots()
+    monitor = HealthMonitor("warn", evidence_dir=tmp_path, evidence_checkpoint=True)
+    fit(model, [Injector({1: Fault("body.2", "forward", "nan", 1)}), monitor, shots], steps=2)
+    ckpt = torch.load(tmp_path / "step00000001-before-update.ckpt", weights_only=False)
+    state = ckpt["state_dict"]
+    assert all(torch.equal(state[n], p) for n, p in shots.states[0]["params"].items())
+    meta = json.loads((Path(monitor.events[0].evidence) / "event.json").read_text())
+    assert meta["checkpoint"].endswith("step00000001-before-update.ckpt")
+
+
+# ---------------------------------------------------------------------------- AMP, rules, state
+def test_steps_the_grad_scaler_skips_are_not_alarms() -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)  # fp16 gradients overflow at once
+    monitor = HealthMonitor("raise", evidence_max_bytes=0)
+    fit(Net("mlp"), [monitor], steps=3, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    assert monitor.events and all(e.kind == "amp_skipped" for e in monitor.events)
+    assert monitor.counters["amp_skipped_steps"] == len(monitor.events)
+    assert "AMP grad scaler skipped" in monitor.events[0].message
+
+
+class EveryOther(HealthRule):
+    name = "every_other"
+
+    def check(self, trainer: pl.Trainer, pl_module: Any, step: int) -> list[HealthEvent]:
+        if step % 2:
+            return []
+        return [HealthEvent(self.name, step, None, module="body.0")]
+
+
+def test_rules_report_their_events() -> None:
+    monitor = HealthMonitor(rules=[EveryOther()])
+    fit(Net("mlp"), [monitor], steps=3)
+    assert [(e.kind, e.step) for e in monitor.events] == [("every_other", 0), ("every_other", 2)]
+    assert monitor.events[0].message.startswith("Rule 'every_other' fired on `body.0` at step 0")
+
+
+def test_state_dict_round_trip() -> None:
+    monitor = HealthMonitor("skip", evidence_max_bytes=0)
+    fit(Net("mlp"), [Injector({0: Fault("body.0", "forward", "nan", 0)}), monitor], steps=1)
+    restored = HealthMonitor("skip")
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.counters == monitor.counters and restored.counters["skipped_steps"] == 1
+    assert monitor.state_key == "HealthMonitor{'on_nonfinite': 'skip', 'localize': 'replay'}"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"on_nonfinite": "ignore"}, r"`on_nonfinite` to be one of 'warn', 'skip', 'raise'"),
+        ({"localize": True}, r"`localize` of HealthMonitor to be 'replay', 'always' or False"),
+        ({"rules": [object()]}, r"every item of `rules` .* to be a HealthRule"),
+        ({"rules": [EveryOther(), EveryOther()]}, r"unique names .* 'every_other' is taken"),
+        ({"alert": "wandb"}, r"`alert` to be a function of a HealthEvent or None"),
+        ({"max_consecutive_skips": -1}, r"`max_consecutive_skips` of HealthMonitor to be a non"),
+        ({"evidence_max_bytes": 1.5}, r"`evidence_max_bytes` of HealthMonitor to be a non-neg"),
+        ({"exclude": "*.mask"}, r"`exclude` of HealthMonitor to be a list of glob patterns"),
+        ({"evidence_dir": 3}, r"`evidence_dir` of HealthMonitor to be a path or None"),
+        ({"alert_interval_s": -1.0}, r"`alert_interval_s` of HealthMonitor to be a finite non"),
+        ({"evidence_checkpoint": "yes"}, r"`evidence_checkpoint` of HealthMonitor to be a bool"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(RecorderConfigError, match=match):
+        HealthMonitor(**kwargs)
+
+
+def test_messages_read_as_one_sentence() -> None:
+    event = HealthEvent(
+        "nonfinite", 7, 3, 1, "enc.attn", "backward", {"nan": 2, "posinf": 0, "neginf": 0},
+        producer=True, path="input.query", dtype="torch.bfloat16", shape=(2, 5, 16),
+        action="skipped", evidence="/runs/health/step00000007-rank1",
+    )  # fmt: skip
+    from lightning_recorder.callbacks._health_event import describe
+
+    assert describe(event) == (
+        "`enc.attn` made non-finite values in its backward, in the gradient of its input "
+        "`query` (from a finite output gradient) at step 7, batch 3, rank 1: 2 NaN, 0 +inf, "
+        "0 -inf in a bfloat16 tensor of shape [2, 5, 16]; the update was skipped; evidence in "
+        "/runs/health/step00000007-rank1."
+    )
+    assert HealthEvent.from_dict(json.loads(json.dumps(event.to_dict()))) == event
+    assert not math.isnan(event.total)
+
+
+def test_next_to_feature_stats_monitor(tmp_path: Path) -> None:
+    from lightning_recorder import FeatureStatsMonitor
+
+    stats = FeatureStatsMonitor([torch.nn.Linear], every_n_steps=1, histograms=False)
+    monitor = HealthMonitor("skip", evidence_max_bytes=0)
+    logger = TensorBoardLogger(tmp_path, name="both", version=0)
+    faults = {1: Fault("body.2", "forward", "nan", 1)}
+    fit(Net("mlp"), [Injector(faults), stats, monitor], steps=3, logger=logger)
+    assert [(e.step, e.module, e.action) for e in monitor.events] == [(1, "body.2", "skipped")]

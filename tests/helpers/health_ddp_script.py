@@ -1,0 +1,70 @@
+"""Two DDP processes (CPU, gloo) with ``HealthMonitor("skip")``; only rank 1's batch is bad.
+
+Usage: ``python health_ddp_script.py OUT_DIR``. Lightning's DDP launcher starts the second
+process. Rank ``r`` takes samples ``r, r + 2, …`` in order (its own ``DistributedSampler``), so
+that batch 1 of rank 1 alone carries :class:`Trap`'s marker. Each rank saves its events and its
+parameters after every batch to ``OUT_DIR/rank{RANK}.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from helpers.health_models import Net, data
+from helpers.models import QUIET
+from lightning_recorder import HealthMonitor
+
+BATCH = 4
+
+
+class DdpNet(Net):
+    def __init__(self) -> None:
+        super().__init__("trapped")
+
+    def train_dataloader(self) -> DataLoader:
+        # global batch k holds samples 8k..8k+7; rank 1's batch 1 holds 9, 11, 13, 15
+        x, y = data("trapped", 32, batch_size=1).dataset.tensors  # type: ignore[attr-defined]
+        x = x.clone()
+        x[9] = 1000.0  # the marker: rank 1, batch 1
+        dataset = TensorDataset(x, y)
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=self.global_rank, shuffle=False)
+        return DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+
+
+class Params(pl.Callback):
+    def __init__(self) -> None:
+        self.after: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        self.after.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+
+
+def main(out_dir: Path) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    monitor = HealthMonitor("skip", evidence_dir=out_dir / "health")
+    params = Params()
+    trainer = pl.Trainer(
+        **QUIET,
+        strategy="ddp",
+        devices=2,
+        logger=False,
+        max_steps=3,
+        use_distributed_sampler=False,
+        callbacks=[monitor, params],
+    )
+    pl.seed_everything(0, verbose=False)
+    trainer.fit(DdpNet())
+    result = {"events": [e.to_dict() for e in monitor.events], "params": params.after}
+    torch.save(result, out_dir / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
