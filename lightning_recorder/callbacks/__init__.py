@@ -20,7 +20,7 @@ from .activation_writer import ActivationWriter
 from .distillation import FeatureDistillation, LossSpec, distillation_loss
 from .health import HealthEvent, HealthMonitor, HealthRule
 from .recorder import RecorderCallback
-from .stats_monitor import FeatureStatsMonitor
+from .stats_monitor import FeatureStatsMonitor, StatsReport
 from .tensorboard_logger import TensorBoardLogger
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "HealthRule",
     "LossSpec",
     "RecorderCallback",
+    "StatsReport",
     "TensorBoardLogger",
     "distillation_loss",
 ]

@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from .._core.checks import check_bool, check_positive_int, suggestion
 from .._core.compat import is_compiled
-from .._core.names import named_parameters, select
+from .._core.names import named_modules, named_parameters, select
 from ..errors import RecorderConfigError, UnknownSourceError
 from ..recorders import RecordStream
-from ..stats import StatName
+from ..stats import STAT_NAMES, StatName
 from ..stats._collect import Collector
 from ..stats._engine import row_counts, warm_up
 from ..stats._histogram import edges, ranges, summaries
 from ..stats._state import F64, finalize
-from ..stats.metric import BucketCounts, StreamStates
+from ..stats.metric import BucketCounts, ChannelExtremes, StreamStates
 from ..stats.sharded import any_sharded
 from ._lightning import Stage, step_axis
 from ._parameter_stats import ParameterStats
@@ -40,6 +43,7 @@ from ._stats_options import (
     stat_names,
     value_tensors,
 )
+from ._stats_report import StatsReport
 from ._tensorboard import (
     HistogramTable,
     histogram_loggers,
@@ -49,7 +53,7 @@ from ._tensorboard import (
 )
 from .recorder import RecorderCallback
 
-__all__ = ["FeatureStatsMonitor"]
+__all__ = ["FeatureStatsMonitor", "StatsReport"]
 
 # The statistics of a parameter, and of a histogram, as tag suffixes (see FeatureStatsMonitor._tags)
 _NORM, _STEPPED, _HISTOGRAM = ("norm",), ("grad_norm", "update_ratio"), ("histogram",)
@@ -62,6 +66,21 @@ _RECORDS_WARN_BYTES = 256 * 2**20
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
 
 Series = tuple[Stage, int | None]  # a stage and its dataloader (None: one, or pooled)
+# Chooses the modules whose per-channel extremes are kept: (series name, module) -> True (the
+# default channel dimension), a dimension, or False / None (not tracked).
+ChannelSelector = Callable[[str, nn.Module], "bool | int | None"]
+
+
+@dataclass
+class _HostValues:
+    """What one logged series brought to the host, for :class:`StatsReport`."""
+
+    series: Series
+    step: int
+    stats: dict[str, list[float]]
+    histograms: list[float] | None
+    channels: list[float]
+    parameters: list[float]
 
 
 class FeatureStatsMonitor(RecorderCallback):
@@ -298,10 +317,54 @@ class FeatureStatsMonitor(RecorderCallback):
         self._trainer: pl.Trainer | None = None
         self._batch_states: StreamStates | None = None
         self._bucket_counts: BucketCounts | None = None
+        self._listeners: list[Callable[[StatsReport], None]] = []
+        self._selectors: list[ChannelSelector] = []
+        self._channel_sizes: dict[int, int] = {}  # stream index -> channels of its outputs
+        self._extremes_metric: ChannelExtremes | None = None
 
     def tag(self, stage: Stage, name: str, stat: str) -> str:
         """The tag of statistic ``stat`` of module or parameter ``name`` in ``stage``."""
         return f"{self.prefix}/{stage}/{name}/{stat}"
+
+    def subscribe(self, listener: Callable[[StatsReport], None]) -> None:
+        """Call ``listener`` with a :class:`StatsReport` of every logged training step and
+        evaluation epoch (on rank zero, after the loggers got them). A listener makes the step
+        bring every statistic to the host, not only those of ``stats``.
+
+        Raises:
+            RecorderConfigError: ``listener`` is not callable.
+        """
+        if not callable(listener):
+            raise RecorderConfigError(
+                f"Expected a callable taking a StatsReport but got {type(listener).__name__}."
+            )
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Callable[[StatsReport], None]) -> None:
+        """Stop calling ``listener`` (nothing happens if it was not subscribed)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def track_channels(self, selector: ChannelSelector) -> None:
+        """Keep the per-channel extremes (min, max, min ``|x|``) of the outputs of the modules
+        ``selector`` chooses, on logged training steps, for :attr:`StatsReport.channels`.
+
+        ``selector(series, module)`` is called at the start of each run for every monitored
+        series (its name, and the module) and returns ``True`` (track, channels along dim 1 of
+        4-d and larger outputs, along the last dim of others), a dimension, or ``False``/
+        ``None``. It costs one more pass over each tracked output on logged steps.
+
+        Raises:
+            RecorderConfigError: ``selector`` is not callable.
+        """
+        if not callable(selector):
+            raise RecorderConfigError(
+                f"Expected a callable (series name, module) -> bool | int | None but got "
+                f"{type(selector).__name__}."
+            )
+        if selector not in self._selectors:
+            self._selectors.append(selector)
 
     def _tags(self, stage: Stage, name: str, stats: tuple[str, ...]) -> tuple[str, ...]:
         """:meth:`tag` of each of ``stats`` (cached: every logged step writes the same tags)."""
@@ -380,6 +443,16 @@ class FeatureStatsMonitor(RecorderCallback):
         self._index = {id(stream): i for i, stream in enumerate(streams.values())}
         device = pl_module.device
         self._collector = Collector(len(streams), self.histogram_sample, device)
+        self._channel_sizes, self._extremes_metric = {}, None
+        if self._selectors:
+            modules = named_modules(pl_module)
+            for index, (key, stream) in enumerate(streams.items()):
+                module = modules.get(stream.name)
+                for selector in self._selectors:
+                    dim = None if module is None else selector(key, module)
+                    if dim is not None and dim is not False:
+                        self._collector.channels[index] = None if dim is True else int(dim)
+                        break
         self._metrics, self._eval_tables = {}, {}
         self._batch_states = StreamStates(len(streams)).to(device)
         self._bucket_counts = BucketCounts(len(streams), self.bins).to(device)
@@ -576,26 +649,19 @@ class FeatureStatsMonitor(RecorderCallback):
         metric = self._metrics[series]
         every = metric.compute()
         metric.reset()
+        extremes = self._channel_extremes()  # a collective under DDP when channels are tracked
         params = self._params
         stepped: list[str] = []
         norms: list[Tensor] = []
         if params is not None and (trainer.is_global_zero or params.sharded):
             stepped, norms = params.tensors()
         if trainer.is_global_zero:
-            stat_table = self._stat_table(every)
-            parts = [*stat_table, *([table] if table is not None else []), *norms]
-            values = torch.cat([t.reshape(-1).to(F64) for t in parts]).tolist()  # one host copy
-            at = sum(t.numel() for t in stat_table)
-            scalars = self._stat_scalars(series, values[:at])
-            hists: Mapping[str, dict[str, Any]] = {}
-            if table is not None:
-                width = table.shape[1]
-                rows = values[at : at + table.numel()]
-                hists = self._host_table(series, rows, width)
-                at += table.numel()
+            report = self._host(series, step, every, table, norms, extremes)
+            scalars, hists, values = report
             if params is not None:
-                scalars.update(self._parameter_scalars(params, stepped, values[at:]))
+                scalars.update(self._parameter_scalars(params, stepped, values.parameters))
             self._write(trainer, scalars, hists, step)
+            self._tell(values, params, stepped)
         self.logged_steps += 1
         self.last_logged_step = step
 
@@ -608,19 +674,116 @@ class FeatureStatsMonitor(RecorderCallback):
             table = self._eval_tables.pop(series, None)
             if not trainer.is_global_zero:
                 continue
-            stat_table = self._stat_table(every)
-            parts = [*stat_table, *([table] if table is not None else [])]
-            values = torch.cat([t.reshape(-1).to(F64) for t in parts]).tolist()
-            at = sum(t.numel() for t in stat_table)
-            scalars = self._stat_scalars(series, values[:at])
-            hists = {} if table is None else self._host_table(series, values[at:], table.shape[1])
-            self._write(trainer, scalars, hists, step_axis(trainer))
+            step = step_axis(trainer)
+            scalars, hists, values = self._host(series, step, every, table, [], None)
+            self._write(trainer, scalars, hists, step)
+            self._tell(values, None, [])
 
-    def _stat_table(self, states: Tensor) -> list[Tensor]:
-        """The statistics of the ``(modules, WIDTH)`` states where they are: a ``(modules, k)``
-        tensor of :attr:`stats` (module by module), then the ``(modules,)`` element counts."""
+    def _host(
+        self,
+        series: Series,
+        step: int,
+        states: Tensor,
+        table: Tensor | None,
+        norms: list[Tensor],
+        extremes: Tensor | None,
+    ) -> tuple[dict[str, float], Mapping[str, dict[str, Any]], _HostValues]:
+        """The statistics, histograms, parameter norms and channel extremes of one series in one
+        copy to the host (the step's one synchronisation): scalars by tag, histograms by tag,
+        and the values for listeners."""
         columns = finalize(states, correction=1)
-        return [torch.stack([columns[stat] for stat in self.stats], 1), columns["numel"]]
+        chosen = self.stats if not self._listeners else STAT_NAMES
+        parts = [torch.stack([columns[stat] for stat in chosen], 1), columns["numel"]]
+        if table is not None:
+            parts.append(table)
+        if extremes is not None:
+            parts.append(extremes)
+        parts.extend(norms)
+        values = torch.cat([t.reshape(-1).to(F64) for t in parts]).tolist()  # one host copy
+        m, k = len(self._streams), len(chosen)
+        stats: dict[str, list[float]] = {
+            name: values[i : m * k : k] for i, name in enumerate(chosen)
+        }
+        numel = values[m * k : m * k + m]
+        at = m * k + m
+        logged = [stats[name] for name in self.stats]
+        flat = [v for row in zip(*logged, strict=True) for v in row]
+        scalars = self._stat_scalars(series, [*flat, *numel])
+        hists: Mapping[str, dict[str, Any]] = {}
+        rows: list[float] | None = None
+        if table is not None:
+            rows = values[at : at + table.numel()]
+            hists = self._host_table(series, rows, table.shape[1])
+            at += table.numel()
+        channels: list[float] = []
+        if extremes is not None:
+            channels = values[at : at + extremes.numel()]
+            at += extremes.numel()
+        host = _HostValues(series, step, {**stats, "numel": numel}, rows, channels, values[at:])
+        return scalars, hists, host
+
+    def _channel_extremes(self) -> Tensor | None:
+        """The per-channel extremes ``(3, C)`` of the tracked modules in this step, side by side
+        in stream order, combined over every rank (a collective: on every rank); ``None``
+        without tracked modules. A module not called in the step contributes neutral values."""
+        collector = self._collector
+        if collector is None or not collector.channels:
+            return None
+        found = collector.extremes()
+        for index, block in found.items():
+            self._channel_sizes[index] = block.shape[1]
+        blocks = []
+        for index in sorted(self._channel_sizes):
+            got = found.get(index)
+            if got is None:
+                size = self._channel_sizes[index]
+                inf = torch.full((size,), math.inf, dtype=F64, device=collector.device)
+                got = torch.stack([inf, -inf, inf])
+            blocks.append(got.to(F64))
+        if not blocks:
+            return None
+        merged = torch.cat(blocks, 1)
+        metric = self._extremes_metric
+        if metric is None or metric.low.numel() != merged.shape[1]:
+            metric = self._extremes_metric = ChannelExtremes(merged.shape[1]).to(merged.device)
+        metric.reset()
+        metric.update(merged)
+        return metric.compute()
+
+    def _tell(self, host: _HostValues, params: ParameterStats | None, stepped: list[str]) -> None:
+        """Hand the listeners a :class:`StatsReport` of what was just logged (rank zero)."""
+        if not self._listeners:
+            return
+        modules = tuple(self._streams)
+        parameters: dict[str, dict[str, float]] = {}
+        if params is not None and host.parameters:
+            norm_of, stepped_of = params.values(stepped, host.parameters)
+            for name, norm in norm_of.items():
+                parameters[name] = {"norm": norm}
+            for name, (grad, ratio) in stepped_of.items():
+                parameters[name].update(grad_norm=grad, update_ratio=ratio)
+        channels: dict[str, np.ndarray] = {}
+        if host.channels:
+            table = np.asarray(host.channels, dtype=np.float64).reshape(3, -1)
+            at = 0
+            for index in sorted(self._channel_sizes):
+                size = self._channel_sizes[index]
+                channels[modules[index]] = table[:, at : at + size].copy()
+                at += size
+        histograms = None
+        if host.histograms is not None:
+            histograms = np.asarray(host.histograms, dtype=np.float64).reshape(len(modules), -1)
+        numel = np.asarray(host.stats["numel"], dtype=np.float64)
+        stats = {}
+        for name, column in host.stats.items():
+            values = np.asarray(column, dtype=np.float64)
+            stats[name] = np.where(numel > 0, values, np.nan) if name != "numel" else values
+        stage, loader = host.series
+        report = StatsReport(
+            stage, host.step, loader, modules, stats, parameters, channels, histograms
+        )
+        for listener in list(self._listeners):
+            listener(report)
 
     def _stat_scalars(self, series: Series, values: list[float]) -> dict[str, float]:
         """The statistics by tag from the host values of :meth:`_stat_table`; modules that saw

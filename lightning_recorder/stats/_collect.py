@@ -139,6 +139,10 @@ class Collector:
     def __init__(self, streams: int, sample: int, device: torch.device) -> None:
         self.m, self.sample, self.device = streams, sample, device
         self._stages: dict[torch.dtype, _Stage] = {}
+        #: stream -> the dimension of its outputs whose per-channel extremes are kept
+        #: (:meth:`extremes`); ``None`` picks dim 1 of 4-d and larger outputs (N, C, H, W),
+        #: the last dim of others (features of a linear layer, of a transformer's tokens)
+        self.channels: dict[int, int | None] = {}
         self.clear()
 
     def clear(self) -> None:
@@ -149,12 +153,13 @@ class Collector:
         self._of_small: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
         self._small_held = 0
         self._samples: dict[int, list[tuple[_Stage, int]]] = {}
+        self._extremes: dict[int, Tensor] = {}
         for stage in self._stages.values():
             stage.clear()
 
     @property
     def empty(self) -> bool:
-        return not (self._rows or self._small)
+        return not (self._rows or self._small or self._extremes)
 
     def nbytes(self) -> int:
         """Bytes of this batch's data held (copies, state rows, used sample rows)."""
@@ -177,6 +182,8 @@ class Collector:
             self.add(stream, values, sample)
             self._add_zeros(stream, n - values.numel(), sample)
             return
+        if stream in self.channels and x.dim():
+            self._add_extremes(stream, x)
         if n <= SMALL:
             key = (n, x.dtype, x.device)
             self._small.setdefault(key, []).append(x.reshape(-1).clone())
@@ -188,6 +195,32 @@ class Collector:
             self._add_rows(tensor_state(x).unsqueeze(0), [stream])
         if sample:
             self._sample(stream, x, n)
+
+    def _add_extremes(self, stream: int, x: Tensor) -> None:
+        """Keep the per-channel minimum, maximum and minimum of ``|x|`` of ``x`` (``(3, C)``,
+        float32 or float64), merged with those of the stream's earlier calls of the same
+        width (NaN propagates, as in ``amin``)."""
+        dim = self.channels[stream]
+        if dim is None:
+            dim = 1 if x.dim() >= 4 else x.dim() - 1
+        dim %= x.dim()
+        others = [d for d in range(x.dim()) if d != dim]
+        v = x if x.dtype == F64 else x.float()
+        found = (
+            torch.stack([v.amin(others), v.amax(others), v.abs().amin(others)]).to(self.device)
+            if others
+            else torch.stack([v, v, v.abs()]).to(self.device)
+        )
+        before = self._extremes.get(stream)
+        if before is not None and before.shape == found.shape:
+            low = torch.minimum(before[[0, 2]], found[[0, 2]])
+            found = torch.stack([low[0], torch.maximum(before[1], found[1]), low[1]])
+        self._extremes[stream] = found
+
+    def extremes(self) -> dict[int, Tensor]:
+        """The per-channel ``(3, C)`` [min, max, min ``|x|``] of this batch's outputs of every
+        stream in :attr:`channels` that was called (on the collector's device)."""
+        return dict(self._extremes)
 
     def _add_rows(self, rows: Tensor, owners: list[int]) -> None:
         self._rows.append(rows.to(self.device))

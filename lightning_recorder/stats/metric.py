@@ -14,6 +14,7 @@ loads it on first use of :class:`FeatureStats`.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ from ._engine import tensor_state
 from ._state import F64, empty_states, finalize, merge
 from .features import check_correction
 
-__all__ = ["BucketCounts", "FeatureStats", "StreamStates"]
+__all__ = ["BucketCounts", "ChannelExtremes", "FeatureStats", "StreamStates"]
 
 
 def _merge_ranks(gathered: Tensor) -> Tensor:
@@ -116,6 +117,38 @@ class BucketCounts(_Quiet):
     def compute(self) -> Tensor:
         """The counts summed over every rank (a collective under DDP)."""
         return self.counts
+
+
+class ChannelExtremes(_Quiet):
+    """Per-channel extremes of outputs, ``(3, channels)`` [min, max, min ``|x|``] (the channels of
+    every tracked stream side by side), combined over every rank by ``compute()`` (min, max,
+    min)."""
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    low: Tensor
+    high: Tensor
+    abs_low: Tensor
+
+    def __init__(self, channels: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        inf = torch.full((channels,), math.inf, dtype=F64)
+        self.add_state("low", default=inf.clone(), dist_reduce_fx="min")
+        self.add_state("high", default=-inf, dist_reduce_fx="max")
+        self.add_state("abs_low", default=inf.clone(), dist_reduce_fx="min")
+
+    def update(self, extremes: Tensor) -> None:
+        """Merge ``(3, channels)`` extremes into the metric's."""
+        extremes = extremes.to(device=self.low.device, dtype=F64)
+        self.low = torch.minimum(self.low, extremes[0])
+        self.high = torch.maximum(self.high, extremes[1])
+        self.abs_low = torch.minimum(self.abs_low, extremes[2])
+
+    def compute(self) -> Tensor:
+        """The ``(3, channels)`` extremes over every rank (a collective under DDP)."""
+        return torch.stack([self.low, self.high, self.abs_low])
 
 
 class FeatureStats(StreamStates):

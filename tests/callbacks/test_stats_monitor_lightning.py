@@ -289,3 +289,67 @@ def test_without_home_nothing_is_written_into_the_working_directory(tmp_path: Pa
     subprocess.run([sys.executable, "-c", NO_HOME], cwd=work, env=env, check=True, timeout=600)
     assert list(work.iterdir()) == []
     assert (tmp_path / "logs").is_dir()
+
+
+# --- reports for listeners ---------------------------------------------------------------------
+
+
+class Dying(pl.LightningModule):
+    """A ReLU whose third unit never fires (its bias is very negative) and a tanh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.act = nn.ReLU()
+        self.conv = nn.Conv2d(1, 2, 3)
+        self.squash = nn.Tanh()
+        with torch.no_grad():
+            self.lin.bias[2] = -100.0
+        self.outputs: list[dict[str, torch.Tensor]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        hidden = self.act(self.lin(x))
+        image = self.squash(self.conv(x[:, :1, None, None].expand(-1, 1, 5, 5) * 3))
+        self.outputs.append({"act": hidden.detach(), "squash": image.detach()})
+        return hidden.mean() + image.mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_listeners_get_every_statistic_and_the_tracked_channels(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Dying()
+    monitor = FeatureStatsMonitor(["act", "squash", "lin"], every_n_steps=2, stats=("mean",))
+    reports: list[Any] = []
+    monitor.subscribe(reports.append)
+    monitor.subscribe(reports.append)  # once only
+    monitor.track_channels(lambda name, module: isinstance(module, (nn.ReLU, nn.Tanh)))
+    logger = TensorBoardLogger(tmp_path, name="reports")
+    pl.Trainer(**QUIET, logger=logger, max_steps=4, callbacks=[monitor]).fit(
+        model, loader(torch.randn(16, 3), 4)
+    )
+    assert [r.step for r in reports] == [1, 3] and all(r.stage == "train" for r in reports)
+    report = reports[0]
+    assert report.modules == ("act", "squash", "lin")
+    act = model.outputs[1]["act"].double()
+    assert report.stat("zero_fraction", "act") == pytest.approx((act == 0).double().mean().item())
+    assert report.stat("std", "act") == pytest.approx(act.std().item(), rel=1e-9)
+    assert set(report.channels) == {"act", "squash"}
+    low, high, _ = report.channels["act"]
+    assert high.tolist() == pytest.approx(act.amax(0).tolist()) and high[2] == 0.0
+    squash = model.outputs[1]["squash"].double()
+    assert report.channels["squash"].shape == (3, 2)
+    assert low.tolist() == pytest.approx(act.amin(0).tolist())
+    assert report.channels["squash"][2].tolist() == pytest.approx(
+        squash.abs().amin((0, 2, 3)).tolist()
+    )
+    assert set(report.parameters["lin.weight"]) == {"norm", "grad_norm", "update_ratio"}
+    assert report.histograms is not None and report.histograms.shape[0] == 3
+    logged = scalars(logger.log_dir)
+    assert "stats/train/act/std" not in logged  # listeners see more than the loggers
+    with pytest.raises(Exception, match="Expected a callable"):
+        monitor.subscribe(3)  # type: ignore[arg-type]
+    monitor.unsubscribe(reports.append)
+    assert monitor._listeners == []
