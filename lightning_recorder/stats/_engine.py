@@ -339,7 +339,15 @@ def tensor_state(x: Tensor) -> Tensor:
         key = _key("state", x, False, _masked_by_default(x.device))
         if n <= CHUNK or _COMPILER.ready(key):
             return rows_states(flat.view(1, n))[0]
-    return merge(torch.cat([rows_states(chunk.view(1, -1)) for chunk in _chunks(x, flat)]))
+    if flat is None:  # not one block: pieces copied one at a time
+        return merge(torch.cat([rows_states(piece.view(1, -1)) for piece in _chunks(x, flat)]))
+    pieces = flat.split(CHUNK)
+    # one buffer for every piece's state, allocated first: the pieces' temporaries are freed
+    # and reused in turn, not pinned apart by small results left between them
+    found = empty_states(len(pieces), device=x.device)
+    for i, piece in enumerate(pieces):
+        found[i] = rows_states(piece.view(1, -1))[0]
+    return merge(found)
 
 
 def row_counts(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:

@@ -139,6 +139,7 @@ SPAWN = textwrap.dedent(
     import lightning.pytorch as pl
     import torch
     from torch import nn
+    from helpers.dist_exit import DestroyProcessGroup
     from lightning_recorder import RecorderCallback
 
     HOOKS = 100
@@ -172,7 +173,7 @@ SPAWN = textwrap.dedent(
         data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)))
         trainer = pl.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=2,
             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, callbacks=[callback])
+            enable_model_summary=False, callbacks=[callback, DestroyProcessGroup(out)])
         trainer.fit(model, data)
     """
 )
@@ -180,6 +181,8 @@ SPAWN = textwrap.dedent(
 
 @pytest.mark.slow
 def test_user_hooks_survive_ddp_spawn(tmp_path: Path) -> None:
+    from helpers.dist_exit import leftover_c10d_threads, native_threads  # imports Lightning
+
     script = tmp_path / "spawn.py"
     script.write_text(SPAWN)
     proc = subprocess.run(
@@ -194,6 +197,11 @@ def test_user_hooks_survive_ddp_spawn(tmp_path: Path) -> None:
     # every user hook, two steps, on each of the two ranks
     counts = {rank: len((tmp_path / f"user{rank}.txt").read_text()) for rank in (0, 1)}
     assert counts == {0: 200, 1: 200}
+    # Both workers exited with no thread of the process group left (see helpers.dist_exit: a
+    # gloo thread still running as the interpreter finalizes can abort the worker).
+    if native_threads() is not None:
+        for rank in (0, 1):
+            assert leftover_c10d_threads(tmp_path / f"threads{rank}.txt") == [], rank
 
 
 def test_manager_in_process_keeps_a_hook_at_the_next_id() -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.dist_exit import end_process_group
 from lightning_recorder.callbacks.activation_writer import ActivationWriter
 
 N = 21  # odd: the ranks get 11 and 10 samples, none repeated
@@ -53,3 +54,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_process_group()  # before the interpreter exits (helpers/dist_exit.py)

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from helpers.dist_exit import end_process_group
 from helpers.models import QUIET, ProbeNet, features
 from lightning_recorder import FeatureStatsMonitor, RecorderCallback
 
@@ -103,3 +104,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_process_group()  # before the interpreter exits (helpers/dist_exit.py)

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
+from helpers.dist_exit import end_process_group
 from helpers.distill_models import Student, Teacher, loader
 from lightning_recorder import FeatureDistillation
 
@@ -71,3 +72,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_process_group()  # before the interpreter exits (helpers/dist_exit.py)

@@ -46,6 +46,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from helpers.dist_exit import end_process_group
 from lightning_recorder import FeatureDistillation
 
 LR = 0.1
@@ -221,3 +222,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_process_group()  # before the interpreter exits (helpers/dist_exit.py)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from helpers.dist_exit import end_process_group
 from lightning_recorder import FeatureDistillation, FeatureStatsMonitor
 
 LR = 0.1
@@ -98,3 +99,4 @@ def main(out: Path, distill: bool) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), "--distill" in sys.argv[2:])
+    end_process_group()  # before the interpreter exits (helpers/dist_exit.py)

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.dist_exit import end_process_group
 from lightning_recorder import FeatureStatsMonitor, RecorderCallback
 
 STEPS = 2
@@ -99,3 +100,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_process_group()  # before the interpreter exits (helpers/dist_exit.py)

@@ -17,6 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from helpers.dist_exit import end_process_group
 from helpers.models import QUIET, ProbeNet, features
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -120,3 +121,5 @@ def main(out_dir: Path, mode: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
+    if sys.argv[2] != "fail":  # after a failed rank the other may still wait in a collective
+        end_process_group()  # before the interpreter exits (helpers/dist_exit.py)
