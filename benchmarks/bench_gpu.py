@@ -44,9 +44,10 @@ fetch); the plain Trainer is counted too and the tables give what each callback 
 fits take the peak of allocated GPU memory of each step window
 (``torch.cuda.reset_peak_memory_stats`` at its start, ``torch.cuda.max_memory_allocated`` at its
 end) and compare it with the plain model's same step, against a tenth of the largest monitored
-output (measured by a forward with hooks); a monitor with ``parameters=False`` is measured too,
+output (measured by a forward with hooks), with the part of it already held when the step
+starts (buffers kept from an earlier step); a monitor with ``parameters=False`` is measured too,
 to tell the persistent copies that the update ratios need (one float32 copy of each monitored
-parameter, kept from the first logging step on) from the logging step's transient memory.
+parameter, kept from the first logging step on) from the logging step's own memory.
 
 **The engine alone.** The packed state of one large output (2**24 float32, 2**25 bfloat16
 elements), compiled and eager, against one read of it (``x.sum(dtype=torch.float32)``), timed
@@ -124,6 +125,32 @@ class Setup:
 def _sync() -> None:
     if Setup.cuda():
         torch.cuda.synchronize()
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    """Start a new peak: the CUDA allocator's, or on the CPU (a smoke run of this script) the
+    resident set's high-water mark where the kernel lets a process reset it."""
+    if Setup.cuda():
+        torch.cuda.reset_peak_memory_stats()
+    elif os.access("/proc/self/clear_refs", os.W_OK):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def _memory_now() -> int:
+    return torch.cuda.memory_allocated() if Setup.cuda() else _proc_status("VmRSS:")
+
+
+def _memory_peak() -> int:
+    return torch.cuda.max_memory_allocated() if Setup.cuda() else _proc_status("VmHWM:")
 
 
 def _stamp(what: str) -> None:
@@ -393,6 +420,7 @@ def _timed(config: str, model: str, precision: str) -> dict[str, float]:
     timer = _Timer()
     steps = Setup.warmup + Setup.synced + Setup.free
     _fit(module, [timer, *callbacks], steps, precision)
+    _check_logged(callbacks, steps, Setup.every)
     times = [b - a for a, b in zip(timer.synced, timer.synced[1:], strict=False)]
     window = range(Setup.warmup, Setup.warmup + Setup.synced)
     assert len(times) == len(window), (len(times), len(window))
@@ -517,12 +545,13 @@ class _SyncCounter:
 class _First(pl.Callback):
     def __init__(self, counter: _SyncCounter, after: list[list[str]]) -> None:
         self.counter, self.after = counter, after
+        self.held: list[int] = []  # memory allocated at each step's start
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step > 0:
             self.after.append(self.counter.end())
-        if Setup.cuda():
-            torch.cuda.reset_peak_memory_stats()
+        _reset_peak()
+        self.held.append(_memory_now())
         self.counter.begin()
 
 
@@ -530,11 +559,11 @@ class _Last(pl.Callback):
     def __init__(self, counter: _SyncCounter, after: list[list[str]]) -> None:
         self.counter, self.after = counter, after
         self.inside: list[list[str]] = []
-        self.peaks: list[int | None] = []
+        self.peaks: list[int] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.inside.append(self.counter.end())
-        self.peaks.append(torch.cuda.max_memory_allocated() if Setup.cuda() else None)
+        self.peaks.append(_memory_peak())
         self.counter.begin()
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -544,16 +573,18 @@ class _Last(pl.Callback):
 def count_syncs(model: str, config: str, precision: str) -> dict[str, Any]:
     module, callbacks = _setup(config, model)
     counter, after = _SyncCounter(), []
-    last = _Last(counter, after)
-    _fit(
-        module,
-        [_First(counter, after), *callbacks, last],
-        Setup.sync_steps,
-        precision,
-        every=Setup.sync_every,
-    )
+    first, last = _First(counter, after), _Last(counter, after)
+    _fit(module, [first, *callbacks, last], Setup.sync_steps, precision, every=Setup.sync_every)
     counter.end()
-    return {"inside": last.inside, "after": after, "peaks": last.peaks}
+    _check_logged(callbacks, Setup.sync_steps, Setup.sync_every)
+    return {"inside": last.inside, "after": after, "peaks": last.peaks, "held": first.held}
+
+
+def _check_logged(callbacks: list[pl.Callback], steps: int, every: int) -> None:
+    """A monitor of the run logged on every ``every``-th step (the figures are of logging steps)."""
+    for callback in callbacks:
+        if isinstance(callback, FeatureStatsMonitor):
+            assert callback.logged_steps == steps // every, (callback.logged_steps, steps, every)
 
 
 def largest_output(model: str, precision: str) -> tuple[int, int]:
@@ -625,17 +656,17 @@ def syncs_and_memory(models: Sequence[str], configs: Sequence[str], stacks: bool
                 row["syncs added after step, other steps"] = sorted(
                     {after[s] for s in range(steps) if s not in logging}
                 )
-                if Setup.cuda():
-                    extra = [
-                        ours["peaks"][s] - bare["peaks"][s]  # type: ignore[operator]
-                        for s in range(steps)
-                    ]
-                    row["peak memory added (bytes), logging steps"] = [
-                        extra[s] for s in logging if s > 0
-                    ]
-                    row["peak memory added (bytes), non-logging steps, max"] = max(
-                        extra[s] for s in range(1, steps) if s not in logging
-                    )
+                extra = [ours["peaks"][s] - bare["peaks"][s] for s in range(steps)]
+                row["peak memory added (bytes), logging steps"] = [
+                    extra[s] for s in logging if s > 0
+                ]
+                row["peak memory added (bytes), non-logging steps, max"] = max(
+                    extra[s] for s in range(1, steps) if s not in logging
+                )
+                held = [ours["held"][s] - bare["held"][s] for s in range(steps)]
+                row["of which held since earlier steps (bytes), logging steps"] = [
+                    held[s] for s in logging if s > 0
+                ]
                 table[config] = row
                 if stacks:
                     for s in range(steps):
@@ -820,7 +851,7 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                 f"peak memory of a logging step above plain ({config})",
                 worst,
                 f"<= largest output / 10 = {budget:,.0f} bytes" if budget else "<= largest / 10",
-                None if worst is None or budget is None else worst <= budget,
+                worst <= budget if Setup.cuda() and worst is not None and budget else None,
                 f"parameter copies: {rows.get('parameter copies (bytes)', 0):,} bytes"
                 if config == "monitor"
                 else "",

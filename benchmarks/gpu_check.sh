@@ -36,7 +36,12 @@ stamp() { echo "[$(date +%H:%M:%S)] gpu-check: $*"; }
 stamp "results in $OUT; python: $PYTHON"
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+    if commit=$(git rev-parse HEAD 2>/dev/null); then
+        git diff --quiet HEAD 2>/dev/null || commit="$commit (with local changes)"
+        echo "commit: $commit"
+    else
+        echo "commit: unknown (not a git checkout)"
+    fi
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
     "$PYTHON" - <<'PY' 2>&1
 import os, platform, sys
