@@ -12,9 +12,10 @@
 # of torch ($PYTHON; by default .venv/bin/python if there is one, else python3) on this
 # checkout (PYTHONPATH). Designed for a few minutes on an H100: each part has a time limit
 # (TESTS_TIMEOUT, BENCH_TIMEOUT seconds; the benchmark's timing stops starting repeats after
-# BENCH_BUDGET seconds), and the benchmark runs even when a test fails. The exit status is
-# non-zero if either part failed. Without a CUDA device it stops, unless GPU_CHECK_DRY_RUN=1
-# (a check of the script itself: the tests skip, the benchmark runs on the CPU at toy sizes).
+# BENCH_BUDGET seconds; PYTEST_ARGS, "-x" by default, go to pytest), and the benchmark runs even
+# when a test fails. The exit status is non-zero if either part failed. Without a CUDA device it
+# stops, unless GPU_CHECK_DRY_RUN=1 (a check of the script itself: the tests skip, and the
+# benchmark runs on the CPU at toy sizes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,9 +24,10 @@ mkdir -p "$OUT"
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-TESTS_TIMEOUT="${TESTS_TIMEOUT:-270}"
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
-BENCH_BUDGET="${BENCH_BUDGET:-140}"
+TESTS_TIMEOUT="${TESTS_TIMEOUT:-240}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-210}"
+BENCH_BUDGET="${BENCH_BUDGET:-120}"
+PYTEST_ARGS="${PYTEST_ARGS--x}"  # PYTEST_ARGS= (empty) runs every test after a failure too
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # cuBLAS is deterministic under torch.use_deterministic_algorithms only with a fixed workspace
@@ -71,7 +73,8 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; 
 fi
 
 stamp "tests/gpu (limit ${TESTS_TIMEOUT} s) ..."
-timeout -s INT -k 30 "$TESTS_TIMEOUT" "$PYTHON" -m pytest tests/gpu -q -x -p no:cacheprovider \
+# shellcheck disable=SC2086  # PYTEST_ARGS: words
+timeout -s INT -k 30 "$TESTS_TIMEOUT" "$PYTHON" -m pytest tests/gpu -q $PYTEST_ARGS -p no:cacheprovider \
     -rfEs --durations=15 --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log"
 tests=${PIPESTATUS[0]}
 stamp "tests/gpu: exit status $tests"
