@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ._histogram import bucket_index, tally
-from ._state import ABS_SUM, F64, M2, MAX, MIN, SHIFT_SAMPLE, empty_states, merge, rows_state
+from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state
 
 __all__ = [
     "CHUNK",
@@ -267,12 +267,18 @@ def flat_view(x: Tensor) -> Tensor | None:
     return torch.as_strided(x, (x.numel(),), (1,), x.storage_offset())
 
 
-def _plain(x: Tensor) -> contextlib.ExitStack:
+def _plain(x: Tensor) -> contextlib.AbstractContextManager[Any]:
     """No autograd and no autocast around a kernel: the same global state in every thread (the
-    graphs are compiled in one and run in another), and no graph recorded."""
+    graphs are compiled in one and run in another), and no graph recorded. (Nothing to enter,
+    the common case, costs nothing.)"""
+    grad = torch.is_grad_enabled()
+    autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+    if not (grad or autocast):
+        return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    stack.enter_context(torch.no_grad())
-    if x.device.type in ("cpu", "cuda"):
+    if grad:
+        stack.enter_context(torch.no_grad())
+    if autocast:
         stack.enter_context(torch.autocast(x.device.type, enabled=False))
     return stack
 
@@ -308,11 +314,6 @@ def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
         return torch.cat(pieces)
 
 
-def _suspicious(states: Tensor) -> Tensor:
-    """Rows whose unmasked sums show a NaN or an infinity (they propagate through sums)."""
-    return ~torch.isfinite(states[:, [M2, ABS_SUM, MIN, MAX]]).all(1)
-
-
 def rows_states(x: Tensor) -> Tensor:
     """The packed states ``(R, WIDTH)`` of the rows of a 2-d tensor (any real dtype)."""
     x = x.detach()
@@ -323,8 +324,10 @@ def rows_states(x: Tensor) -> Tensor:
     if _masked_by_default(x.device):
         return _run("state", x, False, masked=True)
     states = _run("state", x, True)
-    bad = _suspicious(states)
-    if bool(bad.any()):  # on the CPU: reading is free
+    # A NaN or an infinity in a row shows in its unmasked sums and extremes (they propagate);
+    # such rows take the masked variant. On the CPU, reading the result is free.
+    if not bool(torch.isfinite(states).all()):
+        bad = ~torch.isfinite(states).all(1)
         states[bad] = _run("state", x[bad], False, masked=True)
     return states
 
