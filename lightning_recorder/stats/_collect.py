@@ -118,8 +118,8 @@ class _Group:
     """A reused ``(rows, n)`` buffer of copies of small tensors of ``n`` elements of one dtype,
     and the stream of each row used in this batch: reduced in one call of the engine."""
 
-    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.n, self.dtype, self.device = n, dtype, device
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device, inference: bool) -> None:
+        self.n, self.dtype, self.device, self.inference = n, dtype, device, inference
         self.buffer: Tensor | None = None
         self.owners: list[int] = []
 
@@ -128,7 +128,8 @@ class _Group:
         used = len(self.owners)
         buffer = self.buffer
         if buffer is None or used >= buffer.shape[0]:
-            grown = torch.empty(max(4, 2 * used), self.n, dtype=self.dtype, device=self.device)
+            with torch.inference_mode(self.inference):  # its kind of tensor, for the engine
+                grown = torch.empty(max(4, 2 * used), self.n, dtype=self.dtype, device=self.device)
             if buffer is not None and used:
                 grown[:used].copy_(buffer[:used])
             self.buffer = buffer = grown
@@ -214,10 +215,8 @@ class Collector:
             key = (n, x.dtype, x.device, inference)
             group = self._groups.get(key)
             if group is None:
-                with torch.inference_mode(inference):  # its kind of tensor, for the engine
-                    group = self._groups[key] = _Group(n, x.dtype, x.device)
-            with torch.inference_mode(inference):
-                group.take().view(x.shape).copy_(x)
+                group = self._groups[key] = _Group(n, x.dtype, x.device, inference)
+            group.take().view(x.shape).copy_(x)
             group.owners.append(stream)
             self._small_held += n
             if self._small_held > _SMALL_HELD:

@@ -152,7 +152,8 @@ class _Compiler:
                     with _plain(example[0]):
                         self.function(key)(*example)
             except Exception as err:  # any failure of the compiler: stay eager, say so once
-                self.fail(err)
+                if threading.main_thread().is_alive():  # not a process that is exiting
+                    self.fail(err)
                 return
             finally:
                 with self._lock:

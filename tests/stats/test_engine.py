@@ -335,6 +335,36 @@ def test_a_failed_compile_warns_once_and_stays_eager(monkeypatch: pytest.MonkeyP
         engine.reset_compiled()
 
 
+def test_a_compile_cut_short_by_the_process_exiting_says_nothing(tmp_path: Path) -> None:
+    """A script that ends (or crashes) while the background compile runs must not print a
+    misleading "torch.compile failed" warning on its way out."""
+    script = tmp_path / "exiting.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import threading
+            import torch
+            from lightning_recorder.stats import _engine as engine
+
+            def cut_short(self, key):
+                threading.main_thread().join()  # the interpreter is shutting down
+                raise RuntimeError("can't register atexit after shutdown")
+
+            engine._Compiler.function = cut_short
+            engine.warm_up("cpu", [torch.float32])
+            print("main thread done")
+            """
+        )
+    )
+    env = {**os.environ, "LIGHTNING_RECORDER_COMPILE": "1", "PYTHONWARNINGS": "always"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "main thread done" in done.stdout
+    assert "computes feature statistics eagerly" not in done.stderr, done.stderr
+
+
 def test_compiling_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "0")
     engine.reset_compiled()
