@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks of the statistics engine in one command: the CUDA tests (tests/gpu), then
-# benchmarks/bench_gpu.py (every GPU row of the targets, with its baseline in the same run).
+# The GPU checks in one command: the CUDA tests (tests/gpu), then benchmarks/bench_gpu.py (every
+# GPU row of the statistics engine's targets, with its baseline in the same run), then
+# benchmarks/bench_health.py on the GPU (HealthMonitor's check against the plain Trainer).
 #
 #   benchmarks/gpu_check.sh            # or: make gpu-check
 #   OUT=results benchmarks/gpu_check.sh
@@ -8,12 +9,13 @@
 # Everything a report needs lands in $OUT (a new temporary folder if unset): environment.txt
 # (GPU, driver, versions, commit), pytest_gpu.log and pytest_gpu.xml (per-test results and the
 # memory figures the tests record), bench_gpu.log and bench_gpu.json (every figure, the summary
-# against the targets last). Nothing is installed: it runs the Python that holds a CUDA build
-# of torch ($PYTHON; by default .venv/bin/python if there is one, else python3) on this
-# checkout (PYTHONPATH). Designed for a few minutes on an H100: each part has a time limit
-# (TESTS_TIMEOUT, BENCH_TIMEOUT seconds; the benchmark's timing stops starting repeats after
-# BENCH_BUDGET seconds; PYTEST_ARGS, "-x" by default, go to pytest), and the benchmark runs even
-# when a test fails. The exit status is non-zero if either part failed. Without a CUDA device it
+# against the targets last), bench_health.log. Nothing is installed: it runs the Python that
+# holds a CUDA build of torch ($PYTHON; by default .venv/bin/python if there is one, else
+# python3) on this checkout (PYTHONPATH). Designed for a few minutes on an H100 (under 8 in
+# all): each part has a time limit (TESTS_TIMEOUT, BENCH_TIMEOUT, HEALTH_TIMEOUT seconds; the
+# benchmark's timing stops starting repeats after BENCH_BUDGET seconds; PYTEST_ARGS, "-x" by
+# default, go to pytest), and the benchmarks run even when a test fails. The exit status is
+# non-zero if any part failed. Without a CUDA device it
 # stops, unless GPU_CHECK_DRY_RUN=1 (a check of the script itself: the tests skip, and the
 # benchmark runs on the CPU at toy sizes).
 set -uo pipefail
@@ -24,9 +26,10 @@ mkdir -p "$OUT"
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-TESTS_TIMEOUT="${TESTS_TIMEOUT:-240}"
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-210}"
-BENCH_BUDGET="${BENCH_BUDGET:-120}"
+TESTS_TIMEOUT="${TESTS_TIMEOUT:-200}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}"
+BENCH_BUDGET="${BENCH_BUDGET:-100}"
+HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-80}"
 PYTEST_ARGS="${PYTEST_ARGS--x}"  # PYTEST_ARGS= (empty) runs every test after a failure too
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -69,6 +72,9 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; 
         exit 1
     fi
     DEVICE=cpu  # a dry run of this script: the tests skip, the benchmark runs at toy sizes
+    # the CPU is slower than a GPU at the benchmarks' work: time limits for a busy CPU
+    BENCH_TIMEOUT=$((BENCH_TIMEOUT * 5)) BENCH_BUDGET=$((BENCH_BUDGET * 5))
+    HEALTH_TIMEOUT=$((HEALTH_TIMEOUT * 8))
     stamp "no CUDA device: a dry run (the tests skip, the benchmark runs on the CPU at toy sizes)"
 fi
 
@@ -88,5 +94,16 @@ timeout -s INT -k 30 "$BENCH_TIMEOUT" "$PYTHON" benchmarks/bench_gpu.py \
 bench=${PIPESTATUS[0]}
 stamp "bench_gpu: exit status $bench"
 
-stamp "done: tests $tests, benchmark $bench; results in $OUT"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+HEALTH_ARGS="--repeats 3"
+[ "$DEVICE" = cpu ] && HEALTH_ARGS="--quick"
+stamp "benchmarks/bench_health.py (limit ${HEALTH_TIMEOUT} s) ..."
+# shellcheck disable=SC2086  # HEALTH_ARGS: words
+timeout -s INT -k 20 "$HEALTH_TIMEOUT" "$PYTHON" benchmarks/bench_health.py --device "$DEVICE" \
+    $HEALTH_ARGS 2>&1 \
+    | grep --line-buffered -v -e "^INFO" -e "LitLogger" -e "available: " -e 'stopped: `max_steps=' \
+    | tee "$OUT/bench_health.log"
+health=${PIPESTATUS[0]}
+stamp "bench_health: exit status $health"
+
+stamp "done: tests $tests, benchmark $bench, health benchmark $health; results in $OUT"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$health" -eq 0 ]
