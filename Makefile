@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest bench docs docs-serve sysdeps clean
+.PHONY: demo test lint typecheck pytest bench gpu-check docs docs-serve sysdeps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python >= 3.10 is required")'
@@ -45,6 +45,13 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# The GPU checks in one command, on a machine with a CUDA device: tests/gpu, then
+# benchmarks/bench_gpu.py; results in $$OUT (default: a new temporary folder). No set-up step: it
+# runs $$PYTHON (default: .venv/bin/python if there is one, else python3) on this checkout, so
+# that a GPU machine without network access can run it. See docs/benchmarks.md, "GPU".
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

@@ -1,58 +1,78 @@
-"""`FeatureStatsMonitor` and `FeatureDistillation` on a CUDA GPU: step-time ratios and host
-synchronisations, measured side by side in one run.
+"""`FeatureStatsMonitor` on a CUDA GPU: every GPU row of the statistics engine's targets, measured
+side by side in one run with its baseline.
 
-Two models, written here (no torchvision), train on batches of 128 random 3x32x32 images that
-already sit on the GPU (the loader copies nothing):
+**Model.** A CIFAR-style ResNet-18 written here (no torchvision: a 3x3 stem, four stages of two
+basic blocks, 64 to 512 channels, 20 convolutions and a linear head), trained on batches of 128
+random 3x32x32 images that already sit on the GPU (the loader copies nothing), in float32
+(``precision="32-true"``) and in bfloat16 (``precision="bf16-mixed"``: the outputs of the
+convolutions are bfloat16).
 
-* **small cnn** — three 3x3 convolutions (32, 32, 64 channels) and a linear head, the network of
-  the CPU distillation benchmark, twice as wide;
-* **resnet-18** — a CIFAR-style ResNet-18 (3x3 stem, four stages of two basic blocks, 64 to 512
-  channels; 20 convolutions and a linear head).
-
-Configurations of the same Trainer (``accelerator="gpu"``, a TensorBoard logger,
+**Configurations** of the same Trainer (``accelerator="gpu"``, a TensorBoard logger,
 ``log_every_n_steps=50``):
 
 * **plain** — the model alone, its ``training_step`` returning the cross-entropy;
-* **monitor** — with ``FeatureStatsMonitor([Conv2d, Linear], every_n_steps=50)``, parameters and
-  histograms included (every convolution and the head);
-* **distill** — the same model as the student of ``FeatureDistillation`` from a teacher twice as
-  wide (MSE on the stage outputs through automatic 1x1 connectors, KL on the logits);
-* **hand-written** — the same distillation written into the LightningModule with
-  ``register_forward_hook`` closures and ``self.log`` calls, the comparison of the CPU benchmark;
-* **callback** — a ``Callback`` that does nothing (information: what Lightning's hook calls
-  cost any callback, and how far apart two runs of the same work land).
+* **callback** — with a ``Callback`` that does nothing: what Lightning's hook calls cost any
+  callback, and how far apart two runs of the same work land;
+* **monitor** — with ``FeatureStatsMonitor([Conv2d, Linear])`` and its defaults: it logs every
+  ``log_every_n_steps`` (50) steps the statistics and histograms of every convolution and the
+  head, and the norms, gradient norms and update ratios of their parameters.
 
-**Timing.** Each repeat trains every configuration of a model one after the other (the order
-rotates from repeat to repeat) twice: once *synchronised*, a timing callback calling
-``torch.cuda.synchronize()`` at every ``on_train_batch_start``, so that a step's wall time is
-its host and device work (the medians of non-logging and logging steps come from these runs);
-and once *free-running*, synchronised only at the start of the window and at the end of the
-run, so that the host runs ahead of the GPU as in a real run (the amortised ratio comes from
-these). Steps 50-249 are timed (the monitor logs steps 99, 149, 199 and 249). Ratios against the
-plain model are taken per repeat; their medians over repeats are reported.
+``--all`` adds the small CNN of the CPU distillation benchmark (twice as wide) and, for both
+models, ``FeatureDistillation`` from a teacher twice as wide against the same distillation
+written by hand into the LightningModule (``register_forward_hook`` closures, ``self.log``).
 
-**Synchronisations.** With ``torch.cuda.set_sync_debug_mode("warn")`` every synchronising CUDA
-call warns; each step is counted in two windows: *in the step* (from the first callback's
+**The engine is compiled first.** The run waits for the statistics engine's compiled graphs
+(``warm_up(..., wait=True)``) before anything is timed, and reports ``compile_status()`` before
+and after (``LIGHTNING_RECORDER_COMPILE=0``, or ``--eager``, measures the eager engine instead).
+
+**Timing.** Each repeat trains every configuration once, in an order that rotates from repeat to
+repeat (and reverses every other repeat), each fit in three phases: steps 0-49 warm up; steps
+50-199 are *synchronised* (a timing callback calls ``torch.cuda.synchronize()`` at every
+``on_train_batch_start``, so that a step's wall time is its host and device work: the medians
+of the non-logging and the logging steps, 99, 149 and 199, come from these); steps 200-349 run
+*free*, synchronised only at their start and at the end of the run, so that the host runs ahead
+of the GPU as in a real run (the amortised step, logging steps 249, 299 and 349 included, one
+in 50). Ratios against the plain model are taken per repeat; their medians are reported, with
+the spread over repeats.
+
+**Synchronisations and memory.** A separate short fit of each configuration (13 steps, the
+monitor logging every 4: steps 3, 7 and 11) counts with ``torch.cuda.set_sync_debug_mode("warn")``
+every synchronising CUDA call, in two windows per step: *in the step* (from the first callback's
 ``on_train_batch_start`` to the last callback's ``on_train_batch_end``: forward, backward,
 optimizer and every callback hook) and *after it* (Lightning's logging and the next batch's
-fetch). The plain Trainer is counted too; the tables give what each callback adds.
+fetch); the plain Trainer is counted too and the tables give what each callback adds. The same
+fits take the peak of allocated GPU memory of each step window
+(``torch.cuda.reset_peak_memory_stats`` at its start, ``torch.cuda.max_memory_allocated`` at its
+end) and compare it with the plain model's same step, against a tenth of the largest monitored
+output (measured by a forward with hooks), with the part of it already held when the step
+starts (buffers kept from an earlier step); a monitor with ``parameters=False`` is measured too,
+to tell the persistent copies that the update ratios need (one float32 copy of each monitored
+parameter, kept from the first logging step on) from the logging step's own memory.
 
-Run ``python benchmarks/bench_gpu.py`` (``--quick`` for a smoke run, ``--json PATH`` to save the
-results, ``--stacks`` to print where each added synchronisation comes from). Without a CUDA
-device it says so and exits.
+**The engine alone.** The packed state of one large output (2**24 float32, 2**25 bfloat16
+elements), compiled and eager, against one read of it (``x.sum(dtype=torch.float32)``), timed
+with CUDA events: what one monitored output costs a logging step, apart from the model.
+
+Run ``python benchmarks/bench_gpu.py`` (``--quick``: one repeat; ``--json PATH``: save every
+figure; ``--stacks``: print where each added synchronisation comes from; ``--profile MODEL``:
+profile a logging step). Without a CUDA device it says so and exits 0; ``--device cpu`` runs
+every part of it on the CPU at toy sizes, to check the script itself (its figures mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -68,11 +88,73 @@ from lightning_recorder import (
     MSELoss,
     build_connector,
 )
+from lightning_recorder.stats import _engine as engine
 
 EVERY = 50
-ACCELERATOR, DEVICE = "gpu", "cuda"  # a CPU smoke run of the code paths may change them
 BATCH = 128
+IMAGE = 32
 CLASSES = 10
+PRECISIONS = {"float32": "32-true", "bfloat16": "bf16-mixed"}
+TARGETS = {"logging": 1.2, "amortised": 1.02, "syncs_non_logging": 0, "syncs_logging": 1}
+
+
+class Setup:
+    """Where and how big: the GPU (the default) or a toy run on the CPU (``--device cpu``)."""
+
+    accelerator, device = "gpu", "cuda"
+    batch, every = BATCH, EVERY
+    warmup, synced, free = EVERY, 3 * EVERY, 3 * EVERY
+    sync_steps, sync_every = 13, 4
+    engine_sizes: ClassVar[dict[torch.dtype, int]] = {torch.float32: 2**24, torch.bfloat16: 2**25}
+    widths: ClassVar[dict[str, int]] = {"resnet-18": 64, "small cnn": 32}
+
+    @classmethod
+    def cpu(cls) -> None:
+        cls.accelerator, cls.device = "cpu", "cpu"
+        cls.batch, cls.every = 4, 2
+        cls.warmup, cls.synced, cls.free = 2, 4, 4
+        cls.sync_steps, cls.sync_every = 5, 2
+        cls.engine_sizes = {torch.float32: 2**18, torch.bfloat16: 2**18}
+        cls.widths = {"resnet-18": 4, "small cnn": 4}
+
+    @classmethod
+    def cuda(cls) -> bool:
+        return cls.device == "cuda"
+
+
+def _sync() -> None:
+    if Setup.cuda():
+        torch.cuda.synchronize()
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    """Start a new peak: the CUDA allocator's, or on the CPU (a smoke run of this script) the
+    resident set's high-water mark where the kernel lets a process reset it."""
+    if Setup.cuda():
+        torch.cuda.reset_peak_memory_stats()
+    elif os.access("/proc/self/clear_refs", os.W_OK):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def _memory_now() -> int:
+    return torch.cuda.memory_allocated() if Setup.cuda() else _proc_status("VmRSS:")
+
+
+def _memory_peak() -> int:
+    return torch.cuda.max_memory_allocated() if Setup.cuda() else _proc_status("VmHWM:")
+
+
+def _stamp(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", flush=True)
 
 
 # ---------------------------------------------------------------------------- models
@@ -127,15 +209,13 @@ def _resnet18(width: int) -> nn.Module:
 
 
 MODELS: dict[str, dict[str, Any]] = {
-    "small cnn": {
-        "build": _small_cnn,
-        "width": 32,
-        "pairs": {"body.2": "body.2", "body.5": "body.5", "head": "head"},
-    },
     "resnet-18": {
         "build": _resnet18,
-        "width": 32,
         "pairs": {"body.1": "body.1", "body.2": "body.2", "body.4": "body.4", "head": "head"},
+    },
+    "small cnn": {
+        "build": _small_cnn,
+        "pairs": {"body.2": "body.2", "body.5": "body.5", "head": "head"},
     },
 }
 
@@ -192,7 +272,7 @@ class HandWritten(Plain):
                 teacher.get_submodule(t_name).register_forward_hook(self._store(self._t, name))
             )
         with torch.no_grad():
-            x = torch.zeros(2, 3, 32, 32)
+            x = torch.zeros(2, 3, IMAGE, IMAGE)
             self.eval()(x)
             teacher(x)
             self.train()
@@ -235,30 +315,32 @@ class HandWritten(Plain):
             handle.remove()
 
 
+class _Nothing(pl.Callback):
+    """A callback that does nothing."""
+
+
 def _teacher(model: str) -> nn.Module:
     torch.manual_seed(1)
-    return Net(model, 2 * MODELS[model]["width"]).eval().requires_grad_(False)
+    return Net(model, 2 * Setup.widths[model]).eval().requires_grad_(False)
 
 
-def _setup(
-    config: str, model: str, every: int = EVERY
-) -> tuple[pl.LightningModule, list[pl.Callback]]:
+def _setup(config: str, model: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
     """The LightningModule and callbacks of a configuration (seeded)."""
-    width = MODELS[model]["width"]
+    width = Setup.widths[model]
     torch.manual_seed(0)
     if config == "plain":
         return Plain(model, width), []
-    if config == "monitor":
-        return Plain(model, width), [
-            FeatureStatsMonitor([nn.Conv2d, nn.Linear], every_n_steps=every, parameters=True)
-        ]
+    if config == "callback":
+        return Plain(model, width), [_Nothing()]
+    if config == "monitor":  # the defaults: every log_every_n_steps, parameters, histograms
+        return Plain(model, width), [FeatureStatsMonitor([nn.Conv2d, nn.Linear])]
+    if config == "monitor, parameters=False":
+        return Plain(model, width), [FeatureStatsMonitor([nn.Conv2d, nn.Linear], parameters=False)]
     if config == "distill":
         pairs = MODELS[model]["pairs"]
         teacher = _teacher(model)
         torch.manual_seed(0)
         return Plain(model, width), [FeatureDistillation(teacher, pairs, loss=_losses(pairs))]
-    if config == "callback":
-        return Plain(model, width), [_Nothing()]
     if config == "hand-written":
         teacher = _teacher(model)
         torch.manual_seed(0)
@@ -266,19 +348,12 @@ def _setup(
     raise ValueError(config)
 
 
-class _Nothing(pl.Callback):
-    """A callback that does nothing."""
-
-
-CONFIGS = ("plain", "monitor", "distill", "hand-written", "callback")
-
-
 def _batches(steps: int, pool: int = 16) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(0)
     made = [
         (
-            torch.randn(BATCH, 3, 32, 32, generator=g).to(DEVICE),
-            torch.randint(0, CLASSES, (BATCH,), generator=g).to(DEVICE),
+            torch.randn(Setup.batch, 3, IMAGE, IMAGE, generator=g).to(Setup.device),
+            torch.randint(0, CLASSES, (Setup.batch,), generator=g).to(Setup.device),
         )
         for _ in range(pool)
     ]
@@ -286,16 +361,21 @@ def _batches(steps: int, pool: int = 16) -> list[tuple[Tensor, Tensor]]:
 
 
 def _fit(
-    model: pl.LightningModule, callbacks: list[pl.Callback], steps: int, every: int = EVERY
+    model: pl.LightningModule,
+    callbacks: list[pl.Callback],
+    steps: int,
+    precision: str,
+    every: int | None = None,
 ) -> None:
     with tempfile.TemporaryDirectory() as logdir:
         trainer = pl.Trainer(
-            accelerator=ACCELERATOR,
+            accelerator=Setup.accelerator,
             devices=1,
             max_steps=steps,
+            precision=precision,  # type: ignore[arg-type]
             callbacks=callbacks,
             logger=TensorBoardLogger(logdir, name="", version=""),
-            log_every_n_steps=every,
+            log_every_n_steps=every or Setup.every,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -310,93 +390,131 @@ def _fit(
 
 # ---------------------------------------------------------------------------- timing
 class _Timer(pl.Callback):
-    """Wall-clock stamps at batch starts, after a device synchronisation: every step
-    (``each=True``), or only at step ``start`` and at the end of the run."""
+    """Wall-clock stamps at batch starts after a device synchronisation: every step of the
+    synchronised phase, then at the start of the free phase and at the end of the run."""
 
-    def __init__(self, each: bool, start: int) -> None:
-        self.each, self.start = each, start
-        self.stamps: list[float] = []
+    def __init__(self) -> None:
+        self.synced: list[float] = []
+        self.free: list[float] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.each or trainer.global_step == self.start:
-            torch.cuda.synchronize()
-            self.stamps.append(time.perf_counter())
+        step = trainer.global_step
+        if Setup.warmup <= step <= Setup.warmup + Setup.synced:
+            _sync()
+            now = time.perf_counter()
+            self.synced.append(now)
+            if step == Setup.warmup + Setup.synced:
+                self.free.append(now)
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
-
-
-def _timed(config: str, model: str, steps: int, warmup: int, each: bool) -> list[float]:
-    module, callbacks = _setup(config, model)
-    timer = _Timer(each, warmup)
-    _fit(module, [timer, *callbacks], steps)
-    if each:
-        times = [b - a for a, b in zip(timer.stamps, timer.stamps[1:], strict=False)]
-        return times  # one per step
-    return [(timer.stamps[-1] - timer.stamps[0]) / (steps - warmup)]
+        _sync()
+        self.free.append(time.perf_counter())
 
 
 def _is_logging(step: int) -> bool:
-    return (step + 1) % EVERY == 0
+    return (step + 1) % Setup.every == 0
+
+
+def _timed(config: str, model: str, precision: str) -> dict[str, float]:
+    module, callbacks = _setup(config, model)
+    timer = _Timer()
+    steps = Setup.warmup + Setup.synced + Setup.free
+    _fit(module, [timer, *callbacks], steps, precision)
+    _check_logged(callbacks, steps, Setup.every)
+    times = [b - a for a, b in zip(timer.synced, timer.synced[1:], strict=False)]
+    window = range(Setup.warmup, Setup.warmup + Setup.synced)
+    assert len(times) == len(window), (len(times), len(window))
+    by_step = dict(zip(window, times, strict=True))
+    quiet = [t for s, t in by_step.items() if not _is_logging(s)]
+    logging = [t for s, t in by_step.items() if _is_logging(s)]
+    return {
+        "non_logging": statistics.median(quiet),
+        "logging": statistics.median(logging) if logging else math.nan,
+        "amortised_synced": statistics.fmean(times),
+        "amortised": (timer.free[-1] - timer.free[0]) / Setup.free,
+    }
+
+
+KEYS = ("non_logging", "logging", "amortised", "amortised_synced")
 
 
 def measure(
-    repeats: int, steps: int, warmup: int, save: Callable[[dict[str, Any]], None] | None = None
+    models: Sequence[str],
+    configs: Sequence[str],
+    repeats: int,
+    save: Callable[[dict[str, Any]], None] | None = None,
+    budget: float | None = None,
 ) -> dict[str, Any]:
-    """Time every configuration of every model; ``save`` gets the results after each model."""
+    """Time every configuration of every model in each precision; ``save`` gets the results
+    after each repeat. With a ``budget`` (seconds), no repeat starts that would end past it
+    (judged by the slowest repeat so far); the first always runs."""
     results: dict[str, Any] = {}
-    for model in MODELS:
-        runs: dict[str, list[dict[str, float]]] = {c: [] for c in CONFIGS}
-        for r in range(repeats):
-            order = list(CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)])
+    started = time.perf_counter()
+    longest = 0.0
+    cells = [(m, p) for m in models for p in PRECISIONS]
+    runs: dict[tuple[str, str], dict[str, list[dict[str, float]]]] = {
+        cell: {c: [] for c in configs} for cell in cells
+    }
+    for r in range(repeats):
+        elapsed = time.perf_counter() - started
+        if budget is not None and r > 0 and elapsed + longest > budget:
+            _stamp(f"timing: stopped after {r} repeat(s), the time budget ({budget:.0f} s) spent")
+            break
+        begun = time.perf_counter()
+        for model, name in cells:
+            order = list(configs[r % len(configs) :]) + list(configs[: r % len(configs)])
             if r % 2:
                 order.reverse()
             for config in order:
-                times = _timed(config, model, steps, warmup, each=True)
-                window = range(warmup, steps)
-                plain_steps = [times[i] for i in window if not _is_logging(i)]
-                logging = [times[i] for i in window if _is_logging(i)]
-                free = _timed(config, model, steps, warmup, each=False)[0]
-                runs[config].append(
-                    {
-                        "non_logging": statistics.median(plain_steps),
-                        "logging": statistics.median(logging) if logging else float("nan"),
-                        "amortised_synced": statistics.fmean(times[i] for i in window),
-                        "amortised": free,
-                    }
-                )
-            print(f"  {model}: repeat {r + 1}/{repeats} done", flush=True)
-        ratios: dict[str, dict[str, float]] = {}
-        for config in CONFIGS[1:]:
-            ratios[config] = {
-                key: statistics.median(
-                    run[key] / base[key]
-                    for run, base in zip(runs[config], runs["plain"], strict=True)
-                )
-                for key in ("non_logging", "logging", "amortised_synced", "amortised")
-            }
-        ratios["distill vs hand-written"] = {
-            key: statistics.median(
-                a[key] / b[key] for a, b in zip(runs["distill"], runs["hand-written"], strict=True)
-            )
-            for key in ("non_logging", "amortised")
-        }
-        results[model] = {
-            "ms": {
-                c: {k: statistics.median(run[k] for run in runs[c]) * 1e3 for k in runs[c][0]}
-                for c in CONFIGS
-            },
-            "ratios": ratios,
-            "per_repeat": runs,
-        }
+                runs[model, name][config].append(_timed(config, model, PRECISIONS[name]))
+            _stamp(f"timing: {model} {name}: repeat {r + 1}/{repeats} done")
+        longest = max(longest, time.perf_counter() - begun)
+        for (model, name), cell in runs.items():
+            results.setdefault(model, {})[name] = _summarise(cell, configs)
         if save is not None:
             save(results)
     return results
 
 
-# ---------------------------------------------------------------------------- synchronisations
+def _ratios(runs: list[dict[str, float]], base: list[dict[str, float]], key: str) -> list[float]:
+    return [a[key] / b[key] for a, b in zip(runs, base, strict=True)]
+
+
+def _summarise(runs: dict[str, list[dict[str, float]]], configs: Sequence[str]) -> dict[str, Any]:
+    ratios: dict[str, dict[str, Any]] = {}
+    done = [c for c in configs if runs[c]]
+    n = min(len(runs[c]) for c in done)
+    cut = {c: runs[c][:n] for c in done}
+    for config in done[1:]:
+        ratios[config] = {}
+        for key in KEYS:
+            per = _ratios(cut[config], cut["plain"], key)
+            ratios[config][key] = statistics.median(per)
+            ratios[config][key + "_range"] = [min(per), max(per)]
+    if "monitor" in cut and "callback" in cut:
+        per = _ratios(cut["monitor"], cut["callback"], "non_logging")
+        ratios["monitor vs callback"] = {
+            "non_logging": statistics.median(per),
+            "non_logging_range": [min(per), max(per)],
+        }
+    if "distill" in cut and "hand-written" in cut:
+        ratios["distill vs hand-written"] = {
+            key: statistics.median(_ratios(cut["distill"], cut["hand-written"], key))
+            for key in ("non_logging", "amortised")
+        }
+    return {
+        "ms": {
+            c: {k: statistics.median(run[k] for run in cut[c]) * 1e3 for k in KEYS} for c in done
+        },
+        "ratios": ratios,
+        "per_repeat": cut,
+    }
+
+
+# ---------------------------------------------------------------------------- syncs and memory
 class _SyncCounter:
+    """Counts synchronising CUDA calls (``set_sync_debug_mode("warn")``) with their stacks."""
+
     def __init__(self) -> None:
         self.stacks: list[str] | None = None
         self._catcher: Any = None
@@ -407,7 +525,8 @@ class _SyncCounter:
         warnings.simplefilter("always")
         warnings.showwarning = self._show
         self.stacks = []
-        torch.cuda.set_sync_debug_mode("warn")
+        if Setup.cuda():
+            torch.cuda.set_sync_debug_mode("warn")
 
     def _show(self, message: Any, *args: Any, **kwargs: Any) -> None:
         if self.stacks is not None and "synchroniz" in str(message):
@@ -416,7 +535,8 @@ class _SyncCounter:
     def end(self) -> list[str]:
         if self.stacks is None:
             return []
-        torch.cuda.set_sync_debug_mode(0)
+        if Setup.cuda():
+            torch.cuda.set_sync_debug_mode(0)
         self._catcher.__exit__(None, None, None)
         stacks, self.stacks = self.stacks, None
         return stacks
@@ -425,10 +545,13 @@ class _SyncCounter:
 class _First(pl.Callback):
     def __init__(self, counter: _SyncCounter, after: list[list[str]]) -> None:
         self.counter, self.after = counter, after
+        self.held: list[int] = []  # memory allocated at each step's start
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step > 0:
             self.after.append(self.counter.end())
+        _reset_peak()
+        self.held.append(_memory_now())
         self.counter.begin()
 
 
@@ -436,107 +559,323 @@ class _Last(pl.Callback):
     def __init__(self, counter: _SyncCounter, after: list[list[str]]) -> None:
         self.counter, self.after = counter, after
         self.inside: list[list[str]] = []
+        self.peaks: list[int] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.inside.append(self.counter.end())
+        self.peaks.append(_memory_peak())
         self.counter.begin()
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.after.append(self.counter.end())
 
 
-def count_syncs(model: str, config: str, steps: int, every: int) -> dict[str, list[list[str]]]:
-    module, callbacks = _setup(config, model, every)
+def count_syncs(model: str, config: str, precision: str) -> dict[str, Any]:
+    module, callbacks = _setup(config, model)
     counter, after = _SyncCounter(), []
-    last = _Last(counter, after)
-    _fit(module, [_First(counter, after), *callbacks, last], steps, every=every)
+    first, last = _First(counter, after), _Last(counter, after)
+    _fit(module, [first, *callbacks, last], Setup.sync_steps, precision, every=Setup.sync_every)
     counter.end()
-    return {"inside": last.inside, "after": after}
+    _check_logged(callbacks, Setup.sync_steps, Setup.sync_every)
+    return {"inside": last.inside, "after": after, "peaks": last.peaks, "held": first.held}
 
 
-def syncs(steps: int, every: int, stacks: bool) -> dict[str, Any]:
-    """Synchronisations per step kind, and those our callbacks add to the plain Trainer's."""
+def _check_logged(callbacks: list[pl.Callback], steps: int, every: int) -> None:
+    """A monitor of the run logged on every ``every``-th step (the figures are of logging steps)."""
+    for callback in callbacks:
+        if isinstance(callback, FeatureStatsMonitor):
+            assert callback.logged_steps == steps // every, (callback.logged_steps, steps, every)
+
+
+def largest_output(model: str, precision: str) -> tuple[int, int]:
+    """The bytes of the largest output of a monitored module (``Conv2d``, ``Linear``) in one
+    training forward under ``precision``, and the bytes of the float32 copies of their
+    parameters that the update ratios keep."""
+    module, _ = _setup("plain", model)
+    module = module.to(Setup.device)
+    sizes: list[int] = []
+    chosen = [m for m in module.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    handles = [
+        m.register_forward_hook(lambda m, a, out: sizes.append(out.numel() * out.element_size()))
+        for m in chosen
+    ]
+    bf16 = precision.startswith("bf16")
+    try:
+        with torch.autocast(Setup.device, dtype=torch.bfloat16, enabled=bf16):
+            module(_batches(1)[0][0])
+    finally:
+        for handle in handles:
+            handle.remove()
+    copies = sum(p.numel() * 4 for m in chosen for p in m.parameters())
+    return max(sizes), copies
+
+
+SYNC_CONFIGS = ("plain", "callback", "monitor", "monitor, parameters=False")
+
+
+def syncs_and_memory(models: Sequence[str], configs: Sequence[str], stacks: bool) -> dict:
+    """Per model and precision: the synchronisations our callbacks add to each kind of step,
+    and the peak memory they add to a step."""
     out: dict[str, Any] = {}
-    for model in MODELS:
-        configs = ("plain", "monitor", "distill", "hand-written")  # not "callback"
-        counted = {c: count_syncs(model, c, steps, every) for c in configs}
-        bare = counted["plain"]
-        logging = [s for s in range(steps) if (s + 1) % every == 0]
-        table: dict[str, Any] = {
-            "plain": {
-                "in step (every step)": sorted({len(x) for x in bare["inside"]}),
-                "after step, Lightning logging steps": sorted(
-                    {len(bare["after"][s]) for s in logging}
-                ),
-                "after step, other steps": sorted(
-                    {len(bare["after"][s]) for s in range(steps) if s not in logging}
-                ),
+    steps, every = Setup.sync_steps, Setup.sync_every
+    logging = [s for s in range(steps) if (s + 1) % every == 0]
+    for model in models:
+        for name, precision in PRECISIONS.items():
+            counted = {c: count_syncs(model, c, precision) for c in configs}
+            bare = counted["plain"]
+            largest, copies = largest_output(model, precision)
+            table: dict[str, Any] = {
+                "largest monitored output (bytes)": largest,
+                "memory budget (bytes)": largest / 10,
+                "parameter copies (bytes)": copies,
+                "plain": {
+                    "syncs in step (every step)": sorted({len(x) for x in bare["inside"]}),
+                    "syncs after step, logging steps": sorted(
+                        {len(bare["after"][s]) for s in logging}
+                    ),
+                    "peak memory (bytes), by step": bare["peaks"],
+                },
             }
-        }
-        for config in configs[1:]:
-            ours = counted[config]
-            added = [len(ours["inside"][s]) - len(bare["inside"][s]) for s in range(steps)]
-            added_after = [len(ours["after"][s]) - len(bare["after"][s]) for s in range(steps)]
-            kinds = {"first step (set-up)": [0]}
-            if config == "monitor":  # logging steps: the monitor's and Lightning's
-                kinds["non-logging steps"] = [s for s in range(1, steps) if s not in logging]
-                kinds["logging steps"] = [s for s in logging if s > 0]
-            else:
-                kinds["every step"] = list(range(1, steps))
-            table[config] = {
-                f"added in step, {kind}": sorted({added[s] for s in chosen})
-                for kind, chosen in kinds.items()
-            }
-            table[config]["added after step, Lightning logging steps"] = sorted(
-                {added_after[s] for s in logging}
-            )
-            table[config]["added after step, other steps"] = sorted(
-                {added_after[s] for s in range(steps) if s not in logging}
-            )
-            if stacks:
-                for s in range(steps):
-                    if added[s] > 0 or added_after[s] > 0:
-                        print(
-                            f"--- {model} / {config}: step {s}: "
-                            f"+{added[s]} in, +{added_after[s]} after"
-                        )
-                        for where in ("inside", "after"):
-                            for stack in ours[where][s]:
-                                print(f"[{where}]\n{stack}")
-        out[model] = table
+            for config in configs[1:]:
+                ours = counted[config]
+                added = [len(ours["inside"][s]) - len(bare["inside"][s]) for s in range(steps)]
+                after = [len(ours["after"][s]) - len(bare["after"][s]) for s in range(steps)]
+                monitor = config.startswith("monitor")
+                kinds = {
+                    "first step (set-up)": [0],
+                    "non-logging steps": [s for s in range(1, steps) if s not in logging],
+                    "logging steps": [s for s in logging if s > 0],
+                }
+                if not monitor:
+                    kinds = {"first step (set-up)": [0], "every step": list(range(1, steps))}
+                row: dict[str, Any] = {
+                    f"syncs added in step, {kind}": sorted({added[s] for s in chosen})
+                    for kind, chosen in kinds.items()
+                }
+                row["syncs added after step, logging steps"] = sorted({after[s] for s in logging})
+                row["syncs added after step, other steps"] = sorted(
+                    {after[s] for s in range(steps) if s not in logging}
+                )
+                extra = [ours["peaks"][s] - bare["peaks"][s] for s in range(steps)]
+                row["peak memory added (bytes), logging steps"] = [
+                    extra[s] for s in logging if s > 0
+                ]
+                row["peak memory added (bytes), non-logging steps, max"] = max(
+                    extra[s] for s in range(1, steps) if s not in logging
+                )
+                held = [ours["held"][s] - bare["held"][s] for s in range(steps)]
+                row["of which held since earlier steps (bytes), logging steps"] = [
+                    held[s] for s in logging if s > 0
+                ]
+                table[config] = row
+                if stacks:
+                    for s in range(steps):
+                        if added[s] > 0 or after[s] > 0:
+                            print(
+                                f"--- {model} {name} / {config}, step {s}: +{added[s]} in, "
+                                f"+{after[s]} after"
+                            )
+                            for where in ("inside", "after"):
+                                for stack in ours[where][s]:
+                                    print(f"[{where}]\n{stack}")
+            out.setdefault(model, {})[name] = table
+            _stamp(f"syncs and memory: {model} {name} done")
     return out
 
 
+# ---------------------------------------------------------------------------- the engine alone
+def _time(fn: Callable[[], Any], repeats: int = 20) -> float:
+    """Median seconds of ``fn`` (CUDA events on the GPU, the wall clock on the CPU)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if Setup.cuda():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def engine_rows() -> dict[str, Any]:
+    """The packed state of one large tensor, compiled and eager, against one read of it."""
+    rows: dict[str, Any] = {}
+    for dtype, n in Setup.engine_sizes.items():
+        x = torch.randn(n, device=Setup.device).to(dtype)
+        read = _time(lambda x=x: x.sum(dtype=torch.float32))
+        compiled = _time(lambda x=x: engine.tensor_state(x))
+        with engine.eager_only():
+            eager = _time(lambda x=x: engine.tensor_state(x))
+        name = str(dtype).removeprefix("torch.")
+        rows[f"{name}, {n} elements"] = {
+            "read (ms)": read * 1e3,
+            "state, compiled (ms)": compiled * 1e3,
+            "state, eager (ms)": eager * 1e3,
+            "compiled / read": compiled / read,
+            "eager / read": eager / read,
+            "read (GB/s)": n * x.element_size() / read / 1e9,
+        }
+    return rows
+
+
 # ---------------------------------------------------------------------------- report
-def table(results: dict[str, Any]) -> str:
+def _cell(value: float) -> str:
+    return (
+        "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+    )
+
+
+def timing_table(results: dict[str, Any]) -> str:
     lines = [
-        "| model | configuration | non-logging step | logging step | amortised (free-running) "
-        "| amortised (synchronised) |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | precision | configuration | non-logging step | logging step "
+        "| amortised (free-running) | amortised (synchronised) |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
-    for model, result in results.items():
-        ms = result["ms"]["plain"]
-        lines.append(
-            f"| {model} | plain (ms) | {ms['non_logging']:.3f} | {ms['logging']:.3f} | "
-            f"{ms['amortised']:.3f} | {ms['amortised_synced']:.3f} |"
-        )
-        for config, ratio in result["ratios"].items():
-            cells = [
-                f"{ratio[k]:.3f}" if k in ratio else "—"
-                for k in ("non_logging", "logging", "amortised", "amortised_synced")
-            ]
-            lines.append(f"| {model} | {config} | " + " | ".join(cells) + " |")
+    for model, by_precision in results.items():
+        for name, result in by_precision.items():
+            ms = result["ms"]["plain"]
+            cells = " | ".join(f"{ms[k]:.2f}" for k in KEYS)
+            lines.append(f"| {model} | {name} | plain (ms) | {cells} |")
+            for config, ratio in result["ratios"].items():
+                shown = []
+                for k in KEYS:
+                    if k not in ratio:
+                        shown.append("—")
+                        continue
+                    spread = ratio.get(k + "_range")
+                    extra = f" ({spread[0]:.3f}–{spread[1]:.3f})" if spread else ""
+                    shown.append(_cell(ratio[k]) + extra)
+                lines.append(f"| {model} | {name} | {config} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
 
 
 def sync_table(counted: dict[str, Any]) -> str:
-    lines = ["| model | configuration | measure | syncs per step |", "|---|---|---|---|"]
-    for model, rows in counted.items():
-        for config, measures in rows.items():
-            for measure_name, values in measures.items():
-                shown = ", ".join(map(str, values)) or "—"
-                lines.append(f"| {model} | {config} | {measure_name} | {shown} |")
+    lines = ["| model | precision | configuration | measure | value |", "|---|---|---|---|---|"]
+    for model, by_precision in counted.items():
+        for name, rows in by_precision.items():
+            for config, measures in rows.items():
+                if not isinstance(measures, dict):
+                    lines.append(f"| {model} | {name} | | {config} | {measures:,.0f} |")
+                    continue
+                for measure_name, values in measures.items():
+                    if isinstance(values, list):
+                        shown = ", ".join(map(str, values)) or "—"
+                    else:
+                        shown = str(values)
+                    lines.append(f"| {model} | {name} | {config} | {measure_name} | {shown} |")
     return "\n".join(lines)
+
+
+def engine_table(rows: dict[str, Any]) -> str:
+    keys = (
+        "read (ms)",
+        "state, compiled (ms)",
+        "state, eager (ms)",
+        "compiled / read",
+        "eager / read",
+    )
+    lines = ["| tensor | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    for name, row in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{row[k]:.3f}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of the GPU rows, one line per row and precision: measured value, target,
+    met or not (``None`` where the run did not measure it)."""
+    lines: list[dict[str, Any]] = []
+    timing = results.get("timing", {}).get("resnet-18", {})
+    counted = results.get("syncs", {}).get("resnet-18", {})
+    for name in PRECISIONS:
+        ratios = timing.get(name, {}).get("ratios", {})
+        monitor = ratios.get("monitor", {})
+        floor = ratios.get("callback", {})
+        versus = ratios.get("monitor vs callback", {})
+
+        def add(
+            row: str, value: Any, target: str, met: bool | None, note: str = "", name: str = name
+        ) -> None:
+            lines.append(
+                {
+                    "row": row,
+                    "precision": name,
+                    "value": value,
+                    "target": target,
+                    "met": met,
+                    "note": note,
+                }
+            )
+
+        value = monitor.get("logging")
+        add(
+            "logging step / plain step",
+            value,
+            "<= 1.2",
+            None if value is None or not Setup.cuda() else value <= TARGETS["logging"],
+        )
+        value = monitor.get("amortised")
+        add(
+            f"amortised at every {Setup.every} steps / plain",
+            value,
+            "<= 1.02",
+            None if value is None or not Setup.cuda() else value <= TARGETS["amortised"],
+        )
+        value = versus.get("non_logging")
+        spread = floor.get("non_logging_range")
+        add(
+            "non-logging step / a callback that does nothing",
+            value,
+            "indistinguishable (within the callback's own spread)",
+            None,
+            f"callback / plain over repeats: {spread[0]:.3f}–{spread[1]:.3f}" if spread else "",
+        )
+        rows = counted.get(name, {})
+        mon = rows.get("monitor", {})
+        quiet = mon.get("syncs added in step, non-logging steps")
+        counted_here = Setup.cuda() and quiet is not None
+        add("host syncs, non-logging step", quiet, "0", quiet == [0] if counted_here else None)
+        loud = mon.get("syncs added in step, logging steps")
+        add("host syncs, logging step", loud, "1", loud == [1] if counted_here else None)
+        budget = rows.get("memory budget (bytes)")
+        for config in ("monitor", "monitor, parameters=False"):
+            added = rows.get(config, {}).get("peak memory added (bytes), logging steps")
+            worst = max(added) if added else None
+            add(
+                f"peak memory of a logging step above plain ({config})",
+                worst,
+                f"<= largest output / 10 = {budget:,.0f} bytes" if budget else "<= largest / 10",
+                worst <= budget if Setup.cuda() and worst is not None and budget else None,
+                f"parameter copies: {rows.get('parameter copies (bytes)', 0):,} bytes"
+                if config == "monitor"
+                else "",
+            )
+    return lines
+
+
+def summary_table(lines: list[dict[str, Any]]) -> str:
+    out = ["| row | precision | measured | target | met |", "|---|---|---|---|---|"]
+    for line in lines:
+        value = line["value"]
+        shown = (
+            f"{value:.3f}"
+            if isinstance(value, float)
+            else f"{value:,}"
+            if isinstance(value, int)
+            else str(value)
+        )
+        met = {True: "yes", False: "NO", None: "—"}[line["met"]]
+        note = f" ({line['note']})" if line["note"] else ""
+        out.append(
+            f"| {line['row']} | {line['precision']} | {shown}{note} | {line['target']} | {met} |"
+        )
+    return "\n".join(out)
 
 
 class _Profile(pl.Callback):
@@ -550,76 +889,165 @@ class _Profile(pl.Callback):
         if trainer.global_step == self.step:
             from torch.profiler import ProfilerActivity, profile
 
-            torch.cuda.synchronize()
-            self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            _sync()
+            activities = [ProfilerActivity.CPU]
+            if Setup.cuda():
+                activities.append(ProfilerActivity.CUDA)
+            self.profiler = profile(activities=activities)
             self.profiler.__enter__()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.profiler is not None:
-            torch.cuda.synchronize()
+            _sync()
             self.profiler.__exit__(None, None, None)
             events = self.profiler.key_averages()
-            for key in ("self_cuda_time_total", "self_cpu_time_total"):
+            keys = (
+                ("self_cuda_time_total", "self_cpu_time_total")
+                if Setup.cuda()
+                else ("self_cpu_time_total",)
+            )
+            for key in keys:
                 print(f"\nstep {self.step}, by {key}:")
                 print(events.table(sort_by=key, row_limit=14, max_name_column_width=60))
             self.profiler = None
 
 
-def profile_logging_step(model: str) -> None:
+def profile_logging_step(model: str, precision: str) -> None:
     """Profile a logging step of the monitor, and the plain step before it."""
-    for config, step in (("plain", 2 * EVERY - 1), ("monitor", 2 * EVERY - 1)):
+    step = 2 * Setup.every - 1
+    for config in ("plain", "monitor"):
         module, callbacks = _setup(config, model)
-        print(f"\n=== profile: {model} / {config}, step {step}")
-        _fit(module, [*callbacks, _Profile(step)], 2 * EVERY)
+        print(f"\n=== profile: {model} / {config} ({precision}), step {step}")
+        _fit(module, [*callbacks, _Profile(step)], step + 1, precision)
+
+
+def _versions() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if Setup.cuda() else "cpu (a smoke run)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "lightning": pl.__version__,
+        "python": sys.version.split()[0],
+        "LIGHTNING_RECORDER_COMPILE": os.environ.get("LIGHTNING_RECORDER_COMPILE", "(unset)"),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", help="write the results to this file")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--budget", type=float, help="seconds for the timing repeats (no repeat starts past it)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: every part at toy sizes, to check the script",
+    )
+    parser.add_argument("--json", help="write every figure to this file (after each part)")
     parser.add_argument("--stacks", action="store_true", help="print the added syncs' stacks")
-    parser.add_argument("--syncs-only", action="store_true", help="count synchronisations only")
-    parser.add_argument("--profile", help="profile a logging step of the monitor on this model")
+    parser.add_argument("--syncs-only", action="store_true", help="syncs and memory only")
+    parser.add_argument(
+        "--all", action="store_true", help="also the small CNN and the distillation configurations"
+    )
+    parser.add_argument("--eager", action="store_true", help="the eager engine (no compiling)")
+    parser.add_argument(
+        "--profile",
+        choices=tuple(MODELS),
+        help="profile a logging step of the monitor on this model",
+    )
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device available; nothing measured.")
+    if args.device == "cpu":
+        Setup.cpu()
+    elif not torch.cuda.is_available():
+        print(
+            "bench_gpu: no CUDA device available; nothing measured "
+            "(--device cpu checks the script on the CPU)."
+        )
         return {}
+    if args.eager:
+        os.environ["LIGHTNING_RECORDER_COMPILE"] = "0"
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
-    repeats, steps, warmup = (
-        (1, 2 * EVERY + 10, EVERY) if args.quick else (args.repeats, 5 * EVERY, EVERY)
+    warnings.filterwarnings("ignore", ".*LeafSpec.*")
+    info = _versions()
+    info.update(
+        batch=Setup.batch,
+        every=Setup.every,
+        widths=Setup.widths,
+        phases={"warm-up": Setup.warmup, "synchronised": Setup.synced, "free": Setup.free},
     )
-    info = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "lightning": pl.__version__,
-        "batch": BATCH,
-        "steps": steps,
-        "warmup": warmup,
-        "repeats": repeats,
-    }
-    print(f"device: {info['device']}, torch {info['torch']}, lightning {info['lightning']}")
+    _stamp(
+        f"device: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}), triton "
+        f"{info['triton']}, lightning {info['lightning']}, Python {info['python']}"
+    )
+    info["compile_status_before"] = engine.compile_status()
+    start = time.perf_counter()
+    engine.warm_up(Setup.device, [torch.float32, torch.bfloat16], wait=True)
+    info["warm_up_seconds"] = time.perf_counter() - start
+    info["compile_status"] = engine.compile_status()
+    _stamp(
+        f"engine warm-up: {info['warm_up_seconds']:.1f} s; compile_status(): "
+        f"{info['compile_status']}"
+    )
     if args.profile:
-        profile_logging_step(args.profile)
+        for precision in PRECISIONS.values():
+            profile_logging_step(args.profile, precision)
         return {}
-    counted = syncs(13, 4, args.stacks)
-    print("\nHost synchronisations (monitor logging every 4 steps, 13 steps):\n")
-    print(sync_table(counted))
-    results: dict[str, Any] = {"info": info, "syncs": counted}
+    models = list(MODELS) if args.all else ["resnet-18"]
+    results: dict[str, Any] = {"info": info}
 
     def save(timing: dict[str, Any] | None = None) -> None:
         if timing is not None:
             results["timing"] = timing
+        results["summary"] = summary(results)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+                json.dump(results, f, indent=1, default=str)
 
+    results["engine"] = engine_rows()
+    print(
+        "\nThe engine alone: the packed state of one tensor against one read of it "
+        "(medians of 20):\n"
+    )
+    print(engine_table(results["engine"]))
+    save()
+    _stamp("syncs and memory ...")
+    results["syncs"] = syncs_and_memory(models, SYNC_CONFIGS, args.stacks)
+    print(
+        f"\nHost synchronisations and peak memory ({Setup.sync_steps} steps, the monitor "
+        f"logging every {Setup.sync_every}):\n"
+    )
+    print(sync_table(results["syncs"]))
     save()
     if not args.syncs_only:
-        results["timing"] = measure(repeats, steps, warmup, save)
-        print("\nStep-time ratios against the plain model (medians over repeats):\n")
-        print(table(results["timing"]))
+        configs = ["plain", "callback", "monitor"]
+        if args.all:
+            configs += ["distill", "hand-written"]
+        repeats = 1 if args.quick else args.repeats
+        info["repeats"] = repeats
+        _stamp(f"timing: {repeats} repeat(s) of {', '.join(configs)} ...")
+        results["timing"] = measure(models, configs, repeats, save, args.budget)
+        first = next(iter(next(iter(results["timing"].values())).values()))
+        info["repeats_done"] = len(first["per_repeat"]["plain"])
+        print("\nStep-time ratios against the plain model (medians over repeats, range):\n")
+        print(timing_table(results["timing"]))
+    info["compile_status_after"] = engine.compile_status()
+    save()
+    print(
+        f"\nAgainst the targets (device: {info['device']}; engine: "
+        f"{info['compile_status_after']}):\n"
+    )
+    print(summary_table(results["summary"]))
+    _stamp("done")
     return results
 
 

@@ -223,9 +223,9 @@ class FeatureStatsMonitor(RecorderCallback):
     exact_histograms: bool = False
     #: Elements sampled from each output for its histogram (outputs with no more are
     #: histogrammed whole): each bucket's fraction has a standard error of at most
-    #: ``0.5 / sqrt(n)`` for ``n`` sampled values (0.004 for the default), for data in no
+    #: ``0.5 / sqrt(n)`` for ``n`` sampled values (0.008 for the default), for data in no
     #: particular order; the count, sums and range are exact.
-    histogram_sample: int = 2**14
+    histogram_sample: int = 2**12
 
     def __init__(
         self,
@@ -242,7 +242,7 @@ class FeatureStatsMonitor(RecorderCallback):
         keep_hooks: bool | None = None,
         logger_stats: Mapping[str, Sequence[str]] | None = None,
         exact_histograms: bool = False,
-        histogram_sample: int = 2**14,
+        histogram_sample: int = 2**12,
         pool_dataloaders: bool = False,
     ) -> None:
         owner = type(self).__name__

@@ -114,6 +114,27 @@ class _Stage:
         self.width = 0
 
 
+class _Group:
+    """A reused ``(rows, n)`` buffer of copies of small tensors of ``n`` elements of one dtype,
+    and the stream of each row used in this batch: reduced in one call of the engine."""
+
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.n, self.dtype, self.device = n, dtype, device
+        self.buffer: Tensor | None = None
+        self.owners: list[int] = []
+
+    def take(self) -> Tensor:
+        """The next free row (contents undefined), growing the buffer when it is full."""
+        used = len(self.owners)
+        buffer = self.buffer
+        if buffer is None or used >= buffer.shape[0]:
+            grown = torch.empty(max(4, 2 * used), self.n, dtype=self.dtype, device=self.device)
+            if buffer is not None and used:
+                grown[:used].copy_(buffer[:used])
+            self.buffer = buffer = grown
+        return buffer[used]
+
+
 # A stream keeps at most this many sample rows in a batch: a module called more often (an RNN
 # cell) has every second row dropped and the others weighted for the dropped ones' elements.
 _MAX_ROWS = 4
@@ -139,6 +160,8 @@ class Collector:
     def __init__(self, streams: int, sample: int, device: torch.device) -> None:
         self.m, self.sample, self.device = streams, sample, device
         self._stages: dict[torch.dtype, _Stage] = {}
+        # copies of small tensors, by (numel, dtype, device, made under inference mode)
+        self._groups: dict[tuple[int, torch.dtype, torch.device, bool], _Group] = {}
         #: stream -> the dimension of its outputs whose per-channel extremes are kept
         #: (:meth:`extremes`); ``None`` picks dim 1 of 4-d and larger outputs (N, C, H, W),
         #: the last dim of others (features of a linear layer, of a transformer's tokens)
@@ -149,8 +172,10 @@ class Collector:
         """Forget this batch's data (the staging buffers are kept for the next one)."""
         self._rows: list[Tensor] = []  # blocks of state rows, (k, WIDTH) each
         self._owners: list[int] = []  # the stream of each state row, block after block
-        self._small: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
-        self._of_small: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+        if len(self._groups) > 32:  # sizes that vary from batch to batch: start afresh
+            self._groups = {}
+        for group in self._groups.values():
+            group.owners = []
         self._small_held = 0
         self._samples: dict[int, list[tuple[_Stage, int]]] = {}
         self._extremes: dict[int, Tensor] = {}
@@ -159,11 +184,11 @@ class Collector:
 
     @property
     def empty(self) -> bool:
-        return not (self._rows or self._small or self._extremes)
+        return not (self._rows or self._small_held or self._extremes)
 
     def nbytes(self) -> int:
         """Bytes of this batch's data held (copies, state rows, used sample rows)."""
-        held = sum(t.numel() * t.element_size() for ts in self._small.values() for t in ts)
+        held = sum(len(g.owners) * g.n * g.dtype.itemsize for g in self._groups.values())
         held += sum(t.numel() * t.element_size() for t in self._rows)
         for stage in self._stages.values():
             used = sum(1 for owner in stage.streams if owner >= 0)
@@ -185,9 +210,15 @@ class Collector:
         if stream in self.channels and x.dim():
             self._add_extremes(stream, x)
         if n <= SMALL:
-            key = (n, x.dtype, x.device)
-            self._small.setdefault(key, []).append(x.reshape(-1).clone())
-            self._of_small.setdefault(key, []).append(stream)
+            inference = torch.is_inference_mode_enabled()
+            key = (n, x.dtype, x.device, inference)
+            group = self._groups.get(key)
+            if group is None:
+                with torch.inference_mode(inference):  # its kind of tensor, for the engine
+                    group = self._groups[key] = _Group(n, x.dtype, x.device)
+            with torch.inference_mode(inference):
+                group.take().view(x.shape).copy_(x)
+            group.owners.append(stream)
             self._small_held += n
             if self._small_held > _SMALL_HELD:
                 self._reduce_small()
@@ -231,11 +262,13 @@ class Collector:
 
     def _reduce_small(self) -> None:
         """The states of the held copies, each group of one size and dtype in one call."""
-        small, owners = self._small, self._of_small
-        self._small, self._of_small, self._small_held = {}, {}, 0
-        for key, tensors in small.items():
-            stacked = torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
-            self._add_rows(rows_states(stacked), owners[key])
+        self._small_held = 0
+        for (_, _, _, inference), group in self._groups.items():
+            if group.owners:
+                with torch.inference_mode(inference):
+                    rows = cast(Tensor, group.buffer)[: len(group.owners)]
+                    self._add_rows(rows_states(rows), group.owners)
+                group.owners = []
 
     def _add_zeros(self, stream: int, zeros: int, sample: bool) -> None:
         """Add ``zeros`` elements equal to 0 (the implicit elements of a sparse tensor)."""

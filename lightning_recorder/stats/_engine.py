@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ._histogram import bucket_index, tally
-from ._state import ABS_SUM, F64, M2, MAX, MIN, empty_states, merge, rows_state
+from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state
 
 __all__ = [
     "CHUNK",
@@ -57,6 +57,10 @@ __all__ = [
 
 # Eager passes take tensors in pieces of at most this many elements (bounded transient memory).
 CHUNK = 2**18
+# Rows shorter than this run eagerly: a graph compiled for the long rows of the warm-up would be
+# compiled again for them (a length of 1, and a shift sampled at every element, are specialised
+# by torch.compile), inside a training step.
+MIN_COMPILED_LENGTH = 2 * SHIFT_SAMPLE
 # Dtypes the compiled graphs are built for; others (integers, bool) are converted first.
 COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -263,12 +267,18 @@ def flat_view(x: Tensor) -> Tensor | None:
     return torch.as_strided(x, (x.numel(),), (1,), x.storage_offset())
 
 
-def _plain(x: Tensor) -> contextlib.ExitStack:
+def _plain(x: Tensor) -> contextlib.AbstractContextManager[Any]:
     """No autograd and no autocast around a kernel: the same global state in every thread (the
-    graphs are compiled in one and run in another), and no graph recorded."""
+    graphs are compiled in one and run in another), and no graph recorded. (Nothing to enter,
+    the common case, costs nothing.)"""
+    grad = torch.is_grad_enabled()
+    autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+    if not (grad or autocast):
+        return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    stack.enter_context(torch.no_grad())
-    if x.device.type in ("cpu", "cuda"):
+    if grad:
+        stack.enter_context(torch.no_grad())
+    if autocast:
         stack.enter_context(torch.autocast(x.device.type, enabled=False))
     return stack
 
@@ -284,11 +294,12 @@ def _key(kernel: str, x: Tensor, several: bool, masked: bool) -> Key | None:
 
 def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
     """A kernel on the 2-d tensor ``x`` (and ``args``): compiled when the graph of its variant
-    is ready, else eagerly, a few rows at a time when ``x`` is large."""
+    is ready and the rows are not short, else eagerly, a few rows at a time when ``x`` is
+    large."""
     key = _key(kernel, x, x.shape[0] > 1, masked)
     fn = _KERNELS[kernel]
     with _plain(x):
-        if _COMPILER.ready(key):
+        if x.shape[1] >= MIN_COMPILED_LENGTH and _COMPILER.ready(key):
             try:
                 return _COMPILER.function(key)(x, *args)  # type: ignore[arg-type]
             except Exception as err:  # a failure at run time: report it once, stay eager
@@ -303,11 +314,6 @@ def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
         return torch.cat(pieces)
 
 
-def _suspicious(states: Tensor) -> Tensor:
-    """Rows whose unmasked sums show a NaN or an infinity (they propagate through sums)."""
-    return ~torch.isfinite(states[:, [M2, ABS_SUM, MIN, MAX]]).all(1)
-
-
 def rows_states(x: Tensor) -> Tensor:
     """The packed states ``(R, WIDTH)`` of the rows of a 2-d tensor (any real dtype)."""
     x = x.detach()
@@ -318,8 +324,10 @@ def rows_states(x: Tensor) -> Tensor:
     if _masked_by_default(x.device):
         return _run("state", x, False, masked=True)
     states = _run("state", x, True)
-    bad = _suspicious(states)
-    if bool(bad.any()):  # on the CPU: reading is free
+    # A NaN or an infinity in a row shows in its unmasked sums and extremes (they propagate);
+    # such rows take the masked variant. On the CPU, reading the result is free.
+    if not bool(torch.isfinite(states).all()):
+        bad = ~torch.isfinite(states).all(1)
         states[bad] = _run("state", x[bad], False, masked=True)
     return states
 
@@ -354,21 +362,24 @@ def row_counts(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     """Integer bucket counts ``(R, bins)`` of the finite values of each row of ``values`` ``(R,
     S)`` (float32 or float64; pad rows with NaN) over its row's range ``[lo, hi]`` (``(R,)``,
     ``float64``): :func:`~._histogram.bucket_index`, then :func:`~._histogram.tally`. Values
-    outside a row's range are not counted."""
-    index = _run("buckets", values, lo.contiguous(), hi.contiguous(), bins)
+    outside a row's range are not counted. ``values`` is made contiguous (a sample: small), so
+    that one graph serves the rows of any staging buffer (a compiled graph is specialised for
+    contiguous rows)."""
+    index = _run("buckets", values.contiguous(), lo.contiguous(), hi.contiguous(), bins)
     return tally(index, bins)
 
 
 def _chunks(x: Tensor, flat: Tensor | None) -> Iterable[Tensor]:
     """The elements of ``x`` in flat pieces of at most :data:`CHUNK` (views where its memory is
-    one block, else copies of at most that size)."""
+    one block, else contiguous copies of at most that size: a compiled graph is specialised
+    for contiguous rows)."""
     if flat is not None:
         yield from flat.split(CHUNK)
     elif x.numel() <= CHUNK:
-        yield x.reshape(-1)
+        yield x.reshape(-1).contiguous()  # a strided 1-d tensor reshapes to itself
     elif x[0].numel() > CHUNK:
         for part in x.unbind(0):
             yield from _chunks(part, flat_view(part))
     else:
         for part in x.split(CHUNK // x[0].numel()):
-            yield part.reshape(-1)
+            yield part.reshape(-1).contiguous()

@@ -1,5 +1,6 @@
-"""The package on a CUDA device: results against the CPU's, real GPU training runs, and the host
-synchronisations that the callbacks add to a training step.
+"""The package on a CUDA device: recorders against the CPU, real GPU training runs, and the host
+synchronisations that the callbacks add to a training step (the statistics engine itself:
+``test_engine_cuda.py``).
 
 Skipped where no CUDA device is available (hardware, not a failure). Synchronisations are
 counted with ``torch.cuda.set_sync_debug_mode("warn")``: every synchronising CUDA call (a
@@ -8,12 +9,12 @@ warning is counted with its Python stack. A step's window runs from the first ca
 ``on_train_batch_start`` to the last callback's ``on_train_batch_end``: the forward, backward and
 optimizer step and every hook of our callbacks. The same Trainer without our callback is counted
 step by step too, so that what Lightning itself synchronises is not charged to the callbacks.
+The monitor's count is taken with the statistics engine compiled (Triton) and eager; the
+counting itself is checked on the CPU by ``tests/callbacks/test_device_checks.py``.
 """
 
 from __future__ import annotations
 
-import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +22,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import TensorBoardLogger
+from helpers import device_checks as checks
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
-from lightning_recorder import (
-    FeatureDistillation,
-    FeatureStats,
-    FeatureStatsMonitor,
-    RecorderManager,
-    feature_stats,
-    histogram,
-)
+from lightning_recorder import FeatureDistillation, FeatureStatsMonitor, RecorderManager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -40,106 +33,15 @@ CUDA = torch.device("cuda")
 
 
 # ---------------------------------------------------------------------------- helpers
-class SyncCounter:
-    """Counts synchronising CUDA calls between :meth:`begin` and :meth:`end`, with stacks."""
-
-    def __init__(self) -> None:
-        self.stacks: list[str] | None = None
-        self._catcher: Any = None
-
-    def begin(self) -> None:
-        self._catcher = warnings.catch_warnings()
-        self._catcher.__enter__()
-        warnings.simplefilter("always")
-        warnings.showwarning = self._show
-        self.stacks = []
-        torch.cuda.set_sync_debug_mode("warn")
-
-    def _show(self, message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-        if self.stacks is not None and "synchroniz" in str(message):
-            self.stacks.append("".join(traceback.format_stack()[-12:-2]))
-
-    def end(self) -> list[str]:
-        torch.cuda.set_sync_debug_mode(0)
-        self._catcher.__exit__(None, None, None)
-        stacks, self.stacks = self.stacks or [], None
-        return stacks
-
-
-class _WindowStart(pl.Callback):
-    def __init__(self, counter: SyncCounter) -> None:
-        self.counter = counter
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.counter.begin()
-
-
-class _WindowEnd(pl.Callback):
-    """Closes the window; records ``(global step at its start, stacks)`` per step."""
-
-    def __init__(self, counter: SyncCounter) -> None:
-        self.counter = counter
-        self.steps: list[list[str]] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.steps.append(self.counter.end())
-
-    def on_exception(self, *args: Any) -> None:
-        if self.counter.stacks is not None:
-            self.counter.end()
-
-
-def _batches(n: int, shape: tuple[int, ...], classes: int, seed: int = 0) -> list[Any]:
-    """Batches already on the GPU: the loader then copies nothing from the host."""
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(shape, generator=g).to(CUDA), torch.randint(0, classes, (shape[0],)).to(CUDA))
-        for _ in range(n)
-    ]
-
-
-def _loader(batches: list[Any]) -> DataLoader:
-    return DataLoader(batches, batch_size=None)  # each item is a whole batch
+_loader = checks.loader
 
 
 def _trainer(tmp_path: Path, steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "gpu",
-        "devices": 1,
-        "max_steps": steps,
-        "logger": TensorBoardLogger(str(tmp_path), name="", version=""),
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
+    accelerator = kwargs.pop("accelerator", "gpu")
+    return checks.trainer(tmp_path, accelerator, steps, callbacks, **kwargs)
 
 
-class ConvNet(pl.LightningModule):
-    """A tiny CNN whose step returns its loss and does nothing that synchronises."""
-
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1),
-            nn.ReLU(),
-        )
-        self.head = nn.Linear(2 * width, 4)
-        self.spare = nn.Linear(4, 4)  # never called: a monitored module with nothing recorded
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.features(x).mean((2, 3)))
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+ConvNet = checks.ConvNet
 
 
 class MLP(pl.LightningModule):
@@ -200,56 +102,6 @@ def _histogram_tags(logdir: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- CUDA vs CPU
-def _sample(seed: int = 0) -> Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(300, 41, generator=g) * 3.0 + 1.5
-    x[::7, 3] = 0.0
-    x[5, 5], x[9, 1], x[17, 2] = float("nan"), float("inf"), float("-inf")
-    return x
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-def test_feature_stats_cuda_matches_cpu(dtype: torch.dtype) -> None:
-    x = _sample().to(dtype)
-    on_cpu = feature_stats(x)
-    on_gpu = feature_stats(x.to(CUDA))
-    assert all(v.device.type == "cuda" for v in on_gpu.values())
-    for name, expected in on_cpu.items():
-        # Both paths sum in float64 (the CPU in chunks, the GPU in one masked pass): they differ
-        # by summation order only, far below 1e-10 relative for 12 300 values; min, max and the
-        # counts select or count elements and agree to the last bit within that tolerance.
-        torch.testing.assert_close(on_gpu[name].cpu(), expected, rtol=1e-10, atol=1e-12, msg=name)
-
-
-def test_feature_stats_metric_cuda_matches_cpu() -> None:
-    parts = [_sample(seed) for seed in range(3)]
-    metrics = {"cpu": FeatureStats(), "cuda": FeatureStats().to(CUDA)}
-    for part in parts:
-        metrics["cpu"].update(part)
-        metrics["cuda"].update(part.to(CUDA))
-    on_cpu, on_gpu = metrics["cpu"].compute(), metrics["cuda"].compute()
-    for name, expected in on_cpu.items():
-        # float64 streaming merges on both devices; order of summation only (see above)
-        torch.testing.assert_close(on_gpu[name].cpu(), expected, rtol=1e-10, atol=1e-12, msg=name)
-
-
-def test_histogram_cuda_matches_cpu() -> None:
-    x = _sample()
-    counts_cpu, edges_cpu = histogram(x, bins=30)
-    counts_gpu, edges_gpu = histogram(x.to(CUDA), bins=30)
-    assert counts_gpu.device.type == "cuda"
-    # The edges come from the same float64 min and max, by host and by device arithmetic: an ulp
-    # or two apart at most.
-    torch.testing.assert_close(edges_gpu.cpu(), edges_cpu, rtol=1e-14, atol=1e-14)
-    # Every finite value is counted once on both devices ...
-    finite = int(torch.isfinite(x).sum())
-    assert counts_cpu.sum().item() == finite
-    assert counts_gpu.sum().item() == finite
-    # ... in the same bucket, except a value within an ulp of an edge (edges computed two ways),
-    # which may move to the next one: a count may differ by one.
-    torch.testing.assert_close(counts_gpu.cpu(), counts_cpu, rtol=0, atol=1)
-
-
 def test_recorders_on_cuda_match_cpu() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Conv2d(6, 4, 3)).double()
@@ -299,9 +151,11 @@ def _monitor_run(tmp_path: Path, accelerator: str) -> tuple[FeatureStatsMonitor,
     return monitor, logdir
 
 
-def test_monitor_trains_on_gpu_and_matches_cpu(tmp_path: Path) -> None:
+def test_monitor_trains_on_gpu_and_matches_cpu(mode: str, tmp_path: Path) -> None:
+    """The GPU run with the engine compiled and eager; the CPU's reference eager."""
     gpu_monitor, gpu_dir = _monitor_run(tmp_path, "gpu")
-    _, cpu_dir = _monitor_run(tmp_path, "cpu")
+    with checks.engine_mode("eager", "cpu"):
+        _, cpu_dir = _monitor_run(tmp_path, "cpu")
     assert (gpu_monitor.logged_steps, gpu_monitor.last_logged_step) == (1, 0)
     on_gpu, on_cpu = _scalars(gpu_dir), _scalars(cpu_dir)
     stats = [t for t in on_cpu if t.startswith("stats/")]
@@ -341,28 +195,14 @@ def test_distillation_trains_on_gpu_and_matches_cpu(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- synchronisations
-STEPS, EVERY = 13, 4  # the monitor logs steps 3, 7 and 11
+STEPS = checks.SYNC_STEPS
 
 
 def _sync_run(tmp_path: Path, callbacks: list[pl.Callback], model: pl.LightningModule) -> list:
-    counter = SyncCounter()
-    end = _WindowEnd(counter)
-    trainer = _trainer(
-        tmp_path, STEPS, [_WindowStart(counter), *callbacks, end], log_every_n_steps=EVERY
-    )
-    batches = _batches(STEPS, (16, 3, 12, 12), 4)
-    torch.cuda.synchronize()
-    trainer.fit(model, _loader(batches))
-    assert len(end.steps) == STEPS
-    return end.steps
+    return checks.sync_run(tmp_path, CUDA, callbacks, model)
 
 
-def _excess(ours: list[list[str]], bare: list[list[str]], step: int) -> int:
-    return len(ours[step]) - len(bare[step])
-
-
-def _report(ours: list[list[str]], step: int) -> str:
-    return f"step {step}: {len(ours[step])} syncs\n" + "\n----\n".join(ours[step])
+_excess, _report = checks.excess, checks.report
 
 
 @pytest.fixture(scope="module")
@@ -372,22 +212,10 @@ def bare_steps(tmp_path_factory: pytest.TempPathFactory) -> list[list[str]]:
     return _sync_run(tmp_path_factory.mktemp("bare"), [], ConvNet())
 
 
-def test_monitor_syncs(tmp_path: Path, bare_steps: list[list[str]]) -> None:
-    torch.manual_seed(0)
-    monitor = FeatureStatsMonitor(
-        ["features.0", "features.2", "head", "spare"], every_n_steps=EVERY, parameters=True
-    )
-    ours = _sync_run(tmp_path, [monitor], ConvNet())
-    assert monitor.logged_steps == 3 and monitor.last_logged_step == 11
-    logging = {3, 7, 11}
-    # Step 0 is left out: what the first CUDA step of a process synchronises (lazy
-    # initialisation) depends on what ran before it, here the bare run or not.
-    for step in range(1, STEPS):
-        if step in logging:
-            # histograms, statistics and parameter norms come to the host in one copy
-            assert _excess(ours, bare_steps, step) == 1, _report(ours, step)
-        else:
-            assert _excess(ours, bare_steps, step) == 0, _report(ours, step)
+def test_monitor_syncs(mode: str, tmp_path: Path, bare_steps: list[list[str]]) -> None:
+    """0 added to a non-logging step; 1 to a logging step (histograms, statistics and parameter
+    norms come to the host in one copy), with the engine compiled and eager."""
+    checks.check_monitor_syncs(tmp_path, CUDA, bare_steps)
 
 
 def test_distillation_syncs(tmp_path: Path, bare_steps: list[list[str]]) -> None:

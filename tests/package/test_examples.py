@@ -20,7 +20,7 @@ MODULES = ("features.0", "features.1", "features.2", "features.3", "features.4",
 #: Every example, with arguments that make it quick; none writes anything that it keeps.
 QUICK = {
     "activation_dataset.py": ["--epochs", "1"],
-    "distill_digits.py": ["--teacher-epochs", "1", "--student-epochs", "1", "--train-size", "300"],
+    "distill_digits.py": ["--steps", "20"],
     "graph_example.py": [],
     "record_standalone.py": [],
     "tensorboard_stats.py": ["--max-epochs", "1", "--every-n-steps", "20"],
