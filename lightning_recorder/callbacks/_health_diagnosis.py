@@ -20,7 +20,7 @@ force stays quiet; one no longer returned is over. ``findings`` holds those in f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -110,6 +110,7 @@ class Diagnosis:
         self._modules: dict[str, nn.Module] = {}
         self._parameters: dict[str, nn.Parameter] = {}
         self._weights: set[str] = set()
+        self._order: dict[str, int] = {}  # module name -> its place in the model
 
     # ------------------------------------------------------------------ lifecycle
     def _attach_rules(self, trainer: pl.Trainer) -> None:
@@ -131,7 +132,8 @@ class Diagnosis:
             rank_zero_warn(
                 f"HealthMonitor's rules {', '.join(needy)} read the statistics of a "
                 "FeatureStatsMonitor, and the Trainer has none: they check nothing (the "
-                "non-finite check and the rules on the loss still work). Add one before it, e.g. "
+                "non-finite check and the rules on the loss still work). Add one to the "
+                "Trainer's callbacks, e.g. "
                 "FeatureStatsMonitor([torch.nn.Conv2d, torch.nn.Linear, torch.nn.ReLU, "
                 "torch.nn.Tanh]), or pass `rules=[LossSpikeRule()]` (or `rules=()`) to silence "
                 "this warning."
@@ -148,6 +150,7 @@ class Diagnosis:
         self._modules = named_modules(pl_module)
         self._parameters = named_parameters(pl_module)
         self._weights = {name for name, p in self._parameters.items() if p.ndim >= 2}
+        self._order = {name: i for i, name in enumerate(self._modules)}
         stats, view = self._stats, self._view
         if view is not None and stats is not None:
             view.start()
@@ -164,7 +167,7 @@ class Diagnosis:
     def _end_rules(self, trainer: pl.Trainer) -> None:
         """At ``on_train_end``: the last picture."""
         view = self._view
-        if view is not None and self._completed >= 0:
+        if view is not None and self._completed >= 0 and view.drawn != self._completed:
             view.write(trainer, list(self.findings.values()), self._completed, self._rule_names())
 
     # ------------------------------------------------------------------ when
@@ -221,13 +224,20 @@ class Diagnosis:
         for rule in self.rules:
             if report is None and rule.needs_statistics:
                 continue
-            fired.extend(self._judge(rule, list(rule.check(seen)), trainer))
+            found = rule.check(seen)
+            if not isinstance(found, Iterable) or isinstance(found, (str, bytes, HealthEvent)):
+                raise RecorderStateError(
+                    f"Expected rule {rule.name!r} ({type(rule).__name__}.check) to return a list "
+                    f"of HealthEvent objects (an empty one when all is well) but it returned "
+                    f"{type(found).__name__} {found!r}."
+                )
+            fired.extend(self._judge(rule, list(found), trainer))
         self.events.extend(fired)
         self.counters["rule_events"] += len(fired)
         self._reporter.report_rules(trainer, fired, self.counters, step)
         view = self._view
         if view is not None and report is not None:
-            view.add(report, self._weights)
+            view.add(report, self._weights, self._order)
             if view.due(bool(fired)):
                 view.write(trainer, list(self.findings.values()), step, self._rule_names())
 

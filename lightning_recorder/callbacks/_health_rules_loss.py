@@ -87,7 +87,8 @@ class LossSpikeRule(HealthRule):
     the mean of the last ``window`` losses by at least ``rtol`` times that mean (and by at least
     ``atol``, when given), after ``warmup`` steps. Every step is judged, not only logged ones:
     the losses wait on their device and are read at each check. Non-finite losses are left to
-    the non-finite check.
+    the non-finite check. The spikes found at one check make one event, at the first spike's
+    step; each check that finds spikes makes a new one (a spike is a moment, not a state).
 
     **Defaults and sources.** ``window=10``, ``rtol=2.0``, ``atol=None``, ``warmup=1``,
     ``mode="min"`` are those of Lightning's ``SpikeDetection``
@@ -127,7 +128,7 @@ class LossSpikeRule(HealthRule):
         self,
         window: int = 10,
         rtol: float | None = 2.0,
-        atol: float | None = 1.0,
+        atol: float | None = None,
         warmup: int = 1,
         mode: Literal["min", "max"] = "min",
     ) -> None:
@@ -189,6 +190,7 @@ class LossSpikeRule(HealthRule):
             None,
             message,
             direction="loss",
+            path=f"step {step}",  # each spike is a finding of its own, not one that goes on
             loss=loss,
             mean=mean,
             ratio=ratio,
