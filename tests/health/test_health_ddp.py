@@ -62,7 +62,7 @@ def test_both_ranks_skip_the_step_of_one_bad_batch(ddp_run: dict[str, Any]) -> N
 def test_each_rank_wrote_its_evidence(ddp_run: dict[str, Any]) -> None:
     health = ddp_run["out"] / "health"
     assert sorted(p.name for p in health.iterdir()) == ["step00000001-rank0", "step00000001-rank1"]
-    event = [e for e in ddp_run["ranks"][0]["events"] if e["kind"] == "nonfinite"][0]
+    event = next(e for e in ddp_run["ranks"][0]["events"] if e["kind"] == "nonfinite")
     assert event["evidence"] == str(health / "step00000001-rank1")
 
 
