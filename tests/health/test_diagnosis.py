@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from helpers.health_models import Fault, Injector, Net, data
@@ -271,3 +272,46 @@ def test_a_resumed_run_goes_on_without_firing_again(tmp_path: Path) -> None:
     assert spy.steps == [9, 11, 13, 15]
     assert monitor.events == [] and monitor.findings == {}
     assert monitor.counters["rule_events"] == 1  # from the checkpoint; nothing new
+
+
+# ---------------------------------------------------------------------------- the losses read
+class Losses(HealthRule):
+    name = "losses"
+    needs_statistics = False
+
+    def __init__(self) -> None:
+        self.read: dict[int, float] = {}
+
+    def check(self, seen: RuleInput) -> list[HealthEvent]:
+        self.read.update(zip(seen.loss_steps.tolist(), seen.losses.tolist(), strict=True))
+        return []
+
+
+class Recording(Net):
+    """Keeps each micro-batch's loss by optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__("mlp")
+        self.losses: dict[int, list[float]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.setdefault(self.global_step, []).append(loss.item())
+        return loss
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_the_rules_read_every_steps_loss_once(accumulate: int) -> None:
+    """Every optimizer step's loss reaches the rules once, between checks too, the mean of its
+    micro-batches under gradient accumulation."""
+    rule, model = Losses(), Recording()
+    monitor = HealthMonitor(rules=[rule], evidence_max_bytes=0)
+    trainer = pl.Trainer(
+        **QUIET, logger=False, max_steps=7, callbacks=[monitor], log_every_n_steps=3,
+        accumulate_grad_batches=accumulate,
+    )  # fmt: skip
+    trainer.fit(model, data("mlp", 4 * 7 * accumulate))
+    assert sorted(rule.read) == [0, 1, 2, 3, 4, 5]  # checks at steps 2 and 5; 6 is not checked
+    for step, value in rule.read.items():
+        assert len(model.losses[step]) == accumulate
+        assert value == pytest.approx(np.mean(model.losses[step]), rel=1e-6)
