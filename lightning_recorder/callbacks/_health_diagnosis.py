@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import numpy as np
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
@@ -111,6 +112,8 @@ class Diagnosis:
         self._parameters: dict[str, nn.Parameter] = {}
         self._weights: set[str] = set()
         self._order: dict[str, int] = {}  # module name -> its place in the model
+        self._orders: dict[tuple[str, ...], np.ndarray | None] = {}  # series -> permutation
+        self._drawn = -1  # the step the view was last drawn at
 
     # ------------------------------------------------------------------ lifecycle
     def _attach_rules(self, trainer: pl.Trainer) -> None:
@@ -151,6 +154,7 @@ class Diagnosis:
         self._parameters = named_parameters(pl_module)
         self._weights = {name for name, p in self._parameters.items() if p.ndim >= 2}
         self._order = {name: i for i, name in enumerate(self._modules)}
+        self._orders, self._drawn = {}, -1
         stats, view = self._stats, self._view
         if view is not None and stats is not None:
             view.start()
@@ -167,7 +171,7 @@ class Diagnosis:
     def _end_rules(self, trainer: pl.Trainer) -> None:
         """At ``on_train_end``: the last picture."""
         view = self._view
-        if view is not None and self._completed >= 0 and view.drawn != self._completed:
+        if view is not None and self._completed >= 0 and self._drawn != self._completed:
             view.write(trainer, list(self.findings.values()), self._completed, self._rule_names())
 
     # ------------------------------------------------------------------ when
@@ -237,9 +241,10 @@ class Diagnosis:
         self._reporter.report_rules(trainer, fired, self.counters, step)
         view = self._view
         if view is not None and report is not None:
-            view.add(report, self._weights, self._order)
+            view.add(self._in_model_order(report), self._weights)
             if view.due(bool(fired)):
                 view.write(trainer, list(self.findings.values()), step, self._rule_names())
+                self._drawn = step
 
     def _judge(
         self, rule: HealthRule, found: list[HealthEvent], trainer: pl.Trainer
@@ -286,6 +291,21 @@ class Diagnosis:
                     "the FeatureStatsMonitor monitors none of them; add them to its sources "
                     f"(e.g. torch.nn.{kinds[0]})."
                 )
+
+    def _in_model_order(self, report: StatsReport) -> StatsReport:
+        """``report`` with its series in the model's order (the monitor lists them by source:
+        every Linear, then every ReLU …), a module's series together: the heat maps' rows."""
+        if report.modules not in self._orders:  # once per run: the series do not change
+            place = [self._order.get(s.split("/", 1)[0], len(self._order)) for s in report.modules]
+            order = np.argsort(place, kind="stable")
+            in_order = bool((order == np.arange(order.size)).all())
+            self._orders[report.modules] = None if in_order else order
+        perm = self._orders[report.modules]
+        if perm is None:
+            return report
+        modules = tuple(report.modules[i] for i in perm)
+        stats = {name: values[perm] for name, values in report.stats.items()}
+        return dataclasses.replace(report, modules=modules, stats=stats)
 
     def _find(self, series: str) -> nn.Module | None:
         return self._modules.get(series.split("/", 1)[0])

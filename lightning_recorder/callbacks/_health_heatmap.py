@@ -181,9 +181,7 @@ def render(
     note_w = min(_MAX_NOTE, max((_text_width(n) for n in notes.values()), default=0))
     note_w = note_w + 12 if notes else 0
     top, bottom = 34, 16 + (_CELL_H if footer else 0)
-    kind = {"unit": "0 to 1", "log": "log scale", "linear": "linear scale"}[scale]
-    title = f"{stat}: rows are layers in model order, columns logged steps ({kind})"
-    width = max(label_w + grid.shape[1] + note_w + 4, _text_width(title) + 8, 360)
+    width = max(label_w + grid.shape[1] + note_w + 4, 360)
     if footer:
         width = max(width, label_w + min(_MAX_NOTE, _text_width(footer)) + 8)
     height = top + grid.shape[0] + bottom
@@ -192,7 +190,14 @@ def render(
     # the colour bar, under the title
     bar = colorize(np.linspace(0.0, 1.0, 120)[None, :], "unit")[0]
     canvas[20:28, label_w : label_w + 120] = np.repeat(bar, 8, axis=0)
-    _write(canvas, 4, 2, title, _TEXT)
+    kind = {"unit": "0 to 1", "log": "log scale", "linear": "linear scale"}[scale]
+    _write(
+        canvas,
+        4,
+        2,
+        f"{stat}: rows are layers in model order, columns logged steps ({kind})",
+        _TEXT,
+    )
     _write(canvas, label_w + 126, 17, f"{_number(low)} … {_number(high)}", _TEXT)
     for i, label in enumerate(rows):
         y = top + i * _CELL_H

@@ -123,9 +123,6 @@ class HealthView:
         )
         self._seen = 0
         self._warned = False
-        self._perms: dict[tuple[str, ...], np.ndarray] = {}
-        #: The step of the last drawing (-1: none yet).
-        self.drawn = -1
 
     # ------------------------------------------------------------------ writing
     def _each(self, trainer: pl.Trainer, what: str, write: Any) -> None:
@@ -163,28 +160,16 @@ class HealthView:
 
         self._each(trainer, "custom-scalars layout", write)
 
-    def _model_order(self, modules: tuple[str, ...], order: dict[str, int]) -> np.ndarray:
-        """The permutation that puts the series ``modules`` (the monitor's order: by source)
-        in model order (``order``: module name -> place), series of one module together."""
-        perm = self._perms.get(modules)
-        if perm is None:
-            place = [order.get(m.split("/", 1)[0], len(order)) for m in modules]
-            perm = self._perms[modules] = np.argsort(place, kind="stable")
-        return perm
-
-    def add(self, report: StatsReport, weights: set[str], order: dict[str, int]) -> None:
-        """Keep the chosen statistics of a training report as one column, its layers in model
-        order (``order``: module name -> its place in ``named_modules()``)."""
+    def add(self, report: StatsReport, weights: set[str]) -> None:
+        """Keep the chosen statistics of a training report as one column."""
         column: dict[str, tuple[tuple[str, ...], np.ndarray]] = {}
-        perm = self._model_order(report.modules, order)
-        modules = tuple(report.modules[i] for i in perm)
         for stat in self.stats:
             if stat in PARAMETER_STATS:
                 rows = tuple(n for n, f in report.parameters.items() if n in weights and stat in f)
                 values = np.array([report.parameters[n][stat] for n in rows], dtype=np.float64)
                 column[stat] = rows, values
             elif stat in report.stats:
-                column[stat] = modules, np.asarray(report.stats[stat], dtype=np.float64)[perm]
+                column[stat] = report.modules, np.asarray(report.stats[stat], dtype=np.float64)
         self._steps.append(report.step)
         self._columns.append(column)
         self._seen += 1
@@ -232,7 +217,6 @@ class HealthView:
         wanted = [lg for lg in trainer.loggers if isinstance(lg, (TensorBoardLogger, WandbLogger))]
         if not wanted:
             return
-        self.drawn = step
         images = self.images(findings)
         text = table(findings, step, rules)
 

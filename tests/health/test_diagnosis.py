@@ -139,9 +139,11 @@ def test_without_a_feature_stats_monitor_the_loss_rule_and_the_non_finite_check_
     recwarn: pytest.WarningsRecorder,
 ) -> None:
     monitor = HealthMonitor("skip", evidence_max_bytes=0)
-    faults = {9: Fault("body.2", "forward", "nan", 9)}
-    # checks every 4 steps (3, 7, 11): the spikes of steps 6 and 10 are in two checks
-    fit(Spiky((6, 10)), [Injector(faults), monitor], steps=12, log_every_n_steps=4)
+    faults = {13: Fault("body.2", "forward", "nan", 13)}
+    # checks every 4 steps (3, 7, 11, 15, 19): the spike of step 6 fires at check 7; that of
+    # step 10 stays quiet (the finding is in force); check 15 finds none: the spike of step
+    # 18 fires again
+    fit(Spiky((6, 10, 18)), [Injector(faults), monitor], steps=20, log_every_n_steps=4)
     warned = [str(w.message) for w in recwarn if "FeatureStatsMonitor" in str(w.message)]
     assert len(warned) == 1
     assert warned[0].startswith(
@@ -150,7 +152,7 @@ def test_without_a_feature_stats_monitor_the_loss_rule_and_the_non_finite_check_
     )
     assert "Add one to the Trainer's callbacks, e.g. FeatureStatsMonitor([torch.nn." in warned[0]
     found = [(e.kind, e.step, e.module) for e in monitor.events]
-    assert found == [("loss_spike", 6, None), ("nonfinite", 9, "body.2"), ("loss_spike", 10, None)]
+    assert found == [("loss_spike", 6, None), ("nonfinite", 13, "body.2"), ("loss_spike", 18, None)]
     assert monitor.counters == {
         "nonfinite_steps": 1, "skipped_steps": 1, "amp_skipped_steps": 0, "rule_events": 2,
     }  # fmt: skip

@@ -485,7 +485,7 @@ def test_loss_spike_is_lightnings_rule() -> None:
     """Lightning's SpikeDetection: not better than the last loss, and at least rtol times the
     running mean away from it (with atol, that far too)."""
     rule = LossSpikeRule(window=3)
-    # mean of [1, 1, 1] is 1: 3.0 is exactly rtol * mean above it: a spike (>=)
+    # mean of [1, 1, 1] is 1: 3.0 is exactly rtol * mean above it (and atol=1.0): a spike (>=)
     [event] = rule.check(losses([1.0, 1.0, 1.0, 3.0]))
     assert (event.kind, event.module, event.step, event.direction) == (
         "loss_spike",
@@ -514,7 +514,7 @@ def test_loss_spike_warmup_mode_window_and_non_finite_losses() -> None:
     assert LossSpikeRule(warmup=3).check(losses([1.0, 1.0, 9.0, 1.0])) == []
     assert LossSpikeRule().check(losses([9.0, 1.0, 1.0, 0.5])) == []
     # mode "max": a spike is a fall (an accuracy, a reward)
-    [event] = LossSpikeRule(mode="max", rtol=0.5).check(losses([0.9, 0.9, 0.9, 0.1]))
+    [event] = LossSpikeRule(mode="max", rtol=0.5, atol=None).check(losses([0.9, 0.9, 0.9, 0.1]))
     assert event.step == 3
     # window: only the last `window` losses make the mean
     rule = LossSpikeRule(window=2)
@@ -526,13 +526,23 @@ def test_loss_spike_warmup_mode_window_and_non_finite_losses() -> None:
 def test_loss_spikes_of_one_check_make_one_event_at_the_first() -> None:
     rule = LossSpikeRule(window=3)
     [event] = rule.check(losses([1.0, 1.0, 1.0, 5.0, 1.0, 1.0, 30.0]))
-    assert event.step == 3 and event.path == "step 3"
+    assert event.step == 3 and event.path is None
     assert "; 1 more spike(s) by step 6." in event.message
     assert [s[0] for s in event.details["spikes"]] == [3, 6]
-    # the next check's spike is another finding (another path): the monitor fires it too
+    # the next check's spike is returned too (the monitor keeps it quiet while one is in force)
     [later] = rule.check(losses([12.0, 300.0], 7))
-    assert later.step == 8 and later.path == "step 8"
-    assert repr(LossSpikeRule()) == "LossSpikeRule(window=10, rtol=2.0, atol=None)"
+    assert later.step == 8
+    assert rule.check(losses([1.0], 9)) == []
+
+
+def test_loss_spike_atol_keeps_small_losses_out() -> None:
+    """The default atol=1.0 (this project's): a loss near zero that triples is no spike;
+    atol=None is Lightning's rule exactly."""
+    small = [0.01, 0.01, 0.01, 0.04]
+    assert LossSpikeRule().check(losses(small)) == []
+    assert [e.step for e in LossSpikeRule(atol=None).check(losses(small))] == [3]
+    assert repr(LossSpikeRule()) == "LossSpikeRule(window=10, rtol=2.0, atol=1.0)"
+    assert repr(LossSpikeRule(atol=None)) == "LossSpikeRule(window=10, rtol=2.0, atol=None)"
 
 
 @pytest.mark.parametrize(
