@@ -20,10 +20,11 @@ force stays quiet; one no longer returned is over. ``findings`` holds those in f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import numpy as np
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
@@ -110,6 +111,9 @@ class Diagnosis:
         self._modules: dict[str, nn.Module] = {}
         self._parameters: dict[str, nn.Parameter] = {}
         self._weights: set[str] = set()
+        self._order: dict[str, int] = {}  # module name -> its place in the model
+        self._orders: dict[tuple[str, ...], np.ndarray | None] = {}  # series -> permutation
+        self._drawn = -1  # the step the view was last drawn at
 
     # ------------------------------------------------------------------ lifecycle
     def _attach_rules(self, trainer: pl.Trainer) -> None:
@@ -131,7 +135,8 @@ class Diagnosis:
             rank_zero_warn(
                 f"HealthMonitor's rules {', '.join(needy)} read the statistics of a "
                 "FeatureStatsMonitor, and the Trainer has none: they check nothing (the "
-                "non-finite check and the rules on the loss still work). Add one before it, e.g. "
+                "non-finite check and the rules on the loss still work). Add one to the "
+                "Trainer's callbacks, e.g. "
                 "FeatureStatsMonitor([torch.nn.Conv2d, torch.nn.Linear, torch.nn.ReLU, "
                 "torch.nn.Tanh]), or pass `rules=[LossSpikeRule()]` (or `rules=()`) to silence "
                 "this warning."
@@ -148,6 +153,8 @@ class Diagnosis:
         self._modules = named_modules(pl_module)
         self._parameters = named_parameters(pl_module)
         self._weights = {name for name, p in self._parameters.items() if p.ndim >= 2}
+        self._order = {name: i for i, name in enumerate(self._modules)}
+        self._orders, self._drawn = {}, -1
         stats, view = self._stats, self._view
         if view is not None and stats is not None:
             view.start()
@@ -164,7 +171,7 @@ class Diagnosis:
     def _end_rules(self, trainer: pl.Trainer) -> None:
         """At ``on_train_end``: the last picture."""
         view = self._view
-        if view is not None and self._completed >= 0:
+        if view is not None and self._completed >= 0 and self._drawn != self._completed:
             view.write(trainer, list(self.findings.values()), self._completed, self._rule_names())
 
     # ------------------------------------------------------------------ when
@@ -221,15 +228,23 @@ class Diagnosis:
         for rule in self.rules:
             if report is None and rule.needs_statistics:
                 continue
-            fired.extend(self._judge(rule, list(rule.check(seen)), trainer))
+            found = rule.check(seen)
+            if not isinstance(found, Iterable) or isinstance(found, (str, bytes, HealthEvent)):
+                raise RecorderStateError(
+                    f"Expected rule {rule.name!r} ({type(rule).__name__}.check) to return a list "
+                    f"of HealthEvent objects (an empty one when all is well) but it returned "
+                    f"{type(found).__name__} {found!r}."
+                )
+            fired.extend(self._judge(rule, list(found), trainer))
         self.events.extend(fired)
         self.counters["rule_events"] += len(fired)
         self._reporter.report_rules(trainer, fired, self.counters, step)
         view = self._view
         if view is not None and report is not None:
-            view.add(report, self._weights)
+            view.add(self._in_model_order(report), self._weights)
             if view.due(bool(fired)):
                 view.write(trainer, list(self.findings.values()), step, self._rule_names())
+                self._drawn = step
 
     def _judge(
         self, rule: HealthRule, found: list[HealthEvent], trainer: pl.Trainer
@@ -276,6 +291,21 @@ class Diagnosis:
                     "the FeatureStatsMonitor monitors none of them; add them to its sources "
                     f"(e.g. torch.nn.{kinds[0]})."
                 )
+
+    def _in_model_order(self, report: StatsReport) -> StatsReport:
+        """``report`` with its series in the model's order (the monitor lists them by source:
+        every Linear, then every ReLU …), a module's series together: the heat maps' rows."""
+        if report.modules not in self._orders:  # once per run: the series do not change
+            place = [self._order.get(s.split("/", 1)[0], len(self._order)) for s in report.modules]
+            order = np.argsort(place, kind="stable")
+            in_order = bool((order == np.arange(order.size)).all())
+            self._orders[report.modules] = None if in_order else order
+        perm = self._orders[report.modules]
+        if perm is None:
+            return report
+        modules = tuple(report.modules[i] for i in perm)
+        stats = {name: values[perm] for name, values in report.stats.items()}
+        return dataclasses.replace(report, modules=modules, stats=stats)
 
     def _find(self, series: str) -> nn.Module | None:
         return self._modules.get(series.split("/", 1)[0])

@@ -174,7 +174,8 @@ class ExplodingGradientsRule(_Patient):
 
     def __init__(self, ratio: float = 70.0, patience: int = 1) -> None:
         super().__init__(patience)
-        self.ratio = check_number(ratio, "ratio", type(self).__name__, positive=True)
+        owner = type(self).__name__
+        self.ratio = check_number(ratio, "ratio", owner, positive=True, allow_zero=False)
 
     def check(self, seen: RuleInput) -> list[HealthEvent]:
         found = _ratio(seen)
@@ -274,7 +275,10 @@ class UpdateRatioRule(_Patient):
                 side = "high"
             elif self.low is not None and ratio < self.low:
                 side = "low"
-            if not self._count(name, side is not None) or side is None:
+            # each side counted apart: a layer that jumps from too fast to too slow starts over
+            high = self._count(f"{name}>", side == "high")
+            low = self._count(f"{name}<", side == "low")
+            if not (high or low):
                 continue
             module, leaf = split_parameter(name)
             if side == "high":

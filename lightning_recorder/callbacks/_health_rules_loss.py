@@ -87,12 +87,16 @@ class LossSpikeRule(HealthRule):
     the mean of the last ``window`` losses by at least ``rtol`` times that mean (and by at least
     ``atol``, when given), after ``warmup`` steps. Every step is judged, not only logged ones:
     the losses wait on their device and are read at each check. Non-finite losses are left to
-    the non-finite check.
+    the non-finite check. The spikes found at one check make one finding, at the first
+    spike's step; while it is in force, spikes found at the next checks stay quiet (they update
+    it); a check without a spike ends it.
 
-    **Defaults and sources.** ``window=10``, ``rtol=2.0``, ``atol=None``, ``warmup=1``,
-    ``mode="min"`` are those of Lightning's ``SpikeDetection``
-    (``lightning.fabric.utilities.spike``): a loss three times its running mean, and higher
-    than the last one. Lightning stops training at a spike; here training goes on, so the
+    **Defaults and sources.** ``window=10``, ``rtol=2.0``, ``warmup=1``, ``mode="min"`` are
+    those of Lightning's ``SpikeDetection`` (``lightning.fabric.utilities.spike``): a loss three
+    times its running mean, and higher than the last one. ``atol=1.0`` is this project's
+    (Lightning's is ``None``): the spike must also be at least 1.0 above the mean, so that a
+    loss near zero (0.01 to 0.04) does not count; pass ``atol=None`` for Lightning's rule
+    exactly. Lightning stops training at a spike; here training goes on, so the
     spike then joins the running mean (a loss that settles at a higher level stops being a
     spike after about ``window`` steps).
 

@@ -98,7 +98,7 @@ class _UnitRule(HealthRule):
                 run = self._runs[series] = np.where(holds, run + 1, 0)
             count = int((run >= self.window).sum())
             units = int(run.size)
-            if units and count >= self.min_fraction * units:
+            if units and count / units >= self.min_fraction:  # not `* units`: 0.7 * 10 > 7
                 name, _, path = series.partition("/")
                 found.append(
                     self.event(
@@ -244,6 +244,11 @@ class SaturationRule(_UnitRule):
     ) -> None:
         super().__init__(window, min_fraction)
         owner = type(self).__name__
+        if bounds is not None and not isinstance(bounds, Mapping):
+            raise RecorderConfigError(
+                f"Expected `bounds` of {owner} to be a mapping of module classes to (low, high), "
+                f"e.g. {{torch.nn.Tanh: (-0.99, 0.99)}}, or None but got {bounds!r}."
+            )
         chosen = dict(_BOUNDS if bounds is None else bounds)
         for cls, pair in chosen.items():
             good = isinstance(cls, type) and issubclass(cls, nn.Module)
