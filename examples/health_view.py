@@ -98,7 +98,7 @@ def train(out: str | Path, max_epochs: int, every_n_steps: int) -> tuple[Path, H
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     train_loader, val_loader = digits_loaders()
     logger = TensorBoardLogger(out, name="")
-    # Every Linear, ReLU and Tanh, listed in model order: the heat maps' rows follow this order.
+    # Every Linear, ReLU and Tanh: the heat maps show them in model order.
     stats = FeatureStatsMonitor(SOURCES, every_n_steps=every_n_steps)
     health = HealthMonitor(view_every=5)
     trainer = pl.Trainer(

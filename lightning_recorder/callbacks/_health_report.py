@@ -72,7 +72,7 @@ class Reporter:
             try:
                 logger.log_metrics(metrics, step=log_step)
                 if loud or event.kind == "amp_skipped":
-                    _text(logger, event, log_step)
+                    _text(logger, [event], log_step)
             except Exception as err:  # a logger's failure must not stop training
                 rank_zero_warn(f"HealthMonitor could not write to {type(logger).__name__}: {err}")
         if loud and self.alert is not None and event.kind != "amp_skipped":
@@ -119,8 +119,7 @@ class Reporter:
         for logger in trainer.loggers:
             try:
                 logger.log_metrics(metrics, step=log_step)
-                for event in loud:
-                    _text(logger, event, log_step)
+                _text(logger, loud, log_step)
             except Exception as err:  # a logger's failure must not stop training
                 rank_zero_warn(f"HealthMonitor could not write to {type(logger).__name__}: {err}")
         if self.alert is None:
@@ -143,15 +142,19 @@ def _together(events: Sequence[HealthEvent]) -> HealthEvent:
     return dataclasses.replace(events[0], message=message)
 
 
-def _text(logger: Any, event: HealthEvent, step: int) -> None:
+def _text(logger: Any, events: Sequence[HealthEvent], step: int) -> None:
+    """The messages of one step's events as one entry (TensorBoard keeps one text per tag and
+    step: one paragraph each), or one table of rows (W&B)."""
     if isinstance(logger, TensorBoardLogger):
-        logger.experiment.add_text("health/events", event.message, global_step=step)
+        text = "\n\n".join(event.message for event in events)
+        logger.experiment.add_text("health/events", text, global_step=step)
     elif isinstance(logger, WandbLogger):
-        row: list[Any] = [event.step, event.kind, event.module or "", event.direction or ""]
-        row.append(event.message)
+        rows = [
+            [e.step, e.kind, e.module or "", e.direction or "", e.message] for e in events
+        ]
         logger.log_text(
             key="health/events",
             columns=["step", "kind", "module", "direction", "message"],
-            data=[row],
+            data=rows,
             step=step,
         )

@@ -317,3 +317,28 @@ def test_the_rules_read_every_steps_loss_once(accumulate: int) -> None:
     for step, value in rule.read.items():
         assert len(model.losses[step]) == accumulate
         assert value == pytest.approx(np.mean(model.losses[step]), rel=1e-6)
+
+
+class Twin(Scripted):
+    name = "twin"
+
+
+def test_findings_of_one_check_are_one_tensorboard_text_with_every_message(
+    tmp_path: Path,
+) -> None:
+    """TensorBoard keeps one text per tag and step: two rules firing at the same check must
+    share one entry, or the second hides the first."""
+    rules = [Scripted({3: ["body.0"]}), Twin({3: ["body.2"]})]
+    monitor = HealthMonitor(rules=rules, evidence_max_bytes=0, view=False)
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    fit(Net("mlp"), [monitor], steps=6, logger=logger, log_every_n_steps=2)
+    assert [(e.kind, e.module) for e in monitor.events] == [
+        ("scripted", "body.0"),
+        ("twin", "body.2"),
+    ]
+    events = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("health/events/text_summary")
+    assert len(texts) == 1
+    text = texts[0].tensor_proto.string_val[0].decode()
+    assert "`body.0` looks wrong at step 3." in text and "`body.2` looks wrong at step 3." in text
