@@ -169,7 +169,10 @@ class Diagnosis:
         self._trainer = self._module = None
 
     def _end_rules(self, trainer: pl.Trainer) -> None:
-        """At ``on_train_end``: the last picture."""
+        """At ``on_train_end``: the losses of the steps after the last check, checked by the
+        rules that need no statistics; the last picture."""
+        if self._trainer is not None and self._completed >= 0 and self._losses.pending:
+            self._check(self._completed, None)
         view = self._view
         if view is not None and self._completed >= 0 and self._drawn != self._completed:
             view.write(trainer, list(self.findings.values()), self._completed, self._rule_names())

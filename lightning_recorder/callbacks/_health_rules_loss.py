@@ -48,6 +48,11 @@ class LossLog:
         self._host_steps: list[np.ndarray] = []
         self._host_values: list[np.ndarray] = []
 
+    @property
+    def pending(self) -> bool:
+        """Whether some loss was kept and not read yet."""
+        return bool(self._values or self._host_values)
+
     def add(self, step: int, loss: torch.Tensor) -> None:
         """Keep ``loss`` of optimizer step ``step`` (micro-batches of a step are summed later)."""
         self._steps.append(step)

@@ -342,3 +342,12 @@ def test_findings_of_one_check_are_one_tensorboard_text_with_every_message(
     assert len(texts) == 1
     text = texts[0].tensor_proto.string_val[0].decode()
     assert "`body.0` looks wrong at step 3." in text and "`body.2` looks wrong at step 3." in text
+
+
+def test_a_spike_after_the_last_check_is_found_at_the_end_of_training(tmp_path: Path) -> None:
+    monitor = HealthMonitor(evidence_max_bytes=0, view=False)
+    stats = FeatureStatsMonitor([nn.Linear], every_n_steps=10, histograms=False)
+    # checks at steps 9 and 19 (the monitor's logged steps); the spike of step 22 comes after
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    fit(Spiky((22,)), [monitor, stats], steps=24, logger=logger)
+    assert [(e.kind, e.step) for e in monitor.events] == [("loss_spike", 22)]
