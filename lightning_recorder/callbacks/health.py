@@ -269,7 +269,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             VanishingGradientsRule(ratio=0.001, first_norm=0.0001)
             ExplodingGradientsRule(ratio=70)
             UpdateRatioRule(high=0.1, low=1e-06)
-            LossSpikeRule(window=10, rtol=2.0, atol=None)
+            LossSpikeRule(window=10, rtol=2.0, atol=1.0)
             >>> rules = [r for r in HealthMonitor.default_rules() if r.name != "update_ratio"]
             >>> monitor = HealthMonitor(rules=[*rules, UpdateRatioRule(low=None)])
         """
