@@ -16,7 +16,7 @@ torch thread, each ``fit`` in its own thread, a fresh random order each round, m
 thresholds fixed):
 
 * **monitor** — ``FeatureStatsMonitor`` alone;
-* **monitor + check** — and ``HealthMonitor(rules=(), view=False)``: issue 26's every-step
+* **monitor + check** — and ``HealthMonitor(rules=(), view=False)``: the every-step
   non-finite check, no rule, no picture;
 * **monitor + health** — and ``HealthMonitor()``: every rule at its defaults and the view
   (custom scalars, heat maps of ``zero_fraction``, ``std`` and ``grad_norm``, the findings
@@ -26,13 +26,14 @@ Per repeat, over the timed window (steps 100 to 599: 100 logged steps, 10 of the
 
 * **logging step, amortised** — the mean logged step of *monitor + health* over the mean logged
   step of *monitor* (target <= 1.05), and the same with *monitor + check* as the reference (the
-  rules' and the view's own part, without issue 26's check);
+  rules' and the view's own part, without the non-finite check);
 * **logging step without a redraw** and **redraw step** — medians of the logged steps that drew
   no picture, and of those that drew the heat maps and the table, over the median logged step of
   *monitor* (information: what a redraw costs when it comes);
 * **non-logging step** — the median step that logs nothing of *monitor + health* over that of
   *monitor + check* (the rules' part: keeping each step's loss on its device; "nothing
-  measurable": <= 1.01), and of *monitor + check* over *monitor* (information: issue 26's check).
+  measurable": <= 1.01), and of *monitor + check* over *monitor* (information: the non-finite
+  check).
 
 The table gives the median of the per-repeat ratios and their range. A last row times one redraw
 alone with the heat maps full (100 logged steps): ``HealthView.images`` and the writes of the
@@ -214,7 +215,7 @@ RATIOS = [
     ("redraw step", "monitor + health", "monitor", "redraw", "logging median"),
     ("non-logging step: rules", "monitor + health", "monitor + check", "non-logging",
      "non-logging"),
-    ("non-logging step: issue 26's check", "monitor + check", "monitor", "non-logging",
+    ("non-logging step: the non-finite check", "monitor + check", "monitor", "non-logging",
      "non-logging"),
 ]  # fmt: skip
 
