@@ -10,10 +10,18 @@ the values shown, others on a linear one. fastai's ``ActivationStats`` "colorful
 Where Pillow is installed (TensorBoard needs it), the image carries its text: the statistic
 and its scale, the layer names, the first and last step, and the rule findings in force beside
 their layer (in red). Without Pillow the cells alone are drawn.
+
+**Cost.** A heat map of a deep model is a large image (127 layers: 1,800 x 650 pixels), redrawn
+every few logged steps. It is drawn as one byte per pixel, an index into a fixed palette of
+256 colours (:data:`PALETTE`: the colour map in 220 steps, grey, white, and the two text colours
+in 16 levels of coverage over white), and encoded as a palette PNG (:func:`png`, zlib level 1):
+eight times faster than an RGB PNG of the same picture at the default level, a third of the
+bytes. The layer labels are drawn once per set of rows and kept (:func:`_label_strip`).
 """
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Mapping, Sequence
 from functools import cache, lru_cache
@@ -21,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["Scale", "colorize", "render", "scale_of"]
+__all__ = ["PALETTE", "Scale", "colorize", "png", "render", "render_indexed", "scale_of"]
 
 Scale = Literal["unit", "log", "linear"]
 
@@ -40,9 +48,33 @@ _ANCHORS = np.array(
     ],
     dtype=np.float64,
 )
-_MISSING = np.array([150, 150, 150], dtype=np.uint8)
+_LEVELS = 220  # colour-map steps in the palette
+_TEXT_LEVELS = 16  # coverage levels of a text colour over white
+_MISSING_RGB = (150, 150, 150)
 _TEXT = (30, 30, 30)
 _ALARM = (200, 0, 0)
+
+
+def _palette() -> np.ndarray:
+    position = np.linspace(0.0, 1.0, _LEVELS) * (len(_ANCHORS) - 1)
+    index = np.clip(np.floor(position).astype(np.int64), 0, len(_ANCHORS) - 2)
+    frac = (position - index)[:, None]
+    ramp = _ANCHORS[index] * (1 - frac) + _ANCHORS[index + 1] * frac
+    white = np.array([255.0, 255.0, 255.0])
+    cover = np.arange(1, _TEXT_LEVELS + 1)[:, None] / _TEXT_LEVELS
+    text = white * (1 - cover) + np.asarray(_TEXT, dtype=np.float64) * cover
+    alarm = white * (1 - cover) + np.asarray(_ALARM, dtype=np.float64) * cover
+    missing = np.asarray([_MISSING_RGB], dtype=np.float64)
+    table = np.rint(np.concatenate([ramp, missing, white[None, :], text, alarm])).astype(np.uint8)
+    return np.vstack([table, np.zeros((256 - len(table), 3), dtype=np.uint8)])
+
+
+#: The 256 colours of a heat map's pixels: the colour map, grey, white, the text colours.
+PALETTE = _palette()
+_MISSING = _LEVELS
+_WHITE = _LEVELS + 1
+_TEXT_BASE = _LEVELS + 2  # + level - 1, level 1..16
+_ALARM_BASE = _TEXT_BASE + _TEXT_LEVELS
 _UNIT_STATS = frozenset({"zero_fraction"})
 _LOG_STATS = frozenset({"std", "abs_mean", "grad_norm", "norm", "update_ratio", "numel"})
 _CELL_H = 14
@@ -64,11 +96,11 @@ def _normalised(values: np.ndarray, scale: Scale) -> tuple[np.ndarray, float, fl
         return np.clip(values, 0.0, 1.0), 0.0, 1.0
     if scale == "log":
         positive = finite & (values > 0)
-        logs = np.full(values.shape, np.nan)
-        logs[positive] = np.log10(values[positive])
         if not positive.any():
             return np.where(finite, 0.0, np.nan), 0.0, 0.0
-        low, high = float(np.nanmin(logs)), float(np.nanmax(logs))
+        logs = np.full(values.shape, np.nan)
+        shown = logs[positive] = np.log10(values[positive])
+        low, high = float(shown.min()), float(shown.max())
         logs[finite & ~positive] = low  # zeros: the bottom of the scale
         span = high - low if high > low else 1.0
         return (logs - low) / span, 10.0**low, 10.0**high
@@ -79,17 +111,19 @@ def _normalised(values: np.ndarray, scale: Scale) -> tuple[np.ndarray, float, fl
     return (values - low) / span, low, high
 
 
+def _indices(unit: np.ndarray) -> np.ndarray:
+    """Palette indices of values in [0, 1] (the missing colour where NaN)."""
+    missing = ~np.isfinite(unit)
+    level = np.rint(np.where(missing, 0.0, unit) * (_LEVELS - 1))
+    out = np.clip(level, 0, _LEVELS - 1).astype(np.uint8)
+    out[missing] = _MISSING
+    return out
+
+
 def colorize(values: np.ndarray, scale: Scale) -> tuple[np.ndarray, float, float]:
     """``(rows, cols, 3)`` uint8 colours of ``values`` (grey where NaN), and the scale's ends."""
     unit, low, high = _normalised(np.asarray(values, dtype=np.float64), scale)
-    missing = ~np.isfinite(unit)
-    position = np.where(missing, 0.0, unit) * (len(_ANCHORS) - 1)
-    index = np.clip(np.floor(position).astype(np.int64), 0, len(_ANCHORS) - 2)
-    frac = (position - index)[..., None]
-    rgb = _ANCHORS[index] * (1 - frac) + _ANCHORS[index + 1] * frac
-    out = np.rint(rgb).astype(np.uint8)
-    out[missing] = _MISSING
-    return out, low, high
+    return PALETTE[_indices(unit)], low, high
 
 
 @cache
@@ -107,8 +141,9 @@ def _font() -> Any:
 
 @lru_cache(maxsize=1024)
 def _glyphs(text: str, width: int) -> np.ndarray:
-    """The coverage (0-255) of ``text`` drawn in the default font, at most ``width`` pixels wide
-    (shortened from the left, "…tail"); cached: layer names are drawn at every refresh."""
+    """The coverage level (0: none, up to 16) of each pixel of ``text`` drawn in the default
+    font, at most ``width`` pixels wide (shortened from the left, "…tail"); cached: layer names
+    are drawn at every refresh."""
     from PIL import Image, ImageDraw
 
     font = _font()
@@ -120,28 +155,93 @@ def _glyphs(text: str, width: int) -> np.ndarray:
     size = max(1, math.ceil(draw.textlength(text, font=font)))
     image = Image.new("L", (size, _CELL_H), 0)
     ImageDraw.Draw(image).text((0, 0), text, fill=255, font=font)
-    return np.asarray(image)
+    coverage = np.asarray(image).astype(np.int64)
+    return ((coverage * _TEXT_LEVELS + 127) // 255).astype(np.uint8)
 
 
 def _text_width(text: str, width: int = 10_000) -> int:
     return int(_glyphs(text, width).shape[1])
 
 
-def _write(canvas: np.ndarray, x: int, y: int, text: str, colour: Any, width: int = 10_000) -> None:
-    """Draw ``text`` on ``canvas`` (``(H, W, 3)`` uint8) at ``(x, y)``, in place."""
-    mask = _glyphs(text, width)
-    h = min(mask.shape[0], canvas.shape[0] - y)
-    w = min(mask.shape[1], canvas.shape[1] - x)
+def _write(canvas: np.ndarray, x: int, y: int, text: str, base: int, width: int = 10_000) -> None:
+    """Draw ``text`` on ``canvas`` (palette indices, white there) at ``(x, y)``, in place, in
+    the text colour starting at palette index ``base``."""
+    levels = _glyphs(text, width)
+    h = min(levels.shape[0], canvas.shape[0] - y)
+    w = min(levels.shape[1], canvas.shape[1] - x)
     if h <= 0 or w <= 0:
         return
-    alpha = mask[:h, :w, None].astype(np.float32) / 255.0
-    region = canvas[y : y + h, x : x + w].astype(np.float32)
-    blended = region * (1 - alpha) + np.asarray(colour, dtype=np.float32) * alpha
-    canvas[y : y + h, x : x + w] = np.rint(blended).astype(np.uint8)
+    cut = levels[:h, :w]
+    region = canvas[y : y + h, x : x + w]
+    np.copyto(region, (cut + (base - 1)).astype(np.uint8), where=cut > 0)
+
+
+@lru_cache(maxsize=32)
+def _label_strip(rows: tuple[str, ...], width: int, alarms: frozenset[int]) -> np.ndarray:
+    """The layer labels, one per ``_CELL_H`` rows of pixels, ``width`` wide (alarmed rows in
+    red), as palette indices; kept: the rows change rarely."""
+    strip = np.full((len(rows) * _CELL_H, width), _WHITE, dtype=np.uint8)
+    for i, label in enumerate(rows):
+        base = _ALARM_BASE if i in alarms else _TEXT_BASE
+        _write(strip, 4, i * _CELL_H, label, base, width - 8)
+    strip.flags.writeable = False
+    return strip
 
 
 def _number(value: float) -> str:
     return f"{value:.3g}" if math.isfinite(value) else "-"
+
+
+def render_indexed(
+    values: np.ndarray,
+    stat: str,
+    rows: Sequence[str],
+    steps: Sequence[int],
+    notes: Mapping[int, str] | None = None,
+    footer: str = "",
+) -> np.ndarray:
+    """The heat map as ``(H, W)`` uint8 indices into :data:`PALETTE` (see :func:`render`)."""
+    unit, low, high = _normalised(np.asarray(values, dtype=np.float64), scale_of(stat))
+    cells = _indices(unit)
+    n_rows, n_cols = cells.shape[:2]
+    cell_w = int(min(12, max(3, 600 // max(n_cols, 1))))
+    grid_h, grid_w = n_rows * _CELL_H, n_cols * cell_w
+    if _font() is None or n_rows == 0:
+        return np.repeat(np.repeat(cells, _CELL_H, axis=0), cell_w, axis=1)
+    label_w = min(_MAX_LABEL, max(_text_width(r) for r in rows)) + 8
+    notes = dict(notes or {})
+    note_w = min(_MAX_NOTE, max((_text_width(n) for n in notes.values()), default=0))
+    note_w = note_w + 12 if notes else 0
+    top, bottom = 34, 16 + (_CELL_H if footer else 0)
+    # room for the colour bar and its range beside the labels, however few the columns
+    width = max(label_w + grid_w + note_w + 4, label_w + 240, 360)
+    if footer:
+        width = max(width, label_w + min(_MAX_NOTE, _text_width(footer)) + 8)
+    height = top + grid_h + bottom
+    canvas = np.full((height, width), _WHITE, dtype=np.uint8)
+    grid = canvas[top : top + grid_h, label_w : label_w + grid_w]
+    grid.reshape(n_rows, _CELL_H, n_cols, cell_w)[...] = cells[:, None, :, None]
+    # the colour bar, under the title
+    canvas[20:28, label_w : label_w + 120] = _indices(np.linspace(0.0, 1.0, 120))[None, :]
+    kind = {"unit": "0 to 1", "log": "log scale", "linear": "linear scale"}[scale_of(stat)]
+    title = f"{stat}: rows are layers in model order, columns logged steps ({kind})"
+    _write(canvas, 4, 2, title, _TEXT_BASE)
+    _write(canvas, label_w + 126, 17, f"{_number(low)} … {_number(high)}", _TEXT_BASE)
+    strip = _label_strip(tuple(rows), label_w, frozenset(notes))
+    canvas[top : top + grid_h, :label_w] = strip
+    for i, note in notes.items():
+        y = top + i * _CELL_H
+        _write(canvas, label_w + grid_w + 6, y, note, _ALARM_BASE, note_w - 10)
+    if steps:
+        y = top + grid_h + 2
+        _write(canvas, label_w, y, f"step {steps[0]}", _TEXT_BASE)
+        last = f"step {steps[-1]}"
+        x = label_w + grid_w - _text_width(last)
+        if x > label_w + 60:
+            _write(canvas, x, y, last, _TEXT_BASE)
+    if footer:
+        _write(canvas, label_w, top + grid_h + 16, footer, _ALARM_BASE, width - label_w - 4)
+    return canvas
 
 
 def render(
@@ -169,49 +269,21 @@ def render(
         >>> image.dtype, image.shape[2]
         (dtype('uint8'), 3)
     """
-    scale = scale_of(stat)
-    cells, low, high = colorize(values, scale)
-    n_rows, n_cols = cells.shape[:2]
-    cell_w = int(min(12, max(3, 600 // max(n_cols, 1))))
-    grid = np.repeat(np.repeat(cells, _CELL_H, axis=0), cell_w, axis=1)
-    if _font() is None or n_rows == 0:
-        return grid
-    label_w = min(_MAX_LABEL, max(_text_width(r) for r in rows)) + 8
-    notes = dict(notes or {})
-    note_w = min(_MAX_NOTE, max((_text_width(n) for n in notes.values()), default=0))
-    note_w = note_w + 12 if notes else 0
-    top, bottom = 34, 16 + (_CELL_H if footer else 0)
-    width = max(label_w + grid.shape[1] + note_w + 4, 360)
-    if footer:
-        width = max(width, label_w + min(_MAX_NOTE, _text_width(footer)) + 8)
-    height = top + grid.shape[0] + bottom
-    canvas = np.full((height, width, 3), 255, dtype=np.uint8)
-    canvas[top : top + grid.shape[0], label_w : label_w + grid.shape[1]] = grid
-    # the colour bar, under the title
-    bar = colorize(np.linspace(0.0, 1.0, 120)[None, :], "unit")[0]
-    canvas[20:28, label_w : label_w + 120] = np.repeat(bar, 8, axis=0)
-    kind = {"unit": "0 to 1", "log": "log scale", "linear": "linear scale"}[scale]
-    _write(
-        canvas,
-        4,
-        2,
-        f"{stat}: rows are layers in model order, columns logged steps ({kind})",
-        _TEXT,
-    )
-    _write(canvas, label_w + 126, 17, f"{_number(low)} … {_number(high)}", _TEXT)
-    for i, label in enumerate(rows):
-        y = top + i * _CELL_H
-        colour = _ALARM if i in notes else _TEXT
-        _write(canvas, 4, y, label, colour, label_w - 8)
-        if i in notes:
-            _write(canvas, label_w + grid.shape[1] + 6, y, notes[i], _ALARM, note_w - 10)
-    if steps:
-        y = top + grid.shape[0] + 2
-        _write(canvas, label_w, y, f"step {steps[0]}", _TEXT)
-        last = f"step {steps[-1]}"
-        x = label_w + grid.shape[1] - _text_width(last)
-        if x > label_w + 60:
-            _write(canvas, x, y, last, _TEXT)
-    if footer:
-        _write(canvas, label_w, top + grid.shape[0] + 16, footer, _ALARM, width - label_w - 4)
-    return canvas
+    return PALETTE[render_indexed(values, stat, rows, steps, notes, footer)]
+
+
+def png(indexed: np.ndarray) -> bytes:
+    """A heat map of :func:`render_indexed` as PNG bytes (a palette image, zlib level 1).
+
+    Examples:
+        >>> import numpy as np
+        >>> png(render_indexed(np.ones((2, 3)), "std", ["a", "b"], [1, 2, 3]))[:4]
+        b'\\x89PNG'
+    """
+    from PIL import Image
+
+    image = Image.fromarray(np.ascontiguousarray(indexed, dtype=np.uint8), mode="P")
+    image.putpalette(PALETTE.tobytes())
+    out = io.BytesIO()
+    image.save(out, format="PNG", compress_level=1)
+    return out.getvalue()

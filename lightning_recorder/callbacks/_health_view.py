@@ -33,10 +33,11 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ._health_event import HealthEvent
-from ._health_heatmap import render
+from ._health_heatmap import PALETTE, png, render_indexed
 from ._health_rules import percent
 from ._lightning import logger_prefix
 from ._stats_report import StatsReport
+from ._tensorboard import summary_class
 
 __all__ = ["PARAMETER_STATS", "HealthView", "layout", "table"]
 
@@ -163,13 +164,20 @@ class HealthView:
     def add(self, report: StatsReport, weights: set[str]) -> None:
         """Keep the chosen statistics of a training report as one column."""
         column: dict[str, tuple[tuple[str, ...], np.ndarray]] = {}
+        last = self._columns[-1] if self._columns else {}
         for stat in self.stats:
             if stat in PARAMETER_STATS:
                 rows = tuple(n for n, f in report.parameters.items() if n in weights and stat in f)
                 values = np.array([report.parameters[n][stat] for n in rows], dtype=np.float64)
-                column[stat] = rows, values
             elif stat in report.stats:
-                column[stat] = report.modules, np.asarray(report.stats[stat], dtype=np.float64)
+                rows = report.modules
+                values = np.array(report.stats[stat], dtype=np.float64)
+            else:
+                continue
+            before = last.get(stat)
+            if before is not None and before[0] == rows:
+                rows = before[0]  # the same rows as before: one object, found by identity
+            column[stat] = rows, values
         self._steps.append(report.step)
         self._columns.append(column)
         self._seen += 1
@@ -178,23 +186,38 @@ class HealthView:
         """Whether to draw now: the first logged step, every ``every``, or a rule fired."""
         return bool(self._columns) and (fired or self._seen == 1 or self._seen % self.every == 0)
 
+    def _matrix(self, stat: str) -> tuple[dict[str, int], np.ndarray]:
+        """The rows (name: index) and values (rows x kept steps) of ``stat``."""
+        kept = [column.get(stat) for column in self._columns]
+        first = next((c for c in kept if c is not None), None)
+        if first is not None and all(c is not None and c[0] is first[0] for c in kept):
+            # the usual case: the same rows at every step
+            rows = {name: i for i, name in enumerate(first[0])}
+            return rows, np.stack([c[1] for c in kept if c is not None], axis=1)
+        rows = {}
+        for c in kept:
+            for name in c[0] if c is not None else ():
+                rows.setdefault(name, len(rows))
+        values = np.full((len(rows), len(kept)), np.nan)
+        for j, c in enumerate(kept):
+            if c is not None:
+                values[[rows[n] for n in c[0]], j] = c[1]
+        return rows, values
+
     def images(self, findings: Sequence[HealthEvent]) -> dict[str, np.ndarray]:
         """The heat map of each chosen statistic, ``{tag: (H, W, 3) uint8}``."""
+        return {tag: PALETTE[image] for tag, image in self.indexed(findings).items()}
+
+    def indexed(self, findings: Sequence[HealthEvent]) -> dict[str, np.ndarray]:
+        """The heat maps as ``{tag: (H, W) uint8}`` indices into
+        :data:`._health_heatmap.PALETTE`."""
         images = {}
         loose = [e for e in findings if e.module is None]
         footer = "; ".join(f"{e.kind} (step {e.step})" for e in loose)
         for stat in self.stats:
-            rows: dict[str, int] = {}
-            for column in self._columns:
-                for name in column.get(stat, ((), None))[0]:
-                    rows.setdefault(name, len(rows))
+            rows, values = self._matrix(stat)
             if not rows:
                 continue
-            values = np.full((len(rows), len(self._columns)), np.nan)
-            for j, column in enumerate(self._columns):
-                if stat in column:
-                    names, found = column[stat]
-                    values[[rows[n] for n in names], j] = found
             notes: dict[int, list[str]] = {}
             for event in findings:
                 if event.module is None:
@@ -203,7 +226,7 @@ class HealthView:
                     if _belongs(name, event):
                         notes.setdefault(i, []).append(_short(event))
             text = {i: "; ".join(parts) for i, parts in notes.items()}
-            images[f"health/heatmap/{stat}"] = render(
+            images[f"health/heatmap/{stat}"] = render_indexed(
                 values, stat, list(rows), list(self._steps), text, footer
             )
         return images
@@ -217,22 +240,44 @@ class HealthView:
         wanted = [lg for lg in trainer.loggers if isinstance(lg, (TensorBoardLogger, WandbLogger))]
         if not wanted:
             return
-        images = self.images(findings)
+        indexed = self.indexed(findings)
         text = table(findings, step, rules)
 
         def write(logger: Any) -> None:
             if isinstance(logger, TensorBoardLogger):
                 writer = logger.experiment
-                for tag, image in images.items():
-                    writer.add_image(_prefixed(logger, tag), image, step, dataformats="HWC")
+                _add_images(writer, {_prefixed(logger, t): i for t, i in indexed.items()}, step)
                 writer.add_text(_prefixed(logger, "health/findings"), text, step)
             elif isinstance(logger, WandbLogger):
-                for tag, image in images.items():
-                    logger.log_image(key=tag, images=[image], step=step)
+                for tag, image in indexed.items():
+                    logger.log_image(key=tag, images=[PALETTE[image]], step=step)
                 rows = [[e.kind, e.module or "", e.step, e.message] for e in findings]
                 logger.log_table(key="health/findings", columns=_COLUMNS, data=rows, step=step)
 
         self._each(trainer, "health view", write)
+
+
+def _add_images(writer: Any, images: dict[str, np.ndarray], step: int) -> None:
+    """Write heat maps (palette indices) to a ``SummaryWriter``: as one event of palette PNGs
+    through its public ``file_writer`` (TensorBoard's ``Summary`` message, as
+    :func:`._tensorboard.write_tensorboard` does), or through ``add_image`` for writers of
+    other makes (which encode an RGB copy themselves, several times slower)."""
+    summary_type = summary_class(writer)
+    file_writer = None if summary_type is None else getattr(writer, "file_writer", None)
+    if file_writer is None:
+        for tag, image in images.items():
+            writer.add_image(tag, PALETTE[image], step, dataformats="HWC")
+        return
+    values = []
+    for tag, image in images.items():
+        encoded = summary_type.Image(
+            height=image.shape[0],
+            width=image.shape[1],
+            colorspace=3,
+            encoded_image_string=png(image),
+        )
+        values.append(summary_type.Value(tag=tag, image=encoded))
+    file_writer.add_summary(summary_type(value=values), step)
 
 
 def _belongs(row: str, event: HealthEvent) -> bool:
