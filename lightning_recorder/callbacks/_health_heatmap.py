@@ -214,7 +214,9 @@ def render_indexed(
     note_w = note_w + 12 if notes else 0
     top, bottom = 34, 16 + (_CELL_H if footer else 0)
     # room for the colour bar and its range beside the labels, however few the columns
-    width = max(label_w + grid_w + note_w + 4, label_w + 240, 360)
+    kind = {"unit": "0 to 1", "log": "log scale", "linear": "linear scale"}[scale_of(stat)]
+    title = f"{stat}: rows are layers in model order, columns logged steps ({kind})"
+    width = max(label_w + grid_w + note_w + 4, label_w + 240, 360, _text_width(title) + 8)
     if footer:
         width = max(width, label_w + min(_MAX_NOTE, _text_width(footer)) + 8)
     height = top + grid_h + bottom
@@ -223,8 +225,6 @@ def render_indexed(
     grid.reshape(n_rows, _CELL_H, n_cols, cell_w)[...] = cells[:, None, :, None]
     # the colour bar, under the title
     canvas[20:28, label_w : label_w + 120] = _indices(np.linspace(0.0, 1.0, 120))[None, :]
-    kind = {"unit": "0 to 1", "log": "log scale", "linear": "linear scale"}[scale_of(stat)]
-    title = f"{stat}: rows are layers in model order, columns logged steps ({kind})"
     _write(canvas, 4, 2, title, _TEXT_BASE)
     _write(canvas, label_w + 126, 17, f"{_number(low)} … {_number(high)}", _TEXT_BASE)
     strip = _label_strip(tuple(rows), label_w, frozenset(notes))

@@ -230,3 +230,15 @@ def test_wandb_gets_the_heat_maps_and_the_findings_table(
     [[rule, module, since, message]] = last["data"]
     assert (rule, module, since) == ("dead_units", "body.3", 4)
     assert message.startswith("`body.3` (ReLU) has 32 of 32 units dead (100 %)")
+
+
+def test_a_narrow_map_is_wide_enough_for_its_whole_title() -> None:
+    from lightning_recorder.callbacks._health_heatmap import _font, _glyphs, render_indexed
+
+    if _font() is None:
+        pytest.fail("the heat maps' font is missing: Pillow's default font should be there")
+    for stat in ("zero_fraction", "grad_norm", "mean"):
+        image = render_indexed(np.ones((1, 1)), stat, ["a"], [0])
+        kind = {"zero_fraction": "0 to 1", "grad_norm": "log scale", "mean": "linear scale"}[stat]
+        text = f"{stat}: rows are layers in model order, columns logged steps ({kind})"
+        assert image.shape[1] >= 4 + _glyphs(text, 10_000).shape[1], stat
