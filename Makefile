@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest bench gpu-check docs docs-serve sysdeps clean
+.PHONY: demo test lint typecheck pytest bench bench-health-rules health-false-alarms gpu-check docs docs-serve sysdeps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "Python >= 3.10 is required")'
@@ -45,6 +45,15 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# What HealthMonitor's rules and view add to the FeatureStatsMonitor's steps (also in `make bench`).
+bench-health-rules: $(STAMP)
+	$(PY) benchmarks/bench_health_rules.py
+
+# HealthMonitor's rule alerts on three healthy runs of 10,000 steps each, at default thresholds
+# (six trainings, about half an hour on one core; not part of `make bench`).
+health-false-alarms: $(STAMP)
+	$(PY) benchmarks/health_false_alarms.py
 
 # The GPU checks in one command, on a machine with a CUDA device: tests/gpu, then
 # benchmarks/bench_gpu.py; results in $$OUT (default: a new temporary folder). No set-up step: it

@@ -10,7 +10,8 @@
   its event file checksummed in C.
 * :mod:`.health` — :class:`HealthMonitor`: the first NaN/Inf of a run traced to the module that
   made it (a :class:`HealthEvent`), with evidence on disk, and bad steps skipped alike on every
-  rank.
+  rank; rules (:class:`HealthRule` and those that ship) that name dead, saturated or exploding
+  layers, and a view of every layer at a glance.
 
 ``_lightning`` holds every read of Lightning's private state, so that a change in Lightning
 touches one file.
@@ -18,21 +19,39 @@ touches one file.
 
 from .activation_writer import ActivationWriter
 from .distillation import FeatureDistillation, LossSpec, distillation_loss
-from .health import HealthEvent, HealthMonitor, HealthRule
+from .health import (
+    DeadUnitsRule,
+    ExplodingGradientsRule,
+    HealthEvent,
+    HealthMonitor,
+    HealthRule,
+    LossSpikeRule,
+    RuleInput,
+    SaturationRule,
+    UpdateRatioRule,
+    VanishingGradientsRule,
+)
 from .recorder import RecorderCallback
 from .stats_monitor import FeatureStatsMonitor, StatsReport
 from .tensorboard_logger import TensorBoardLogger
 
 __all__ = [
     "ActivationWriter",
+    "DeadUnitsRule",
+    "ExplodingGradientsRule",
     "FeatureDistillation",
     "FeatureStatsMonitor",
     "HealthEvent",
     "HealthMonitor",
     "HealthRule",
     "LossSpec",
+    "LossSpikeRule",
     "RecorderCallback",
+    "RuleInput",
+    "SaturationRule",
     "StatsReport",
     "TensorBoardLogger",
+    "UpdateRatioRule",
+    "VanishingGradientsRule",
     "distillation_loss",
 ]

@@ -13,14 +13,20 @@ On global rank zero only (nothing here is a collective):
   and Weights & Biases (``log_text``);
 * **an alert** — an optional callable given each loud event, at most once per
   ``alert_interval_s`` seconds; an alert that raises is reported and otherwise ignored.
+
+**Rule findings** (:meth:`Reporter.report_rules`) are rate-limited per rule and module: a
+finding is loud (a ``WARNING``, a text entry, an alert) when its rule has not spoken of its
+module for ``alert_interval_s`` seconds, and ``DEBUG`` otherwise. The loud findings of one rule
+at one check make *one* message: the first finding's, followed by the other modules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -41,6 +47,7 @@ class Reporter:
     def __init__(self, alert: Callable[[HealthEvent], Any] | None, alert_interval_s: float) -> None:
         self.alert, self.interval = alert, alert_interval_s
         self._last_alert = -math.inf
+        self._last_rule: dict[tuple[str, str | None], float] = {}
         self.suppressed_alerts = 0
 
     def report(
@@ -65,7 +72,7 @@ class Reporter:
             try:
                 logger.log_metrics(metrics, step=log_step)
                 if loud or event.kind == "amp_skipped":
-                    _text(logger, event, log_step)
+                    _text(logger, [event], log_step)
             except Exception as err:  # a logger's failure must not stop training
                 rank_zero_warn(f"HealthMonitor could not write to {type(logger).__name__}: {err}")
         if loud and self.alert is not None and event.kind != "amp_skipped":
@@ -79,16 +86,73 @@ class Reporter:
             except Exception as err:
                 rank_zero_warn(f"HealthMonitor's `alert` raised {type(err).__name__}: {err}")
 
+    def report_rules(
+        self,
+        trainer: pl.Trainer,
+        events: Sequence[HealthEvent],
+        counters: dict[str, int],
+        log_step: int,
+    ) -> None:
+        """Report the rule findings that fired at one check (rank zero): the counters to the
+        loggers, and for each rule one message of its findings not reported lately."""
+        if not trainer.is_global_zero or not events:
+            return
+        metrics = {f"health/{k}": float(v) for k, v in counters.items()}
+        by_rule: dict[str, list[HealthEvent]] = {}
+        for event in events:
+            by_rule.setdefault(event.kind, []).append(event)
+        now = time.monotonic()
+        loud: list[HealthEvent] = []
+        for kind, found in by_rule.items():
+            fresh = []
+            for event in found:
+                key = (kind, event.module)
+                if now - self._last_rule.get(key, -math.inf) >= self.interval:
+                    self._last_rule[key] = now
+                    fresh.append(event)
+                else:
+                    log.debug(event.message)
+            if fresh:
+                loud.append(_together(fresh))
+        for event in loud:
+            log.warning(event.message)
+        for logger in trainer.loggers:
+            try:
+                logger.log_metrics(metrics, step=log_step)
+                _text(logger, loud, log_step)
+            except Exception as err:  # a logger's failure must not stop training
+                rank_zero_warn(f"HealthMonitor could not write to {type(logger).__name__}: {err}")
+        if self.alert is None:
+            return
+        for event in loud:
+            try:
+                self.alert(event)
+            except Exception as err:
+                rank_zero_warn(f"HealthMonitor's `alert` raised {type(err).__name__}: {err}")
 
-def _text(logger: Any, event: HealthEvent, step: int) -> None:
+
+def _together(events: Sequence[HealthEvent]) -> HealthEvent:
+    """One event saying what several findings of one rule say: the first one's, with the
+    modules of the others (the first event itself when alone)."""
+    if len(events) == 1:
+        return events[0]
+    others = [f"`{e.module}`" if e.module else "the model" for e in events[1:]]
+    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    message = f"{events[0].message} The same on {shown}."
+    return dataclasses.replace(events[0], message=message)
+
+
+def _text(logger: Any, events: Sequence[HealthEvent], step: int) -> None:
+    """The messages of one step's events as one entry (TensorBoard keeps one text per tag and
+    step: one paragraph each), or one table of rows (W&B)."""
     if isinstance(logger, TensorBoardLogger):
-        logger.experiment.add_text("health/events", event.message, global_step=step)
+        text = "\n\n".join(event.message for event in events)
+        logger.experiment.add_text("health/events", text, global_step=step)
     elif isinstance(logger, WandbLogger):
-        row: list[Any] = [event.step, event.kind, event.module or "", event.direction or ""]
-        row.append(event.message)
+        rows = [[e.step, e.kind, e.module or "", e.direction or "", e.message] for e in events]
         logger.log_text(
             key="health/events",
             columns=["step", "kind", "module", "direction", "message"],
-            data=[row],
+            data=rows,
             step=step,
         )

@@ -1,8 +1,9 @@
-"""`HealthMonitor`: where the first NaN/Inf of a run came from, told in one message; and training
-that goes on past a bad batch, alike on every rank.
+"""`HealthMonitor`: where the first NaN/Inf of a run came from, told in one message; training
+that goes on past a bad batch, alike on every rank; rules that name dead, saturated or exploding
+layers; and a view of every layer at a glance.
 
-The classes a user meets are re-exported here: :class:`HealthEvent` (a finding) and
-:class:`HealthRule` (the extension point for rules).
+The classes a user meets are re-exported here: :class:`HealthEvent` (a finding),
+:class:`HealthRule` and :class:`RuleInput` (to write a rule), and the rules that ship.
 """
 
 from __future__ import annotations
@@ -20,22 +21,37 @@ from typing_extensions import override
 
 from .._core.checks import check_bool, check_callable, check_int, check_number, check_option
 from .._core.names import named_parameters
-from ..errors import RecorderConfigError, RecorderStateError
+from ..errors import RecorderConfigError
+from ..stats import STAT_NAMES
+from ._health_diagnosis import Diagnosis, check_rules
+from ._health_diagnosis import default_rules as _default_rules
 from ._health_event import HealthEvent
 from ._health_evidence import Evidence
 from ._health_policy import Decisions, Pending
 from ._health_replay import MicroBatch, capture_rng, why_not_replayable
 from ._health_report import Reporter
-from ._health_rules import HealthRule
+from ._health_rules import HealthRule, RuleInput
+from ._health_rules_grads import ExplodingGradientsRule, UpdateRatioRule, VanishingGradientsRule
+from ._health_rules_loss import LossSpikeRule
+from ._health_rules_units import DeadUnitsRule, SaturationRule
 from ._health_sentinel import Sentinel, to_host_later
-from ._health_step import (
-    finish_event,
-)
 from ._health_trace import Trace
 from ._health_verdict import Timeline
+from ._health_view import PARAMETER_STATS, HealthView
 from ._lightning import step_axis
 
-__all__ = ["HealthEvent", "HealthMonitor", "HealthRule"]
+__all__ = [
+    "DeadUnitsRule",
+    "ExplodingGradientsRule",
+    "HealthEvent",
+    "HealthMonitor",
+    "HealthRule",
+    "LossSpikeRule",
+    "RuleInput",
+    "SaturationRule",
+    "UpdateRatioRule",
+    "VanishingGradientsRule",
+]
 
 Policy = Literal["warn", "skip", "raise"]
 Localize = Literal["replay", "always", False]
@@ -43,7 +59,7 @@ _MiB = 1 << 20
 _NO_RNG = torch.empty(0, dtype=torch.uint8)
 
 
-class HealthMonitor(Decisions, Callback):
+class HealthMonitor(Decisions, Diagnosis, Callback):
     """Find the first NaN/Inf of a training run, say which module made it, and keep training.
 
     **The check (every step).** Before each optimizer step the loss and every parameter
@@ -83,9 +99,28 @@ class HealthMonitor(Decisions, Callback):
     random generators' states, step, batch index and rank (optionally a checkpoint taken before
     the bad update); all bundles of a run share ``evidence_max_bytes``.
 
+    **Rules** (with a :class:`~lightning_recorder.FeatureStatsMonitor` in the Trainer, on its
+    logged training steps, on rank zero; nothing on the other steps but keeping each step's
+    loss on its device): dead ReLU units (:class:`DeadUnitsRule`), saturated tanh/sigmoid units
+    (:class:`SaturationRule`), vanishing and exploding gradients
+    (:class:`VanishingGradientsRule`, :class:`ExplodingGradientsRule`, AutoTrainer's rules),
+    update-to-weight ratios outside a band around 1e-3 (:class:`UpdateRatioRule`) and loss
+    spikes (:class:`LossSpikeRule`, Lightning's rule, on every step's loss). ``rules=None``
+    checks all of them with their defaults (:meth:`default_rules`); pass your own list to
+    choose, configure or add rules, ``rules=()`` for none. The monitor asks the
+    FeatureStatsMonitor for the per-channel extremes of the activations the rules judge: it
+    should monitor them (``FeatureStatsMonitor([nn.Conv2d, nn.Linear, nn.ReLU, nn.Tanh])``). A
+    finding *fires* when it appears (an event, one message) and stays in :attr:`findings` while
+    it lasts.
+
+    **The view** (``view=True``, TensorBoard and W&B): a custom-scalars layout with one chart per
+    statistic and every layer on it, a layer-by-step heat map of each of ``heatmap_stats`` with
+    the findings written beside their layer, and a table of the findings in force; drawn at
+    the first logged step, every ``view_every`` logged steps, when a rule fires, and at the end.
+
     **Reporting.** Python logging (``"lightning_recorder.health"``, rank zero), the loggers (a
-    text entry and the event counters as scalars), the ``alert`` callable (rate-limited), and
-    :attr:`events`. A Weights & Biases alert is two lines::
+    text entry and the event counters as scalars), the ``alert`` callable (rate-limited; rule
+    findings per rule and module), and :attr:`events`. A Weights & Biases alert is two lines::
 
         import wandb
         alert = lambda e: wandb.alert(title=f"HealthMonitor: {e.kind}", text=e.message)
@@ -93,8 +128,8 @@ class HealthMonitor(Decisions, Callback):
     Args:
         on_nonfinite: ``"warn"``, ``"skip"`` or ``"raise"`` (see above).
         localize: ``"replay"``, ``"always"`` or ``False`` (see above).
-        rules: :class:`HealthRule` objects checked after every optimizer step (an extension
-            point; none ship yet).
+        rules: the :class:`HealthRule` objects checked on logged steps; ``None``: every rule
+            that ships, with its defaults (:meth:`default_rules`); ``()``: none.
         evidence_dir: where bundles go; default ``<trainer.log_dir>/health``.
         alert: called with each event worth an alert (the first of a run of non-finite steps,
             rule findings), at most once per ``alert_interval_s``.
@@ -106,7 +141,14 @@ class HealthMonitor(Decisions, Callback):
         evidence_max_bytes: the bytes all bundles of a run may take; 0 writes none.
         evidence_checkpoint: also save a Trainer checkpoint before the first bad update (when
             the model and optimizer state fit in ``evidence_max_bytes``).
-        alert_interval_s: the least time between two alerts, in seconds.
+        alert_interval_s: the least time between two alerts, in seconds (for rule findings:
+            between two messages of one rule about one module).
+        view: draw the health view (custom scalars, heat maps, findings table).
+        view_every: redraw the heat maps and the table every this many logged steps.
+        heatmap_stats: the statistics drawn as heat maps: those of
+            :data:`~lightning_recorder.STAT_NAMES` (rows: monitored modules) and
+            ``"grad_norm"``, ``"update_ratio"``, ``"norm"`` (rows: weight tensors).
+        heatmap_steps: the logged steps a heat map shows (its columns), the latest ones.
 
     Raises:
         RecorderConfigError: an argument is invalid.
@@ -141,7 +183,7 @@ class HealthMonitor(Decisions, Callback):
         self,
         on_nonfinite: Policy = "warn",
         localize: Localize = "replay",
-        rules: Sequence[HealthRule] = (),
+        rules: Sequence[HealthRule] | None = None,
         evidence_dir: str | os.PathLike[str] | None = None,
         alert: Callable[[HealthEvent], Any] | None = None,
         max_consecutive_skips: int = 5,
@@ -150,6 +192,10 @@ class HealthMonitor(Decisions, Callback):
         evidence_max_bytes: int = 256 * _MiB,
         evidence_checkpoint: bool = False,
         alert_interval_s: float = 300.0,
+        view: bool = True,
+        view_every: int = 10,
+        heatmap_stats: Sequence[str] = ("zero_fraction", "std", "grad_norm"),
+        heatmap_steps: int = 100,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -159,12 +205,21 @@ class HealthMonitor(Decisions, Callback):
                 f"Expected `localize` of {owner} to be 'replay', 'always' or False but got "
                 f"{localize!r}."
             )
-        self.rules = _check_rules(rules, owner)
+        self.rules = check_rules(rules, owner)
         check_callable(alert, "alert", "a function of a HealthEvent")
         check_int(max_consecutive_skips, "max_consecutive_skips", owner, minimum=0)
         check_int(evidence_max_bytes, "evidence_max_bytes", owner, minimum=0)
         check_bool(evidence_checkpoint, "evidence_checkpoint", owner)
         check_number(alert_interval_s, "alert_interval_s", owner, positive=True)
+        check_bool(view, "view", owner)
+        check_int(view_every, "view_every", owner)
+        check_int(heatmap_steps, "heatmap_steps", owner)
+        known = (*STAT_NAMES, *PARAMETER_STATS)
+        if isinstance(heatmap_stats, str) or not all(s in known for s in heatmap_stats):
+            raise RecorderConfigError(
+                f"Expected `heatmap_stats` of {owner} to be a list of names among "
+                f"{', '.join(map(repr, known))} but got {heatmap_stats!r}."
+            )
         if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude):
             raise RecorderConfigError(
                 f"Expected `exclude` of {owner} to be a list of glob patterns such as "
@@ -197,8 +252,28 @@ class HealthMonitor(Decisions, Callback):
         self._names: dict[int, str] = {}
         self._replays = False
         self._streak = 0
-        self._stepped = False
         self._checkpointed = False
+        self._view = HealthView(heatmap_stats, view_every, heatmap_steps) if view else None
+        self._init_diagnosis()
+
+    @staticmethod
+    def default_rules() -> list[HealthRule]:
+        """A fresh instance of every rule that ships, with its defaults (what ``rules=None``
+        checks): start from it to drop, replace or add rules.
+
+        Examples:
+            >>> for rule in HealthMonitor.default_rules():
+            ...     print(rule)
+            DeadUnitsRule(window=5, min_fraction=0.7)
+            SaturationRule(window=5, min_fraction=0.5)
+            VanishingGradientsRule(ratio=0.001, first_norm=0.0001)
+            ExplodingGradientsRule(ratio=70)
+            UpdateRatioRule(high=0.1, low=1e-06)
+            LossSpikeRule(window=10, rtol=2.0, atol=1.0)
+            >>> rules = [r for r in HealthMonitor.default_rules() if r.name != "update_ratio"]
+            >>> monitor = HealthMonitor(rules=[*rules, UpdateRatioRule(low=None)])
+        """
+        return _default_rules()
 
     @property
     def state_key(self) -> str:
@@ -213,6 +288,7 @@ class HealthMonitor(Decisions, Callback):
         if root is None:  # every rank asks: log_dir is broadcast from rank 0
             root = Path(trainer.log_dir or trainer.default_root_dir) / "health"
         self._evidence.root = Path(root)
+        self._attach_rules(trainer)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -232,16 +308,19 @@ class HealthMonitor(Decisions, Callback):
         if self.localize == "always":
             self._trace = Trace(pl_module, self.exclude, owner="HealthMonitor(always)")
             self._trace.install()
+        self._start_rules(trainer, pl_module)
 
     def _detach(self) -> None:
         if self._trace is not None:
             self._trace.remove()
             self._trace = None
         self._window, self._timelines = [], []
+        self._detach_rules()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resolve(trainer, wait=True)
+        self._end_rules(trainer)
         self._detach()
 
     @override
@@ -288,7 +367,7 @@ class HealthMonitor(Decisions, Callback):
         if self._trace is not None:
             timelines = [*timelines, self._trace.finish()]
         window, step, log_step = self._window, trainer.global_step, step_axis(trainer)
-        self._window, self._timelines, self._stepped = [], [], True
+        self._window, self._timelines = [], []
         self._sentinel.reset()
         if self._trace is not None:  # manual optimization may go on in this batch
             self._trace.begin()
@@ -311,22 +390,7 @@ class HealthMonitor(Decisions, Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self._stepped or not self.rules:
-            self._stepped = False
-            return
-        self._stepped = False
-        step = trainer.global_step - 1  # the optimizer step this batch completed
-        for rule in self.rules:
-            for event in rule.check(trainer, pl_module, step):
-                if not isinstance(event, HealthEvent):
-                    raise RecorderStateError(
-                        f"Expected rule {rule.name!r} to return HealthEvent objects but it "
-                        f"returned {type(event).__name__} {event!r}."
-                    )
-                if not event.message:
-                    finish_event(event, event.action, event.evidence)
-                self.counters["rule_events"] += 1
-                self._emit(trainer, event, step_axis(trainer) - 1, loud=True)
+        self._rules_after_batch(trainer, outputs)
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -337,26 +401,3 @@ class HealthMonitor(Decisions, Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.counters.update(state_dict.get("counters", {}))
         self._streak = int(state_dict.get("streak", 0))
-
-
-def _check_rules(rules: object, owner: str) -> tuple[HealthRule, ...]:
-    if isinstance(rules, HealthRule):
-        rules = (rules,)
-    if not isinstance(rules, Sequence) or isinstance(rules, str):
-        raise RecorderConfigError(
-            f"Expected `rules` of {owner} to be a sequence of HealthRule objects but got {rules!r}."
-        )
-    names: set[str] = set()
-    for rule in rules:
-        if not isinstance(rule, HealthRule):
-            raise RecorderConfigError(
-                f"Expected every item of `rules` of {owner} to be a HealthRule (a subclass "
-                f"with a `name` and a `check` method) but got {type(rule).__name__} {rule!r}."
-            )
-        if rule.name in names or rule.name in ("nonfinite", "amp_skipped"):
-            raise RecorderConfigError(
-                f"Expected the rules of {owner} to have unique names other than 'nonfinite' "
-                f"and 'amp_skipped' but {rule.name!r} is taken."
-            )
-        names.add(rule.name)
-    return tuple(rules)

@@ -1,72 +1,23 @@
 """A W&B offline run: the monitor's scalars and histograms reach W&B, read back from its file.
 
-W&B (0.31) writes an offline run as a ``.wandb`` file: a 7-byte header, then LevelDB-style log
-blocks of 32 KiB whose records are ``wandb_internal_pb2.Record`` protobufs. The test reads the
-history records back with that format (the package never reads them) and compares them with the
-same run's TensorBoard events: the same scalars, and histograms from the very same buckets.
+The test reads the history records back (:mod:`helpers.wandb_records`) and compares them with
+the same run's TensorBoard events: the same scalars, and histograms from the very same buckets.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 import time
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 from helpers.models import QUIET, ProbeNet, events, features, loader, scalars
+from helpers.wandb_records import history as read_history
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_recorder import FeatureStatsMonitor
 
 wandb = pytest.importorskip("wandb")
-
-BLOCK = 32 * 1024
-HEADER = 7  # b":W&B", a 2-byte magic, a 1-byte version
-
-
-def _records(path: Path) -> list[bytes]:
-    """The payloads of a ``.wandb`` log file (FULL, or FIRST/MIDDLE/LAST fragments joined)."""
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", data[:8]
-    out: list[bytes] = []
-    pos, parts = HEADER, b""
-    while pos + 7 <= len(data):
-        left = BLOCK - pos % BLOCK
-        if left < 7:  # a block's tail too short for a record header is padding
-            pos += left
-            continue
-        length, kind = struct.unpack_from("<HB", data, pos + 4)
-        payload = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == 1:
-            out.append(payload)
-        elif kind in (2, 3):
-            parts += payload
-        elif kind == 4:
-            out.append(parts + payload)
-            parts = b""
-    return out
-
-
-def _history(run_dir: Path) -> list[dict[str, Any]]:
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    rows = []
-    for payload in _records(path):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
-        if record.WhichOneof("record_type") == "history":
-            rows.append(
-                {
-                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                    for item in record.history.item
-                }
-            )
-    return rows
 
 
 def test_wandb_offline_run_gets_scalars_and_real_histograms(
@@ -89,12 +40,12 @@ def test_wandb_offline_run_gets_scalars_and_real_histograms(
     # W&B's service process writes the offline run file; on a loaded machine its last records
     # may land after `finish` returns, so wait for them (up to a minute)
     deadline = time.monotonic() + 60
-    history = _history(tmp_path)
+    history = read_history(tmp_path)
     while len([r for r in history if "stats/train/probe/mean" in r]) < 2:
         if time.monotonic() > deadline:
             break
         time.sleep(0.5)
-        history = _history(tmp_path)
+        history = read_history(tmp_path)
     tb_scalars = scalars(tmp_path / "tb" / "version_0")
     tb_hists = events(tmp_path / "tb" / "version_0").Histograms("stats/train/probe/histogram")
     logged = [row for row in history if "stats/train/probe/mean" in row]

@@ -1,5 +1,6 @@
 """Two DDP processes where only one rank's batch is bad: with ``"skip"`` both ranks skip the step,
-the event names the rank and module, and the parameters stay identical and finite."""
+the event names the rank and module, and the parameters stay identical and finite; the rules
+run on rank zero only."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_both_ranks_skip_the_step_of_one_bad_batch(ddp_run: dict[str, Any]) -> None:
-    events = [r["events"] for r in ddp_run["ranks"]]
+    events = [[e for e in r["events"] if e["kind"] == "nonfinite"] for r in ddp_run["ranks"]]
     assert events[0] == events[1]  # the same decision and the same event on both ranks
     [event] = events[0]
     assert (event["step"], event["batch_idx"], event["rank"]) == (1, 1, 1)
@@ -61,5 +62,14 @@ def test_both_ranks_skip_the_step_of_one_bad_batch(ddp_run: dict[str, Any]) -> N
 def test_each_rank_wrote_its_evidence(ddp_run: dict[str, Any]) -> None:
     health = ddp_run["out"] / "health"
     assert sorted(p.name for p in health.iterdir()) == ["step00000001-rank0", "step00000001-rank1"]
-    event = ddp_run["ranks"][0]["events"][0]
+    event = next(e for e in ddp_run["ranks"][0]["events"] if e["kind"] == "nonfinite")
     assert event["evidence"] == str(health / "step00000001-rank1")
+
+
+@pytest.mark.slow
+def test_rules_run_on_rank_zero_only(ddp_run: dict[str, Any]) -> None:
+    zero, one = ddp_run["ranks"]
+    assert zero["checks"] == [0, 1, 2] and one["checks"] == []
+    rule_events = [[e for e in r["events"] if e["kind"] == "checks"] for r in (zero, one)]
+    assert [(e["module"], e["step"], e["rank"]) for e in rule_events[0]] == [("body.1", 0, 0)]
+    assert rule_events[1] == []

@@ -26,7 +26,7 @@ from lightning_recorder import (
     RecorderConfigError,
     RecorderError,
 )
-from lightning_recorder.callbacks.health import HealthRule
+from lightning_recorder.callbacks.health import HealthRule, RuleInput
 
 
 def fit(
@@ -357,16 +357,17 @@ def test_steps_the_grad_scaler_skips_are_not_alarms() -> None:
 
 class EveryOther(HealthRule):
     name = "every_other"
+    needs_statistics = False
 
-    def check(self, trainer: pl.Trainer, pl_module: Any, step: int) -> list[HealthEvent]:
-        if step % 2:
+    def check(self, seen: RuleInput) -> list[HealthEvent]:
+        if seen.step % 2:
             return []
-        return [HealthEvent(self.name, step, None, module="body.0")]
+        return [HealthEvent(self.name, seen.step, None, module="body.0")]
 
 
 def test_rules_report_their_events() -> None:
     monitor = HealthMonitor(rules=[EveryOther()])
-    fit(Net("mlp"), [monitor], steps=3)
+    fit(Net("mlp"), [monitor], steps=3, log_every_n_steps=1)
     assert [(e.kind, e.step) for e in monitor.events] == [("every_other", 0), ("every_other", 2)]
     assert monitor.events[0].message.startswith("Rule 'every_other' fired on `body.0` at step 0")
 

@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: A doctest line: its prompt and its code.
 _PROMPT = re.compile(r"^\s*(>>>|\.\.\.)(?: (.*))?$")
+#: A doctest directive at the end of a line (``# doctest: +ELLIPSIS``), which mkdocstrings
+#: leaves out of the rendered code (its ``trim_doctest_flags`` option, on by default).
+_DIRECTIVE = re.compile(r"\s*#\s*doctest:.*$")
 
 
 def build_site(config: Path, site_dir: Path, cwd: Path | None = None) -> None:
@@ -125,8 +128,8 @@ def example_lines(docstring: str) -> list[tuple[str, str]]:
     found = []
     for raw in docstring.splitlines():
         match = _PROMPT.match(raw)
-        if match and (match[2] or "").strip():
-            code = " ".join(match[2].split())
+        if match and _DIRECTIVE.sub("", match[2] or "").strip():
+            code = " ".join(_DIRECTIVE.sub("", match[2]).split())
             found.append((f"{match[1]} {code}", code))
     return found
 

@@ -1,4 +1,5 @@
 """Two DDP processes (CPU, gloo) with ``HealthMonitor("skip")``; only rank 1's batch is bad.
+A rule that records its checks shows where the rules run.
 
 Usage: ``python health_ddp_script.py OUT_DIR``. Lightning's DDP launcher starts the second
 process. Rank ``r`` takes samples ``r, r + 2, …`` in order (its own ``DistributedSampler``), so
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from helpers.health_models import Net, data
 from helpers.models import QUIET
-from lightning_recorder import HealthMonitor
+from lightning_recorder import HealthEvent, HealthMonitor, HealthRule, RuleInput
 
 BATCH = 4
 
@@ -38,6 +39,20 @@ class DdpNet(Net):
         return DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 
 
+class Checks(HealthRule):
+    """Keeps the steps it was checked at; finds something on ``body.1`` at step 0."""
+
+    name = "checks"
+    needs_statistics = False
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def check(self, seen: RuleInput) -> list[HealthEvent]:
+        self.steps.append(seen.step)
+        return [self.event(seen, "body.1", "checked")] if seen.step == 0 else []
+
+
 class Params(pl.Callback):
     def __init__(self) -> None:
         self.after: list[dict[str, torch.Tensor]] = []
@@ -49,7 +64,8 @@ class Params(pl.Callback):
 def main(out_dir: Path) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    monitor = HealthMonitor("skip", evidence_dir=out_dir / "health")
+    checks = Checks()  # the rules run on global rank zero only
+    monitor = HealthMonitor("skip", rules=[checks], evidence_dir=out_dir / "health")
     params = Params()
     trainer = pl.Trainer(
         **QUIET,
@@ -57,12 +73,17 @@ def main(out_dir: Path) -> None:
         devices=2,
         logger=False,
         max_steps=3,
+        log_every_n_steps=1,
         use_distributed_sampler=False,
         callbacks=[monitor, params],
     )
     pl.seed_everything(0, verbose=False)
     trainer.fit(DdpNet())
-    result = {"events": [e.to_dict() for e in monitor.events], "params": params.after}
+    result = {
+        "events": [e.to_dict() for e in monitor.events],
+        "params": params.after,
+        "checks": checks.steps,
+    }
     torch.save(result, out_dir / f"rank{trainer.global_rank}.pt")
 
 

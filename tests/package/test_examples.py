@@ -22,6 +22,7 @@ QUICK = {
     "activation_dataset.py": ["--epochs", "1"],
     "distill_digits.py": ["--steps", "20"],
     "graph_example.py": [],
+    "health_view.py": ["--max-epochs", "1"],
     "record_standalone.py": [],
     "tensorboard_stats.py": ["--max-epochs", "1", "--every-n-steps", "20"],
 }
@@ -126,6 +127,45 @@ def test_tensorboard_stats(tmp_path: Path) -> None:
         assert value("features.4", "zero_fraction") <= value("features.3", "zero_fraction")
     hists = events(log_dir).Tags()["histograms"]
     assert {f"stats/train/{m}/histogram" for m in MODULES} <= set(hists)
+
+
+def test_health_view(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    out = run_example(
+        "health_view.py", "--out", "logs", "--max-epochs", "1", cwd=cwd, tmp=tmp_path / "tmp"
+    )
+    assert f"TensorBoard logs: {Path('logs') / 'version_0'}" in out
+    assert sorted(p.name for p in cwd.iterdir()) == ["logs"]
+    assert list((tmp_path / "tmp").iterdir()) == []
+    # The two sick branches are named, from the fifth logged step on (45 steps, every 5).
+    found = {tuple(line.split()[:4]) for line in out.splitlines() if line.startswith("step ")}
+    assert ("step", "24", "dead_units", "dead.1") in found
+    assert ("step", "24", "saturation", "saturated.1") in found
+    assert not any(module.startswith(("healthy", "trunk")) for *_, module in found)
+
+    acc = EventAccumulator(
+        str(cwd / "logs" / "version_0"), size_guidance={"images": 0, "tensors": 0}
+    )
+    acc.Reload()
+    tags = acc.Tags()
+    heatmaps = {f"health/heatmap/{s}" for s in ("zero_fraction", "std", "grad_norm")}
+    assert heatmaps <= set(tags["images"])
+    # Drawn at the first logged step, when a rule fired (update_ratio at 14: the dead layer's
+    # weight stands still for 3 logged steps; dead_units and saturation at 24), every 5 logged
+    # steps (24) and at the end (44).
+    for tag in heatmaps:
+        assert [e.step for e in acc.Images(tag)] == [4, 14, 24, 44]
+    table = acc.Tensors("health/findings/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "| dead_units | `dead.1` | 24 |" in table
+    assert "| saturation | `saturated.1` | 24 |" in table
+    config = layout_pb2.Layout()
+    config.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {c.title for category in config.category for c in category.chart}
+    assert {"zero_fraction of every layer (train)", "grad_norm of every parameter"} <= charts
 
 
 def test_record_standalone() -> None:

@@ -1,0 +1,288 @@
+"""Health at a glance: what :class:`~lightning_recorder.HealthMonitor` draws for the loggers.
+
+On global rank zero, from the training reports of the Trainer's
+:class:`~lightning_recorder.FeatureStatsMonitor`:
+
+* **one chart per statistic, every layer on it** — TensorBoard's custom-scalars layout
+  (``SummaryWriter.add_custom_scalars``), written once when training starts: a Multiline chart
+  per statistic whose regular expression matches the tag of every layer
+  (``stats/train/.+/zero_fraction``), grouped as ``layers: train``, ``parameters: train``,
+  ``layers: val`` and ``health`` (the monitor's counters);
+* **the heat maps** — per chosen statistic an image, rows the layers in model order, columns
+  the last logged steps, the findings in force written beside their layer
+  (:mod:`._health_heatmap`), tag ``health/heatmap/<stat>``;
+* **the findings table** — the rule findings in force, as a markdown table (tag
+  ``health/findings``).
+
+The images and the table are written at the first logged step, every ``every`` logged steps,
+when a rule fires, and when training ends. TensorBoard gets all three (``add_image``,
+``add_text``); Weights & Biases the images (``log_image``) and the table (``log_table``);
+other loggers nothing (they show neither images nor text).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ._health_event import HealthEvent
+from ._health_heatmap import PALETTE, png, render_indexed
+from ._health_rules import percent
+from ._lightning import logger_prefix
+from ._stats_report import StatsReport
+from ._tensorboard import summary_class
+
+__all__ = ["PARAMETER_STATS", "HealthView", "layout", "table"]
+
+PARAMETER_STATS = ("grad_norm", "update_ratio", "norm")
+_COLUMNS = ["rule", "module", "since step", "finding"]
+
+
+def _prefixed(logger: Any, tag: str) -> str:
+    prefix = logger_prefix(logger)
+    return f"{prefix}{getattr(logger, 'LOGGER_JOIN_CHAR', '-')}{tag}" if prefix else tag
+
+
+def layout(
+    prefix: str, stats: Sequence[str], stages: Sequence[str], parameters: bool, lead: str = ""
+) -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout: ``{category: {chart title: ["Multiline", [regex]]}}``.
+
+    ``lead`` is the logger's own prefix with its join character, before every tag.
+    """
+    head = re.escape(lead)
+    found: dict[str, dict[str, list[Any]]] = {}
+    for stage in stages:
+        if stage not in ("train", "val", "test"):
+            continue
+        suffix = r"(/dataloader_idx_\d+)?" if stage != "train" else ""
+        where = rf"^{head}{re.escape(prefix)}/{stage}/.+/"
+        found[f"layers: {stage}"] = {
+            f"{stat} of every layer ({stage})": ["Multiline", [f"{where}{stat}{suffix}$"]]
+            for stat in stats
+        }
+        if stage == "train" and parameters:
+            found["parameters: train"] = {
+                f"{stat} of every parameter": ["Multiline", [f"{where}{stat}$"]]
+                for stat in PARAMETER_STATS
+            }
+    found["health"] = {
+        "rule findings and non-finite steps": [
+            "Multiline",
+            [rf"^{head}health/(rule_events|nonfinite_steps|skipped_steps|amp_skipped_steps)$"],
+        ]
+    }
+    return found
+
+
+def _short(event: HealthEvent) -> str:
+    """A finding in a few words, for the heat map."""
+    details = event.details
+    if "count" in details and "units" in details:
+        count, units = details["count"], details["units"]
+        return f"{event.kind}: {count} of {units} units ({percent(count, units)})"
+    if "ratio" in details:
+        return f"{event.kind}: ratio {details['ratio']:.3g}"
+    return event.kind
+
+
+def table(findings: Sequence[HealthEvent], step: int, rules: Sequence[str]) -> str:
+    """The findings in force as a markdown table (a sentence when there are none)."""
+    if not findings:
+        return f"No rule finding in force at step {step} (rules: {', '.join(rules) or 'none'})."
+    lines = [
+        f"**{len(findings)} finding(s) in force at step {step}**",
+        "",
+        "| " + " | ".join(_COLUMNS) + " |",
+        "|" + "---|" * len(_COLUMNS),
+    ]
+    for event in findings:
+        cells = [event.kind, f"`{event.module}`" if event.module else "-", str(event.step)]
+        cells.append(event.message.replace("|", "\\|").replace("\n", " "))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+class HealthView:
+    """Collects the logged steps of the chosen statistics and draws them (rank zero)."""
+
+    def __init__(self, stats: Sequence[str], every: int, steps: int) -> None:
+        self.stats, self.every, self.steps = tuple(stats), every, steps
+        self.start()
+
+    def start(self) -> None:
+        self._steps: deque[int] = deque(maxlen=self.steps)
+        self._columns: deque[dict[str, tuple[tuple[str, ...], np.ndarray]]] = deque(
+            maxlen=self.steps
+        )
+        self._seen = 0
+        self._warned = False
+
+    # ------------------------------------------------------------------ writing
+    def _each(self, trainer: pl.Trainer, what: str, write: Any) -> None:
+        """``write(logger)`` for each logger, a failure reported once, never raised."""
+        for logger in trainer.loggers:
+            try:
+                write(logger)
+            except Exception as err:  # a logger's failure must not stop training
+                if not self._warned:
+                    self._warned = True
+                    rank_zero_warn(
+                        f"HealthMonitor could not write the {what} to {type(logger).__name__}: "
+                        f"{type(err).__name__}: {err}"
+                    )
+
+    def write_layout(
+        self,
+        trainer: pl.Trainer,
+        prefix: str,
+        stats: Sequence[str],
+        stages: Sequence[str],
+        parameters: bool,
+    ) -> None:
+        """Write the custom-scalars layout to the TensorBoard loggers (rank zero)."""
+        if not trainer.is_global_zero:
+            return
+
+        def write(logger: Any) -> None:
+            if not isinstance(logger, TensorBoardLogger):
+                return
+            add = getattr(logger.experiment, "add_custom_scalars", None)
+            if add is not None:
+                lead = _prefixed(logger, "")
+                add(layout(prefix, stats, stages, parameters, lead))
+
+        self._each(trainer, "custom-scalars layout", write)
+
+    def add(self, report: StatsReport, weights: set[str]) -> None:
+        """Keep the chosen statistics of a training report as one column."""
+        column: dict[str, tuple[tuple[str, ...], np.ndarray]] = {}
+        last = self._columns[-1] if self._columns else {}
+        for stat in self.stats:
+            if stat in PARAMETER_STATS:
+                rows = tuple(n for n, f in report.parameters.items() if n in weights and stat in f)
+                values = np.array([report.parameters[n][stat] for n in rows], dtype=np.float64)
+            elif stat in report.stats:
+                rows = report.modules
+                values = np.array(report.stats[stat], dtype=np.float64)
+            else:
+                continue
+            before = last.get(stat)
+            if before is not None and before[0] == rows:
+                rows = before[0]  # the same rows as before: one object, found by identity
+            column[stat] = rows, values
+        self._steps.append(report.step)
+        self._columns.append(column)
+        self._seen += 1
+
+    def due(self, fired: bool) -> bool:
+        """Whether to draw now: the first logged step, every ``every``, or a rule fired."""
+        return bool(self._columns) and (fired or self._seen == 1 or self._seen % self.every == 0)
+
+    def _matrix(self, stat: str) -> tuple[dict[str, int], np.ndarray]:
+        """The rows (name: index) and values (rows x kept steps) of ``stat``."""
+        kept = [column.get(stat) for column in self._columns]
+        first = next((c for c in kept if c is not None), None)
+        if first is not None and all(c is not None and c[0] is first[0] for c in kept):
+            # the usual case: the same rows at every step
+            rows = {name: i for i, name in enumerate(first[0])}
+            return rows, np.stack([c[1] for c in kept if c is not None], axis=1)
+        rows = {}
+        for c in kept:
+            for name in c[0] if c is not None else ():
+                rows.setdefault(name, len(rows))
+        values = np.full((len(rows), len(kept)), np.nan)
+        for j, c in enumerate(kept):
+            if c is not None:
+                values[[rows[n] for n in c[0]], j] = c[1]
+        return rows, values
+
+    def images(self, findings: Sequence[HealthEvent]) -> dict[str, np.ndarray]:
+        """The heat map of each chosen statistic, ``{tag: (H, W, 3) uint8}``."""
+        return {tag: PALETTE[image] for tag, image in self.indexed(findings).items()}
+
+    def indexed(self, findings: Sequence[HealthEvent]) -> dict[str, np.ndarray]:
+        """The heat maps as ``{tag: (H, W) uint8}`` indices into
+        :data:`._health_heatmap.PALETTE`."""
+        images = {}
+        loose = [e for e in findings if e.module is None]
+        footer = "; ".join(f"{e.kind} (step {e.step})" for e in loose)
+        for stat in self.stats:
+            rows, values = self._matrix(stat)
+            if not rows:
+                continue
+            notes: dict[int, list[str]] = {}
+            for event in findings:
+                if event.module is None:
+                    continue
+                for name, i in rows.items():
+                    if _belongs(name, event):
+                        notes.setdefault(i, []).append(_short(event))
+            text = {i: "; ".join(parts) for i, parts in notes.items()}
+            images[f"health/heatmap/{stat}"] = render_indexed(
+                values, stat, list(rows), list(self._steps), text, footer
+            )
+        return images
+
+    def write(
+        self, trainer: pl.Trainer, findings: Sequence[HealthEvent], step: int, rules: Sequence[str]
+    ) -> None:
+        """Draw the heat maps and the findings table for the loggers (rank zero)."""
+        if not trainer.is_global_zero or not self._columns:
+            return
+        wanted = [lg for lg in trainer.loggers if isinstance(lg, (TensorBoardLogger, WandbLogger))]
+        if not wanted:
+            return
+        indexed = self.indexed(findings)
+        text = table(findings, step, rules)
+
+        def write(logger: Any) -> None:
+            if isinstance(logger, TensorBoardLogger):
+                writer = logger.experiment
+                _add_images(writer, {_prefixed(logger, t): i for t, i in indexed.items()}, step)
+                writer.add_text(_prefixed(logger, "health/findings"), text, step)
+            elif isinstance(logger, WandbLogger):
+                for tag, image in indexed.items():
+                    logger.log_image(key=tag, images=[PALETTE[image]], step=step)
+                rows = [[e.kind, e.module or "", e.step, e.message] for e in findings]
+                logger.log_table(key="health/findings", columns=_COLUMNS, data=rows, step=step)
+
+        self._each(trainer, "health view", write)
+
+
+def _add_images(writer: Any, images: dict[str, np.ndarray], step: int) -> None:
+    """Write heat maps (palette indices) to a ``SummaryWriter``: as one event of palette PNGs
+    through its public ``file_writer`` (TensorBoard's ``Summary`` message, as
+    :func:`._tensorboard.write_tensorboard` does), or through ``add_image`` for writers of
+    other makes (which encode an RGB copy themselves, several times slower)."""
+    summary_type = summary_class(writer)
+    file_writer = None if summary_type is None else getattr(writer, "file_writer", None)
+    if file_writer is None:
+        for tag, image in images.items():
+            writer.add_image(tag, PALETTE[image], step, dataformats="HWC")
+        return
+    values = []
+    for tag, image in images.items():
+        encoded = summary_type.Image(
+            height=image.shape[0],
+            width=image.shape[1],
+            colorspace=3,
+            encoded_image_string=png(image),
+        )
+        values.append(summary_type.Value(tag=tag, image=encoded))
+    file_writer.add_summary(summary_type(value=values), step)
+
+
+def _belongs(row: str, event: HealthEvent) -> bool:
+    """Whether a heat-map row (a series, or a parameter) is the finding's layer."""
+    module = event.module or ""
+    if event.path and row == (f"{module}.{event.path}" if module else event.path):
+        return True
+    return row == module or row.startswith(module + "/")

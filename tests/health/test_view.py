@@ -1,0 +1,244 @@
+"""The health view, read back from what the loggers wrote: TensorBoard's custom-scalars layout,
+the layer-by-step heat maps and the findings table; W&B's image and table; nothing with
+``view=False``.
+
+The run: an MLP whose second hidden layer starts with biases of -10, so its ReLU (``body.3``)
+is dead from the start and :class:`DeadUnitsRule` fires at step 4 (its window: five logged
+steps); every step is logged; the view is redrawn every 3 logged steps over the last 4.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from helpers.models import QUIET
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_recorder import DeadUnitsRule, FeatureStatsMonitor, HealthMonitor
+
+LAYERS = ["body.0", "body.1", "body.2", "body.3", "body.4"]  # model order
+WEIGHTS = ["body.0.weight", "body.2.weight", "body.4.weight"]
+PARAMETERS = ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
+PARAMETERS += ["body.4.weight", "body.4.bias"]
+DRAWN = [0, 2, 4, 5]  # the first logged step, every 3rd, the step the rule fired (4)
+COLUMNS = [1, 3, 4, 4]  # the logged steps shown at each drawing, at most heatmap_steps=4
+TOP, CELL_H, CELL_W = 34, 14, 12  # the heat map's title band and cell size (12 up to 50 steps)
+PURPLE, YELLOW = (68, 1, 84), (253, 231, 37)  # the colour map's ends
+
+
+class DeadNet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+        )
+        nn.init.constant_(self.body[2].bias, -10.0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.body(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def run(loggers: list[Logger], view: bool = True, steps: int = 6) -> tuple[Any, HealthMonitor]:
+    # the ReLUs are monitored first: the monitor's own order (by source) is not the model's
+    stats = FeatureStatsMonitor([nn.ReLU, nn.Linear], every_n_steps=1, histograms=False)
+    monitor = HealthMonitor(
+        rules=[DeadUnitsRule()], view=view, view_every=3, heatmap_steps=4, evidence_max_bytes=0
+    )
+    trainer = pl.Trainer(
+        **QUIET, max_steps=steps, logger=loggers, callbacks=[stats, monitor], log_every_n_steps=1
+    )
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16 * steps, 16, generator=g)
+    trainer.fit(DeadNet(), DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=16))
+    assert [(e.kind, e.module, e.step) for e in monitor.events] == [("dead_units", "body.3", 4)]
+    return stats, monitor
+
+
+def accumulator(path: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(path), size_guidance={"tensors": 0, "images": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def pixels(encoded: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(encoded)).convert("RGB")).astype(int)
+
+
+def colourful(rgb: np.ndarray) -> np.ndarray:
+    """The colour map's pixels (text is grey or red, the page white)."""
+    return (rgb.max(-1) - rgb.min(-1) > 40) & ~((rgb[..., 0] > 150) & (rgb[..., 1] < 60))
+
+
+def grid(image: np.ndarray) -> tuple[int, int, int, int]:
+    """``(x0, width, rows, cols)`` of the heat map's cells (first row: a layer with no note)."""
+    xs = np.flatnonzero(colourful(image[TOP + CELL_H // 2]))
+    x0 = int(xs[0])
+    width = int(np.argmin(colourful(image[TOP + CELL_H // 2, x0:])))
+    column = colourful(image[TOP - 4 :, x0 + CELL_W // 2])
+    assert not column[:4].any()  # white between the colour bar and the cells
+    height = int(np.argmin(column[4:]))
+    assert height % CELL_H == 0 and width % CELL_W == 0, (height, width)
+    return x0, width, height // CELL_H, width // CELL_W
+
+
+def cell(image: np.ndarray, x0: int, row: int, col: int) -> np.ndarray:
+    return image[TOP + row * CELL_H + CELL_H // 2, x0 + col * CELL_W + CELL_W // 2]
+
+
+def red_beside(image: np.ndarray, x0: int, width: int, row: int) -> bool:
+    band = image[TOP + row * CELL_H : TOP + (row + 1) * CELL_H, x0 + width + 2 :]
+    return bool(((band[..., 0] > 150) & (band[..., 1] < 60) & (band[..., 2] < 60)).any())
+
+
+@pytest.mark.parametrize("prefix", ["", "fit"])
+def test_tensorboard_gets_the_layout_the_heat_maps_and_the_findings(
+    prefix: str, tmp_path: Path
+) -> None:
+    logger = TensorBoardLogger(tmp_path, name="run", version=0, prefix=prefix)
+    stats, monitor = run([logger])
+    lead = f"{prefix}-" if prefix else ""
+    acc = accumulator(tmp_path / "run" / "version_0")
+    scalars = acc.Tags()["scalars"]
+
+    # one chart per statistic, whose regular expression matches the tag of every layer
+    [config] = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(config.tensor_proto.string_val[0])
+    charts = {
+        c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category
+    }
+    assert list(charts) == ["layers: train", "parameters: train", "layers: val", "health"]
+    assert list(charts["layers: train"]) == [f"{s} of every layer (train)" for s in stats.stats]
+
+    def matched(chart: list[str]) -> set[str]:
+        return {tag for tag in scalars if any(re.search(regex, tag) for regex in chart)}
+
+    for stat in stats.stats:
+        chart = charts["layers: train"][f"{stat} of every layer (train)"]
+        assert matched(chart) == {f"{lead}stats/train/{m}/{stat}" for m in LAYERS}, stat
+    for stat in ("grad_norm", "update_ratio", "norm"):
+        chart = charts["parameters: train"][f"{stat} of every parameter"]
+        assert matched(chart) == {f"{lead}stats/train/{p}/{stat}" for p in PARAMETERS}, stat
+    [health] = charts["health"].values()
+    assert f"{lead}health/rule_events" in matched(health)
+
+    # the heat maps: rows the layers in model order, columns the logged steps shown
+    for stat, rows in (("zero_fraction", LAYERS), ("std", LAYERS), ("grad_norm", WEIGHTS)):
+        images = acc.Images(f"{lead}health/heatmap/{stat}")
+        assert [i.step for i in images] == DRAWN, stat
+        for event, columns in zip(images, COLUMNS, strict=True):
+            image = pixels(event.encoded_image_string)
+            assert image.shape[:2] == (event.height, event.width)
+            assert event.height == TOP + CELL_H * len(rows) + 16
+            x0, width, n_rows, n_cols = grid(image)
+            assert (n_rows, n_cols) == (len(rows), columns), (stat, event.step)
+            if stat == "zero_fraction":  # the Linear outputs: never 0; the dead ReLU: always
+                for col in range(columns):
+                    for row in (0, 2, 4):
+                        assert np.abs(cell(image, x0, row, col) - PURPLE).max() <= 3
+                    assert np.abs(cell(image, x0, 3, col) - YELLOW).max() <= 3
+                    assert np.abs(cell(image, x0, 1, col) - YELLOW).max() > 20  # alive
+                # the finding is written beside its layer once it fired, and only there
+                fired = event.step >= 4
+                assert red_beside(image, x0, width, 3) is fired
+                assert not any(red_beside(image, x0, width, r) for r in (0, 1, 2, 4))
+
+    # the findings table: none, then the rule and the module
+    texts = acc.Tensors(f"{lead}health/findings/text_summary")
+    assert [t.step for t in texts] == DRAWN
+    tables = [t.tensor_proto.string_val[0].decode() for t in texts]
+    assert tables[0] == "No rule finding in force at step 0 (rules: dead_units)."
+    assert tables[2].startswith("**1 finding(s) in force at step 4**")
+    assert "| rule | module | since step | finding |" in tables[3]
+    assert f"| dead_units | `body.3` | 4 | {monitor.events[0].message} |" in tables[3]
+
+
+def test_the_last_drawing_comes_at_the_end_of_training(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    run([logger], steps=8)  # drawn at 0, 2, 4 and 5 (as above), and at the end: 7
+    acc = accumulator(tmp_path / "run" / "version_0")
+    assert [i.step for i in acc.Images("health/heatmap/std")] == [*DRAWN, 7]
+    assert [t.step for t in acc.Tensors("health/findings/text_summary")] == [*DRAWN, 7]
+
+
+def test_view_false_draws_nothing_and_the_rules_still_report(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    run([logger], view=False)
+    acc = accumulator(tmp_path / "run" / "version_0")
+    assert acc.Tags()["images"] == []
+    assert "custom_scalars__config__" not in acc.Tags()["tensors"]
+    assert "health/findings/text_summary" not in acc.Tags()["tensors"]
+    assert [t.step for t in acc.Tensors("health/events/text_summary")] == [4]
+
+
+def test_wandb_gets_the_heat_maps_and_the_findings_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wandb = pytest.importorskip("wandb")
+    from helpers.wandb_records import history
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="lr-test")
+    try:
+        run([logger])
+    finally:
+        wandb.finish()
+    # W&B's service process may write the last records after `finish` returns: wait for them
+    deadline = time.monotonic() + 60
+    rows = history(tmp_path)
+    while len([r for r in rows if "health/findings/_type" in r]) < len(DRAWN):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+        rows = history(tmp_path)
+    for stat, n_rows in (("zero_fraction", 5), ("std", 5), ("grad_norm", 3)):
+        key = f"health/heatmap/{stat}"
+        images = [r for r in rows if f"{key}/_type" in r]
+        assert len(images) == len(DRAWN), stat
+        assert all(r[f"{key}/_type"] == "images/separated" for r in images)
+        assert all(r[f"{key}/height"] == TOP + CELL_H * n_rows + 16 for r in images)
+    tables = [r for r in rows if "health/findings/_type" in r]
+    assert len(tables) == len(DRAWN)
+    assert all(r["health/findings/_type"] == "table-file" for r in tables)
+    assert [r["health/findings/nrows"] for r in tables] == [0, 0, 1, 1]
+    (files,) = tmp_path.glob("wandb/offline-run-*/files")
+    last = json.loads((files / tables[-1]["health/findings/path"]).read_text())
+    assert last["columns"] == ["rule", "module", "since step", "finding"]
+    [[rule, module, since, message]] = last["data"]
+    assert (rule, module, since) == ("dead_units", "body.3", 4)
+    assert message.startswith("`body.3` (ReLU) has 32 of 32 units dead (100 %)")
+
+
+def test_a_narrow_map_is_wide_enough_for_its_whole_title() -> None:
+    from lightning_recorder.callbacks._health_heatmap import _font, _glyphs, render_indexed
+
+    if _font() is None:
+        pytest.fail("the heat maps' font is missing: Pillow's default font should be there")
+    for stat in ("zero_fraction", "grad_norm", "mean"):
+        image = render_indexed(np.ones((1, 1)), stat, ["a"], [0])
+        kind = {"zero_fraction": "0 to 1", "grad_norm": "log scale", "mean": "linear scale"}[stat]
+        text = f"{stat}: rows are layers in model order, columns logged steps ({kind})"
+        assert image.shape[1] >= 4 + _glyphs(text, 10_000).shape[1], stat
