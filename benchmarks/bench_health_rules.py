@@ -7,7 +7,8 @@ the monitor's logging step, and nothing measurable to the other steps.
 128; the monitor on its ``Conv2d``, ``Linear`` and ``ReLU`` modules: 7 series, 4 weight tensors)
 and the 64-layer MLP of ``bench_logging.py``, He-initialised (4.1 M parameters, batches of 128 of
 random data; the monitor on its ``Linear`` and ``ReLU`` modules: 127 series, 64 weight tensors,
-heat maps 127 and 64 rows high), trained with SGD and momentum, a TensorBoard logger, logging
+heat maps 127 and 64 rows high), trained with Adam (lr 1e-3: healthy runs, no rule fires; the
+rule events of each run are printed), a TensorBoard logger, logging
 every ``EVERY`` = 5 steps (the monitor and the Trainer), so that a run has many logged steps and
 the heat maps fill up to their 100 columns.
 
@@ -91,6 +92,7 @@ _callbacks.EVERY = EVERY  # the house timer flushes the logger after each logged
 VIEW_EVERY = 10
 CONFIGS = ("monitor", "monitor + check", "monitor + health")
 LIMITS = {"logging": 1.05, "non-logging": 1.01}
+FINDINGS: list[int] = []  # the rule events of each run of "monitor + health"
 
 
 class Net(pl.LightningModule):
@@ -103,7 +105,7 @@ class Net(pl.LightningModule):
         return F.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
 def _cnn() -> nn.Module:
@@ -181,6 +183,7 @@ def _side_by_side(
     make, data, sources = MODELS[model]
     baton = _callbacks._Baton(len(names), seed=seed)
     timers, fits, drawn = {}, [], set()
+    health: HealthMonitor | None = None
     for k, name in enumerate(names):
         pl.seed_everything(0, verbose=False)
         timers[name] = timer = _callbacks._StepTimer(baton, k)
@@ -191,6 +194,8 @@ def _side_by_side(
         net, loader = make(), data(steps, 128)
         fits.append(lambda t=trainer, n=net, d=loader: t.fit(n, d))
     _callbacks.run_in_turns(fits, baton)
+    if health is not None:  # the rules' findings: a healthy run has none
+        FINDINGS.append(sum(e.kind not in ("nonfinite", "amp_skipped") for e in health.events))
     return timers, drawn
 
 
@@ -225,6 +230,7 @@ def measure(model: str, repeats: int, start: int, stop: int) -> dict[str, Any]:
     ratios: dict[str, list[float]] = {r[0]: [] for r in RATIOS}
     ms: dict[str, dict[str, list[float]]] = {c: {} for c in CONFIGS}
     redraws = []
+    FINDINGS.clear()
     with tempfile.TemporaryDirectory() as root:
         _side_by_side(model, CONFIGS, 3 * EVERY * VIEW_EVERY // 2, root, seed=99)  # warm up
         for r in range(repeats):
@@ -243,6 +249,7 @@ def measure(model: str, repeats: int, start: int, stop: int) -> dict[str, Any]:
     return {
         "window": [start, stop],
         "redraws_in_window": statistics.median(redraws),
+        "rule_events_per_run": list(FINDINGS),
         "ms": {c: {k: statistics.median(v) for k, v in by.items()} for c, by in ms.items()},
         "ratio": {k: statistics.median(v) for k, v in ratios.items()},
         "range": {k: (min(v), max(v)) for k, v in ratios.items()},
@@ -346,6 +353,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"thread, {malloc}.\n"
     )
     print(table(result))
+    for model, found in result["models"].items():
+        print(
+            f"rule events per run of 'monitor + health' ({model}): {found['rule_events_per_run']}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

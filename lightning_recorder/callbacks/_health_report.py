@@ -149,7 +149,9 @@ def _text(logger: Any, events: Sequence[HealthEvent], step: int) -> None:
         text = "\n\n".join(event.message for event in events)
         logger.experiment.add_text("health/events", text, global_step=step)
     elif isinstance(logger, WandbLogger):
-        rows = [[e.step, e.kind, e.module or "", e.direction or "", e.message] for e in events]
+        rows: list[list[Any]] = [
+            [e.step, e.kind, e.module or "", e.direction or "", e.message] for e in events
+        ]
         logger.log_text(
             key="health/events",
             columns=["step", "kind", "module", "direction", "message"],
