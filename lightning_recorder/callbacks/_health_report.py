@@ -119,7 +119,8 @@ class Reporter:
         for logger in trainer.loggers:
             try:
                 logger.log_metrics(metrics, step=log_step)
-                _text(logger, loud, log_step)
+                if loud:
+                    _text(logger, loud, log_step)
             except Exception as err:  # a logger's failure must not stop training
                 rank_zero_warn(f"HealthMonitor could not write to {type(logger).__name__}: {err}")
         if self.alert is None:

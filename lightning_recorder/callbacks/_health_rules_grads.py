@@ -60,6 +60,19 @@ def _ratio(seen: RuleInput) -> tuple[str, float, str, float] | None:
     return first, top, last, bottom
 
 
+def _ratio_event(
+    rule: HealthRule, seen: RuleInput, found: tuple[str, float, str, float], ratio: float,
+    message: str,
+) -> HealthEvent:  # fmt: skip
+    """The finding of a first/last gradient-norm rule, on the first layer's weight."""
+    first, top, last, bottom = found
+    module, leaf = split_parameter(first)
+    return rule.event(
+        seen, module, message, direction="backward", path=leaf, first=first, last=last,
+        first_norm=top, last_norm=bottom, ratio=ratio,
+    )  # fmt: skip
+
+
 class VanishingGradientsRule(_Patient):
     """Vanishing gradients: the first layer gets almost none of the gradient the last one gets.
 
@@ -113,27 +126,13 @@ class VanishingGradientsRule(_Patient):
         ratio = top / bottom if bottom > 0 else float("inf")
         if not self._count("", ratio < self.ratio and top < self.first_norm):
             return []
-        module, leaf = split_parameter(first)
         message = (
             f"Gradients vanish: the first layer's gradient norm ({first}) is {top:.3g}, "
             f"{ratio:.2g} times the last layer's ({last}, {bottom:.3g}), below {self.ratio:g} "
             f"with the first under {self.first_norm:g}. Use ReLU-family activations, He or "
             "Xavier initialisation, normalisation layers or residual connections."
         )
-        return [
-            self.event(
-                seen,
-                module,
-                message,
-                direction="backward",
-                path=leaf,
-                first=first,
-                last=last,
-                first_norm=top,
-                last_norm=bottom,
-                ratio=ratio,
-            )
-        ]
+        return [_ratio_event(self, seen, found, ratio, message)]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ratio={self.ratio:g}, first_norm={self.first_norm:g})"
@@ -185,27 +184,13 @@ class ExplodingGradientsRule(_Patient):
         ratio = top / bottom if bottom > 0 else float("inf") if top > 0 else 0.0
         if not self._count("", ratio > self.ratio):
             return []
-        module, leaf = split_parameter(first)
         message = (
             f"Gradients explode: the first layer's gradient norm ({first}) is {top:.3g}, "
             f"{ratio:.3g} times the last layer's ({last}, {bottom:.3g}), above {self.ratio:g}. "
             "Clip gradients (Trainer(gradient_clip_val=1.0)), lower the learning rate, use He or "
             "Xavier initialisation, or add normalisation layers."
         )
-        return [
-            self.event(
-                seen,
-                module,
-                message,
-                direction="backward",
-                path=leaf,
-                first=first,
-                last=last,
-                first_norm=top,
-                last_norm=bottom,
-                ratio=ratio,
-            )
-        ]
+        return [_ratio_event(self, seen, found, ratio, message)]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ratio={self.ratio:g})"
