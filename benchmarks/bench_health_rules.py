@@ -37,8 +37,8 @@ Per repeat, over the timed window (steps 100 to 599: 100 logged steps, 10 of the
   check).
 
 The table gives the median of the per-repeat ratios and their range. A last row times one redraw
-alone with the heat maps full (100 logged steps): ``HealthView.images`` and the writes of the
-three images and the table to TensorBoard, median of 20.
+alone with the heat maps full (100 logged steps): ``HealthView.write``, the heat maps drawn and
+the three images and the table written to TensorBoard, median of 20.
 
 Run ``python benchmarks/bench_health_rules.py`` (``make bench-health-rules``; ``--quick`` for a
 smoke run, ``--json PATH`` to save the figures).

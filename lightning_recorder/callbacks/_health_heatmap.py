@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["PALETTE", "Scale", "colorize", "png", "render", "render_indexed", "scale_of"]
+__all__ = ["PALETTE", "Scale", "png", "render_indexed", "scale_of"]
 
 Scale = Literal["unit", "log", "linear"]
 
@@ -120,12 +120,6 @@ def _indices(unit: np.ndarray) -> np.ndarray:
     return out
 
 
-def colorize(values: np.ndarray, scale: Scale) -> tuple[np.ndarray, float, float]:
-    """``(rows, cols, 3)`` uint8 colours of ``values`` (grey where NaN), and the scale's ends."""
-    unit, low, high = _normalised(np.asarray(values, dtype=np.float64), scale)
-    return PALETTE[_indices(unit)], low, high
-
-
 @cache
 def _font() -> Any:
     """Pillow's default font, or ``None`` without Pillow."""
@@ -200,7 +194,24 @@ def render_indexed(
     notes: Mapping[int, str] | None = None,
     footer: str = "",
 ) -> np.ndarray:
-    """The heat map as ``(H, W)`` uint8 indices into :data:`PALETTE` (see :func:`render`)."""
+    """The heat map of ``values`` (``(len(rows), len(steps))``) as ``(H, W)`` uint8 indices into
+    :data:`PALETTE` (``PALETTE[image]`` is the ``(H, W, 3)`` image).
+
+    Args:
+        values: the statistic of each row (layer) at each column (logged step); NaN: no value.
+        stat: the statistic's name (its scale, and the title).
+        rows: the row labels (layers, in model order).
+        steps: the step of each column.
+        notes: text to write beside some rows (the findings in force), by row index.
+        footer: text to write under the map, after the steps (findings of no layer).
+
+    Examples:
+        >>> import numpy as np
+        >>> image = PALETTE[render_indexed(np.array([[0.1, 0.9], [np.nan, 0.5]]),
+        ...                                "zero_fraction", ["a", "b"], [9, 19])]
+        >>> image.dtype, image.shape[2]
+        (dtype('uint8'), 3)
+    """
     unit, low, high = _normalised(np.asarray(values, dtype=np.float64), scale_of(stat))
     cells = _indices(unit)
     n_rows, n_cols = cells.shape[:2]
@@ -242,34 +253,6 @@ def render_indexed(
     if footer:
         _write(canvas, label_w, top + grid_h + 16, footer, _ALARM_BASE, width - label_w - 4)
     return canvas
-
-
-def render(
-    values: np.ndarray,
-    stat: str,
-    rows: Sequence[str],
-    steps: Sequence[int],
-    notes: Mapping[int, str] | None = None,
-    footer: str = "",
-) -> np.ndarray:
-    """The heat map of ``values`` (``(len(rows), len(steps))``) as an ``(H, W, 3)`` uint8 image.
-
-    Args:
-        values: the statistic of each row (layer) at each column (logged step); NaN: no value.
-        stat: the statistic's name (its scale, and the title).
-        rows: the row labels (layers, in model order).
-        steps: the step of each column.
-        notes: text to write beside some rows (the findings in force), by row index.
-        footer: text to write under the map, after the steps (findings of no layer).
-
-    Examples:
-        >>> import numpy as np
-        >>> image = render(np.array([[0.1, 0.9], [np.nan, 0.5]]), "zero_fraction", ["a", "b"],
-        ...                [9, 19])
-        >>> image.dtype, image.shape[2]
-        (dtype('uint8'), 3)
-    """
-    return PALETTE[render_indexed(values, stat, rows, steps, notes, footer)]
 
 
 def png(indexed: np.ndarray) -> bytes:

@@ -204,10 +204,6 @@ class HealthView:
                 values[[rows[n] for n in c[0]], j] = c[1]
         return rows, values
 
-    def images(self, findings: Sequence[HealthEvent]) -> dict[str, np.ndarray]:
-        """The heat map of each chosen statistic, ``{tag: (H, W, 3) uint8}``."""
-        return {tag: PALETTE[image] for tag, image in self.indexed(findings).items()}
-
     def indexed(self, findings: Sequence[HealthEvent]) -> dict[str, np.ndarray]:
         """The heat maps as ``{tag: (H, W) uint8}`` indices into
         :data:`._health_heatmap.PALETTE`."""
