@@ -64,8 +64,13 @@ def bucket_index(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     """
     dtype = values.dtype
     start, end = lo.to(dtype).unsqueeze(1), hi.to(dtype).unsqueeze(1)
-    scale = (bins / (hi - lo)).to(dtype).unsqueeze(1)
-    position = torch.nan_to_num((values - start) * scale, nan=0.0).clamp(0, bins - 1)
+    # bins / (hi - lo) in two factors that each fit the values' precision: a range of subnormal
+    # width has a scale beyond float32's largest value (one factor, ``near``, for every
+    # ordinary range: the other is then exactly 1)
+    scale = bins / (hi - lo)
+    near = scale.clamp(max=2.0**64)
+    start_scale, then = near.to(dtype).unsqueeze(1), (scale / near).to(dtype).unsqueeze(1)
+    position = torch.nan_to_num((values - start) * start_scale * then, nan=0.0).clamp(0, bins - 1)
     inside = (values >= start) & (values <= end)  # NaN and values outside: False
     return torch.where(inside, position.to(torch.int32), bins)
 

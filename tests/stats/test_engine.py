@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.models import assert_counts_up_to_edges
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lightning_recorder.stats import _engine as engine
@@ -184,6 +184,7 @@ def test_merge_is_chans_formula_along_any_dimension() -> None:
     st.integers(1, 40),
     st.booleans(),
 )
+@example([0.0, 1.1754943508222875e-38], 4, False)  # a subnormal width: the scale exceeds float32
 def test_row_counts_are_torch_histogram_counts(values: list[float], bins: int, f64: bool) -> None:
     x = torch.tensor(values, dtype=F64 if f64 else torch.float32)
     lo, hi = ranges(engine.tensor_state(x)[None])
