@@ -5,10 +5,10 @@ order within every repeat; medians over the repeats; the spread is the interquar
 the per-repeat ratios):
 
 1. **Kernels** — on float32 tensors of 2**20 and 2**22 elements (Gaussian, and after a ReLU),
-   the time of the monitor's statistics (one packed state: the engine eager, and compiled by
-   ``torch.compile``), of the statistics with the sampled histogram (the monitor's
-   ``Collector``: the state, a strided sample, its bucket counts) in units of ``x.sum()``, one
-   read of the data; and a copy.
+   the time of the monitor's statistics (one packed state: the engine eager, compiled by
+   ``torch.compile``, and by the CPU kernel, the default), of the statistics with the sampled
+   histogram (the monitor's ``Collector``: the state, a strided sample, its bucket counts) in
+   units of ``x.sum()``, one read of the data; and a copy.
 2. **Parameter statistics** — the parameters of the ResNet-18-like model (11.2 M): a clone
    before the step and a fresh difference after it, against persistent buffers filled by
    ``_foreach_copy_`` and an in-place ``_foreach_sub_`` (the monitor), in units of one
@@ -53,7 +53,13 @@ from lightning_recorder import FeatureStatsMonitor
 from lightning_recorder import TensorBoardLogger as RecorderTensorBoardLogger
 from lightning_recorder._core.compat import foreach_copy_, foreach_norm, foreach_sub, foreach_sub_
 from lightning_recorder.stats._collect import Collector
-from lightning_recorder.stats._engine import compile_status, eager_only, tensor_state, warm_up
+from lightning_recorder.stats._engine import (
+    compile_status,
+    compiled_only,
+    eager_only,
+    tensor_state,
+    warm_up,
+)
 from lightning_recorder.stats._histogram import edges, ranges
 
 # --------------------------------------------------------------------------- timing
@@ -110,27 +116,35 @@ def kernel_row(x: Tensor, kind: str, repeats: int) -> str:
         with eager_only():
             return tensor_state(x)
 
+    def compiled() -> Any:
+        with compiled_only():
+            return tensor_state(x)
+
     variants = {
         "floor": lambda: x.sum(),
         "eager": eager,
-        "compiled": lambda: tensor_state(x),
+        "compiled": compiled,
+        "kernel": lambda: tensor_state(x),  # the default on the CPU: the CPU kernel
         "histogram": with_histogram,
         "copy": lambda: x.clone(),
     }
     t = interleaved(variants, repeats, inner=3)
     floor_us = statistics.median(t["floor"]) * 1e6
-    cells = [fmt(ratio(t, k, "floor")) for k in ("eager", "compiled", "histogram", "copy")]
+    names = ("eager", "compiled", "kernel", "histogram", "copy")
+    cells = [fmt(ratio(t, k, "floor")) for k in names]
     size = x.numel().bit_length() - 1
     return f"| 2**{size} {kind} (one read: {floor_us:.0f} µs) | " + " | ".join(cells) + " |"
 
 
 def kernels(repeats: int, sizes: Sequence[int]) -> list[str]:
     warm_up("cpu", [torch.float32], wait=True)
+    warm_up("cpu", [torch.float32], wait=True, native=False)  # the compiled graphs too
     lines = [
         f"(engine: {compile_status()})",
         "",
-        "| tensor | statistics, eager | statistics, compiled | + sampled histogram | copy |",
-        "|---|---|---|---|---|",
+        "| tensor | statistics, eager | statistics, compiled | statistics, CPU kernel "
+        "(default) | + sampled histogram | copy |",
+        "|---|---|---|---|---|---|",
     ]
     for n in sizes:
         for kind in ("gaussian", "relu"):

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from .._core.checks import check_bool, check_positive_int, suggestion
-from .._core.compat import is_compiled
+from .._core.compat import distributed_active, is_compiled
 from .._core.names import named_modules, named_parameters, select
 from ..errors import RecorderConfigError, UnknownSourceError
 from ..recorders import RecordStream
@@ -588,20 +588,26 @@ class FeatureStatsMonitor(RecorderCallback):
         if not self._write_histograms:
             return None
         device = states.device
-        merged = cast(StreamStates, self._batch_states)  # this batch's states over every rank
-        merged.reset()
-        merged.update(states)
-        every = merged.compute()
+        # this batch's states over every rank (the metric's declared reduction; with one
+        # process, the states themselves)
+        every = states
+        if distributed_active():
+            merged = cast(StreamStates, self._batch_states)
+            merged.reset()
+            merged.update(states)
+            every = merged.compute()
         lo, hi = ranges(every)
         limits = edges(lo, hi, self.bins)
         if self.exact_histograms:
             found = self._exact_counts(kept, lo, hi, device)
         else:
             found = cast(Collector, self._collector).counts(lo, hi, self.bins, states)
-        summed = cast(BucketCounts, self._bucket_counts)
-        summed.reset()
-        summed.update(found)
-        return torch.cat([summaries(every), limits, summed.compute()], 1)
+        if distributed_active():  # summed over every rank
+            summed = cast(BucketCounts, self._bucket_counts)
+            summed.reset()
+            summed.update(found)
+            found = summed.compute()
+        return torch.cat([summaries(every), limits, found.to(F64)], 1)
 
     def _exact_counts(
         self, kept: list[list[Tensor]], lo: Tensor, hi: Tensor, device: torch.device
@@ -698,7 +704,9 @@ class FeatureStatsMonitor(RecorderCallback):
             parts.append(table)
         if extremes is not None:
             parts.append(extremes)
-        parts.extend(norms)
+        if norms:  # 0-d tensors, of one dtype unless some parameters are float64: one stack
+            same = len({t.dtype for t in norms}) == 1
+            parts.append(torch.stack(norms if same else [t.to(F64) for t in norms]))
         values = torch.cat([t.reshape(-1).to(F64) for t in parts]).tolist()  # one host copy
         m, k = len(self._streams), len(chosen)
         stats: dict[str, list[float]] = {

@@ -4,11 +4,12 @@ A monitor calls :meth:`Collector.add` from its forward hooks with each output of
 while the output is intact (before any later in-place op), and reads the batch's results at the
 batch's end:
 
-* **Large tensors** (more than :data:`SMALL` elements) get their packed state at once, one pass
-  of the engine (:func:`~._engine.tensor_state`).
-* **Small tensors** are copied and reduced at the batch's end, all those of one size and dtype
-  in one call of the engine (the rows of a 2-d tensor): per-call costs paid per size, not per
-  tensor.
+* **Large tensors** (more than :data:`SMALL` elements), and every tensor the CPU kernel reads
+  (:func:`~._engine.native_ready`: a call costs a few µs), get their packed state at once, one
+  pass of the engine (:func:`~._engine.tensor_state`).
+* **Small tensors** are otherwise copied and reduced at the batch's end, all those of one size
+  and dtype in one call of the engine (the rows of a 2-d tensor): the cost of a compiled call
+  paid per size, not per tensor.
 * **Histogram samples.** Each tensor leaves at most ``sample`` evenly strided values (all of
   them when it has no more) in one row of a reused staging buffer, padded with NaN, with the
   number of elements each value stands for: one strided copy per tensor. The stride is the
@@ -31,7 +32,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ._engine import flat_view, row_counts, rows_states, tensor_state
+from ._cpu_kernel import rows_state as cpu_rows_state
+from ._engine import flat_view, native_ready, row_counts, rows_states, tensor_state
 from ._histogram import stream_counts
 from ._state import COUNT, F64, MAX, MIN, NUMEL, ZEROS, empty_states, merge
 
@@ -78,6 +80,8 @@ class _Stage:
     def __init__(self, dtype: torch.dtype, sample: int) -> None:
         self.dtype, self.sample = dtype, sample
         self.buffer: Tensor | None = None
+        self.rows: Sequence[Tensor] = ()
+        self._made: tuple[Any, tuple[Tensor, Tensor]] | None = None
         self.weights: list[float] = []
         self.streams: list[int] = []
         self.free: list[int] = []
@@ -97,9 +101,20 @@ class _Stage:
             if buffer is not None and buffer.device == device and used:
                 grown[:used].copy_(buffer[:used])
             self.buffer = grown
+            self.rows = grown.unbind(0)  # a view of each row, made once
         self.weights.append(0.0)
         self.streams.append(-1)
         return used
+
+    def index_and_weights(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The stream (a free row: 0, it weighs 0) and weight of each used row, on ``device``
+        (kept while they stay the same: a training loop stages the same rows every batch)."""
+        key = (tuple(self.streams), tuple(self.weights), device)
+        if self._made is None or self._made[0] != key:
+            owners = [max(owner, 0) for owner in self.streams]
+            made = (to_device(owners, torch.int64, device), to_device(self.weights, F64, device))
+            self._made = (key, made)
+        return self._made[1]
 
     def release(self, row: int) -> None:
         """Make ``row`` free again."""
@@ -150,7 +165,8 @@ class Collector:
 
     Memory stays bounded however many times a stream is called in a batch: copies of small
     tensors are reduced once they exceed :data:`_SMALL_HELD` elements, state rows merged once
-    there are :data:`_STATE_ROWS`, and a stream keeps at most :data:`_MAX_ROWS` sample rows.
+    there are :data:`_STATE_ROWS` (or four per stream), and a stream keeps at most
+    :data:`_MAX_ROWS` sample rows.
 
     Args:
         streams: the number of streams (``add`` takes their index).
@@ -210,7 +226,10 @@ class Collector:
             return
         if stream in self.channels and x.dim():
             self._add_extremes(stream, x)
-        if n <= SMALL:
+        flat = flat_view(x)
+        if flat is not None and native_ready(x):  # the common case on the CPU: a few µs
+            self._add_rows(cpu_rows_state(flat.view(1, n)), [stream])
+        elif n <= SMALL:
             inference = torch.is_inference_mode_enabled()
             key = (n, x.dtype, x.device, inference)
             group = self._groups.get(key)
@@ -224,7 +243,7 @@ class Collector:
         else:
             self._add_rows(tensor_state(x).unsqueeze(0), [stream])
         if sample:
-            self._sample(stream, x, n)
+            self._sample(stream, x, n, flat=flat)
 
     def _add_extremes(self, stream: int, x: Tensor) -> None:
         """Keep the per-channel minimum, maximum and minimum of ``|x|`` of ``x`` (``(3, C)``,
@@ -253,9 +272,9 @@ class Collector:
         return dict(self._extremes)
 
     def _add_rows(self, rows: Tensor, owners: list[int]) -> None:
-        self._rows.append(rows.to(self.device))
+        self._rows.append(rows if rows.device == self.device else rows.to(self.device))
         self._owners.extend(owners)
-        if len(self._owners) > _STATE_ROWS:  # merged stream by stream: m rows
+        if len(self._owners) > max(_STATE_ROWS, 4 * self.m):  # merged stream by stream: m rows
             merged = self._merged()
             self._rows, self._owners = [merged], list(range(self.m))
 
@@ -280,7 +299,15 @@ class Collector:
         if sample:
             self._sample(stream, torch.zeros(1, device=self.device), 1, weight=float(zeros))
 
-    def _sample(self, stream: int, x: Tensor, n: int, weight: float | None = None) -> None:
+    def _sample(
+        self,
+        stream: int,
+        x: Tensor,
+        n: int,
+        weight: float | None = None,
+        flat: Tensor | None = None,
+    ) -> None:
+        """Stage a sample of ``x`` (``n`` elements; ``flat``: its :func:`flat_view`, if known)."""
         dtype = torch.float32 if x.dtype in _STAGED_32 else F64
         stage = self._stages.get(dtype)
         if stage is None:
@@ -291,8 +318,8 @@ class Collector:
         stride = sample_stride(n, self.sample)
         length = -(-n // stride)
         index = stage.take(self.device)
-        row = cast(Tensor, stage.buffer)[index, :length]
-        flat = flat_view(x)
+        row = stage.rows[index][:length]
+        flat = flat if flat is not None else flat_view(x)
         if flat is not None:
             row.copy_(flat[::stride])
         else:  # not one block of memory: the sampled elements, in logical order
@@ -346,9 +373,7 @@ class Collector:
             used = len(stage.streams)
             if stage.buffer is None or not any(owner >= 0 for owner in stage.streams):
                 continue
-            owners = [max(owner, 0) for owner in stage.streams]  # free rows weigh 0
-            index = to_device(owners, torch.int64, self.device)
-            weights = to_device(stage.weights, F64, self.device)
+            index, weights = stage.index_and_weights(self.device)
             counted = row_counts(stage.buffer[:used, : stage.width], lo[index], hi[index], bins)
             found = found + stream_counts(counted, weights, index, states, scale=False)
         total = found.sum(1, keepdim=True)

@@ -18,6 +18,12 @@ a :class:`UserWarning` saying why and what it costs, and everything stays eager.
 **Eager.** The same functions, op by op, on pieces of at most :data:`CHUNK` elements (states
 are merged): the transient memory stays a few chunks, whatever the size of the tensor.
 
+**The CPU kernel.** On the CPU, ``float32`` and ``float64`` tensors take the custom op of
+:mod:`._cpu_kernel` (the same state in one read, a few µs per call where a compiled graph costs
+about a hundred) once :func:`warm_up` has built it in the same background thread; until then,
+and where it cannot be built (one warning), the compiled or eager function.
+``LIGHTNING_RECORDER_NATIVE=0`` turns it off.
+
 **Two variants of the state.** *Masked* states count NaN and infinities apart and leave them
 out of the other statistics; *unmasked* states assume finite data and skip the masking
 (cheaper where arithmetic, not memory, bounds the pass: the CPU). On the CPU a tensor takes the
@@ -39,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _cpu_kernel
 from ._histogram import bucket_index, tally
 from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state
 
@@ -46,8 +53,10 @@ __all__ = [
     "CHUNK",
     "compile_enabled",
     "compile_status",
+    "compiled_only",
     "eager_only",
     "flat_view",
+    "native_ready",
     "reset_compiled",
     "row_counts",
     "rows_states",
@@ -108,6 +117,9 @@ class _Compiler:
         self._pending: set[Key] = set()
         self._failed: str | None = None
         self._threads: list[threading.Thread] = []
+        self.native = False  # the CPU kernel is loaded
+        self._native_failed: str | None = None
+        self._native_pending = False
 
     def function(self, key: Key) -> Any:
         fn = self._fns.get(key)
@@ -119,24 +131,33 @@ class _Compiler:
         return key is not None and key in self._ready and not getattr(_LOCAL, "eager", False)
 
     def status(self) -> str:
+        native = "; CPU kernel loaded" if self.native else ""
+        if self._native_failed is not None:
+            native = f"; CPU kernel not built: {self._native_failed}"
         if not compile_enabled():
-            return f"off ({_ENV}=0)"
+            return f"off ({_ENV}=0){native}"
         if self._failed is not None:
-            return f"failed: {self._failed}"
+            return f"failed: {self._failed}{native}"
         if not self._ready and not self._pending:
-            return "not compiled yet"
+            return f"not compiled yet{native}"
         done = ", ".join(sorted(_describe(k) for k in self._ready)) or "none"
-        return f"compiled for {done}" + (" (more compiling)" if self._pending else "")
+        return f"compiled for {done}" + (" (more compiling)" if self._pending else "") + native
 
-    def warm(self, keys: Iterable[Key], wait: bool) -> None:
-        if not compile_enabled() or self._failed is not None:
-            return
+    def warm(self, keys: Iterable[Key], wait: bool, native: bool = False) -> None:
+        """Compile the graphs of ``keys`` in a background thread (``native``: first build the
+        CPU kernel, and skip the graphs it replaces)."""
+        compiling = compile_enabled() and self._failed is None
         with self._lock:
+            if native and self.native:  # built already: the graphs it replaces are not needed
+                keys = [k for k in keys if not _replaced_by_native(k)]
+            native = native and self._wants_native()
             todo = [k for k in dict.fromkeys(keys) if k not in self._ready | self._pending]
+            todo = todo if compiling else []
             self._pending.update(todo)
-        if todo:
+            self._native_pending = self._native_pending or native
+        if todo or native:
             thread = threading.Thread(
-                target=self._compile, args=(todo,), name="lightning_recorder-compile"
+                target=self._compile, args=(todo, native), name="lightning_recorder-compile"
             )
             self._threads.append(thread)
             thread.start()
@@ -144,7 +165,46 @@ class _Compiler:
             for thread in list(self._threads):
                 thread.join()
 
-    def _compile(self, keys: Sequence[Key]) -> None:
+    def _wants_native(self) -> bool:
+        return (
+            _cpu_kernel.enabled()
+            and not self.native
+            and self._native_failed is None
+            and not self._native_pending
+        )
+
+    def _build_native(self) -> bool:
+        """Build and load the CPU kernel; on failure, one warning and ``False``."""
+        try:
+            _cpu_kernel.build()
+        except Exception as err:  # no compiler, no ninja, a failed build: say so once
+            with self._lock:
+                self._native_pending = False
+            if threading.main_thread().is_alive():
+                self._native_failed = (
+                    f"{type(err).__name__}: " + (str(err).strip().splitlines() or [""])[0][:300]
+                )
+                warnings.warn(
+                    "lightning_recorder could not build its CPU statistics kernel "
+                    f"({self._native_failed}); statistics on the CPU run through torch.compile "
+                    "or eagerly. The values are the same; a logged step costs more (about a "
+                    "hundred microseconds per monitored output). It needs a C++ compiler and "
+                    "ninja on PATH (pip install ninja); set LIGHTNING_RECORDER_NATIVE=0 to "
+                    "skip it and this warning.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return False
+        with self._lock:
+            self.native, self._native_pending = True, False
+        return True
+
+    def _compile(self, keys: Sequence[Key], native: bool = False) -> None:
+        if native and self._build_native():
+            replaced = [k for k in keys if _replaced_by_native(k)]
+            with self._lock:
+                self._pending.difference_update(replaced)
+            keys = [k for k in keys if not _replaced_by_native(k)]
         for key in keys:
             try:
                 with torch.inference_mode(key[4]):
@@ -184,21 +244,55 @@ class _Compiler:
             self._pending.clear()
             self._failed = None
             self._threads = []
+            self._native_failed = None
+            self._native_pending = False
+
+
+def _replaced_by_native(key: Key) -> bool:
+    """Whether the CPU kernel computes what the graph of ``key`` would."""
+    kernel, device, dtype, *_ = key
+    return kernel == "state" and device == "cpu" and dtype in _cpu_kernel.DTYPES
 
 
 _COMPILER = _Compiler()
-_LOCAL = threading.local()  # ``eager``: this thread runs every kernel eagerly (eager_only)
+# ``eager``: this thread runs every kernel eagerly (eager_only); ``no_native``: not the CPU
+# kernel (compiled_only)
+_LOCAL = threading.local()
 
 
 @contextlib.contextmanager
 def eager_only() -> Iterator[None]:
-    """Run every kernel of this thread eagerly, compiled graphs or not (to compare the two)."""
-    before = getattr(_LOCAL, "eager", False)
-    _LOCAL.eager = True
+    """Run every kernel of this thread eagerly, op by op: no compiled graph, no CPU kernel (to
+    compare the paths)."""
+    before = getattr(_LOCAL, "eager", False), getattr(_LOCAL, "no_native", False)
+    _LOCAL.eager = _LOCAL.no_native = True
     try:
         yield
     finally:
-        _LOCAL.eager = before
+        _LOCAL.eager, _LOCAL.no_native = before
+
+
+@contextlib.contextmanager
+def compiled_only() -> Iterator[None]:
+    """Run the kernels of this thread compiled (where their graphs are ready), never by the
+    CPU kernel (to compare the paths)."""
+    before = getattr(_LOCAL, "no_native", False)
+    _LOCAL.no_native = True
+    try:
+        yield
+    finally:
+        _LOCAL.no_native = before
+
+
+def native_ready(x: Tensor) -> bool:
+    """Whether the CPU kernel computes the state of ``x`` (a CPU tensor of a dtype it reads, the
+    kernel loaded, not turned off in this thread)."""
+    return (
+        _COMPILER.native
+        and x.is_cpu
+        and x.dtype in _cpu_kernel.DTYPES
+        and not getattr(_LOCAL, "no_native", False)
+    )
 
 
 def _describe(key: Key) -> str:
@@ -214,11 +308,16 @@ def _masked_by_default(device: torch.device) -> bool:
 
 
 def warm_up(
-    device: torch.device | str, dtypes: Iterable[torch.dtype], *, wait: bool = False
+    device: torch.device | str,
+    dtypes: Iterable[torch.dtype],
+    *,
+    wait: bool = False,
+    native: bool = True,
 ) -> None:
     """Compile the graphs that statistics and histograms of ``dtypes`` on ``device`` use, in a
-    background thread (``wait``: and wait for it). Until then, and if compiling fails (one
-    warning), the same kernels run eagerly. Does nothing when compiling is off."""
+    background thread (``wait``: and wait for it). On the CPU (``native``) the thread first
+    builds the CPU kernel and skips the graphs it replaces (``native=False``: compile them
+    too). Until then, and if compiling fails (one warning), the same kernels run eagerly."""
     device = torch.device(device)
     masked = _masked_by_default(device)
     chosen = [d for d in dtypes if d in COMPILED_DTYPES]
@@ -228,7 +327,7 @@ def warm_up(
         for several in (False, True):
             keys += [("state", device.type, d, several, inference, masked) for d in chosen]
     keys += [("buckets", device.type, d, True, False, False) for d in sorted(staged, key=str)]
-    _COMPILER.warm(keys, wait)
+    _COMPILER.warm(keys, wait, native=native and device.type == "cpu")
 
 
 def compile_status() -> str:
@@ -322,6 +421,8 @@ def rows_states(x: Tensor) -> Tensor:
         x = x.to(F64)
     if x.numel() == 0:
         return empty_states(x.shape[0], device=x.device)
+    if native_ready(x):
+        return _cpu_kernel.rows_state(x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous())
     if _masked_by_default(x.device):
         return _run("state", x, False, masked=True)
     states = _run("state", x, True)
@@ -344,6 +445,8 @@ def tensor_state(x: Tensor) -> Tensor:
     if n == 0:
         return empty_states(device=x.device)
     flat = flat_view(x)
+    if flat is not None and native_ready(x):
+        return _cpu_kernel.rows_state(flat.view(1, n))[0]
     if flat is not None and x.dtype in COMPILED_DTYPES:
         key = _key("state", x, False, _masked_by_default(x.device))
         if n <= CHUNK or _COMPILER.ready(key):

@@ -27,7 +27,7 @@ from lightning_recorder.stats import _engine as engine
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ["eager", pytest.param("compiled", marks=pytest.mark.slow)]
+MODES = ["eager", "native", pytest.param("compiled", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", autouse=True)

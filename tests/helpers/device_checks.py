@@ -53,7 +53,7 @@ def warm_compiled(device: str | torch.device, dtypes: tuple[torch.dtype, ...] = 
     they are ready); fail the test, saying why, if the compiler failed."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, "1")
-        engine.warm_up(device, dtypes, wait=True)
+        engine.warm_up(device, dtypes, wait=True, native=False)
         status = engine.compile_status()
     if status.startswith("failed"):
         pytest.fail(f"torch.compile failed for the statistics on {device}: {status}")
@@ -65,12 +65,20 @@ def warm_compiled(device: str | torch.device, dtypes: tuple[torch.dtype, ...] = 
 @contextlib.contextmanager
 def engine_mode(mode: str, device: str | torch.device) -> Iterator[None]:
     """``"compiled"``: compiling on and every graph of :data:`DTYPES` on ``device`` ready (the
-    first use compiles them, seconds to minutes; later ones find them ready). ``"eager"``: the
-    engine eager on this thread, and no compile started by a monitor's attach."""
+    first use compiles them, seconds to minutes; later ones find them ready), used on this
+    thread instead of the CPU kernel. ``"native"`` (CPU): the CPU kernel built and loaded (the
+    default path of float32 and float64 on the CPU). ``"eager"``: the engine eager on this
+    thread, and no compile started by a monitor's attach."""
     with pytest.MonkeyPatch.context() as mp:
         if mode == "compiled":
             mp.setenv(ENV, "1")
             warm_compiled(device)
+            with engine.compiled_only():
+                yield
+        elif mode == "native":
+            engine.warm_up(device, DTYPES, wait=True)
+            status = engine.compile_status()
+            assert "CPU kernel loaded" in status, f"the CPU kernel was not built: {status}"
             yield
         elif mode == "eager":
             mp.setenv(ENV, "0")

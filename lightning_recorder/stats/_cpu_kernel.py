@@ -1,0 +1,101 @@
+"""The CPU kernel of the packed state: the custom op ``lightning_recorder::rows_state``.
+
+The op computes what :func:`~._state.rows_state` defines (the packed states of the rows of a
+2-d tensor, NaN and infinities counted apart) in one read of the data, for ``float32`` and
+``float64`` rows that are contiguous, on the CPU. It is registered with torch's dispatcher (a
+schema and a fake implementation here, the CPU kernel in ``_cpu_state.cpp``), so it composes
+with ``torch.compile`` and the rest of torch; :func:`~._state.rows_state` stays the definition,
+the path of every other device and dtype, and the reference the tests hold the kernel to.
+
+**Why a native kernel.** On the CPU, the logging step of a model with many small layers is
+bound by the cost of each call, not by the data: a call of a ``torch.compile`` d graph costs
+about 75-170 µs of Python (dynamo's guards, AOTAutograd's and inductor's wrappers), the op's
+call a few µs, so each output is reduced in its hook at once, without a copy (figures in
+``docs/benchmarks_callbacks.md``).
+
+**Build.** :func:`build` compiles the source with torch's extension builder
+(``torch.utils.cpp_extension.load``: a C++ compiler and ``ninja`` on ``PATH``, the same
+compiler inductor uses) into torch's extension cache (``TORCH_EXTENSIONS_DIR``), once per
+source, torch and Python version; the engine calls it in its background compile thread, never
+inside a training step. Until it is loaded, and where it cannot be built (one warning, from the
+engine), the engine runs :func:`~._state.rows_state` compiled or eagerly.
+``LIGHTNING_RECORDER_NATIVE=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ._state import F64, WIDTH
+
+__all__ = ["DTYPES", "build", "enabled", "loaded", "rows_state"]
+
+SOURCE = Path(__file__).with_name("_cpu_state.cpp")
+# The dtypes the kernel reads.
+DTYPES = (torch.float32, torch.float64)
+_ENV = "LIGHTNING_RECORDER_NATIVE"
+
+_LIB = torch.library.Library("lightning_recorder", "DEF")
+_LIB.define("rows_state(Tensor x) -> Tensor")
+
+
+def _fake(x: Tensor) -> Tensor:
+    """The op's fake implementation: the shape and dtype of the result, without data."""
+    torch._check(x.dim() == 2, lambda: f"rows_state takes a 2-d tensor, got {x.dim()}-d")
+    return x.new_empty((x.shape[0], WIDTH), dtype=F64)
+
+
+# torch.library.register_fake since torch 2.4, impl_abstract before
+_register_fake = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
+_register_fake("lightning_recorder::rows_state", _fake, lib=_LIB)
+
+
+_lock = threading.Lock()
+_loaded = False
+
+
+def enabled() -> bool:
+    """Whether the kernel may be used (``LIGHTNING_RECORDER_NATIVE`` is not ``0``/``off``)."""
+    flag = os.environ.get(_ENV, "1").strip().lower()
+    return flag not in ("0", "off", "false", "no")
+
+
+def loaded() -> bool:
+    """Whether the CPU kernel is built and registered in this process."""
+    return _loaded
+
+
+def build() -> None:
+    """Build (or find in torch's extension cache) and load the CPU kernel. Raises what the
+    builder raises (no compiler, no ``ninja``) and ``RuntimeError`` when the kernel is off."""
+    global _loaded
+    if not enabled():
+        raise RuntimeError(f"the CPU kernel is off ({_ENV}=0)")
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils.cpp_extension import load
+
+        tag = f"{torch.__version__}|{sys.version_info[:2]}".encode()
+        digest = hashlib.sha256(SOURCE.read_bytes() + tag).hexdigest()[:16]
+        load(
+            name=f"lightning_recorder_cpu_state_{digest}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3"],
+            is_python_module=False,
+            verbose=False,
+        )
+        _loaded = True
+
+
+def rows_state(x: Tensor) -> Tensor:
+    """The packed states ``(R, WIDTH)`` of the rows of ``x`` ``(R, L)`` (``float32`` or
+    ``float64`` on the CPU, rows contiguous), by the CPU kernel (:func:`build` first)."""
+    return torch.ops.lightning_recorder.rows_state(x)

@@ -1,0 +1,241 @@
+// The packed states of the rows of a 2-d float32 or float64 tensor on the CPU, in one read.
+//
+// The CPU kernel of the custom op `lightning_recorder::rows_state` (schema, fake implementation
+// and build: lightning_recorder/stats/_cpu_kernel.py). It computes what the torch function
+// `rows_state` of lightning_recorder/stats/_state.py defines -- that function is the definition
+// and the reference the tests hold this kernel to -- with the layout of the packed state
+// (COUNT, MEAN, M2, MIN, MAX, ABS_SUM, ZEROS, NAN, POSINF, NEGINF, NUMEL):
+//
+// * the shift of a row is the mean of its finite values among x[0], x[step], x[2 step], ...
+//   with step = max(length / 64, 1);
+// * one pass sums, in float64, the deviations d = x - shift, their squares and |x|, takes the
+//   min and max and counts the zeros, assuming finite values (a NaN or an infinity propagates
+//   into the sums);
+// * a row whose sums are not finite is read again, counting NaN, +inf and -inf apart and
+//   leaving them out of the other statistics.
+//
+// Every value is converted to float64 as it is read; the sums run in 2 x 4 float64 lanes
+// (GCC vector extensions: AVX2 where the CPU has it, chosen at load time by target_clones, SSE2
+// elsewhere), so the result differs from torch's only in the order of the float64 additions.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int64_t kWidth = 11;
+constexpr int64_t kShiftSample = 64;
+constexpr int64_t kBlock = 4096;  // a multiple of 8
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+typedef double v4d __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef int64_t v4i __attribute__((vector_size(32)));
+
+#define LR_INLINE static inline __attribute__((always_inline))
+
+LR_INLINE v4d load(const float* p) {
+  v4f f;
+  std::memcpy(&f, p, sizeof f);
+  return __builtin_convertvector(f, v4d);
+}
+
+LR_INLINE v4d load(const double* p) {
+  v4d d;
+  std::memcpy(&d, p, sizeof d);
+  return d;
+}
+
+// Four lanes of the sums of one row.
+struct Lanes {
+  v4d sum, squares, abs_sum, low, high;
+  v4i zeros;
+};
+
+LR_INLINE void start(Lanes& a) {
+  const v4d zero = {0.0, 0.0, 0.0, 0.0};
+  a.sum = a.squares = a.abs_sum = zero;
+  a.low = v4d{kInf, kInf, kInf, kInf};
+  a.high = -a.low;
+  a.zeros = v4i{0, 0, 0, 0};
+}
+
+LR_INLINE void add(Lanes& a, v4d v, v4d shift) {
+  const v4d zero = {0.0, 0.0, 0.0, 0.0};
+  const v4d d = v - shift;
+  a.sum += d;
+  a.squares += d * d;
+  a.abs_sum += v < zero ? -v : v;
+  a.low = v < a.low ? v : a.low;
+  a.high = v > a.high ? v : a.high;
+  a.zeros -= (v == zero);  // a comparison is -1 where true
+}
+
+// The finite-data sums of a row: [sum d, sum d^2, sum |x|, min, max, zeros]. The sums are
+// taken block by block (lanes within a block, then the blocks' sums added), so that no running
+// sum grows much beyond a block's: the rounding error stays near that of a pairwise sum.
+template <typename T>
+LR_INLINE void finite_sums(const T* x, int64_t n, double shift, double* out) {
+  Lanes a, b;
+  start(a);
+  start(b);
+  const v4d s = {shift, shift, shift, shift};
+  const v4d zero = {0.0, 0.0, 0.0, 0.0};
+  double total = 0.0, squares = 0.0, abs_sum = 0.0;
+  int64_t i = 0;
+  while (i + 8 <= n) {
+    const int64_t end = std::min(n, i + kBlock);
+    for (; i + 8 <= end; i += 8) {
+      add(a, load(x + i), s);
+      add(b, load(x + i + 4), s);
+    }
+    const v4d block_sum = a.sum + b.sum, block_squares = a.squares + b.squares;
+    const v4d block_abs = a.abs_sum + b.abs_sum;
+    for (int j = 0; j < 4; ++j) {
+      total += block_sum[j];
+      squares += block_squares[j];
+      abs_sum += block_abs[j];
+    }
+    a.sum = a.squares = a.abs_sum = b.sum = b.squares = b.abs_sum = zero;
+  }
+  double zeros = 0.0, low = kInf, high = -kInf;
+  for (int j = 0; j < 4; ++j) {
+    zeros += static_cast<double>(a.zeros[j] + b.zeros[j]);
+    low = std::min({low, a.low[j], b.low[j]});
+    high = std::max({high, a.high[j], b.high[j]});
+  }
+  for (; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    const double d = v - shift;
+    total += d;
+    squares += d * d;
+    abs_sum += std::fabs(v);
+    low = v < low ? v : low;
+    high = v > high ? v : high;
+    zeros += v == 0.0;
+  }
+  const double found[6] = {total, squares, abs_sum, low, high, zeros};
+  std::memcpy(out, found, sizeof found);
+}
+
+// The same sums of the finite values of a row, and its counts of finite values, NaN, +inf and
+// -inf (the rare row whose finite-data sums are not finite; block by block, as above).
+template <typename T>
+LR_INLINE void masked_sums(const T* x, int64_t n, double shift, double* out, double* counts) {
+  double total = 0.0, squares = 0.0, abs_sum = 0.0, zeros = 0.0, low = kInf, high = -kInf;
+  double count = 0.0, nan = 0.0, posinf = 0.0, neginf = 0.0;
+  for (int64_t begin = 0; begin < n; begin += kBlock) {
+    const int64_t end = std::min(n, begin + kBlock);
+    double block_total = 0.0, block_squares = 0.0, block_abs = 0.0;
+    for (int64_t i = begin; i < end; ++i) {
+      const double v = static_cast<double>(x[i]);
+      if (std::isnan(v)) {
+        nan += 1.0;
+      } else if (std::isinf(v)) {
+        (v > 0.0 ? posinf : neginf) += 1.0;
+      } else {
+        const double d = v - shift;
+        count += 1.0;
+        block_total += d;
+        block_squares += d * d;
+        block_abs += std::fabs(v);
+        low = std::min(low, v);
+        high = std::max(high, v);
+        zeros += v == 0.0;
+      }
+    }
+    total += block_total;
+    squares += block_squares;
+    abs_sum += block_abs;
+  }
+  const double found[6] = {total, squares, abs_sum, low, high, zeros};
+  std::memcpy(out, found, sizeof found);
+  const double seen[4] = {count, nan, posinf, neginf};
+  std::memcpy(counts, seen, sizeof seen);
+}
+
+template <typename T>
+LR_INLINE void row_state(const T* x, int64_t n, double* out) {
+  const int64_t step = std::max<int64_t>(n / kShiftSample, 1);
+  double seen_sum = 0.0, seen = 0.0;
+  for (int64_t i = 0; i < n; i += step) {
+    const double v = static_cast<double>(x[i]);
+    if (std::isfinite(v)) {
+      seen_sum += v;
+      seen += 1.0;
+    }
+  }
+  const double shift = seen > 0.0 ? seen_sum / seen : 0.0;
+  double sums[6];
+  finite_sums(x, n, shift, sums);
+  double counts[4] = {static_cast<double>(n), 0.0, 0.0, 0.0};  // finite, NaN, +inf, -inf
+  if (!(std::isfinite(sums[0]) && std::isfinite(sums[1]) && std::isfinite(sums[2]))) {
+    masked_sums(x, n, shift, sums, counts);
+  }
+  const double count = counts[0];
+  // as state_from_sums: mean = shift + sum(d) / n, M2 = sum(d^2) - sum(d)^2 / n (at least 0)
+  const double total = sums[0];
+  const double n_seen = std::max(count, 1.0);
+  const bool any = count > 0.0;
+  const double state[kWidth] = {
+      count,
+      any ? shift + total / n_seen : 0.0,
+      any ? std::max(sums[1] - total * (total / n_seen), 0.0) : 0.0,
+      sums[3],
+      sums[4],
+      sums[2],
+      sums[5],
+      counts[1],
+      counts[2],
+      counts[3],
+      static_cast<double>(n)};
+  std::memcpy(out, state, sizeof state);
+}
+
+__attribute__((target_clones("avx2", "default"))) void rows_f32(
+    const float* x, int64_t rows, int64_t n, int64_t stride, double* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    row_state(x + r * stride, n, out + r * kWidth);
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void rows_f64(
+    const double* x, int64_t rows, int64_t n, int64_t stride, double* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    row_state(x + r * stride, n, out + r * kWidth);
+  }
+}
+
+at::Tensor rows_state_cpu(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "lightning_recorder::rows_state takes a 2-d tensor, got ", x.dim(),
+              " dimensions");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1,
+              "lightning_recorder::rows_state takes rows that are contiguous (stride 1), got "
+              "strides ",
+              x.strides());
+  at::Tensor out = at::empty({x.size(0), kWidth}, x.options().dtype(at::kDouble));
+  double* o = out.mutable_data_ptr<double>();
+  if (x.scalar_type() == at::kFloat) {
+    rows_f32(x.const_data_ptr<float>(), x.size(0), x.size(1), x.stride(0), o);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kDouble,
+                "lightning_recorder::rows_state takes float32 or float64, got ",
+                x.scalar_type());
+    rows_f64(x.const_data_ptr<double>(), x.size(0), x.size(1), x.stride(0), o);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lightning_recorder, CPU, m) {
+  m.impl("rows_state", &rows_state_cpu);
+}

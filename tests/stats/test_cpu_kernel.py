@@ -1,0 +1,202 @@
+"""The CPU kernel of the packed state (the custom op ``lightning_recorder::rows_state``).
+
+It is held to what the torch definition (:func:`~lightning_recorder.stats._state.rows_state`)
+computes: against a ``float64`` reference with the documented tolerance (counts, min and max
+exactly, mean/std/abs_mean within ``1e-9`` relative), against the torch function within
+``1e-12`` (the same float64 sums in another order), through torch's own operator checks
+(``torch.library.opcheck``: schema, fake implementation, dispatch) and inside a compiled graph.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine import KINDS, assert_close_states, assert_matches, data
+
+from lightning_recorder.stats import _cpu_kernel
+from lightning_recorder.stats import _engine as engine
+from lightning_recorder.stats._collect import Collector
+from lightning_recorder.stats._state import F64, WIDTH, empty_states, merge, rows_state
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> Iterator[None]:
+    """The kernel built and loaded (torch's extension cache makes later builds a load)."""
+    engine.warm_up("cpu", [torch.float32], wait=True)
+    status = engine.compile_status()
+    assert _cpu_kernel.loaded(), f"the CPU kernel was not built: {status}"
+    yield
+
+
+def op(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.lightning_recorder.rows_state(x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 4095, 4096, 4097, 5000, 70_001])
+def test_kernel_matches_float64_and_the_definition(kind: str, dtype: torch.dtype, n: int) -> None:
+    x = data(kind, dtype, n)
+    state = op(x.view(1, -1))
+    assert state.shape == (1, WIDTH) and state.dtype == F64
+    assert_matches(state[0], x)
+    assert_close_states(state, rows_state(x.view(1, -1)))
+
+
+def test_rows_with_a_stride_each_get_their_own_state() -> None:
+    base = torch.stack([data(k, n=1200) for k in KINDS])  # (6, 1200)
+    rows = base[:, 100:1100]  # rows of 1000 elements, 1200 apart
+    assert rows.stride() == (1200, 1)
+    assert_close_states(op(rows), rows_state(rows.contiguous()))
+    for state, row in zip(op(rows), rows, strict=True):
+        assert_matches(state, row)
+
+
+def test_no_rows_and_empty_rows() -> None:
+    assert op(torch.zeros(0, 5)).shape == (0, WIDTH)
+    assert torch.equal(op(torch.zeros(3, 0)), empty_states(3))  # the state of no data
+
+
+def test_long_rows_keep_float64_accuracy() -> None:
+    """A mean far from the shift over millions of values: the block sums keep the error near a
+    pairwise sum's (a single running sum would drift by about 1e-9 of the mean here)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2**23, generator=g) * 0.01 + 0.25
+    x[: 2**22] += 3.0  # the shift, sampled evenly, is far from both halves
+    assert_matches(op(x.view(1, -1))[0], x)
+    assert_close_states(op(x.view(1, -1)), merge(rows_state(x.view(64, -1)))[None])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(-1e30, 1e30, allow_nan=False).map(
+                lambda v: float(torch.tensor(v, dtype=torch.float32))
+            ),
+            st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0]),
+        ),
+        min_size=1,
+        max_size=300,
+    )
+)
+def test_any_values_match_the_definition(values: list[float]) -> None:
+    x = torch.tensor(values, dtype=torch.float32)
+    assert_matches(op(x.view(1, -1))[0], x)
+
+
+def test_bad_inputs_are_refused_with_a_reason() -> None:
+    with pytest.raises(RuntimeError, match="2-d tensor"):
+        op(torch.zeros(2, 3, 4))
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        op(torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(torch.zeros(4, 6)[:, ::2])
+
+
+def test_torch_checks_the_op() -> None:
+    """torch's operator checks: schema, fake (meta) implementation, dispatch."""
+    for x in (torch.randn(3, 500), data("specials", torch.float64, 900).view(3, 300)):
+        torch.library.opcheck(torch.ops.lightning_recorder.rows_state.default, (x,))
+
+
+def test_the_op_runs_inside_a_compiled_graph() -> None:
+    def stats(x: torch.Tensor) -> torch.Tensor:
+        return op(x.reshape(1, -1) * 2.0)
+
+    x = torch.randn(8, 300)
+    compiled = torch.compile(stats, fullgraph=True, dynamic=False)
+    assert_close_states(compiled(x), rows_state((x * 2.0).reshape(1, -1)))
+
+
+def test_the_engine_takes_the_kernel_for_float32_and_float64_on_the_cpu() -> None:
+    x = data("specials", n=300_000)
+    assert engine.native_ready(x) and engine.native_ready(x.double())
+    assert not engine.native_ready(x.bfloat16())  # the compiled or eager function
+    with engine.compiled_only():
+        assert not engine.native_ready(x)
+    with engine.eager_only():
+        assert not engine.native_ready(x)
+        eager = engine.tensor_state(x)
+    assert_close_states(engine.tensor_state(x), eager)
+    # a layout that is not one block: pieces copied, each reduced by the kernel
+    y = data("relu", n=6 * 40 * 41).view(6, 40, 41)[:, ::2]
+    assert engine.flat_view(y) is None
+    assert_matches(engine.tensor_state(y), y)
+
+
+def test_the_collector_reduces_small_tensors_at_once_without_copies() -> None:
+    collector = Collector(2, 64, torch.device("cpu"))
+    small = [data("gaussian", n=96).view(8, 12), data("relu", n=40)]
+    collector.add(0, small[0])
+    collector.add(1, small[1])
+    collector.add(0, small[0] * 3)
+    assert not collector._groups  # no copy held for a grouped reduction
+    states = collector.states()
+    assert_matches(states[0], torch.cat([small[0].reshape(-1), (small[0] * 3).reshape(-1)]))
+    assert_matches(states[1], small[1])
+
+
+def test_a_failed_build_warns_once_and_the_statistics_stay_right(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiler = engine._Compiler()  # a fresh engine state: nothing built yet in it
+
+    def broken() -> None:
+        raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
+
+    monkeypatch.setattr(_cpu_kernel, "build", broken)
+    monkeypatch.setattr(engine, "_COMPILER", compiler)
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.warm_up("cpu", [torch.float32], wait=True)
+        engine.warm_up("cpu", [torch.float32], wait=True)  # asked again: no second warning
+    ours = [w for w in caught if "could not build its CPU statistics kernel" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    message = str(ours[0].message)
+    assert "Ninja is required" in message and "LIGHTNING_RECORDER_NATIVE=0" in message
+    assert "more detail" not in message
+    assert "CPU kernel not built: RuntimeError: Ninja is required" in engine.compile_status()
+    x = data("specials", n=100_000)
+    assert not engine.native_ready(x)
+    assert_matches(engine.tensor_state(x), x)
+
+
+def test_the_kernel_can_be_turned_off() -> None:
+    script = textwrap.dedent(
+        """
+        import warnings
+        import torch
+        warnings.simplefilter("error")
+        from lightning_recorder.stats import _engine as engine, _cpu_kernel
+        engine.warm_up("cpu", [torch.float32], wait=True)
+        x = torch.randn(1000)
+        assert not _cpu_kernel.loaded() and not engine.native_ready(x), engine.compile_status()
+        print(engine.compile_status())
+        """
+    )
+    env = {
+        **os.environ,
+        "LIGHTNING_RECORDER_NATIVE": "0",
+        "LIGHTNING_RECORDER_COMPILE": "0",
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "off (LIGHTNING_RECORDER_COMPILE=0)"
