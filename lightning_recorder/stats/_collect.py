@@ -86,9 +86,13 @@ class _Stage:
         self.streams: list[int] = []
         self.free: list[int] = []
         self.width = 0  # the longest row used: the columns beyond hold NaN only
+        # per buffer row, across batches: the columns from this one on hold NaN (a row is
+        # refilled with NaN only where its last sample was longer than its new one)
+        self.filled: list[int] = []
 
     def take(self, device: torch.device) -> int:
-        """The index of a free (NaN-filled) row, growing the buffer when it is full."""
+        """The index of a free row (NaN from ``filled[row]`` on), growing the buffer when it is
+        full."""
         if self.free:
             return self.free.pop()
         used = len(self.streams)
@@ -98,10 +102,13 @@ class _Stage:
                 grown = torch.full(
                     (max(8, 2 * used), self.sample), math.nan, dtype=self.dtype, device=device
                 )
+            kept = 0
             if buffer is not None and buffer.device == device and used:
                 grown[:used].copy_(buffer[:used])
+                kept = used
             self.buffer = grown
             self.rows = grown.unbind(0)  # a view of each row, made once
+            self.filled = self.filled[:kept] + [0] * (grown.shape[0] - kept)
         self.weights.append(0.0)
         self.streams.append(-1)
         return used
@@ -116,15 +123,24 @@ class _Stage:
             self._made = (key, made)
         return self._made[1]
 
+    def put(self, row: int, values: Tensor) -> None:
+        """Write ``values`` (1-d) at the start of ``row``, NaN after them."""
+        length = values.shape[0]
+        target = self.rows[row]
+        target[:length].copy_(values)
+        if self.filled[row] > length:  # a longer sample was here: NaN over its tail
+            target[length : self.filled[row]].fill_(math.nan)
+        self.filled[row] = length
+
     def release(self, row: int) -> None:
         """Make ``row`` free again."""
-        cast(Tensor, self.buffer)[row].fill_(math.nan)
+        self.rows[row][: self.filled[row]].fill_(math.nan)
+        self.filled[row] = 0
         self.weights[row], self.streams[row] = 0.0, -1
         self.free.append(row)
 
     def clear(self) -> None:
-        if self.buffer is not None and self.streams:
-            self.buffer[: len(self.streams), : self.width].fill_(math.nan)
+        """Forget the rows' owners (their data are overwritten as the rows are taken again)."""
         self.weights, self.streams, self.free = [], [], []
         self.width = 0
 
@@ -318,12 +334,11 @@ class Collector:
         stride = sample_stride(n, self.sample)
         length = -(-n // stride)
         index = stage.take(self.device)
-        row = stage.rows[index][:length]
         flat = flat if flat is not None else flat_view(x)
         if flat is not None:
-            row.copy_(flat[::stride])
+            stage.put(index, flat[::stride])
         else:  # not one block of memory: the sampled elements, in logical order
-            row.copy_(torch.take(x, torch.arange(0, n, stride, device=x.device)))
+            stage.put(index, torch.take(x, torch.arange(0, n, stride, device=x.device)))
         stage.weights[index] = n / length if weight is None else weight
         stage.streams[index] = stream
         stage.width = max(stage.width, length)

@@ -76,14 +76,24 @@ class StreamStates(_Quiet):
         super().__init__(**kwargs)
         shape = () if streams is None else (streams,)
         self.add_state("packed", default=empty_states(*shape), dist_reduce_fx=_merge_ranks)
+        self._fresh = True  # nothing merged in since the last reset
 
     def update(self, states: Tensor) -> None:
         """Merge packed states (the shape of the metric's) into the metric's."""
         state = self.packed
-        if state.is_inference() and not torch.is_inference_mode_enabled():
-            state = state.clone()  # created under inference_mode (a standalone validate)
         states = states.to(device=state.device, dtype=F64)
-        self.packed = merge(torch.stack([state, states]), 0)
+        if self._fresh and states.shape == state.shape:
+            self.packed = states.clone()  # what merging into the empty state gives, exactly
+        else:
+            if state.is_inference() and not torch.is_inference_mode_enabled():
+                state = state.clone()  # created under inference_mode (a standalone validate)
+            self.packed = merge(torch.stack([state, states]), 0)
+        self._fresh = False
+
+    def reset(self) -> None:
+        """Back to the state of no data."""
+        super().reset()
+        self._fresh = True
 
     def compute(self) -> Tensor:
         """The packed states over every rank (a collective under DDP)."""
@@ -93,6 +103,7 @@ class StreamStates(_Quiet):
         """Add the states of another metric of this kind (or its ``metric_state``) to these."""
         super().merge_state(incoming_state)
         self._computed = None  # torchmetrics would return the result cached before the merge
+        self._fresh = False
 
 
 class BucketCounts(_Quiet):
