@@ -157,6 +157,7 @@ class RecorderCallback(Callback):
         self._active: Stage | None = None  # the stage recording the current batch
         self._holding = False  # records of a finished batch are still readable
         self._suspend_idle = False  # suspend the hooks between recorded batches (this run)
+        self._suspended = False  # the hooks are suspended now
         self._record_idle = False  # record unchosen batches too, and drop them (compiled)
         self._idle = False  # the current batch records only to keep the flag on
         #: ``(batch, batch_idx, dataloader_idx)`` of the batch that just ended (for subclasses).
@@ -313,11 +314,13 @@ class RecorderCallback(Callback):
             raise
         if self._suspend_idle:  # nothing records until a chosen batch starts (not the sanity check)
             manager.suspend()
+            self._suspended = True
 
     def _detach(self) -> None:
         manager, self._manager = self._manager, None
         self._module = None
         self._active, self._holding, self._idle = None, False, False
+        self._suspended = False
         if manager is not None:
             manager.stop()
             manager.reset_data_buffer()
@@ -353,12 +356,13 @@ class RecorderCallback(Callback):
             return
         if records:
             manager.start()  # reinstalls suspended hooks
-            self._active = stage
+            self._active, self._suspended = stage, False
         elif self._record_idle:
             manager.start()  # compiled: the same flag value in every batch (dropped at its end)
-            self._idle = True
-        elif self._suspend_idle:
-            manager.suspend()  # idempotent, cheap when already suspended
+            self._idle, self._suspended = True, False
+        elif self._suspend_idle and not self._suspended:  # not once per recorder every batch
+            manager.suspend()
+            self._suspended = True
 
     def _batch_end(
         self,
