@@ -9,7 +9,6 @@ exactly, mean/std/abs_mean within ``1e-9`` relative), against the torch function
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -21,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_engine import KINDS, assert_close_states, assert_matches, data
+from test_engine import FLOAT32_LISTS, KINDS, assert_close_states, assert_matches, data
 
 from lightning_recorder.stats import _cpu_kernel
 from lightning_recorder.stats import _engine as engine
@@ -81,18 +79,7 @@ def test_long_rows_keep_float64_accuracy() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    st.lists(
-        st.one_of(
-            st.floats(-1e30, 1e30, allow_nan=False).map(
-                lambda v: float(torch.tensor(v, dtype=torch.float32))
-            ),
-            st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0]),
-        ),
-        min_size=1,
-        max_size=300,
-    )
-)
+@given(FLOAT32_LISTS)
 def test_any_values_match_the_definition(values: list[float]) -> None:
     x = torch.tensor(values, dtype=torch.float32)
     assert_matches(op(x.view(1, -1))[0], x)

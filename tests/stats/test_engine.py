@@ -128,19 +128,21 @@ def test_cpu_takes_the_masked_variant_where_sums_show_a_nan_or_inf() -> None:
     assert states[1, NAN] > 0 and states[1, POSINF] > 0 and states[1, NEGINF] > 0
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    st.lists(
-        st.one_of(
-            st.floats(-1e30, 1e30, allow_nan=False).map(
-                lambda v: float(torch.tensor(v, dtype=torch.float32))
-            ),
-            st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0]),
+# Lists of float32 values, the special ones often.
+FLOAT32_LISTS = st.lists(
+    st.one_of(
+        st.floats(-1e30, 1e30, allow_nan=False).map(
+            lambda v: float(torch.tensor(v, dtype=torch.float32))
         ),
-        min_size=1,
-        max_size=300,
-    )
+        st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1.0]),
+    ),
+    min_size=1,
+    max_size=300,
 )
+
+
+@settings(max_examples=80, deadline=None)
+@given(FLOAT32_LISTS)
 def test_property_state_matches_float64(values: list[float]) -> None:
     x = torch.tensor(values, dtype=torch.float32)
     assert_matches(engine.tensor_state(x), x)
