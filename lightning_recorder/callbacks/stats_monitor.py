@@ -588,10 +588,10 @@ class FeatureStatsMonitor(RecorderCallback):
         if not self._write_histograms:
             return None
         device = states.device
-        # this batch's states over every rank (the metric's declared reduction; with one
-        # process, the states themselves)
-        every = states
-        if distributed_active():
+        # over every rank by the metrics' declared reductions; one process: the values as such
+        distributed = distributed_active()
+        every = states  # this batch's states over every rank
+        if distributed:
             merged = cast(StreamStates, self._batch_states)
             merged.reset()
             merged.update(states)
@@ -602,7 +602,7 @@ class FeatureStatsMonitor(RecorderCallback):
             found = self._exact_counts(kept, lo, hi, device)
         else:
             found = cast(Collector, self._collector).counts(lo, hi, self.bins, states)
-        if distributed_active():  # summed over every rank
+        if distributed:  # summed over every rank
             summed = cast(BucketCounts, self._bucket_counts)
             summed.reset()
             summed.update(found)

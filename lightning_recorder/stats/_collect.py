@@ -32,8 +32,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ._cpu_kernel import rows_state as cpu_rows_state
-from ._engine import flat_view, native_ready, row_counts, rows_states, tensor_state
+from ._engine import flat_view, native_ready, row_counts, rows_states, state_row
 from ._histogram import stream_counts
 from ._state import COUNT, F64, MAX, MIN, NUMEL, ZEROS, empty_states, merge
 
@@ -243,9 +242,7 @@ class Collector:
         if stream in self.channels and x.dim():
             self._add_extremes(stream, x)
         flat = flat_view(x)
-        if flat is not None and native_ready(x):  # the common case on the CPU: a few µs
-            self._add_rows(cpu_rows_state(flat.view(1, n)), [stream])
-        elif n <= SMALL:
+        if n <= SMALL and not native_ready(x):
             inference = torch.is_inference_mode_enabled()
             key = (n, x.dtype, x.device, inference)
             group = self._groups.get(key)
@@ -256,8 +253,8 @@ class Collector:
             self._small_held += n
             if self._small_held > _SMALL_HELD:
                 self._reduce_small()
-        else:
-            self._add_rows(tensor_state(x).unsqueeze(0), [stream])
+        else:  # on the CPU, the kernel (a few µs): every float32 and float64 tensor
+            self._add_rows(state_row(x, flat), [stream])
         if sample:
             self._sample(stream, x, n, flat=flat)
 

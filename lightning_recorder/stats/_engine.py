@@ -60,6 +60,7 @@ __all__ = [
     "reset_compiled",
     "row_counts",
     "rows_states",
+    "state_row",
     "tensor_state",
     "warm_up",
 ]
@@ -117,7 +118,6 @@ class _Compiler:
         self._pending: set[Key] = set()
         self._failed: str | None = None
         self._threads: list[threading.Thread] = []
-        self.native = False  # the CPU kernel is loaded
         self._native_failed: str | None = None
         self._native_pending = False
 
@@ -131,7 +131,7 @@ class _Compiler:
         return key is not None and key in self._ready and not getattr(_LOCAL, "eager", False)
 
     def status(self) -> str:
-        native = "; CPU kernel loaded" if self.native else ""
+        native = "; CPU kernel loaded" if _cpu_kernel.loaded() else ""
         if self._native_failed is not None:
             native = f"; CPU kernel not built: {self._native_failed}"
         if not compile_enabled():
@@ -148,7 +148,9 @@ class _Compiler:
         CPU kernel, and skip the graphs it replaces)."""
         compiling = compile_enabled() and self._failed is None
         with self._lock:
-            if native and self.native:  # built already: the graphs it replaces are not needed
+            if (
+                native and _cpu_kernel.loaded()
+            ):  # built already: the graphs it replaces are not needed
                 keys = [k for k in keys if not _replaced_by_native(k)]
             native = native and self._wants_native()
             todo = [k for k in dict.fromkeys(keys) if k not in self._ready | self._pending]
@@ -168,7 +170,7 @@ class _Compiler:
     def _wants_native(self) -> bool:
         return (
             _cpu_kernel.enabled()
-            and not self.native
+            and not _cpu_kernel.loaded()
             and self._native_failed is None
             and not self._native_pending
         )
@@ -196,7 +198,7 @@ class _Compiler:
                 )
             return False
         with self._lock:
-            self.native, self._native_pending = True, False
+            self._native_pending = False
         return True
 
     def _compile(self, keys: Sequence[Key], native: bool = False) -> None:
@@ -288,7 +290,7 @@ def native_ready(x: Tensor) -> bool:
     """Whether the CPU kernel computes the state of ``x`` (a CPU tensor of a dtype it reads, the
     kernel loaded, not turned off in this thread)."""
     return (
-        _COMPILER.native
+        _cpu_kernel.loaded()
         and x.is_cpu
         and x.dtype in _cpu_kernel.DTYPES
         and not getattr(_LOCAL, "no_native", False)
@@ -437,29 +439,35 @@ def rows_states(x: Tensor) -> Tensor:
 def tensor_state(x: Tensor) -> Tensor:
     """The packed state ``(WIDTH,)`` of all elements of ``x`` (any shape and real dtype).
 
-    Compiled: one pass over the whole tensor. Eager (and for memory that is not one dense
-    block): pieces of at most :data:`CHUNK` elements, merged.
+    The CPU kernel, or compiled: one pass over the whole tensor. Eager (and for memory that is
+    not one dense block): pieces of at most :data:`CHUNK` elements, merged.
     """
     x = x.detach()
+    return state_row(x, flat_view(x))[0]
+
+
+def state_row(x: Tensor, flat: Tensor | None) -> Tensor:
+    """:func:`tensor_state` as one row ``(1, WIDTH)``, given ``x`` detached and its
+    :func:`flat_view` (a caller that needs the view too computes it once)."""
     n = x.numel()
     if n == 0:
-        return empty_states(device=x.device)
-    flat = flat_view(x)
+        return empty_states(1, device=x.device)
     if flat is not None and native_ready(x):
-        return _cpu_kernel.rows_state(flat.view(1, n))[0]
+        return _cpu_kernel.rows_state(flat.view(1, n))
     if flat is not None and x.dtype in COMPILED_DTYPES:
         key = _key("state", x, False, _masked_by_default(x.device))
         if n <= CHUNK or _COMPILER.ready(key):
-            return rows_states(flat.view(1, n))[0]
+            return rows_states(flat.view(1, n))
     if flat is None:  # not one block: pieces copied one at a time
-        return merge(torch.cat([rows_states(piece.view(1, -1)) for piece in _chunks(x, flat)]))
+        pieces = [rows_states(piece.view(1, -1)) for piece in _chunks(x, flat)]
+        return merge(torch.cat(pieces)).unsqueeze(0)
     pieces = flat.split(CHUNK)
     # one buffer for every piece's state, allocated first: the pieces' temporaries are freed
     # and reused in turn, not pinned apart by small results left between them
     found = empty_states(len(pieces), device=x.device)
     for i, piece in enumerate(pieces):
         found[i] = rows_states(piece.view(1, -1))[0]
-    return merge(found)
+    return merge(found).unsqueeze(0)
 
 
 def row_counts(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:

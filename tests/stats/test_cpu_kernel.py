@@ -141,6 +141,7 @@ def test_a_failed_build_warns_once_and_the_statistics_stay_right(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     compiler = engine._Compiler()  # a fresh engine state: nothing built yet in it
+    monkeypatch.setattr(_cpu_kernel, "_loaded", False)  # as in a process without the kernel
 
     def broken() -> None:
         raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
