@@ -45,9 +45,10 @@ fits take the peak of allocated GPU memory of each step window
 (``torch.cuda.reset_peak_memory_stats`` at its start, ``torch.cuda.max_memory_allocated`` at its
 end) and compare it with the plain model's same step, against a tenth of the largest monitored
 output (measured by a forward with hooks), with the part of it already held when the step
-starts (buffers kept from an earlier step); a monitor with ``parameters=False`` is measured too,
-to tell the persistent copies that the update ratios need (one float32 copy of each monitored
-parameter, kept from the first logging step on) from the logging step's own memory.
+starts (buffers kept from an earlier step; each fit starts after a garbage collection, so
+that nothing an earlier fit left counts); a monitor with ``parameters=False`` is measured too,
+to tell the copies that the update ratios take (one float32 copy of each monitored parameter,
+taken before the optimizer step of a logging step and freed at its end) from the rest.
 
 **The engine alone.** The packed state of one large output (2**24 float32, 2**25 bfloat16
 elements), compiled and eager, against one read of it (``x.sum(dtype=torch.float32)``), timed
@@ -62,6 +63,7 @@ every part of it on the CPU at toy sizes, to check the script itself (its figure
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -571,6 +573,9 @@ class _Last(pl.Callback):
 
 
 def count_syncs(model: str, config: str, precision: str) -> dict[str, Any]:
+    gc.collect()  # what earlier fits left for the collector is not this one's memory
+    if Setup.cuda():
+        torch.cuda.empty_cache()
     module, callbacks = _setup(config, model)
     counter, after = _SyncCounter(), []
     first, last = _First(counter, after), _Last(counter, after)
@@ -908,7 +913,7 @@ class _Profile(pl.Callback):
             )
             for key in keys:
                 print(f"\nstep {self.step}, by {key}:")
-                print(events.table(sort_by=key, row_limit=14, max_name_column_width=60))
+                print(events.table(sort_by=key, row_limit=25, max_name_column_width=60))
             self.profiler = None
 
 

@@ -3,7 +3,10 @@ norms and update ratios, each of the optimizer step that owns the parameter.
 
 At each optimizer step of a logged training step (``on_before_optimizer_step``), the monitored
 parameters that *this optimizer* updates and that have a gradient get their gradient norm and a
-copy of their value (persistent buffers, one foreach copy). With several optimizers (a GAN's
+copy of their value (one foreach copy; the buffers are kept from one logged step to the next on
+the CPU, where allocating them again costs page faults, and freed after each logged step on an
+accelerator, whose caching allocator gives them back at once: no memory is held between logged
+steps there). With several optimizers (a GAN's
 discriminator and generator, Lightning's manual optimization) each parameter's figures are
 those of its own optimizer's step, never another optimizer's gradient left over from an earlier
 backward; a parameter stepped twice in a batch keeps its last step. At the batch's end, one
@@ -40,14 +43,16 @@ class ParameterStats:
 
     def __init__(self, params: dict[str, nn.Parameter], sharded: bool) -> None:
         self.params, self.sharded = params, sharded
-        self._before: dict[str, Tensor] = {}  # persistent copies, reused from step to step
+        self._before: dict[str, Tensor] = {}  # copies of the values before the step
         self._owned: dict[int, list[str]] = {}  # id(optimizer) -> the monitored names it steps
         self.clear()
 
     def clear(self) -> None:
-        """Forget this batch's gradient norms and copies (the buffers are kept)."""
+        """Forget this batch's gradient norms and copies (the buffers of CPU copies are kept
+        for the next logged step; others are freed)."""
         self._grad_norms: dict[str, Tensor] = {}
         self._stepped: list[str] = []
+        self._before = {name: copy for name, copy in self._before.items() if copy.is_cpu}
 
     def _names_of(self, optimizer: torch.optim.Optimizer) -> list[str]:
         found = self._owned.get(id(optimizer))

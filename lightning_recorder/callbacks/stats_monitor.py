@@ -572,7 +572,12 @@ class FeatureStatsMonitor(RecorderCallback):
         states = collector.states()
         metric = self._metrics.get(series)
         if metric is None:
-            metric = self._metrics[series] = StreamStates(len(self._streams)).to(pl_module.device)
+            # a copy of the metric made at attach: making one on the host and moving it to the
+            # device would synchronise with it (CUDA), inside the step
+            metric = self._metrics[series] = cast(
+                StreamStates, cast(StreamStates, self._batch_states).clone()
+            )
+            metric.reset()
         metric.update(states)
         if stage == "train":
             if completes:

@@ -80,7 +80,7 @@ class _Stage:
         self.dtype, self.sample = dtype, sample
         self.buffer: Tensor | None = None
         self.rows: Sequence[Tensor] = ()
-        self._made: tuple[Any, tuple[Tensor, Tensor]] | None = None
+        self._made: tuple[Any, tuple[Tensor, Tensor, Tensor]] | None = None
         self.weights: list[float] = []
         self.streams: list[int] = []
         self.free: list[int] = []
@@ -112,13 +112,26 @@ class _Stage:
         self.streams.append(-1)
         return used
 
-    def index_and_weights(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """The stream (a free row: 0, it weighs 0) and weight of each used row, on ``device``
-        (kept while they stay the same: a training loop stages the same rows every batch)."""
-        key = (tuple(self.streams), tuple(self.weights), device)
+    def layout(self, m: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """The stream (a free row: 0) and weight (a free row: 0) of each used row, and the used
+        rows of each of the ``m`` streams (``(m, k)``, padded with the number of rows), on
+        ``device``: kept while they stay the same (a training loop stages the same rows every
+        batch)."""
+        key = (tuple(self.streams), tuple(self.weights), m, device)
         if self._made is None or self._made[0] != key:
             owners = [max(owner, 0) for owner in self.streams]
-            made = (to_device(owners, torch.int64, device), to_device(self.weights, F64, device))
+            rows: list[list[int]] = [[] for _ in range(m)]
+            for row, owner in enumerate(self.streams):
+                if owner >= 0:
+                    rows[owner].append(row)
+            width = max([1, *(len(r) for r in rows)])
+            pad = len(self.streams)
+            table = [r + [pad] * (width - len(r)) for r in rows]
+            made = (
+                to_device(owners, torch.int64, device),
+                to_device(self.weights, F64, device),
+                to_device(table, torch.int64, device),
+            )
             self._made = (key, made)
         return self._made[1]
 
@@ -190,7 +203,10 @@ class Collector:
     """
 
     def __init__(self, streams: int, sample: int, device: torch.device) -> None:
-        self.m, self.sample, self.device = streams, sample, device
+        self.m, self.sample = streams, sample
+        # the device as tensors report it ("cuda" names the current index: "cuda:0"), so that
+        # buffers made on it compare equal to it
+        self.device = torch.empty(0, device=device).device
         self._stages: dict[torch.dtype, _Stage] = {}
         # copies of small tensors, by (numel, dtype, device, made under inference mode)
         self._groups: dict[tuple[int, torch.dtype, torch.device, bool], _Group] = {}
@@ -385,9 +401,9 @@ class Collector:
             used = len(stage.streams)
             if stage.buffer is None or not any(owner >= 0 for owner in stage.streams):
                 continue
-            index, weights = stage.index_and_weights(self.device)
+            index, weights, rows = stage.layout(self.m, self.device)
             counted = row_counts(stage.buffer[:used, : stage.width], lo[index], hi[index], bins)
-            found = found + stream_counts(counted, weights, index, states, scale=False)
+            found = found + stream_counts(counted, weights, rows)
         total = found.sum(1, keepdim=True)
         scale = states[:, COUNT].unsqueeze(1) / total.clamp(min=1e-300)
         return torch.where(total > 0, found * scale, found)

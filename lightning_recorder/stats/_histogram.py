@@ -15,8 +15,8 @@ under ``torch.use_deterministic_algorithms(True)``.
 
 **Streams from rows.** A stream may have several rows (a module called twice, or samples of
 different sizes), each standing for ``weight`` elements per value: :func:`stream_counts` adds
-the weighted rows of each stream with one matrix product and scales the result to the stream's
-count of finite values.
+the weighted rows of each stream, gathered by a table of each stream's rows and summed in a
+fixed order (no atomics, no matrix product: nothing that depends on the device's libraries).
 """
 
 from __future__ import annotations
@@ -88,22 +88,14 @@ def tally(index: Tensor, bins: int) -> Tensor:
     return flat.view(rows, bins + 1)[:, :bins]
 
 
-def stream_counts(
-    counts: Tensor, weights: Tensor, stream_of_row: Tensor, states: Tensor, scale: bool = True
-) -> Tensor:
+def stream_counts(counts: Tensor, weights: Tensor, rows_of_stream: Tensor) -> Tensor:
     """The ``float64`` counts ``(m, bins)`` of ``m`` streams from the integer counts of their
     rows ``(R, bins)``: each row weighted (``weights`` ``(R,)``, the elements each counted value
-    stands for), the rows of a stream added (``stream_of_row`` ``(R,)``, one matrix product),
-    and, if ``scale``, each stream scaled to add up to its count of finite values (``states``
-    ``(m, WIDTH)``)."""
-    m = states.shape[0]
-    member = stream_of_row.unsqueeze(0) == torch.arange(m, device=counts.device).unsqueeze(1)
-    found = (member.to(F64) * weights.to(F64).unsqueeze(0)) @ counts.to(F64)
-    if not scale:
-        return found
-    total = found.sum(1, keepdim=True)
-    factor = states[:, COUNT].unsqueeze(1) / total.clamp(min=1e-300)
-    return torch.where(total > 0, found * factor, found)
+    stands for), and the rows of stream ``i`` (``rows_of_stream[i]``, ``(m, k)`` indices of
+    rows; ``R`` pads) added in order."""
+    weighted = counts.to(F64) * weights.to(F64).unsqueeze(1)
+    padded = torch.cat([weighted, weighted.new_zeros(1, weighted.shape[1])])
+    return padded[rows_of_stream].sum(1)
 
 
 def summaries(states: Tensor) -> Tensor:

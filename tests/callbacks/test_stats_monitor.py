@@ -767,7 +767,7 @@ def test_large_output_histogram_sampled_or_exact(tmp_path: Path, exact: bool) ->
     assert scalars_logged["stats/train/wide/min"][0] == pytest.approx(x.min().item())  # pre-ReLU
 
 
-def test_parameter_buffers_are_allocated_once(tmp_path: Path) -> None:
+def test_parameter_buffers_are_allocated_once_on_the_cpu(tmp_path: Path) -> None:
     monitor = FeatureStatsMonitor("body.*", every_n_steps=1, histograms=False)
     seen: list[dict[str, int]] = []
 
@@ -784,6 +784,21 @@ def test_parameter_buffers_are_allocated_once(tmp_path: Path) -> None:
     assert len(seen) == 3 and seen[0] and seen[0] == seen[1] == seen[2]
     ratios = scalars(logger.log_dir)["stats/train/body.0.weight/update_ratio"]
     assert sorted(ratios) == [0, 1, 2] and all(0 < r < 1 for r in ratios.values())
+
+
+def test_parameter_copies_off_the_cpu_are_freed_after_each_logged_step() -> None:
+    """On an accelerator (here the meta device) the copies taken before the optimizer step of a
+    logged step are freed once its norms are taken: nothing is held between logged steps."""
+    from lightning_recorder.callbacks._parameter_stats import ParameterStats
+
+    weight = nn.Parameter(torch.ones(3, 4, device="meta"))
+    weight.grad = torch.ones(3, 4, device="meta")
+    stats = ParameterStats({"w": weight}, sharded=False)
+    stats.before_step(torch.optim.SGD([weight], lr=0.1))
+    assert stats._before["w"].device.type == "meta"
+    stepped, found = stats.tensors()
+    assert stepped == ["w"] and len(found) == 4
+    assert not stats._before
 
 
 class Pair(nn.Module):

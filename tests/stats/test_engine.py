@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from lightning_recorder.stats import _engine as engine
 from lightning_recorder.stats._collect import Collector, sample_stride
 from lightning_recorder.stats._engine import row_counts
-from lightning_recorder.stats._histogram import edges, ranges
+from lightning_recorder.stats._histogram import edges, ranges, stream_counts
 from lightning_recorder.stats._state import (
     COUNT,
     F64,
@@ -241,6 +241,38 @@ def test_collector_states_and_counts() -> None:
     assert c.empty and torch.equal(c.states()[:, COUNT], torch.zeros(4, dtype=F64))
 
 
+def test_stream_counts_add_each_streams_weighted_rows() -> None:
+    """Rows of integer counts, weighted and added stream by stream through the table of each
+    stream's rows (padded with the number of rows); a stream with no row counts nothing."""
+    counts = torch.tensor([[1, 2, 0], [0, 5, 1], [3, 0, 0], [2, 2, 2]])
+    weights = torch.tensor([1.0, 0.5, 4.0, 2.5], dtype=F64)
+    rows_of_stream = torch.tensor([[0, 2], [4, 4], [1, 3]])  # stream 1 has no row
+    found = stream_counts(counts, weights, rows_of_stream)
+    want = torch.zeros(3, 3, dtype=F64)
+    for stream, rows in enumerate(([0, 2], [], [1, 3])):
+        for row in rows:
+            want[stream] += weights[row] * counts[row].to(F64)
+    torch.testing.assert_close(found, want, rtol=1e-15, atol=0)
+    assert found.dtype == F64 and found[1].eq(0).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
+def test_collector_keeps_every_sample_row_whatever_names_its_device(
+    device: str | torch.device,
+) -> None:
+    """A device given by name ("cpu"; on a GPU, "cuda" for "cuda:0") is the device of the
+    staging buffers: taking a row keeps the rows taken before it."""
+    c = Collector(3, 2**6, device)  # type: ignore[arg-type]
+    tensors = [torch.randn(50) + 3 * i for i in range(3)]
+    for i, t in enumerate(tensors):
+        c.add(i, t)
+    states = c.states()
+    lo, hi = ranges(states)
+    counts = c.counts(lo, hi, 8, states)
+    for i, t in enumerate(tensors):
+        assert_counts_up_to_edges(counts[i], t, edges(lo[i], hi[i], 8), torch.float32)
+
+
 def test_collector_memory_is_bounded_by_many_calls() -> None:
     c = Collector(1, 256, torch.device("cpu"))
     held = []
@@ -283,35 +315,72 @@ def compiled_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.mark.slow
-def test_compiled_equals_eager_and_never_recompiles(
-    compiled_engine: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_compiled_equals_eager_and_never_recompiles(compiled_engine: None) -> None:
     import torch._dynamo
 
     assert "state cpu float32" in engine.compile_status()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    warnings.simplefilter("error")  # a compiled graph that fails would fall back with a warning
-    for kind in KINDS:
-        for dtype in (torch.float32, torch.float64, torch.bfloat16):
-            for n in (70_001, 300_000, 2**20 + 3):
-                x = data(kind, dtype, n)
-                if kind == "far" and dtype == torch.bfloat16:
-                    continue
-                compiled = engine.tensor_state(x)  # one row, compiled
-                assert_close_states(
-                    compiled,
-                    merge(torch.cat([rows_state(c.view(1, -1)) for c in x.split(engine.CHUNK)])),
-                    rel=1e-11,
-                )
-                assert_matches(compiled, x)
-        rows = torch.stack([data(kind, n=40_000)[:30_000] for _ in range(3)])
-        assert_close_states(engine.rows_states(rows), rows_state(rows), rel=1e-11)
-    with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # global state
-        x = data("gaussian", n=100_000).requires_grad_()
-        assert_matches(engine.tensor_state(x), x.detach())
-    with torch.inference_mode():
-        x = data("relu", n=100_000)
-        assert_matches(engine.tensor_state(x), x)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        warnings.simplefilter("error")  # a compiled graph that fails would fall back with a warning
+        for kind in KINDS:
+            for dtype in (torch.float32, torch.float64, torch.bfloat16):
+                for n in (70_001, 300_000, 2**20 + 3):
+                    x = data(kind, dtype, n)
+                    if kind == "far" and dtype == torch.bfloat16:
+                        continue
+                    compiled = engine.tensor_state(x)  # rows of blocks (and the rest), compiled
+                    pieces = [rows_state(c.view(1, -1)) for c in x.split(engine.CHUNK)]
+                    assert_close_states(compiled, merge(torch.cat(pieces)), rel=1e-11)
+                    assert_matches(compiled, x)
+            rows = torch.stack([data(kind, n=40_000)[:30_000] for _ in range(3)])
+            assert_close_states(engine.rows_states(rows), rows_state(rows), rel=1e-11)
+        with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # global state
+            x = data("gaussian", n=100_000).requires_grad_()
+            assert_matches(engine.tensor_state(x), x.detach())
+        with torch.inference_mode():
+            x = data("relu", n=100_000)
+            assert_matches(engine.tensor_state(x), x)
+
+
+def test_large_tensors_are_read_as_rows_of_blocks(
+    compiled_engine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flat tensor of BLOCKED_LENGTH elements or more runs compiled as BLOCK_ROWS rows merged
+    in the graph (so that a GPU reduces them in parallel), with what is left over apart: the
+    state of one row, within float64 rounding."""
+    read: list[int] = []
+    blocked = engine._blocked
+
+    def spy(flat: torch.Tensor, masked: bool) -> torch.Tensor | None:
+        read.append(flat.shape[0])
+        return blocked(flat, masked)
+
+    monkeypatch.setattr(engine, "_blocked", spy)
+    # a whole number of rows; a rest long enough to run compiled; a rest of 3; too short
+    sizes = (2**17, 3 * 2**16 + 1000, 2**20 + 3, engine.BLOCKED_LENGTH - 1)
+    for n in sizes:
+        for kind in ("gaussian", "far", "specials"):
+            x = data(kind, torch.bfloat16, n)
+            state = engine.tensor_state(x)
+            assert_matches(state, x)
+            assert_close_states(state, rows_state(x.view(1, -1))[0], rel=1e-11)
+    assert read == [n for n in sizes[:-1] for _ in range(3)]
+
+
+def test_a_blocks_graph_failing_at_run_time_warns_and_reads_in_chunks(
+    compiled_engine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("no kernel for this input")
+
+    function = engine._COMPILER.function
+    monkeypatch.setattr(
+        engine._COMPILER, "function", lambda key: broken if key[0] == "blocks" else function(key)
+    )
+    x = data("far", torch.bfloat16, 2**17 + 5)
+    with pytest.warns(UserWarning, match="no kernel for this input"):
+        state = engine.tensor_state(x)
+    assert_matches(state, x)
+    assert engine.compile_status().startswith("failed: RuntimeError")
 
 
 def test_a_failed_compile_warns_once_and_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
