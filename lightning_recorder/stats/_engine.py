@@ -7,8 +7,8 @@ every value of the rows of a 2-d tensor); :func:`blocks_state` is the first foll
 
 **Compiled.** ``torch.compile(kernel, dynamic=True)`` fuses a kernel into one read of its data
 (inductor on the CPU, Triton on CUDA) with no ``float64`` copy of it. Inputs are 2-d (a
-flattened output is read as :data:`BLOCK_ROWS` rows, so that a GPU reduces them in parallel),
-so the sizes stay symbolic and one graph serves every size; each
+flattened output is one row; on a GPU, :data:`BLOCK_ROWS` rows, reduced in parallel), so the
+sizes stay symbolic and one graph serves every size; each
 variant (kernel, device type, dtype, one row or several, inference mode, masking) gets a graph
 of its own (:func:`_own_copy`), compiled once per process (and cached on disk by torch). A
 compile is slow (seconds), so it never runs inside a training step: :func:`warm_up` compiles in
@@ -54,6 +54,7 @@ from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state
 __all__ = [
     "BLOCK_ROWS",
     "CHUNK",
+    "ONE_ROW_DEVICES",
     "blocks_state",
     "compile_enabled",
     "compile_status",
@@ -77,6 +78,10 @@ CHUNK = 2**18
 # known size (one short kernel), not one of symbolic size (a loop per statistic).
 BLOCKED_LENGTH = 2**16
 BLOCK_ROWS = 512
+# Device types whose compiled graphs reduce one long row well (inductor's C++ loop over a row is
+# vectorised and split across threads; as rows it took 2-3 times longer on one CPU thread):
+# large tensors are read as one row there.
+ONE_ROW_DEVICES: tuple[str, ...] = ("cpu",)
 # Rows shorter than this run eagerly: a graph compiled for the long rows of the warm-up would be
 # compiled again for them (a length of 1, and a shift sampled at every element, are specialised
 # by torch.compile), inside a training step.
@@ -351,7 +356,8 @@ def warm_up(
     for inference in (False, True):  # tensors made under inference mode (evaluation)
         for several in (False, True):
             keys += [("state", device.type, d, several, inference, masked) for d in chosen]
-        keys += [("blocks", device.type, d, False, inference, masked) for d in chosen]
+        if device.type not in ONE_ROW_DEVICES:
+            keys += [("blocks", device.type, d, False, inference, masked) for d in chosen]
     keys += [("buckets", device.type, d, True, False, False) for d in sorted(staged, key=str)]
     _COMPILER.warm(keys, wait, native=native and device.type == "cpu")
 
@@ -480,7 +486,8 @@ def state_row(x: Tensor, flat: Tensor | None) -> Tensor:
         return _cpu_kernel.rows_state(flat.view(1, n))
     if flat is not None and x.dtype in COMPILED_DTYPES:
         masked = _masked_by_default(x.device)
-        if n >= BLOCKED_LENGTH and _COMPILER.ready(_key("blocks", x, False, masked)):
+        blocks = n >= BLOCKED_LENGTH and x.device.type not in ONE_ROW_DEVICES
+        if blocks and _COMPILER.ready(_key("blocks", x, False, masked)):
             state = _blocked(flat, masked)
             if state is not None:
                 return state

@@ -327,7 +327,7 @@ def test_compiled_equals_eager_and_never_recompiles(compiled_engine: None) -> No
                     x = data(kind, dtype, n)
                     if kind == "far" and dtype == torch.bfloat16:
                         continue
-                    compiled = engine.tensor_state(x)  # rows of blocks (and the rest), compiled
+                    compiled = engine.tensor_state(x)  # one row, compiled
                     pieces = [rows_state(c.view(1, -1)) for c in x.split(engine.CHUNK)]
                     assert_close_states(compiled, merge(torch.cat(pieces)), rel=1e-11)
                     assert_matches(compiled, x)
@@ -341,8 +341,16 @@ def test_compiled_equals_eager_and_never_recompiles(compiled_engine: None) -> No
             assert_matches(engine.tensor_state(x), x)
 
 
+@pytest.fixture
+def blocked_engine(compiled_engine: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled engine reading large CPU tensors as a GPU does: BLOCK_ROWS rows."""
+    monkeypatch.setattr(engine, "ONE_ROW_DEVICES", ())
+    engine.warm_up("cpu", [torch.bfloat16], wait=True, native=False)
+    assert "blocks cpu bfloat16" in engine.compile_status()
+
+
 def test_large_tensors_are_read_as_rows_of_blocks(
-    compiled_engine: None, monkeypatch: pytest.MonkeyPatch
+    blocked_engine: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A flat tensor of BLOCKED_LENGTH elements or more runs compiled as BLOCK_ROWS rows merged
     in the graph (so that a GPU reduces them in parallel), with what is left over apart: the
@@ -364,10 +372,13 @@ def test_large_tensors_are_read_as_rows_of_blocks(
             assert_matches(state, x)
             assert_close_states(state, rows_state(x.view(1, -1))[0], rel=1e-11)
     assert read == [n for n in sizes[:-1] for _ in range(3)]
+    monkeypatch.setattr(engine, "ONE_ROW_DEVICES", ("cpu",))  # the CPU's default: one row
+    engine.tensor_state(data("gaussian", torch.bfloat16, 2**17))
+    assert len(read) == 3 * (len(sizes) - 1)
 
 
 def test_a_blocks_graph_failing_at_run_time_warns_and_reads_in_chunks(
-    compiled_engine: None, monkeypatch: pytest.MonkeyPatch
+    blocked_engine: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(*args: object) -> torch.Tensor:
         raise RuntimeError("no kernel for this input")
