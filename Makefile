@@ -56,7 +56,7 @@ health-false-alarms: $(STAMP)
 	$(PY) benchmarks/health_false_alarms.py
 
 # The GPU checks in one command, on a machine with a CUDA device: tests/gpu, then
-# benchmarks/bench_gpu.py; results in $$OUT (default: a new temporary folder). No set-up step: it
+# benchmarks/bench_gpu.py, its profile of a logging step and bench_health.py; results in $$OUT (default: a new temporary folder). No set-up step: it
 # runs $$PYTHON (default: .venv/bin/python if there is one, else python3) on this checkout, so
 # that a GPU machine without network access can run it. See docs/benchmarks.md, "GPU".
 gpu-check:

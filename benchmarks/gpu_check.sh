@@ -9,10 +9,11 @@
 # Everything a report needs lands in $OUT (a new temporary folder if unset): environment.txt
 # (GPU, driver, versions, commit), pytest_gpu.log and pytest_gpu.xml (per-test results and the
 # memory figures the tests record), bench_gpu.log and bench_gpu.json (every figure, the summary
-# against the targets last), bench_health.log. Nothing is installed: it runs the Python that
+# against the targets last), profile.log (where the time of a logging step goes, host and GPU),
+# bench_health.log. Nothing is installed: it runs the Python that
 # holds a CUDA build of torch ($PYTHON; by default .venv/bin/python if there is one, else
-# python3) on this checkout (PYTHONPATH). Designed for a few minutes on an H100 (under 8 in
-# all): each part has a time limit (TESTS_TIMEOUT, BENCH_TIMEOUT, HEALTH_TIMEOUT seconds; the
+# python3) on this checkout (PYTHONPATH). Designed for a few minutes on an H100 (under 9 in
+# all): each part has a time limit (TESTS_TIMEOUT, BENCH_TIMEOUT, PROFILE_TIMEOUT, HEALTH_TIMEOUT seconds; the
 # benchmark's timing stops starting repeats after BENCH_BUDGET seconds; PYTEST_ARGS, "-x" by
 # default, go to pytest), and the benchmarks run even when a test fails. The exit status is
 # non-zero if any part failed. Without a CUDA device it
@@ -30,6 +31,7 @@ TESTS_TIMEOUT="${TESTS_TIMEOUT:-200}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}"
 BENCH_BUDGET="${BENCH_BUDGET:-100}"
 HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-80}"
+PROFILE_TIMEOUT="${PROFILE_TIMEOUT:-60}"
 PYTEST_ARGS="${PYTEST_ARGS--x}"  # PYTEST_ARGS= (empty) runs every test after a failure too
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -74,7 +76,7 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; 
     DEVICE=cpu  # a dry run of this script: the tests skip, the benchmark runs at toy sizes
     # the CPU is slower than a GPU at the benchmarks' work: time limits for a busy CPU
     BENCH_TIMEOUT=$((BENCH_TIMEOUT * 5)) BENCH_BUDGET=$((BENCH_BUDGET * 5))
-    HEALTH_TIMEOUT=$((HEALTH_TIMEOUT * 8))
+    HEALTH_TIMEOUT=$((HEALTH_TIMEOUT * 8)) PROFILE_TIMEOUT=$((PROFILE_TIMEOUT * 8))
     stamp "no CUDA device: a dry run (the tests skip, the benchmark runs on the CPU at toy sizes)"
 fi
 
@@ -94,6 +96,12 @@ timeout -s INT -k 30 "$BENCH_TIMEOUT" "$PYTHON" benchmarks/bench_gpu.py \
 bench=${PIPESTATUS[0]}
 stamp "bench_gpu: exit status $bench"
 
+stamp "benchmarks/bench_gpu.py --profile resnet-18 (limit ${PROFILE_TIMEOUT} s) ..."
+timeout -s INT -k 20 "$PROFILE_TIMEOUT" "$PYTHON" benchmarks/bench_gpu.py --device "$DEVICE" \
+    --profile resnet-18 > "$OUT/profile.log" 2>&1
+profile=$?
+stamp "profile of a logging step: exit status $profile (in profile.log)"
+
 HEALTH_ARGS="--repeats 3"
 [ "$DEVICE" = cpu ] && HEALTH_ARGS="--quick"
 stamp "benchmarks/bench_health.py (limit ${HEALTH_TIMEOUT} s) ..."
@@ -105,5 +113,5 @@ timeout -s INT -k 20 "$HEALTH_TIMEOUT" "$PYTHON" benchmarks/bench_health.py --de
 health=${PIPESTATUS[0]}
 stamp "bench_health: exit status $health"
 
-stamp "done: tests $tests, benchmark $bench, health benchmark $health; results in $OUT"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$health" -eq 0 ]
+stamp "done: tests $tests, benchmark $bench, profile $profile, health benchmark $health; results in $OUT"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$profile" -eq 0 ] && [ "$health" -eq 0 ]
