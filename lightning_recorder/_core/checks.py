@@ -1,19 +1,32 @@
 """The checks and messages every room shares: closest names, options, numbers, tensors.
 
 One voice for every configuration mistake: *what* was wrong (the option, in backticks), *what was
-expected*, and the closest valid names where names are involved. Every function here raises
-:class:`~lightning_recorder.errors.RecorderConfigError` (a ``ValueError``).
+expected*, and the closest valid names where names are involved. Every check here raises
+:class:`~lightning_recorder.errors.RecorderConfigError` (a ``ValueError``); :func:`switched_on`
+reads an on/off environment variable, the one way every switch of the package is read.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from ..errors import RecorderConfigError
+
+
+def switched_on(variable: str) -> bool:
+    """Whether the environment variable ``variable`` leaves a switch on: unset, or anything but
+    ``0``, ``off``, ``false`` or ``no`` (any case, spaces ignored).
+
+    >>> switched_on("LIGHTNING_RECORDER_SWITCH_NOBODY_SETS")
+    True
+    """
+    flag = os.environ.get(variable, "1").strip().lower()
+    return flag not in ("0", "off", "false", "no")
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:

@@ -574,9 +574,8 @@ class FeatureStatsMonitor(RecorderCallback):
         if metric is None:
             # a copy of the metric made at attach: making one on the host and moving it to the
             # device would synchronise with it (CUDA), inside the step
-            metric = self._metrics[series] = cast(
-                StreamStates, cast(StreamStates, self._batch_states).clone()
-            )
+            template = cast(StreamStates, self._batch_states)
+            metric = self._metrics[series] = cast(StreamStates, template.clone())
             metric.reset()
         metric.update(states)
         if stage == "train":

@@ -25,7 +25,6 @@ engine), the engine runs :func:`~._state.rows_state` compiled or eagerly.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import threading
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .._core.checks import switched_on
 from ._state import F64, WIDTH
 
 __all__ = ["DTYPES", "build", "enabled", "loaded", "rows_state"]
@@ -63,8 +63,7 @@ _loaded = False
 
 def enabled() -> bool:
     """Whether the kernel may be used (``LIGHTNING_RECORDER_NATIVE`` is not ``0``/``off``)."""
-    flag = os.environ.get(_ENV, "1").strip().lower()
-    return flag not in ("0", "off", "false", "no")
+    return switched_on(_ENV)
 
 
 def loaded() -> bool:

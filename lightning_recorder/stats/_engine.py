@@ -37,7 +37,6 @@ synchronise.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import types
 import warnings
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._core.checks import switched_on
 from . import _cpu_kernel
 from ._histogram import bucket_index, tally
 from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state
@@ -94,8 +94,7 @@ _ENV = "LIGHTNING_RECORDER_COMPILE"
 
 def compile_enabled() -> bool:
     """Whether the engine may compile (``LIGHTNING_RECORDER_COMPILE`` is not ``0``/``off``)."""
-    flag = os.environ.get(_ENV, "1").strip().lower()
-    return flag not in ("0", "off", "false", "no")
+    return switched_on(_ENV)
 
 
 # kernel name, device type, dtype, several rows, inference mode, masked
@@ -424,6 +423,16 @@ def _key(kernel: str, x: Tensor, several: bool, masked: bool) -> Key | None:
     return (kernel, x.device.type, x.dtype, several, inference, masked)
 
 
+def _compiled(key: Key, x: Tensor, *args: Any) -> Tensor | None:
+    """The compiled graph of ``key`` on ``x`` (and ``args``), or ``None`` where it fails at run
+    time (reported once; every kernel stays eager from then on)."""
+    try:
+        return _COMPILER.function(key)(x, *args)
+    except Exception as err:
+        _COMPILER.fail(err)
+        return None
+
+
 def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
     """A kernel on the 2-d tensor ``x`` (and ``args``): compiled when the graph of its variant
     is ready and the rows are not short, else eagerly, a few rows at a time when ``x`` is
@@ -431,11 +440,10 @@ def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
     key = _key(kernel, x, x.shape[0] > 1, masked)
     fn = _KERNELS[kernel]
     with _plain(x):
-        if x.shape[1] >= MIN_COMPILED_LENGTH and _COMPILER.ready(key):
-            try:
-                return _COMPILER.function(key)(x, *args)  # type: ignore[arg-type]
-            except Exception as err:  # a failure at run time: report it once, stay eager
-                _COMPILER.fail(err)
+        if key is not None and x.shape[1] >= MIN_COMPILED_LENGTH and _COMPILER.ready(key):
+            found = _compiled(key, x, *args)
+            if found is not None:
+                return found
         if x.numel() <= CHUNK or x.shape[0] == 1:
             return fn(x, *args)
         step = max(1, CHUNK // x.shape[1])
@@ -517,11 +525,9 @@ def _blocked(flat: Tensor, masked: bool) -> Tensor | None:
     key = _key("blocks", x, False, masked)
     if key is None:
         return None
-    try:
-        with _plain(x):
-            state = _COMPILER.function(key)(x, not masked)
-    except Exception as err:  # a failure at run time: report it once, stay eager
-        _COMPILER.fail(err)
+    with _plain(x):
+        state = _compiled(key, x, not masked)
+    if state is None:
         return None
     if not masked and not bool(torch.isfinite(state).all()):
         return None
