@@ -78,7 +78,7 @@ class _HostValues:
     series: Series
     step: int
     stats: dict[str, list[float]]
-    histograms: list[float] | None
+    histograms: np.ndarray | None  # the flat histogram table
     channels: list[float]
     parameters: list[float]
 
@@ -514,13 +514,13 @@ class FeatureStatsMonitor(RecorderCallback):
         if index is None or collector is None:
             return  # a second recorder matching the same module (and path): counted once
         sample = self._wants_sample()
-        with torch.no_grad():
-            if type(value) is Tensor:  # the common case: one plain tensor
-                if not value.is_complex():
-                    collector.add(index, value, sample)
-                return
-            for tensor in value_tensors(value):
-                collector.add(index, tensor, sample)
+        # (no grad mode needed: the collector reads detached tensors only)
+        if type(value) is Tensor:  # the common case: one plain tensor
+            if not value.is_complex():
+                collector.add(index, value, sample)
+            return
+        for tensor in value_tensors(value):
+            collector.add(index, tensor, sample)
 
     def _held_bytes(self) -> int:
         """Bytes of the tensors the monitor holds for the current batch (records or states)."""
@@ -711,27 +711,30 @@ class FeatureStatsMonitor(RecorderCallback):
         if norms:  # 0-d tensors, of one dtype unless some parameters are float64: one stack
             same = len({t.dtype for t in norms}) == 1
             parts.append(torch.stack(norms if same else [t.to(F64) for t in norms]))
-        values = torch.cat([t.reshape(-1).to(F64) for t in parts]).tolist()  # one host copy
+        # one host copy (a new tensor: its numpy view is its own)
+        found = torch.cat([t.reshape(-1).to(F64) for t in parts]).cpu().numpy()
         m, k = len(self._streams), len(chosen)
+        at = m * k + m
+        values = found[:at].tolist()
         stats: dict[str, list[float]] = {
             name: values[i : m * k : k] for i, name in enumerate(chosen)
         }
-        numel = values[m * k : m * k + m]
-        at = m * k + m
+        numel = values[m * k : at]
         logged = [stats[name] for name in self.stats]
         flat = [v for row in zip(*logged, strict=True) for v in row]
         scalars = self._stat_scalars(series, [*flat, *numel])
         hists: Mapping[str, dict[str, Any]] = {}
-        rows: list[float] | None = None
+        rows: np.ndarray | None = None
         if table is not None:
-            rows = values[at : at + table.numel()]
+            rows = found[at : at + table.numel()]
             hists = self._host_table(series, rows, table.shape[1])
             at += table.numel()
         channels: list[float] = []
         if extremes is not None:
-            channels = values[at : at + extremes.numel()]
+            channels = found[at : at + extremes.numel()].tolist()
             at += extremes.numel()
-        host = _HostValues(series, step, {**stats, "numel": numel}, rows, channels, values[at:])
+        stats["numel"] = numel
+        host = _HostValues(series, step, stats, rows, channels, found[at:].tolist())
         return scalars, hists, host
 
     def _channel_extremes(self) -> Tensor | None:
@@ -784,7 +787,7 @@ class FeatureStatsMonitor(RecorderCallback):
                 at += size
         histograms = None
         if host.histograms is not None:
-            histograms = np.asarray(host.histograms, dtype=np.float64).reshape(len(modules), -1)
+            histograms = np.array(host.histograms, dtype=np.float64).reshape(len(modules), -1)
         numel = np.asarray(host.stats["numel"], dtype=np.float64)
         stats = {}
         for name, column in host.stats.items():
@@ -813,10 +816,11 @@ class FeatureStatsMonitor(RecorderCallback):
                 )
         return scalars
 
-    def _host_table(self, series: Series, values: list[float], width: int) -> HistogramTable:
+    def _host_table(self, series: Series, values: np.ndarray, width: int) -> HistogramTable:
         """The histograms of a host table (rows of ``width`` values, one a module), by tag."""
-        table = torch.tensor(values, dtype=F64).view(-1, width)
-        return HistogramTable(table, self.bins, self._flat_tags(series, _HISTOGRAM))
+        return HistogramTable(
+            values.reshape(-1, width), self.bins, self._flat_tags(series, _HISTOGRAM)
+        )
 
     def _parameter_scalars(
         self, params: ParameterStats, stepped: list[str], values: list[float]

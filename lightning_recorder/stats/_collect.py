@@ -80,6 +80,7 @@ class _Stage:
         self.dtype, self.sample = dtype, sample
         self.buffer: Tensor | None = None
         self.rows: Sequence[Tensor] = ()
+        self.heads: dict[tuple[int, int], Tensor] = {}
         self._made: tuple[Any, tuple[Tensor, Tensor, Tensor]] | None = None
         self.weights: list[float] = []
         self.streams: list[int] = []
@@ -107,6 +108,7 @@ class _Stage:
                 kept = used
             self.buffer = grown
             self.rows = grown.unbind(0)  # a view of each row, made once
+            self.heads = {}  # (row, length) -> the view of the row's first ``length`` values
             self.filled = self.filled[:kept] + [0] * (grown.shape[0] - kept)
         self.weights.append(0.0)
         self.streams.append(-1)
@@ -138,10 +140,14 @@ class _Stage:
     def put(self, row: int, values: Tensor) -> None:
         """Write ``values`` (1-d) at the start of ``row``, NaN after them."""
         length = values.shape[0]
-        target = self.rows[row]
-        target[:length].copy_(values)
+        target = self.heads.get((row, length))
+        if target is None:  # a view made once per row and length (a loop repeats its sizes)
+            if len(self.heads) > 4096:
+                self.heads.clear()
+            target = self.heads[(row, length)] = self.rows[row][:length]
+        target.copy_(values)
         if self.filled[row] > length:  # a longer sample was here: NaN over its tail
-            target[length : self.filled[row]].fill_(math.nan)
+            self.rows[row][length : self.filled[row]].fill_(math.nan)
         self.filled[row] = length
 
     def release(self, row: int) -> None:
@@ -257,8 +263,10 @@ class Collector:
             return
         if stream in self.channels and x.dim():
             self._add_extremes(stream, x)
-        flat = flat_view(x)
-        if n <= SMALL and not native_ready(x):
+        # the common case, a dense tensor: views of its memory, no flat_view call
+        flat = x.view(n) if x.is_contiguous() else flat_view(x)
+        native = native_ready(x)
+        if n <= SMALL and not native:
             inference = torch.is_inference_mode_enabled()
             key = (n, x.dtype, x.device, inference)
             group = self._groups.get(key)
@@ -270,7 +278,7 @@ class Collector:
             if self._small_held > _SMALL_HELD:
                 self._reduce_small()
         else:  # on the CPU, the kernel (a few µs): every float32 and float64 tensor
-            self._add_rows(state_row(x, flat), [stream])
+            self._add_rows(state_row(x, flat, native), [stream])
         if sample:
             self._sample(stream, x, n, flat=flat)
 

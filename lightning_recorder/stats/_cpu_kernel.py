@@ -59,6 +59,8 @@ _register_fake("lightning_recorder::rows_state", _fake, lib=_LIB)
 
 _lock = threading.Lock()
 _loaded = False
+# the op's overload, resolved once (a call through the overload packet costs a few µs more)
+_OP = torch.ops.lightning_recorder.rows_state.default
 
 
 def enabled() -> bool:
@@ -97,4 +99,4 @@ def build() -> None:
 def rows_state(x: Tensor) -> Tensor:
     """The packed states ``(R, WIDTH)`` of the rows of ``x`` ``(R, L)`` (``float32`` or
     ``float64`` on the CPU, rows contiguous), by the CPU kernel (:func:`build` first)."""
-    return torch.ops.lightning_recorder.rows_state(x)
+    return _OP(x)

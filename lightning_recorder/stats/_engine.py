@@ -484,13 +484,14 @@ def tensor_state(x: Tensor) -> Tensor:
     return state_row(x, flat_view(x))[0]
 
 
-def state_row(x: Tensor, flat: Tensor | None) -> Tensor:
+def state_row(x: Tensor, flat: Tensor | None, native: bool | None = None) -> Tensor:
     """:func:`tensor_state` as one row ``(1, WIDTH)``, given ``x`` detached and its
-    :func:`flat_view` (a caller that needs the view too computes it once)."""
+    :func:`flat_view` (and :func:`native_ready`, if known: a caller that needs them too computes
+    them once)."""
     n = x.numel()
     if n == 0:
         return empty_states(1, device=x.device)
-    if flat is not None and native_ready(x):
+    if flat is not None and (native_ready(x) if native is None else native):
         return _cpu_kernel.rows_state(flat.view(1, n))
     if flat is not None and x.dtype in COMPILED_DTYPES:
         masked = _masked_by_default(x.device)
