@@ -26,7 +26,13 @@ from hypothesis import strategies as st
 from lightning_recorder.stats import _engine as engine
 from lightning_recorder.stats._collect import Collector, sample_stride
 from lightning_recorder.stats._engine import row_counts
-from lightning_recorder.stats._histogram import edges, ranges, stream_counts
+from lightning_recorder.stats._histogram import (
+    add_ones,
+    count_keys,
+    edges,
+    ranges,
+    stream_counts,
+)
 from lightning_recorder.stats._state import (
     COUNT,
     F64,
@@ -214,6 +220,22 @@ def test_row_counts_skip_padding_and_non_finite_values_and_are_deterministic() -
     assert counts[0].sum(1).tolist() == [10, 1, 0]  # row 2 lies outside its range
     assert counts[0][0].tolist() == [3, 2, 2, 3]  # torch.histogram's buckets of linspace(0, 1, 10)
     assert all(torch.equal(counts[0], c) for c in counts)
+
+
+def test_both_ways_of_counting_keys_agree_with_a_loop() -> None:
+    """count_keys takes bincount on the CPU, the integer index_add_ of add_ones elsewhere: both
+    count every key, keys at both ends of the range included."""
+    key = torch.tensor([0, 3, 3, 7, 0, 0, 5, 7])
+    want = torch.zeros(9, dtype=torch.int64)
+    for k in key.tolist():
+        want[k] += 1
+    for found in (count_keys(key, 9), add_ones(key, 9)):
+        assert found.dtype == torch.int64 and torch.equal(found, want)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.equal(count_keys(key, 9), add_ones(key, 9))
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_collector_states_and_counts() -> None:
