@@ -79,7 +79,10 @@ def bucket_index(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     scale = bins / (hi - lo)
     near = scale.clamp(max=2.0**64)
     start_scale, then = near.to(dtype).unsqueeze(1), (scale / near).to(dtype).unsqueeze(1)
-    position = torch.nan_to_num((values - start) * start_scale * then, nan=0.0).clamp(0, bins - 1)
+    position = (values - start) * start_scale * then
+    # NaN (0 * inf in a range narrower than float64 resolves) as 0, as nan_to_num has it: a
+    # comparison, which compiles to vector code where isnan does not
+    position = torch.where(position == position, position, 0.0).clamp(0, bins - 1)
     inside = (values >= start) & (values <= end)  # NaN and values outside: False
     return torch.where(inside, position.to(torch.int32), bins)
 

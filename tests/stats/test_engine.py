@@ -363,6 +363,23 @@ def test_compiled_equals_eager_and_never_recompiles(compiled_engine: None) -> No
             assert_matches(engine.tensor_state(x), x)
 
 
+def test_a_range_too_narrow_for_its_scale_puts_its_ends_in_the_end_buckets(
+    compiled_engine: None,
+) -> None:
+    """bins / (hi - lo) overflows float64 for a range narrower than about 1e-307: the position of
+    ``lo`` is then 0 * inf (NaN), counted in the first bucket (never an index out of range),
+    compiled and eager alike."""
+    assert "buckets cpu float64" in engine.compile_status(), engine.compile_status()
+    x = torch.zeros(1, 4096, dtype=F64)  # long enough for the compiled graph
+    x[0, 1] = 1e-308
+    lo, hi = torch.tensor([0.0], dtype=F64), torch.tensor([1e-308], dtype=F64)
+    want = [0, 29] + [0] * 4094
+    assert engine._run("buckets", x, lo, hi, 30)[0].tolist() == want
+    with engine.eager_only():
+        assert engine._run("buckets", x, lo, hi, 30)[0].tolist() == want
+    assert row_counts(x, lo, hi, 30)[0].tolist() == [4095] + [0] * 28 + [1]
+
+
 @pytest.fixture
 def blocked_engine(compiled_engine: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled engine reading large CPU tensors as a GPU does: BLOCK_ROWS rows."""
