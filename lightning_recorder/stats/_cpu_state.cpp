@@ -83,66 +83,7 @@ LR_INLINE void start(Lanes& a) {
   a.zeros = v4i{0, 0, 0, 0};
 }
 
-LR_INLINE void add(Lanes& a, v4d v, v4d shift) {
-  const v4d zero = {0.0, 0.0, 0.0, 0.0};
-  const v4d d = v - shift;
-  a.sum += d;
-  a.squares += d * d;
-  a.abs_sum += abs(v);
-  a.low = v < a.low ? v : a.low;
-  a.high = v > a.high ? v : a.high;
-  a.zeros -= (v == zero);  // a comparison is -1 where true
-}
-
-// The finite-data sums of a row: [sum d, sum d^2, sum |x|, min, max, zeros]. The sums are
-// taken block by block (lanes within a block, then the blocks' sums added), so that no running
-// sum grows much beyond a block's: the rounding error stays near that of a pairwise sum.
-template <typename T>
-LR_INLINE void finite_sums(const T* x, int64_t n, double shift, double* out) {
-  Lanes a, b;
-  start(a);
-  start(b);
-  const v4d s = {shift, shift, shift, shift};
-  const v4d zero = {0.0, 0.0, 0.0, 0.0};
-  double total = 0.0, squares = 0.0, abs_sum = 0.0;
-  int64_t i = 0;
-  while (i + 8 <= n) {
-    const int64_t end = std::min(n, i + kBlock);
-    for (; i + 8 <= end; i += 8) {
-      add(a, load(x + i), s);
-      add(b, load(x + i + 4), s);
-    }
-    const v4d block_sum = a.sum + b.sum, block_squares = a.squares + b.squares;
-    const v4d block_abs = a.abs_sum + b.abs_sum;
-    for (int j = 0; j < 4; ++j) {
-      total += block_sum[j];
-      squares += block_squares[j];
-      abs_sum += block_abs[j];
-    }
-    a.sum = a.squares = a.abs_sum = b.sum = b.squares = b.abs_sum = zero;
-  }
-  double zeros = 0.0, low = kInf, high = -kInf;
-  for (int j = 0; j < 4; ++j) {
-    zeros += static_cast<double>(a.zeros[j] + b.zeros[j]);
-    low = std::min({low, a.low[j], b.low[j]});
-    high = std::max({high, a.high[j], b.high[j]});
-  }
-  for (; i < n; ++i) {
-    const double v = static_cast<double>(x[i]);
-    const double d = v - shift;
-    total += d;
-    squares += d * d;
-    abs_sum += std::fabs(v);
-    low = v < low ? v : low;
-    high = v > high ? v : high;
-    zeros += v == 0.0;
-  }
-  const double found[6] = {total, squares, abs_sum, low, high, zeros};
-  std::memcpy(out, found, sizeof found);
-}
-
-// float32 rows: the extremes and the zeros, exact in float32, taken on 8 float32 lanes; the
-// sums on 2 x 4 float64 lanes, as above (fewer instructions per value than converting first).
+// The sums of one value's lanes: its deviation d = v - shift, d^2 and |v|.
 LR_INLINE void add_sums(Lanes& a, v4d v, v4d shift) {
   const v4d d = v - shift;
   a.sum += d;
@@ -150,21 +91,92 @@ LR_INLINE void add_sums(Lanes& a, v4d v, v4d shift) {
   a.abs_sum += abs(v);
 }
 
+LR_INLINE void add(Lanes& a, v4d v, v4d shift) {
+  const v4d zero = {0.0, 0.0, 0.0, 0.0};
+  add_sums(a, v, shift);
+  a.low = v < a.low ? v : a.low;
+  a.high = v > a.high ? v : a.high;
+  a.zeros -= (v == zero);  // a comparison is -1 where true
+}
+
+// The finite-data sums of a row as they are gathered: sum d, sum d^2, sum |x|, min, max, zeros.
+struct Sums {
+  double total = 0.0, squares = 0.0, abs_sum = 0.0, low = kInf, high = -kInf, zeros = 0.0;
+};
+
+// Add the sums of a block's lanes to the row's and start the lanes' sums afresh.
+LR_INLINE void end_block(Lanes& a, Lanes& b, Sums& row) {
+  const v4d zero = {0.0, 0.0, 0.0, 0.0};
+  const v4d block_sum = a.sum + b.sum, block_squares = a.squares + b.squares;
+  const v4d block_abs = a.abs_sum + b.abs_sum;
+  for (int j = 0; j < 4; ++j) {
+    row.total += block_sum[j];
+    row.squares += block_squares[j];
+    row.abs_sum += block_abs[j];
+  }
+  a.sum = a.squares = a.abs_sum = b.sum = b.squares = b.abs_sum = zero;
+}
+
+// The values after the last whole group of 8, one at a time; then the sums in `out`.
+template <typename T>
+LR_INLINE void end_row(const T* x, int64_t i, int64_t n, double shift, Sums& row, double* out) {
+  for (; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    const double d = v - shift;
+    row.total += d;
+    row.squares += d * d;
+    row.abs_sum += std::fabs(v);
+    row.low = v < row.low ? v : row.low;
+    row.high = v > row.high ? v : row.high;
+    row.zeros += v == 0.0;
+  }
+  const double found[6] = {row.total, row.squares, row.abs_sum, row.low, row.high, row.zeros};
+  std::memcpy(out, found, sizeof found);
+}
+
+// The finite-data sums of a row into `out`. The sums are taken block by block (lanes within a
+// block, then the blocks' sums added), so that no running sum grows much beyond a block's: the
+// rounding error stays near that of a pairwise sum.
+template <typename T>
+LR_INLINE void finite_sums(const T* x, int64_t n, double shift, double* out) {
+  Lanes a, b;
+  start(a);
+  start(b);
+  const v4d s = {shift, shift, shift, shift};
+  Sums row;
+  int64_t i = 0;
+  while (i + 8 <= n) {
+    const int64_t end = std::min(n, i + kBlock);
+    for (; i + 8 <= end; i += 8) {
+      add(a, load(x + i), s);
+      add(b, load(x + i + 4), s);
+    }
+    end_block(a, b, row);
+  }
+  for (int j = 0; j < 4; ++j) {
+    row.zeros += static_cast<double>(a.zeros[j] + b.zeros[j]);
+    row.low = std::min({row.low, a.low[j], b.low[j]});
+    row.high = std::max({row.high, a.high[j], b.high[j]});
+  }
+  end_row(x, i, n, shift, row, out);
+}
+
+// float32 rows: the extremes and the zeros, exact in float32, taken on 8 float32 lanes; the
+// sums on 2 x 4 float64 lanes, as above (fewer instructions per value than converting first).
 LR_INLINE void finite_sums(const float* x, int64_t n, double shift, double* out) {
   Lanes a, b;
   start(a);
   start(b);
   const v4d s = {shift, shift, shift, shift};
-  const v4d zero = {0.0, 0.0, 0.0, 0.0};
   const float inf = std::numeric_limits<float>::infinity();
   v8f low = {inf, inf, inf, inf, inf, inf, inf, inf};
   v8f high = -low;
   const v8f zero8 = {0, 0, 0, 0, 0, 0, 0, 0};
-  double total = 0.0, squares = 0.0, abs_sum = 0.0, zeros = 0.0;
+  Sums row;
   int64_t i = 0;
   while (i + 8 <= n) {
     const int64_t end = std::min(n, i + kBlock);
-    v8i block_zeros = {0, 0, 0, 0, 0, 0, 0, 0};
+    v8i block_zeros = {0, 0, 0, 0, 0, 0, 0, 0};  // at most kBlock / 8 per lane
     for (; i + 8 <= end; i += 8) {
       const v8f f = load8(x + i);
       low = f < low ? f : low;
@@ -173,35 +185,16 @@ LR_INLINE void finite_sums(const float* x, int64_t n, double shift, double* out)
       add_sums(a, load(x + i), s);
       add_sums(b, load(x + i + 4), s);
     }
-    const v4d block_sum = a.sum + b.sum, block_squares = a.squares + b.squares;
-    const v4d block_abs = a.abs_sum + b.abs_sum;
-    for (int j = 0; j < 4; ++j) {
-      total += block_sum[j];
-      squares += block_squares[j];
-      abs_sum += block_abs[j];
-    }
+    end_block(a, b, row);
     for (int j = 0; j < 8; ++j) {
-      zeros += static_cast<double>(block_zeros[j]);
+      row.zeros += static_cast<double>(block_zeros[j]);
     }
-    a.sum = a.squares = a.abs_sum = b.sum = b.squares = b.abs_sum = zero;
   }
-  double lowest = kInf, highest = -kInf;
   for (int j = 0; j < 8; ++j) {
-    lowest = std::min(lowest, static_cast<double>(low[j]));
-    highest = std::max(highest, static_cast<double>(high[j]));
+    row.low = std::min(row.low, static_cast<double>(low[j]));
+    row.high = std::max(row.high, static_cast<double>(high[j]));
   }
-  for (; i < n; ++i) {
-    const double v = static_cast<double>(x[i]);
-    const double d = v - shift;
-    total += d;
-    squares += d * d;
-    abs_sum += std::fabs(v);
-    lowest = v < lowest ? v : lowest;
-    highest = v > highest ? v : highest;
-    zeros += v == 0.0;
-  }
-  const double found[6] = {total, squares, abs_sum, lowest, highest, zeros};
-  std::memcpy(out, found, sizeof found);
+  end_row(x, i, n, shift, row, out);
 }
 
 // The same sums of the finite values of a row, and its counts of finite values, NaN, +inf and
