@@ -760,7 +760,7 @@ class FeatureStatsMonitor(RecorderCallback):
         merged = torch.cat(blocks, 1)
         metric = self._extremes_metric
         if metric is None or metric.low.numel() != merged.shape[1]:
-            metric = self._extremes_metric = ChannelExtremes(merged.shape[1]).to(merged.device)
+            metric = self._extremes_metric = ChannelExtremes.on(merged.shape[1], merged.device)
         metric.reset()
         metric.update(merged)
         return metric.compute()

@@ -150,6 +150,15 @@ class ChannelExtremes(_Quiet):
         self.add_state("high", default=-inf, dist_reduce_fx="max")
         self.add_state("abs_low", default=inf.clone(), dist_reduce_fx="min")
 
+    @classmethod
+    def on(cls, channels: int, device: torch.device | str) -> ChannelExtremes:
+        """A metric of ``channels`` channels whose states are made on ``device`` (filled there):
+        made on the host and moved, they would be copied from the host, which synchronises with
+        a CUDA device."""
+        with torch.device(device):
+            metric = cls(channels)
+        return metric.to(device)  # the states are there: only the metric's device is set
+
     def update(self, extremes: Tensor) -> None:
         """Merge ``(3, channels)`` extremes into the metric's."""
         extremes = extremes.to(device=self.low.device, dtype=F64)

@@ -128,5 +128,7 @@ def test_sync_counting_finds_each_synchronisation_of_a_step(tmp_path: Path) -> N
         bare = checks.sync_run(tmp_path / "bare", CPU, [], checks.ConvNet())
         assert all(stacks == [] for stacks in bare)  # no CUDA: nothing synchronises
         checks.check_monitor_syncs(tmp_path / "one", CPU, bare, extra=[_FakeSync()])
+        channels = tmp_path / "channels"  # the GPU test's variant with per-channel extremes
+        checks.check_monitor_syncs(channels, CPU, bare, extra=[_FakeSync()], channels=True)
         with pytest.raises(AssertionError, match="step 3: 0 syncs"):
             checks.check_monitor_syncs(tmp_path / "none", CPU, bare)

@@ -218,6 +218,14 @@ def test_monitor_syncs(mode: str, tmp_path: Path, bare_steps: list[list[str]]) -
     checks.check_monitor_syncs(tmp_path, CUDA, bare_steps)
 
 
+def test_monitor_syncs_with_per_channel_extremes(
+    tmp_path: Path, bare_steps: list[list[str]]
+) -> None:
+    """The same with per-channel extremes tracked (HealthMonitor's dead-unit rules): their
+    metric is made on the device in the first logging step, not moved there from the host."""
+    checks.check_monitor_syncs(tmp_path, CUDA, bare_steps, channels=True)
+
+
 def test_distillation_syncs(tmp_path: Path, bare_steps: list[list[str]]) -> None:
     torch.manual_seed(0)
     distill = FeatureDistillation(

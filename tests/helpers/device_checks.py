@@ -747,10 +747,15 @@ def report(ours: list[list[str]], step: int) -> str:
     return f"step {step}: {len(ours[step])} syncs\n" + "\n----\n".join(ours[step])
 
 
-def monitor_for_syncs() -> FeatureStatsMonitor:
-    return FeatureStatsMonitor(
+def monitor_for_syncs(channels: bool = False) -> FeatureStatsMonitor:
+    """The monitor of the synchronisation checks (``channels``: with per-channel extremes of
+    every monitored module, as HealthMonitor's dead-unit rules ask for)."""
+    monitor = FeatureStatsMonitor(
         ["features.0", "features.2", "head", "spare"], every_n_steps=SYNC_EVERY, parameters=True
     )
+    if channels:
+        monitor.track_channels(lambda name, module: True)
+    return monitor
 
 
 def check_monitor_syncs(
@@ -759,15 +764,18 @@ def check_monitor_syncs(
     bare: list[list[str]],
     extra: list[pl.Callback] = (),  # type: ignore[assignment]
     on_logging: int = 1,
+    channels: bool = False,
 ) -> None:
     """0 synchronisations added to a non-logging step, ``on_logging`` (1: statistics,
     histograms and norms reach the host in one copy) to a logging step. Step 0 is left out:
     what the first step of a process synchronises (lazy initialisation) depends on what ran
-    before it. ``extra`` callbacks run inside the window (tests of the counting itself)."""
+    before it. ``extra`` callbacks run inside the window (tests of the counting itself);
+    ``channels``: the monitor keeps per-channel extremes too."""
     torch.manual_seed(0)
-    monitor = monitor_for_syncs()
+    monitor = monitor_for_syncs(channels)
     ours = sync_run(tmp_path, device, [monitor, *extra], ConvNet())
     assert monitor.logged_steps == 3 and monitor.last_logged_step == 11
+    assert bool(monitor._channel_sizes) == channels  # extremes kept exactly when asked for
     for step in range(1, SYNC_STEPS):
         expected = on_logging if step in SYNC_LOGGING else 0
         assert excess(ours, bare, step) == expected, report(ours, step)

@@ -486,3 +486,40 @@ def test_pickle_and_state_dict(tmp_path: Path) -> None:
     fresh = FeatureStats(correction=0)
     fresh.load_state_dict(torch.load(tmp_path / "stats.pt", weights_only=True))
     assert_stats(fresh.compute(), reference([x], correction=0))
+
+
+class _Moves(torch.overrides.TorchFunctionMode):
+    """Records every torch call whose result lies on another device than its first argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        first = args[0] if args else None
+        tensors = isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor)
+        if tensors and out.device != first.device:
+            self.moves.append(getattr(func, "__name__", str(func)))
+        return out
+
+
+def test_channel_extremes_are_made_on_their_device_without_a_copy_from_the_host() -> None:
+    """ChannelExtremes.on fills its states on the device (a copy from the host would synchronise
+    with a CUDA device, inside the first logged step); made on the host and moved, the states
+    are copied (the meta device stands for a GPU here)."""
+    from lightning_recorder.stats.metric import ChannelExtremes
+
+    with _Moves() as made_there:
+        metric = ChannelExtremes.on(5, "meta")
+    assert made_there.moves == []
+    assert metric.low.device.type == metric.high.device.type == "meta"
+    assert metric.device.type == "meta"  # torchmetrics' own notion of its device agrees
+    metric.reset()
+    assert metric.abs_low.device.type == "meta" and metric.low.shape == (5,)
+    with _Moves() as moved:
+        ChannelExtremes(5).to("meta")
+    assert moved.moves  # the other way: copies from the host
+    cpu = ChannelExtremes.on(3, "cpu")
+    cpu.update(torch.tensor([[1.0, -2.0, 0.5], [3.0, 4.0, 0.5], [1.0, 0.0, 0.5]]))
+    assert cpu.compute().tolist() == [[1.0, -2.0, 0.5], [3.0, 4.0, 0.5], [1.0, 0.0, 0.5]]
