@@ -436,7 +436,7 @@ def _compiled(key: Key, x: Tensor, *args: Any) -> Tensor | None:
 def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
     """A kernel on the 2-d tensor ``x`` (and ``args``): compiled when the graph of its variant
     is ready and the rows are not short, else eagerly, a few rows at a time when ``x`` is
-    large."""
+    large (a single long row in pieces of :data:`CHUNK`: bounded memory)."""
     key = _key(kernel, x, x.shape[0] > 1, masked)
     fn = _KERNELS[kernel]
     with _plain(x):
@@ -444,8 +444,13 @@ def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
             found = _compiled(key, x, *args)
             if found is not None:
                 return found
-        if x.numel() <= CHUNK or x.shape[0] == 1:
+        if x.numel() <= CHUNK:
             return fn(x, *args)
+        if x.shape[0] == 1:  # one long row (a compiled graph failed on it): in pieces
+            pieces = [fn(piece, *args) for piece in x.split(CHUNK, 1)]
+            if kernel == "state":  # the pieces' states, merged
+                return merge(torch.cat(pieces)).unsqueeze(0)
+            return torch.cat(pieces, 1)  # a value per value
         step = max(1, CHUNK // x.shape[1])
         pieces = [
             fn(x[i : i + step], *(a[i : i + step] if isinstance(a, Tensor) else a for a in args))

@@ -28,6 +28,7 @@ from lightning_recorder.stats._collect import Collector, sample_stride
 from lightning_recorder.stats._engine import row_counts
 from lightning_recorder.stats._histogram import (
     add_ones,
+    bucket_index,
     count_keys,
     edges,
     ranges,
@@ -431,6 +432,39 @@ def test_a_blocks_graph_failing_at_run_time_warns_and_reads_in_chunks(
         state = engine.tensor_state(x)
     assert_matches(state, x)
     assert engine.compile_status().startswith("failed: RuntimeError")
+
+
+def test_a_state_graph_failing_at_run_time_reads_a_long_row_in_pieces(
+    compiled_engine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eager fallback of one long row takes it in pieces of CHUNK, merged: its transient
+    memory stays a few pieces (the whole row converted to float64 would be 8 bytes a value)."""
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("no kernel for this input")
+
+    function = engine._COMPILER.function
+    monkeypatch.setattr(
+        engine._COMPILER, "function", lambda key: broken if key[0] == "state" else function(key)
+    )
+    read: list[int] = []
+    definition = engine._KERNELS["state"]
+
+    def recorded(x: torch.Tensor, *args: object) -> torch.Tensor:
+        read.append(x.shape[1])
+        return definition(x, *args)
+
+    monkeypatch.setitem(engine._KERNELS, "state", recorded)
+    x = data("specials", torch.bfloat16, 3 * engine.CHUNK + 11)
+    with pytest.warns(UserWarning, match="no kernel for this input"):
+        state = engine.tensor_state(x)
+    assert_matches(state, x)
+    assert read and max(read) <= engine.CHUNK
+    values = torch.rand(1, 2 * engine.CHUNK + 5)  # buckets, one value each: pieces side by side
+    lo, hi = torch.zeros(1, dtype=F64), torch.ones(1, dtype=F64)
+    with engine.eager_only():
+        whole = engine._run("buckets", values, lo, hi, 8)
+    assert torch.equal(whole, bucket_index(values, lo, hi, 8))
 
 
 def test_a_failed_compile_warns_once_and_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
