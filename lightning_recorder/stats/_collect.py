@@ -263,8 +263,7 @@ class Collector:
             return
         if stream in self.channels and x.dim():
             self._add_extremes(stream, x)
-        # the common case, a dense tensor: views of its memory, no flat_view call
-        flat = x.view(n) if x.is_contiguous() else flat_view(x)
+        flat = flat_view(x)
         native = native_ready(x)
         if n <= SMALL and not native:
             inference = torch.is_inference_mode_enabled()

@@ -447,10 +447,9 @@ def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
         if x.numel() <= CHUNK:
             return fn(x, *args)
         if x.shape[0] == 1:  # one long row (a compiled graph failed on it): in pieces
-            pieces = [fn(piece, *args) for piece in x.split(CHUNK, 1)]
-            if kernel == "state":  # the pieces' states, merged
-                return merge(torch.cat(pieces)).unsqueeze(0)
-            return torch.cat(pieces, 1)  # a value per value
+            if kernel == "state":
+                return _merged_pieces(x[0], lambda piece: fn(piece, *args))
+            return torch.cat([fn(piece, *args) for piece in x.split(CHUNK, 1)], 1)
         step = max(1, CHUNK // x.shape[1])
         pieces = [
             fn(x[i : i + step], *(a[i : i + step] if isinstance(a, Tensor) else a for a in args))
@@ -511,12 +510,18 @@ def state_row(x: Tensor, flat: Tensor | None, native: bool | None = None) -> Ten
     if flat is None:  # not one block: pieces copied one at a time
         pieces = [rows_states(piece.view(1, -1)) for piece in _chunks(x, flat)]
         return merge(torch.cat(pieces)).unsqueeze(0)
+    return _merged_pieces(flat, rows_states)
+
+
+def _merged_pieces(flat: Tensor, states: Callable[[Tensor], Tensor]) -> Tensor:
+    """The state ``(1, WIDTH)`` of the 1-d ``flat`` from ``states`` of its pieces of at most
+    :data:`CHUNK` elements (each ``(1, length)``), merged: bounded transient memory."""
     pieces = flat.split(CHUNK)
     # one buffer for every piece's state, allocated first: the pieces' temporaries are freed
     # and reused in turn, not pinned apart by small results left between them
-    found = empty_states(len(pieces), device=x.device)
+    found = empty_states(len(pieces), device=flat.device)
     for i, piece in enumerate(pieces):
-        found[i] = rows_states(piece.view(1, -1))[0]
+        found[i] = states(piece.view(1, -1))[0]
     return merge(found).unsqueeze(0)
 
 
