@@ -9,9 +9,11 @@ accelerator, whose caching allocator gives them back at once: no memory is held 
 steps there). With several optimizers (a GAN's
 discriminator and generator, Lightning's manual optimization) each parameter's figures are
 those of its own optimizer's step, never another optimizer's gradient left over from an earlier
-backward; a parameter stepped twice in a batch keeps its last step. At the batch's end, one
-foreach norm over the parameters and their copies, an in-place foreach difference and one more
-norm give ``||p||``, ``||before||`` and ``||Δp||``, still on the device.
+backward; a parameter stepped twice in a batch keeps its last step. The copies' norms
+``||before||`` are taken with the gradients' in one foreach norm right after the copy, while the
+copies are still in the cache. At the batch's end, one foreach norm over the parameters, an
+in-place foreach difference and one more norm give ``||p||`` and ``||Δp||``, still on the
+device.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class ParameterStats:
         """Forget this batch's gradient norms and copies (the buffers of CPU copies are kept
         for the next logged step; others are freed)."""
         self._grad_norms: dict[str, Tensor] = {}
+        self._before_norms: dict[str, Tensor] = {}
         self._stepped: list[str] = []
         self._before = {name: copy for name, copy in self._before.items() if copy.is_cpu}
 
@@ -71,10 +74,6 @@ class ParameterStats:
             return
         with torch.no_grad():
             grads = [cast(Tensor, self.params[name].grad) for name in names]
-            found = norms(grads)
-            if self.sharded:
-                found = full_values(found)  # collectives, on every rank in the same order
-            self._grad_norms.update(zip(names, found, strict=True))
             buffers = []
             for name in names:
                 param = self.params[name]
@@ -89,6 +88,14 @@ class ParameterStats:
                     dst.copy_(src)
             else:
                 foreach_copy_(buffers, params)
+            # the copies' norms read while the copies are still in the cache (after the step
+            # they are read once more, for the change)
+            found = norms([*grads, *buffers])
+            if self.sharded:
+                found = full_values(found)  # collectives, on every rank in the same order
+            k = len(names)
+            self._grad_norms.update(zip(names, found[:k], strict=True))
+            self._before_norms.update(zip(names, found[k:], strict=True))
         self._stepped.extend(n for n in names if n not in self._stepped)
 
     def tensors(self) -> tuple[list[str], list[Tensor]]:
@@ -98,14 +105,16 @@ class ParameterStats:
         stepped = list(self._stepped)
         before = [self._before[name] for name in stepped]
         with torch.no_grad():
-            found = norms([*self.params.values(), *before])
+            found = norms(list(self.params.values()))
             foreach_sub_(before, upcast([self.params[name] for name in stepped]))
             found = [*found, *norms(before)]  # ||before - after|| = ||change||
             if self.sharded:
                 found = full_values(found)  # collectives, on every rank in the same order
+        k = len(self.params)
+        before_norms = [self._before_norms[name] for name in stepped]
         grad_norms = [self._grad_norms[name] for name in stepped]
         self.clear()
-        return stepped, [*found, *grad_norms]
+        return stepped, [*found[:k], *before_norms, *found[k:], *grad_norms]
 
     def values(
         self, stepped: list[str], values: list[float]

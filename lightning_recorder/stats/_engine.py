@@ -1,9 +1,10 @@
 """The statistics engine: the package's kernels, compiled where they can be, eager elsewhere.
 
 Two kernels, plain torch functions written once: :func:`~._state.rows_state` (the packed states
-of the rows of a 2-d tensor) and :func:`~._histogram.bucket_index` (the histogram bucket of
-every value of the rows of a 2-d tensor); :func:`blocks_state` is the first followed by
-:func:`~._state.merge`, the state of a whole tensor read as rows.
+of the rows of a 2-d tensor) and :func:`~._histogram.bucket_keys` (the histogram bucket of
+every value of the rows of a 2-d tensor, as a key of one count for all rows);
+:func:`blocks_state` is the first followed by :func:`~._state.merge`, the state of a whole
+tensor read as rows.
 
 **Compiled.** ``torch.compile(kernel, dynamic=True)`` fuses a kernel into one read of its data
 (inductor on the CPU, Triton on CUDA) with no ``float64`` copy of it. Inputs are 2-d (a
@@ -48,7 +49,7 @@ from torch import Tensor
 
 from .._core.checks import switched_on
 from . import _cpu_kernel
-from ._histogram import bucket_index, tally
+from ._histogram import bucket_keys, row_bases, tally
 from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state
 
 __all__ = [
@@ -111,7 +112,7 @@ def blocks_state(x: Tensor, finite: bool = False) -> Tensor:
 _KERNELS: dict[str, Callable[..., Tensor]] = {
     "state": rows_state,
     "blocks": blocks_state,
-    "buckets": bucket_index,
+    "buckets": bucket_keys,
 }
 
 
@@ -132,7 +133,7 @@ def _example(key: Key) -> tuple[Any, ...]:
     if kernel in ("state", "blocks"):
         return (x, not masked)
     bounds = torch.zeros(rows, dtype=F64, device=device)
-    return (x, bounds, bounds + 1, 30)
+    return (x, bounds, bounds + 1, row_bases(rows, 30, x.device), 30)
 
 
 class _Compiler:
@@ -550,12 +551,13 @@ def _blocked(flat: Tensor, masked: bool) -> Tensor | None:
 def row_counts(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     """Integer bucket counts ``(R, bins)`` of the finite values of each row of ``values`` ``(R,
     S)`` (float32 or float64; pad rows with NaN) over its row's range ``[lo, hi]`` (``(R,)``,
-    ``float64``): :func:`~._histogram.bucket_index`, then :func:`~._histogram.tally`. Values
+    ``float64``): :func:`~._histogram.bucket_keys`, then :func:`~._histogram.tally`. Values
     outside a row's range are not counted. ``values`` is made contiguous (a sample: small), so
     that one graph serves the rows of any staging buffer (a compiled graph is specialised for
     contiguous rows)."""
-    index = _run("buckets", values.contiguous(), lo.contiguous(), hi.contiguous(), bins)
-    return tally(index, bins)
+    bases = row_bases(values.shape[0], bins, values.device)
+    keys = _run("buckets", values.contiguous(), lo.contiguous(), hi.contiguous(), bases, bins)
+    return tally(keys, bins)
 
 
 def _chunks(x: Tensor, flat: Tensor | None) -> Iterable[Tensor]:

@@ -9,7 +9,8 @@ around a single value, ``[0, 1]`` without data; the ``bins + 1`` edges are those
 NaN, which is never counted, like every non-finite value) arithmetically in the values' own
 precision, as :func:`torch.histc` does — bucket ``i`` holds ``edges[i] <= v < edges[i + 1]``,
 the last bucket closed, up to rounding at the edges — in one pass (a kernel of the engine,
-compiled where it can be), and :func:`tally` counts them with one integer count for every row
+compiled where it can be, offset by its row's place in the same pass: :func:`bucket_keys`), and
+:func:`tally` counts them with one integer count for every row
 (``bincount`` on the CPU, ``index_add_`` elsewhere): no per-row Python, no floating-point
 atomics, the same counts on every device and under ``torch.use_deterministic_algorithms(True)``.
 
@@ -29,6 +30,7 @@ from ._state import COUNT, F64, M2, MAX, MEAN, MIN
 __all__ = [
     "add_ones",
     "bucket_index",
+    "bucket_keys",
     "count_keys",
     "edges",
     "ranges",
@@ -87,14 +89,24 @@ def bucket_index(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     return torch.where(inside, position.to(torch.int32), bins)
 
 
-def tally(index: Tensor, bins: int) -> Tensor:
-    """Integer counts ``(R, bins)`` of the bucket indices ``(R, S)`` of :func:`bucket_index`
-    (index ``bins``: not counted), in one integer count of every row's keys: the same counts
-    in any order, on any device, deterministic or not."""
-    rows = index.shape[0]
-    offsets = torch.arange(rows, dtype=index.dtype, device=index.device).unsqueeze(1)
-    key = (index + offsets * (bins + 1)).reshape(-1)
-    return count_keys(key, rows * (bins + 1)).view(rows, bins + 1)[:, :bins]
+def bucket_keys(values: Tensor, lo: Tensor, hi: Tensor, base: Tensor, bins: int) -> Tensor:
+    """:func:`bucket_index` of each value offset by its row's ``base`` (``(R,)``, ``int64``:
+    ``row * (bins + 1)`` for :func:`tally`): keys of one integer count for every row, made in
+    the same pass as the buckets (a kernel of the engine)."""
+    return bucket_index(values, lo, hi, bins).to(base.dtype) + base.unsqueeze(1)
+
+
+def row_bases(rows: int, bins: int, device: torch.device) -> Tensor:
+    """The ``base`` of :func:`bucket_keys` of ``rows`` rows: ``row * (bins + 1)``, ``int64``."""
+    return torch.arange(rows, dtype=torch.int64, device=device) * (bins + 1)
+
+
+def tally(keys: Tensor, bins: int) -> Tensor:
+    """Integer counts ``(R, bins)`` of the keys ``(R, S)`` of :func:`bucket_keys` (bases of
+    :func:`row_bases`; a row's key ``base + bins``: not counted), in one integer count of every
+    row's keys: the same counts in any order, on any device, deterministic or not."""
+    rows = keys.shape[0]
+    return count_keys(keys.reshape(-1), rows * (bins + 1)).view(rows, bins + 1)[:, :bins]
 
 
 def count_keys(key: Tensor, size: int) -> Tensor:
