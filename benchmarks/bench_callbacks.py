@@ -25,11 +25,15 @@ Per repeat, over steps 50-299 (five logging periods, warm-up excluded):
 * **logging step** — the median time of a step on which the monitor logs (Lightning's own
   ``log_every_n_steps`` logging happens on the same steps in both runs).
 
-Ratios monitored / baseline are taken per repeat and their median is reported. Two more
+Ratios monitored / baseline are taken per repeat and their median is reported. Three more
 configurations take turns too, for information (the targets are for the defaults): the same
-monitor with ``histograms=False``, which shows what the histograms cost on a logging step, and
-a ``Callback`` that does nothing, which shows what Lightning's hook calls cost any callback on
-every step, the floor of the non-logging ratio. Memory: a separate process trains with the
+monitor with ``histograms=False``, which shows what the histograms cost on a logging step; a
+``Callback`` that does nothing, which shows what Lightning's hook calls cost any callback on
+every step, the floor of the non-logging ratio; and the monitor writing through
+``lightning_recorder.TensorBoardLogger`` instead of Lightning's (its records checksummed by the
+``google-crc32c`` wheel where installed, the ``fast-tensorboard`` extra; TensorBoard's own
+writer checksums in pure Python, about 2 ms per logged step of this model), against the same
+baseline (which writes next to nothing to its logger). Memory: a separate process trains with the
 monitor alone for 2,000 steps and compares its peak RSS after step 2,000 with that after
 step 200.
 
@@ -81,6 +85,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 from tensorboard_stats import DigitsCNN, digits_loaders  # noqa: E402
 
 from lightning_recorder import FeatureStatsMonitor  # noqa: E402
+from lightning_recorder import TensorBoardLogger as RecorderTensorBoardLogger  # noqa: E402
+from lightning_recorder.callbacks._event_file import c_checksum  # noqa: E402
 from lightning_recorder.stats._engine import warm_up  # noqa: E402
 
 EVERY = 50
@@ -88,11 +94,15 @@ LIMITS = {"amortised": 1.01, "non-logging step": 1.01, "logging step": 1.5, "pea
 # The monitor's keyword arguments per configuration; None: no monitor (the baseline); EMPTY: a
 # callback that does nothing, the floor of what Lightning's hook calls cost any callback.
 EMPTY = "empty callback"
+# the monitor with defaults, writing through lightning_recorder's TensorBoardLogger (records
+# checksummed by the google-crc32c wheel where it is installed) instead of Lightning's
+RECORDER_LOGGER = "monitor, recorder's logger"
 CONFIGS: dict[str, dict[str, Any] | str | None] = {
     "monitor": {},
     "baseline": None,
     "scalars only": {"histograms": False},
     EMPTY: EMPTY,
+    RECORDER_LOGGER: {},
 }
 
 
@@ -225,9 +235,15 @@ def _loader(steps: int, batch_size: int) -> DataLoader:
 
 
 def _trainer(
-    monitor: dict[str, Any] | str | None, steps: int, root: str, name: str, timer: _StepTimer
+    monitor: dict[str, Any] | str | None,
+    steps: int,
+    root: str,
+    name: str,
+    timer: _StepTimer,
+    logger: type[TensorBoardLogger] = TensorBoardLogger,
 ) -> pl.Trainer:
-    """A Trainer for ``steps`` steps with a monitor built with ``monitor`` (``None``: without)."""
+    """A Trainer for ``steps`` steps with a monitor built with ``monitor`` (``None``: without),
+    logging to a ``logger`` (Lightning's ``TensorBoardLogger`` by default)."""
     callbacks: list[pl.Callback] = [timer]
     if monitor == EMPTY:
         callbacks.append(pl.Callback())
@@ -237,7 +253,7 @@ def _trainer(
     return pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
-        logger=TensorBoardLogger(root, name=name),
+        logger=logger(root, name=name),
         callbacks=callbacks,
         log_every_n_steps=EVERY,
         limit_val_batches=0,
@@ -262,7 +278,9 @@ def _side_by_side(
     for name in names:
         pl.seed_everything(0, verbose=False)  # the same initial weights for every configuration
         label = name.replace(" ", "-")
-        jobs.append((_trainer(CONFIGS[name], steps, root, label, timers[name]), DigitsCNN()))
+        logger = RecorderTensorBoardLogger if name == RECORDER_LOGGER else TensorBoardLogger
+        trainer = _trainer(CONFIGS[name], steps, root, label, timers[name], logger)
+        jobs.append((trainer, DigitsCNN()))
     run_in_turns(
         [
             lambda trainer=trainer, model=model: trainer.fit(model, _loader(steps, batch_size))
@@ -391,6 +409,7 @@ def measure(
 
 def table(result: dict[str, Any]) -> str:
     """The figures as a Markdown table."""
+    checksum = "google-crc32c" if c_checksum() is not None else "pure-Python checksum"
     lines = [
         "| measure | baseline (ms) | monitored (ms) | ratio, wall (min–max) | ratio, CPU | limit |",
         "|---|---:|---:|---:|---:|---:|",
@@ -398,6 +417,10 @@ def table(result: dict[str, Any]) -> str:
     rows = [("monitor", key, key) for key in result["ratio"]["wall"]["monitor"]]
     rows.append(("scalars only", "logging step", "logging step, `histograms=False`"))
     rows.append((EMPTY, "non-logging step", "step, a callback that does nothing"))
+    rows += [
+        (RECORDER_LOGGER, key, f"{key}, `lightning_recorder.TensorBoardLogger` ({checksum})")
+        for key in ("amortised", "logging step")
+    ]
     for config, key, label in rows:
         ratio = result["ratio"]["wall"][config][key]
         lo, hi = result["ratio_range"]["wall"][config][key]

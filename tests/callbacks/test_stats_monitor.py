@@ -478,9 +478,11 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     rows = ("| amortised |", "| non-logging step |", "| logging step |", "| peak RSS")
     for row in (*rows, "| logging step, `histograms=False` |", "| step, a callback that does"):
         assert row in out
+    assert "| amortised, `lightning_recorder.TensorBoardLogger` (" in out
     measures = {"amortised", "non-logging step", "logging step"}
+    configs = {"monitor", "scalars only", "empty callback", bench.RECORDER_LOGGER}
     for clock in result["ratio"].values():
-        assert set(clock) == {"monitor", "scalars only", "empty callback"}  # vs the baseline
+        assert set(clock) == configs  # each vs the baseline
         assert all(set(by) == measures and min(by.values()) > 0 for by in clock.values())
     assert result["ms"]["wall"]["monitor"]["logging step"] > 0
     # a quick run measures the ratio, it does not judge it (that is the benchmark's table, and
