@@ -313,6 +313,22 @@ def run_in_turns(fits: Sequence[Callable[[], Any]], baton: _Baton) -> None:
         raise errors[0]
 
 
+def _split(monitored: list[float], baseline: list[float], window: range) -> dict[str, float]:
+    """What each kind of step adds to the amortised time of ``monitored``: the excess over the
+    baseline of its logging steps, of the steps right after them (the logger's writer finishing)
+    and of the others, each as a fraction of the baseline's time over ``window``."""
+    total = sum(baseline[k] for k in window)
+    kinds = {
+        "logging steps": [k for k in window if (k + 1) % EVERY == 0],
+        "steps after them": [k for k in window if k % EVERY == 0],
+        "other steps": [k for k in window if (k + 1) % EVERY and k % EVERY],
+    }
+    return {
+        kind: sum(monitored[k] - baseline[k] for k in steps) / total
+        for kind, steps in kinds.items()
+    }
+
+
 def _summary(times: list[float], window: range) -> dict[str, float]:
     logging = [times[k] for k in window if (k + 1) % EVERY == 0]
     quiet = [times[k] for k in window if (k + 1) % EVERY != 0]
@@ -357,6 +373,7 @@ def measure(
         clock: {name: {k: [] for k in keys} for name in names if name != "baseline"}
         for clock in ("wall", "cpu")
     }
+    splits: list[dict[str, float]] = []  # the monitor's amortised excess, by kind of step
     with tempfile.TemporaryDirectory() as root:
         _side_by_side(names, 2 * EVERY, batch_size, root)  # warm up imports, allocator, TB
         for r in range(repeats):
@@ -364,6 +381,7 @@ def measure(
             order = names[r % len(names) :] + names[: r % len(names)]
             order = order if r % 2 == 0 else order[::-1]
             timers = _side_by_side(order, steps, batch_size, root, seed=r)
+            splits.append(_split(timers["monitor"].wall, timers["baseline"].wall, window))
             for clock in ("wall", "cpu"):
                 got = {name: _summary(getattr(t, clock), window) for name, t in timers.items()}
                 for name in names:
@@ -401,6 +419,7 @@ def measure(
             for c, by in ratios.items()
         },
         "ratios_per_repeat": ratios,
+        "amortised_split": {k: statistics.median(s[k] for s in splits) for k in splits[0]},
         "rss_kib": rss,
         "rss_ratio": rss["after_last"] / rss["after_200"],
         "rss_steps": rss_steps,
@@ -474,6 +493,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{malloc}.\n"
     )
     print(table(result))
+    split = ", ".join(f"{k} {100 * v:+.2f} %" for k, v in result["amortised_split"].items())
+    print(f"\nThe monitor's amortised excess by kind of step (median of repeats): {split}.")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

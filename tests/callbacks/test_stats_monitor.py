@@ -479,6 +479,10 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     for row in (*rows, "| logging step, `histograms=False` |", "| step, a callback that does"):
         assert row in out
     assert "| amortised, `lightning_recorder.TensorBoardLogger` (" in out
+    assert "amortised excess by kind of step" in out
+    split = result["amortised_split"]
+    assert set(split) == {"logging steps", "steps after them", "other steps"}
+    assert all(abs(v) < 1.0 for v in split.values())  # fractions of the baseline's time
     measures = {"amortised", "non-logging step", "logging step"}
     configs = {"monitor", "scalars only", "empty callback", bench.RECORDER_LOGGER}
     for clock in result["ratio"].values():
