@@ -313,15 +313,20 @@ def run_in_turns(fits: Sequence[Callable[[], Any]], baton: _Baton) -> None:
         raise errors[0]
 
 
+def _logs(k: int) -> bool:
+    """Whether the step at index ``k`` of a timer's list is one on which the monitor logs."""
+    return (k + 1) % EVERY == 0
+
+
 def _split(monitored: list[float], baseline: list[float], window: range) -> dict[str, float]:
     """What each kind of step adds to the amortised time of ``monitored``: the excess over the
     baseline of its logging steps, of the steps right after them (the logger's writer finishing)
     and of the others, each as a fraction of the baseline's time over ``window``."""
     total = sum(baseline[k] for k in window)
     kinds = {
-        "logging steps": [k for k in window if (k + 1) % EVERY == 0],
-        "steps after them": [k for k in window if k % EVERY == 0],
-        "other steps": [k for k in window if (k + 1) % EVERY and k % EVERY],
+        "logging steps": [k for k in window if _logs(k)],
+        "steps after them": [k for k in window if _logs(k - 1)],
+        "other steps": [k for k in window if not (_logs(k) or _logs(k - 1))],
     }
     return {
         kind: sum(monitored[k] - baseline[k] for k in steps) / total
@@ -330,8 +335,8 @@ def _split(monitored: list[float], baseline: list[float], window: range) -> dict
 
 
 def _summary(times: list[float], window: range) -> dict[str, float]:
-    logging = [times[k] for k in window if (k + 1) % EVERY == 0]
-    quiet = [times[k] for k in window if (k + 1) % EVERY != 0]
+    logging = [times[k] for k in window if _logs(k)]
+    quiet = [times[k] for k in window if not _logs(k)]
     return {
         "amortised": statistics.fmean(times[k] for k in window),
         "non-logging step": statistics.median(quiet),
