@@ -51,11 +51,22 @@ for a whole repeat. The timing runs therefore fix the thresholds (``mallopt``: m
 32 MiB, trim above 256 MiB) and use one arena: the configurations' models are the same, so each
 step reuses the memory the previous turn freed, at the same addresses for every configuration.
 ``--default-malloc`` keeps glibc's defaults. The memory child keeps them too.
+
+**One CPU.** The configurations' threads take turns, but the operating system chose for each
+where it ran, and kept a thread on one core or the other for seconds at a time: over a third of
+a repeat, a configuration's median step read a few percent apart from the baseline's and from
+itself in the next third (whatever else ran on the machine landed on one core), so that
+per-repeat ratios spread over 0.94-1.11. The timing runs therefore put the process on one CPU
+(``os.sched_setaffinity``; the threads it starts inherit it: the trainers, the loggers' writer
+threads, which then share the trainers' core instead of a free one — a logged step pays for its
+writer in full — and compiles), and give the process its CPUs back at the end. ``--all-cpus``
+keeps every CPU. Where the operating system has no affinity call, nothing changes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -69,7 +80,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +217,23 @@ def pin_malloc() -> bool:
         and bool(mallopt(m_trim_threshold, 256 << 20))
         and bool(mallopt(m_arena_max, 1))
     )
+
+
+@contextlib.contextmanager
+def one_cpu(wanted: bool = True) -> Iterator[int | None]:
+    """Run this thread, and the threads it starts, on one of the CPUs it may use (the last);
+    give the thread its CPUs back on leaving. Yields the CPU, or ``None`` when not ``wanted`` or
+    where the operating system has no affinity call (nothing changed)."""
+    if not wanted or not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _peak_rss_kib() -> int:
@@ -362,6 +390,7 @@ def measure(
     batch_size: int = 128,
     rss_steps: int = 2000,
     default_malloc: bool = False,
+    all_cpus: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark; return per-clock medians, ratios and the RSS figures."""
     torch.set_num_threads(1)
@@ -379,7 +408,7 @@ def measure(
         for clock in ("wall", "cpu")
     }
     splits: list[dict[str, float]] = []  # the monitor's amortised excess, by kind of step
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as root, one_cpu(not all_cpus) as cpu:
         _side_by_side(names, 2 * EVERY, batch_size, root)  # warm up imports, allocator, TB
         for r in range(repeats):
             # the first round: every configuration takes every place; rotate, reverse every other
@@ -406,6 +435,7 @@ def measure(
     return {
         "repeats": repeats,
         "malloc_pinned": pinned,
+        "one_cpu": cpu,
         "batch_size": batch_size,
         "window": [window.start, window.stop],
         "ms": {
@@ -476,6 +506,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--default-malloc", action="store_true", help="keep glibc's adaptive malloc thresholds"
     )
+    parser.add_argument(
+        "--all-cpus", action="store_true", help="let the threads run on every CPU (noisier)"
+    )
     parser.add_argument("--rss-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -486,15 +519,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.repeats, args.periods, args.rss_steps = 1, 1, 210
     result = measure(
-        args.repeats, args.periods, args.batch_size, args.rss_steps, args.default_malloc
+        args.repeats,
+        args.periods,
+        args.batch_size,
+        args.rss_steps,
+        args.default_malloc,
+        args.all_cpus,
     )
     start, stop = result["window"]
     malloc = "malloc fixed (thresholds, one arena)" if result["malloc_pinned"] else "glibc malloc"
+    where = "every CPU" if result["one_cpu"] is None else "one CPU"
     print(
         f"\nFeatureStatsMonitor on every Conv2d/Linear output of the digits CNN (batch "
         f"{result['batch_size']}), logging every {EVERY} steps, vs the same Trainer without it: "
         f"medians of {result['repeats']} repeats, the configurations taking turns step by step, "
-        f"steps {start}-{stop - 1}, one torch thread, "
+        f"steps {start}-{stop - 1}, one torch thread, {where}, "
         f"{malloc}.\n"
     )
     print(table(result))

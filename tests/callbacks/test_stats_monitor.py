@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import doctest
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -468,12 +469,17 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     threads = torch.get_num_threads()
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         spec.loader.exec_module(bench)
         argv = ["--quick", "--default-malloc", "--json", str(tmp_path / "bench.json")]
         result = bench.main(argv)  # the default malloc: this process goes on testing
     finally:
         torch.set_num_threads(threads)
+    if cpus is not None:  # timed on one of this process's CPUs, and every CPU given back
+        assert result["one_cpu"] in cpus and os.sched_getaffinity(0) == cpus
+    with bench.one_cpu(False) as cpu:
+        assert cpu is None
     out = capsys.readouterr().out
     rows = ("| amortised |", "| non-logging step |", "| logging step |", "| peak RSS")
     for row in (*rows, "| logging step, `histograms=False` |", "| step, a callback that does"):
