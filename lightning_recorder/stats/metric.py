@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,24 +37,40 @@ def _merge_ranks(gathered: Tensor) -> Tensor:
 
 
 class _Quiet(Metric):
-    """A metric that may be computed before any update (no data is a normal state here)."""
+    """A metric that may be computed before any update (no data is a normal state here), whose
+    ``compute()`` reads the merged state afresh every time (``compute_with_cache=False``: a cached
+    result would outlive a ``merge_state``)."""
 
     def __init__(self, **kwargs: Any) -> None:
+        if kwargs.get("compute_with_cache", False) is not False:
+            raise RecorderConfigError(
+                f"Expected compute_with_cache=False (or no such argument) for "
+                f"{type(self).__name__} but got {kwargs['compute_with_cache']!r}: its compute() "
+                "reads the merged state, and a cached result would outlive merge_state()."
+            )
+        kwargs["compute_with_cache"] = False
         try:
             super().__init__(**kwargs)
         except ValueError as err:  # an unknown or malformed keyword argument
             raise RecorderConfigError(str(err)) from err
+        self._quiet_compute()
 
-    def _wrap_compute(self, compute: Callable) -> Callable:
-        wrapped = super()._wrap_compute(compute)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # a copy or an unpickled metric: compute() wrapped afresh
+        self._quiet_compute()
+
+    def _quiet_compute(self) -> None:
+        """Wrap the public ``compute`` (torchmetrics' wrapper included) so that a compute before
+        any update does not warn."""
+        compute = self.compute
 
         @functools.wraps(compute)
         def quiet(*args: Any, **kwargs: Any) -> Any:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=r".*called before the ``update``")
-                return wrapped(*args, **kwargs)
+                return compute(*args, **kwargs)
 
-        return quiet
+        self.compute = quiet  # type: ignore[method-assign]
 
 
 class StreamStates(_Quiet):
@@ -101,8 +116,7 @@ class StreamStates(_Quiet):
 
     def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
         """Add the states of another metric of this kind (or its ``metric_state``) to these."""
-        super().merge_state(incoming_state)
-        self._computed = None  # torchmetrics would return the result cached before the merge
+        super().merge_state(incoming_state)  # nothing cached to go stale (compute_with_cache=False)
         self._fresh = False
 
 

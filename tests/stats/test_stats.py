@@ -253,6 +253,26 @@ def test_forward_and_merge_state() -> None:
     assert_stats(metric.compute(), reference([a, b, a, a]))
 
 
+def test_compute_reads_the_merged_state_and_never_warns_on_no_data() -> None:
+    """compute() is not cached (a merge after a compute shows in the next one), and computing a
+    metric without data, or a copy or unpickled metric without data, warns nothing."""
+    a = torch.randn(20)
+    metric = FeatureStats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert metric.compute()["numel"].item() == 0
+        for copy in (metric.clone(), pickle.loads(pickle.dumps(metric))):
+            assert copy.compute()["numel"].item() == 0
+    other = FeatureStats()
+    other.update(a)
+    before = metric.compute()
+    metric.merge_state(other)
+    assert before["numel"].item() == 0 and metric.compute()["numel"].item() == a.numel()
+    with pytest.raises(RecorderConfigError, match=r"Expected compute_with_cache=False"):
+        FeatureStats(compute_with_cache=True)
+    assert FeatureStats(compute_with_cache=False).compute_with_cache is False
+
+
 def test_state_follows_device_and_keeps_float64() -> None:
     metric = FeatureStats().half()  # torchmetrics does not convert state dtypes implicitly
     metric.update(torch.randn(5))
