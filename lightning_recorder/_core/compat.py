@@ -37,14 +37,12 @@ def _optimized_module() -> type | None:
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """Whether ``torch.compile`` compiles ``module`` or a part of it.
+    """Whether ``torch.compile`` compiles ``module`` or a part of it: ``module`` is or holds an
+    ``OptimizedModule``, or has a submodule compiled in place by ``nn.Module.compile()``.
 
-    True for a LightningModule passed to ``fit`` as ``torch.compile(model)`` (Lightning unwraps
-    it and marks it with ``_compiler_ctx``), one holding an ``OptimizedModule``, or one with a
-    submodule compiled in place by ``nn.Module.compile()``.
+    (A LightningModule that Lightning unwrapped from ``torch.compile(model)`` is told by
+    ``callbacks._lightning.is_compiled``, which reads Lightning's mark and then calls this.)
     """
-    if getattr(module, "_compiler_ctx", None) is not None:
-        return True
     optimized = _optimized_module()
     return any(
         (optimized is not None and isinstance(m, optimized))

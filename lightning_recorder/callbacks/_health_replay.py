@@ -32,9 +32,9 @@ import torch
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
-from .._core.compat import is_compiled
 from ._health_trace import Trace
 from ._health_verdict import Finding
+from ._lightning import is_compiled
 
 __all__ = ["MicroBatch", "capture_rng", "replay", "why_not_replayable"]
 

@@ -12,12 +12,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import Self, override
 
 from .._core.checks import check_positive_int
-from .._core.compat import is_compiled
 from .._core.names import named_modules
 from .._core.registry import option_names
 from ..errors import NoRecordError, NotInitializedError, RecorderConfigError, RecorderStateError
 from ..recorders import BaseRecorder, RecorderManager, recorder_types
-from ._lightning import Stage, check_stages, completes_step, is_due, step_axis
+from ._lightning import (
+    Stage,
+    check_stages,
+    completes_step,
+    is_compiled,
+    is_due,
+    step_axis,
+)
 
 __all__ = ["RecorderCallback"]
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from .._core.checks import check_bool, check_positive_int, suggestion
-from .._core.compat import distributed_active, is_compiled
+from .._core.compat import distributed_active
 from .._core.names import named_modules, named_parameters, select
 from ..errors import RecorderConfigError, UnknownSourceError
 from ..recorders import RecordStream
@@ -27,7 +27,7 @@ from ..stats._histogram import edges, ranges, summaries
 from ..stats._state import F64, finalize
 from ..stats.metric import BucketCounts, ChannelExtremes, StreamStates
 from ..stats.sharded import any_sharded
-from ._lightning import Stage, step_axis
+from ._lightning import Stage, is_compiled, step_axis
 from ._parameter_stats import ParameterStats
 from ._stats_options import (
     ALL,

@@ -136,6 +136,29 @@ def test_predict_reads_back_bit_exact(tmp_path: Path) -> None:
     check_index_is_exact(tmp_path / "acts")
 
 
+@pytest.mark.parametrize("shape", ["list", "dict"])
+def test_predict_sample_indices_follow_each_dataloader_sampler(tmp_path: Path, shape: str) -> None:
+    """Several predict dataloaders, one with a sampler out of order: each batch's indices are
+    those its own loader's sampler drew (Lightning's public ``predict_dataloaders``)."""
+
+    class Several(Net):
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+            return self(batch[0])
+
+    x = images(12)
+    order = [11, 3, 7, 0, 5, 9, 1, 10]  # a list is a sampler
+    plain = DataLoader(TensorDataset(x), batch_size=5)
+    drawn = DataLoader(TensorDataset(x), batch_size=3, sampler=order)
+    loaders: Any = [plain, drawn] if shape == "list" else {"plain": plain, "drawn": drawn}
+    writer = ActivationWriter(["pool"], tmp_path / "acts")
+    pl.Trainer(**QUIET, callbacks=[writer]).predict(Several(), loaders, return_predictions=False)
+    chunks = ActivationDataset(tmp_path / "acts").chunks
+    by_loader: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in sorted(chunks, key=lambda c: (c["dataloader_idx"], c["batch_idx"])):
+        by_loader[chunk["dataloader_idx"]].extend(chunk["sample_index"])
+    assert by_loader == {0: list(range(12)), 1: order}
+
+
 def test_structured_output_options_and_dtype(tmp_path: Path) -> None:
     class Pair(nn.Module):
         def __init__(self) -> None:

@@ -14,11 +14,13 @@ import torch
 from helpers.docs import DOCS, python_blocks, run_page
 from helpers.models import QUIET, ProbeNet, features, loader
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.compile import from_compiled
 
 import lightning_recorder.callbacks.recorder as callback_module
 from lightning_recorder import RecorderCallback
-from lightning_recorder._core.compat import is_compiled
+from lightning_recorder._core.compat import is_compiled as is_compiled_by_torch
 from lightning_recorder._core.hooks import live_hooks
+from lightning_recorder.callbacks._lightning import is_compiled
 from lightning_recorder.errors import (
     NoRecordError,
     NotInitializedError,
@@ -312,9 +314,13 @@ def test_is_compiled() -> None:
     in_place = ProbeNet()
     in_place.body[0].compile(backend="eager")
     assert is_compiled(in_place)
-    marked = ProbeNet()
-    marked._compiler_ctx = {"compiler": "dynamo"}  # what Lightning sets on an unwrapped model
-    assert is_compiled(marked)
+    # `fit(torch.compile(model))`: Lightning unwraps the model and marks it (public from_compiled)
+    unwrapped = from_compiled(torch.compile(ProbeNet(), backend="eager"))  # type: ignore[arg-type]
+    assert isinstance(unwrapped, ProbeNet)
+    assert not is_compiled_by_torch(unwrapped)  # nothing of torch's is left to see
+    assert is_compiled(unwrapped)
+    for model in (plain, holder, in_place):  # the Lightning view adds to torch's, no less
+        assert is_compiled(model) == is_compiled_by_torch(model)
 
 
 def test_checkpoint_resume_continues_counters(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from ..._core.hooks import HookSet
 from ...distill import DistillDeliveryManager, LossFn
 from ...errors import RecorderConfigError, RecorderError, RecorderStateError
 from ...recorders import RecorderManager
+from .._lightning import attached_trainer
 from ._bank import ConnectorBank
 from ._config import TeacherSide, feature, teacher_config, teacher_label
 from ._patch import StudentInputHook
@@ -359,7 +360,7 @@ class StepRunner:
         for value in items:
             total = total + value
         module = self.module
-        if module is not None and module._trainer is not None:
+        if module is not None and attached_trainer(module) is not None:
             options: dict[str, Any] = {"on_step": on_step, "on_epoch": not on_step}
             if not on_step:
                 options["sync_dist"] = True

@@ -22,6 +22,7 @@ from typing_extensions import override
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
 from ...errors import RecorderConfigError, RecorderStateError
+from .._lightning import attached_trainer
 from ._bank import ConnectorBank
 from ._config import (
     LossSpec,
@@ -427,7 +428,7 @@ def distillation_loss(pl_module: pl.LightningModule) -> Tensor:
             "Expected `pl_module` to be the LightningModule being trained (call "
             f"distillation_loss(self) inside training_step) but got {type(pl_module).__name__}."
         )
-    callbacks: list[Callback] = getattr(pl_module._trainer, "callbacks", [])
+    callbacks: list[Callback] = getattr(attached_trainer(pl_module), "callbacks", [])
     found = [cb for cb in callbacks if isinstance(cb, FeatureDistillation) and not cb.add_to_loss]
     if not found:
         raise RecorderStateError(
