@@ -8,19 +8,14 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.models import QUIET as HELPER_QUIET
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_recorder.callbacks._lightning import completes_step
 
-QUIET: dict[str, Any] = {
-    "accelerator": "cpu",
-    "logger": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "enable_checkpointing": False,
-}
+QUIET = {**HELPER_QUIET, "logger": False}
 
 
 class Net(pl.LightningModule):
