@@ -55,6 +55,15 @@ class TwoOptimizers(Net):
         ]
 
 
+class FromIterator(Net):
+    """``training_step(dataloader_iter)``: the step fetches its own batch (Lightning learns the
+    epoch's end only after that fetch)."""
+
+    def training_step(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:  # type: ignore[override]
+        batch, _, _ = next(dataloader_iter)
+        return self.layer(batch[0]).square().mean()
+
+
 class Stream(IterableDataset[tuple[torch.Tensor]]):
     """Seven samples and no length: the epoch's end is known only from the fetcher."""
 
@@ -115,6 +124,11 @@ CASES = {
         Net,
         lambda: _data(10),
         {"accumulate_grad_batches": 3, "max_epochs": 1, "strategy": Accumulating("cpu")},
+    ),
+    "dataloader-iter": (
+        FromIterator,
+        lambda: _data(7),
+        {"accumulate_grad_batches": 3, "max_epochs": 2},
     ),
     "max-steps-mid-epoch": (Net, lambda: _data(12), {"accumulate_grad_batches": 2, "max_steps": 4}),
     "no-accumulation": (Net, lambda: _data(5), {"max_epochs": 1}),
