@@ -27,7 +27,7 @@ from ..stats._histogram import edges, ranges, summaries
 from ..stats._state import F64, finalize
 from ..stats.metric import BucketCounts, ChannelExtremes, StreamStates
 from ..stats.sharded import any_sharded
-from ._lightning import Stage, is_compiled, step_axis
+from ._lightning import Stage, is_compiled, is_due, step_axis
 from ._parameter_stats import ParameterStats
 from ._stats_options import (
     ALL,
@@ -154,6 +154,13 @@ class FeatureStatsMonitor(RecorderCallback):
         stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         stats: the statistics to log (``"numel"`` too, if wanted).
         histograms: also write histograms to TensorBoard and W&B loggers.
+        histogram_every_n_steps: write training histograms every N optimizer steps only, a
+            multiple of the steps that log (``every_n_steps``, or the Trainer's
+            ``log_every_n_steps``), as W&B's ``watch(log_freq=...)`` writes its histograms less
+            often than scalars; ``None`` (the default) writes them on every logged step. The
+            other logged steps neither sample the outputs nor count buckets: about half of a
+            logged step's cost (see the benchmarks). Evaluation histograms are unchanged (one per
+            evaluation epoch).
         bins: the number of histogram buckets (30 by default, as TensorBoard's own histogram
             summary, ``tensorboard.summary.histogram``).
         parameters: also log the norms, gradient norms and update ratios of the parameters
@@ -184,9 +191,10 @@ class FeatureStatsMonitor(RecorderCallback):
 
     Raises:
         RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger,
-            or ``logger_stats`` names no logger of it (at setup); a source matches no module, or
-            a ``parameters`` pattern no parameter of the monitored modules (at the start of the
-            run, naming the closest names).
+            ``logger_stats`` names no logger of it, or ``histogram_every_n_steps`` is not a
+            multiple of the Trainer's ``log_every_n_steps`` (at setup); a source matches no
+            module, or a ``parameters`` pattern no parameter of the monitored modules (at the
+            start of the run, naming the closest names).
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -235,6 +243,7 @@ class FeatureStatsMonitor(RecorderCallback):
         stats: Sequence[StatName] = DEFAULT_STATS,
         histograms: bool = True,
         bins: int = 30,
+        histogram_every_n_steps: int | None = None,
         parameters: bool | str | Sequence[str] = True,
         prefix: str = "stats",
         clone: bool = False,
@@ -278,6 +287,15 @@ class FeatureStatsMonitor(RecorderCallback):
             raise RecorderConfigError(
                 f"Expected `histograms` of {owner} to be a bool but got {histograms!r}."
             )
+        check_positive_int(
+            histogram_every_n_steps, "histogram_every_n_steps", owner, allow_none=True
+        )
+        if histogram_every_n_steps is not None and not histograms:
+            raise RecorderConfigError(
+                f"Expected `histogram_every_n_steps` of {owner} to be None with histograms=False "
+                f"(there are no histograms to space out) but got {histogram_every_n_steps!r}; "
+                "pass histograms=True, or leave histogram_every_n_steps out."
+            )
         patterns = parameter_patterns(parameters, owner)
         per_logger = logger_stats_option(logger_stats, chosen_stats, owner)
         if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
@@ -292,6 +310,9 @@ class FeatureStatsMonitor(RecorderCallback):
         self.stats: tuple[StatName, ...] = chosen_stats
         self.histograms = histograms
         self.bins = bins
+        self.histogram_every_n_steps = histogram_every_n_steps
+        if isinstance(every_n_steps, int):  # known now: say so at construction
+            self._check_histogram_cadence(every_n_steps, "`every_n_steps`")
         self.parameters = parameters
         self.prefix = prefix
         self.clone = clone
@@ -402,6 +423,8 @@ class FeatureStatsMonitor(RecorderCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if self.every_n_steps is None:
+            self._check_histogram_cadence(self._every, "the Trainer's `log_every_n_steps`")
         if not trainer.loggers:
             raise RecorderConfigError(
                 f"Expected the Trainer to have a logger for {self!r} to write to, but it has "
@@ -530,14 +553,33 @@ class FeatureStatsMonitor(RecorderCallback):
                 held += sum(t.numel() * t.element_size() for t in value_tensors(record))
         return held
 
+    def _check_histogram_cadence(self, every: int, source: str) -> None:
+        """Raise unless ``histogram_every_n_steps`` is a multiple of ``every``, the steps that
+        log (named by ``source``)."""
+        n = self.histogram_every_n_steps
+        if n is None or n % every == 0:
+            return
+        lower, higher = n - n % every, n - n % every + every
+        near = f"{lower} or {higher}" if lower else str(higher)
+        raise RecorderConfigError(
+            f"Expected `histogram_every_n_steps` of {type(self).__name__} to be a multiple of "
+            f"the {every} steps between logged steps ({source}), so that every histogram lands "
+            f"on a logged step, but got {n}; {near} would do."
+        )
+
+    def _train_histograms_due(self) -> bool:
+        """Whether the current training step writes histograms (``histogram_every_n_steps``)."""
+        n = self.histogram_every_n_steps
+        return n is None or is_due(self._train_step, n)
+
     def _wants_sample(self) -> bool:
         """Whether this batch's outputs are sampled for a histogram written from it."""
         if not self._write_histograms:
             return False
         stage = self._active
-        return stage == "train" or (
-            stage is not None and self._series(stage) not in self._eval_tables
-        )
+        if stage == "train":
+            return self._train_histograms_due()
+        return stage is not None and self._series(stage) not in self._eval_tables
 
     def _series(self, stage: Stage) -> Series:
         """The series the current batch of ``stage`` belongs to (its dataloader's, when the loop
@@ -655,7 +697,7 @@ class FeatureStatsMonitor(RecorderCallback):
         one copy (the collectives under DDP run first, on every rank)."""
         step = step_axis(trainer)
         series: Series = ("train", None)
-        table = self._histogram_table(states, kept)
+        table = self._histogram_table(states, kept) if self._train_histograms_due() else None
         metric = self._metrics[series]
         every = metric.compute()
         metric.reset()

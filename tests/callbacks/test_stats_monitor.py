@@ -264,6 +264,66 @@ def test_gradient_accumulation_covers_every_micro_batch(tmp_path: Path) -> None:
     assert [e.histogram_value.num for e in hist] == [16, 16]  # the last micro-batch
 
 
+def test_histogram_every_n_steps_spaces_out_training_histograms(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="spaced")
+    monitor = FeatureStatsMonitor(
+        ["probe", "body.0"], every_n_steps=2, histogram_every_n_steps=4, stages=["train", "val"]
+    )
+    sampled: list[tuple[int, bool]] = []  # (step, whether the outputs were sampled)
+    wants = monitor._wants_sample
+
+    def spy() -> bool:
+        found = wants()
+        if monitor._active == "train":
+            sampled.append((monitor._train_step, found))
+        return found
+
+    monitor._wants_sample = spy  # type: ignore[method-assign]
+    trainer = pl.Trainer(
+        **QUIET,
+        logger=logger,
+        max_steps=8,
+        limit_val_batches=2,
+        val_check_interval=4,
+        callbacks=[monitor],
+    )
+    x = features(64, seed=5)
+    trainer.fit(ProbeNet(), loader(x), loader(features(16, seed=6)))
+    got = scalars(logger.log_dir)
+    assert sorted(got["stats/train/probe/mean"]) == [1, 3, 5, 7]  # scalars every 2 steps
+    acc = events(logger.log_dir)
+    for module in ("probe", "body.0"):  # histograms every 4: steps 3 and 7
+        assert [e.step for e in acc.Histograms(f"stats/train/{module}/histogram")] == [3, 7]
+    hist = {e.step: e.histogram_value for e in acc.Histograms("stats/train/probe/histogram")}
+    for step in (3, 7):  # the histogram of that step's batch, as with every logged step
+        batch = x[4 * step : 4 * step + 4]  # batches of 4 rows, in order
+        assert hist[step].num == batch.numel()
+        assert hist[step].sum == pytest.approx(batch.sum().item(), rel=1e-6)
+    # the logged steps without a histogram sampled nothing: no staging, no bucket counts
+    assert sorted(set(sampled)) == [(1, False), (3, True), (5, False), (7, True)]
+    # evaluation histograms are not spaced out: one per validation run
+    assert len(acc.Histograms("stats/val/probe/histogram")) == 2
+
+
+def test_histogram_every_n_steps_must_be_a_multiple_of_the_trainer_cadence(
+    tmp_path: Path,
+) -> None:
+    monitor = FeatureStatsMonitor("probe", histogram_every_n_steps=30)
+    logger = TensorBoardLogger(tmp_path, name="cadence")
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_steps=2, log_every_n_steps=20, callbacks=[monitor]
+    )
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"multiple of the 20 steps between logged steps \(the Trainer's "
+        r"`log_every_n_steps`\), so that every histogram lands on a logged step, but got 30; "
+        r"20 or 40 would do",
+    ):
+        trainer.fit(ProbeNet(), loader(features(16)))
+    assert live_hooks() == []
+    assert monitor.logged_steps == 0
+
+
 def test_other_loggers_get_scalars_and_a_single_warning(tmp_path: Path) -> None:
     csv_logger = CSVLogger(tmp_path, name="csv")
     tb_logger = TensorBoardLogger(tmp_path, name="tb")

@@ -996,6 +996,25 @@ case(
     RecorderConfigError,
     r"`exact_histograms`.*bool",
 )
+for suffix, bad in (("zero", 0), ("negative", -50), ("float", 100.0), ("bool", True)):
+    case(
+        f"FeatureStatsMonitor-histogram_every_n_steps-{suffix}",
+        lambda bad=bad: fsm(histogram_every_n_steps=bad),
+        RecorderConfigError,
+        r"`histogram_every_n_steps`.*positive int",
+    )
+case(
+    "FeatureStatsMonitor-histogram_every_n_steps-without-histograms",
+    lambda: fsm(histograms=False, histogram_every_n_steps=100),
+    RecorderConfigError,
+    r"`histogram_every_n_steps`.*None with histograms=False.*but got 100",
+)
+case(
+    "FeatureStatsMonitor-histogram_every_n_steps-not-a-multiple",
+    lambda: fsm(every_n_steps=50, histogram_every_n_steps=120),
+    RecorderConfigError,
+    r"multiple of the 50 steps between logged steps \(`every_n_steps`\).*got 120; 100 or 150",
+)
 for suffix, bad in (("zero", 0), ("float", 2.5), ("bool", True)):
     case(
         f"FeatureStatsMonitor-histogram_sample-{suffix}",
