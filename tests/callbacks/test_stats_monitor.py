@@ -542,7 +542,13 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert cpu is None
     out = capsys.readouterr().out
     rows = ("| amortised |", "| non-logging step |", "| logging step |", "| peak RSS")
-    for row in (*rows, "| logging step, `histograms=False` |", "| step, a callback that does"):
+    for row in (
+        *rows,
+        "| logging step, `histograms=False` |",
+        "| amortised, `histograms=False` |",
+        "| amortised, histograms every other logged step |",
+        "| step, a callback that does",
+    ):
         assert row in out
     assert "| amortised, `lightning_recorder.TensorBoardLogger` (" in out
     assert "amortised excess by kind of step" in out
@@ -550,7 +556,7 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert set(split) == {"logging steps", "steps after them", "other steps"}
     assert all(abs(v) < 1.0 for v in split.values())  # fractions of the baseline's time
     measures = {"amortised", "non-logging step", "logging step"}
-    configs = {"monitor", "scalars only", "empty callback", bench.RECORDER_LOGGER}
+    configs = {"monitor", "scalars only", bench.SPACED, "empty callback", bench.RECORDER_LOGGER}
     for clock in result["ratio"].values():
         assert set(clock) == configs  # each vs the baseline
         assert all(set(by) == measures and min(by.values()) > 0 for by in clock.values())
