@@ -158,9 +158,9 @@ class FeatureStatsMonitor(RecorderCallback):
             multiple of the steps that log (``every_n_steps``, or the Trainer's
             ``log_every_n_steps``), as W&B's ``watch(log_freq=...)`` writes its histograms less
             often than scalars; ``None`` (the default) writes them on every logged step. The
-            other logged steps neither sample the outputs nor count buckets: about half of a
-            logged step's cost (see the benchmarks). Evaluation histograms are unchanged (one per
-            evaluation epoch).
+            other logged steps neither sample the outputs nor count buckets (about 1.4 ms of a
+            logged step's 3 ms on the benchmarks' small CNN). Evaluation histograms are unchanged
+            (one per evaluation epoch).
         bins: the number of histogram buckets (30 by default, as TensorBoard's own histogram
             summary, ``tensorboard.summary.histogram``).
         parameters: also log the norms, gradient norms and update ratios of the parameters
