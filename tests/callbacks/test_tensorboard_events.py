@@ -422,9 +422,10 @@ def test_tensorboardx_writer_gets_the_same_single_event(tmp_path: Path) -> None:
     torch_events, tbx_events = _stats_events(logs["torch"]), _stats_events(logs["tbx"])
     assert [step for step, _ in tbx_events] == [0, 1]  # one event per logged step
     assert tbx_events == torch_events
-    # the same values through the same Summary schema. The two runs train the same model
-    # apart, and step 1 follows an optimizer step whose float sums may round differently in
-    # their last bit (seen under load): values agree to a relative 1e-5, counts exactly
+    # the same values through the same Summary schema. The two runs may reduce an output by
+    # different engine paths (eager until the CPU kernel or compiled graph built in the
+    # background is ready, which under load can fall inside the first run), equal within the
+    # documented tolerance, not bit for bit: values agree to a relative 1e-5, counts exactly
     got = {name: scalars(log) for name, log in logs.items()}
     stats_torch = {t: v for t, v in got["torch"].items() if t.startswith("stats/")}
     stats_tbx = {t: v for t, v in got["tbx"].items() if t.startswith("stats/")}
