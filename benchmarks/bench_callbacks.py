@@ -25,19 +25,21 @@ Per repeat, over steps 50-299 (five logging periods, warm-up excluded):
 * **logging step** — the median time of a step on which the monitor logs (Lightning's own
   ``log_every_n_steps`` logging happens on the same steps in both runs).
 
-Ratios monitored / baseline are taken per repeat and their median is reported. Four more
+Ratios monitored / baseline are taken per repeat and their median is reported. Five more
 configurations take turns too, for information (the targets are for the defaults): the same
 monitor with ``histograms=False``, which shows what the histograms cost on a logging step; the
 monitor with histograms on every other logged step (``histogram_every_n_steps=100``: two of the
 five logged steps of the window write histograms), which shows what spacing them out saves; a
 ``Callback`` that does nothing, which shows what Lightning's hook calls cost any callback on
-every step, the floor of the non-logging ratio; and the monitor writing through
+every step, the floor of the non-logging ratio; the monitor writing through
 ``lightning_recorder.TensorBoardLogger`` instead of Lightning's (its records checksummed by the
 ``google-crc32c`` wheel where installed, the ``fast-tensorboard`` extra; TensorBoard's own
 writer checksums in pure Python, about 2 ms per logged step of this model), against the same
-baseline (which writes next to nothing to its logger). Memory: a separate process trains with the
-monitor alone for 2,000 steps and compares its peak RSS after step 2,000 with that after
-step 200.
+baseline (which writes next to nothing to its logger); and the defaults once more, a
+configuration identical to the first, whose ratios differ from the first's only by the run's
+noise: how far apart two readings of the same code land, the resolution of every row. Memory:
+a separate process trains with the monitor alone for 2,000 steps and compares its peak RSS
+after step 2,000 with that after step 200.
 
 Run ``python benchmarks/bench_callbacks.py`` (``--quick`` for a smoke run). Timings use one CPU
 thread (``torch.set_num_threads(1)``) to keep the noise of a shared machine down, and batches of
@@ -111,6 +113,9 @@ EMPTY = "empty callback"
 # checksummed by the google-crc32c wheel where it is installed) instead of Lightning's
 RECORDER_LOGGER = "monitor, recorder's logger"
 SPACED = "histograms every other logged step"
+# the defaults once more, a second configuration identical to "monitor": how far apart two
+# identical configurations read in one run, the noise of every other row
+TWIN = "monitor, again"
 CONFIGS: dict[str, dict[str, Any] | str | None] = {
     "monitor": {},
     "baseline": None,
@@ -118,6 +123,7 @@ CONFIGS: dict[str, dict[str, Any] | str | None] = {
     SPACED: {"histogram_every_n_steps": 2 * EVERY},
     EMPTY: EMPTY,
     RECORDER_LOGGER: {},
+    TWIN: {},
 }
 
 
@@ -477,6 +483,10 @@ def table(result: dict[str, Any]) -> str:
     rows.append(("scalars only", "amortised", "amortised, `histograms=False`"))
     rows.append((SPACED, "amortised", "amortised, histograms every other logged step"))
     rows.append((EMPTY, "non-logging step", "step, a callback that does nothing"))
+    rows += [
+        (TWIN, key, f"{key}, the same monitor again (identical: the noise)")
+        for key in ("amortised", "non-logging step")
+    ]
     rows += [
         (RECORDER_LOGGER, key, f"{key}, `lightning_recorder.TensorBoardLogger` ({checksum})")
         for key in ("amortised", "logging step")

@@ -548,6 +548,8 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         "| amortised, `histograms=False` |",
         "| amortised, histograms every other logged step |",
         "| step, a callback that does",
+        "| amortised, the same monitor again (identical: the noise) |",
+        "| non-logging step, the same monitor again (identical: the noise) |",
     ):
         assert row in out
     assert "| amortised, `lightning_recorder.TensorBoardLogger` (" in out
@@ -557,6 +559,7 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert all(abs(v) < 1.0 for v in split.values())  # fractions of the baseline's time
     measures = {"amortised", "non-logging step", "logging step"}
     configs = {"monitor", "scalars only", bench.SPACED, "empty callback", bench.RECORDER_LOGGER}
+    configs.add(bench.TWIN)
     for clock in result["ratio"].values():
         assert set(clock) == configs  # each vs the baseline
         assert all(set(by) == measures and min(by.values()) > 0 for by in clock.values())
