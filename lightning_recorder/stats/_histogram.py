@@ -77,13 +77,17 @@ def bucket_index(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     start, end = lo.to(dtype).unsqueeze(1), hi.to(dtype).unsqueeze(1)
     # bins / (hi - lo) in two factors that each fit the values' precision: a range of subnormal
     # width has a scale beyond float32's largest value (one factor, ``near``, for every
-    # ordinary range: the other is then exactly 1)
-    scale = bins / (hi - lo)
+    # ordinary range: the other is then exactly 1). A float64 range narrower than about
+    # bins * 2**-1024 has a scale beyond float64's largest value too: its second factor is
+    # then taken from the width times ``near`` (exact, a power of two), which float64 holds
+    width = hi - lo
+    scale = bins / width
     near = scale.clamp(max=2.0**64)
-    start_scale, then = near.to(dtype).unsqueeze(1), (scale / near).to(dtype).unsqueeze(1)
+    then = torch.where(scale == near, 1.0, bins / (width * near))
+    start_scale, then = near.to(dtype).unsqueeze(1), then.to(dtype).unsqueeze(1)
     position = (values - start) * start_scale * then
-    # NaN (0 * inf in a range narrower than float64 resolves) as 0, as nan_to_num has it: a
-    # comparison, which compiles to vector code where isnan does not
+    # NaN (0 * inf, should a scale still overflow) as 0, as nan_to_num has it: a comparison,
+    # which compiles to vector code where isnan does not
     position = torch.where(position == position, position, 0.0).clamp(0, bins - 1)
     inside = (values >= start) & (values <= end)  # NaN and values outside: False
     return torch.where(inside, position.to(torch.int32), bins)

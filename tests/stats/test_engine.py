@@ -365,22 +365,30 @@ def test_compiled_equals_eager_and_never_recompiles(compiled_engine: None) -> No
             assert_matches(engine.tensor_state(x), x)
 
 
-def test_a_range_too_narrow_for_its_scale_puts_its_ends_in_the_end_buckets(
+def test_a_float64_range_too_narrow_for_one_scale_still_buckets_its_values(
     compiled_engine: None,
 ) -> None:
-    """bins / (hi - lo) overflows float64 for a range narrower than about 1e-307: the position of
-    ``lo`` is then 0 * inf (NaN), counted in the first bucket (never an index out of range),
-    compiled and eager alike."""
+    """bins / (hi - lo) overflows float64 for a range narrower than about 1e-307 (values of about
+    that size, down to subnormal ones): the scale is then taken in two factors, so that values
+    inside the range land in their buckets as in any other range (up to rounding at the
+    edges), not all in the last one; compiled and eager alike."""
     assert "buckets cpu float64" in engine.compile_status(), engine.compile_status()
-    x = torch.zeros(1, 4096, dtype=F64)  # long enough for the compiled graph
-    x[0, 1] = 1e-308
-    lo, hi = torch.tensor([0.0], dtype=F64), torch.tensor([1e-308], dtype=F64)
-    want = [0, 29] + [0] * 4094
-    base = row_bases(1, 30, x.device)
-    assert engine._run("buckets", x, lo, hi, base, 30)[0].tolist() == want
-    with engine.eager_only():
-        assert engine._run("buckets", x, lo, hi, base, 30)[0].tolist() == want
-    assert row_counts(x, lo, hi, 30)[0].tolist() == [4095] + [0] * 28 + [1]
+    for lo_, hi_ in ((0.0, 1e-308), (1e-320, 3e-320), (-2e-310, 1e-310)):
+        x = torch.full((1, 4096), lo_, dtype=F64)  # long enough for the compiled graph
+        inside = torch.linspace(lo_, hi_, 61, dtype=F64)  # edges and the buckets' middles
+        x[0, : inside.numel()] = inside
+        lo, hi = torch.tensor([lo_], dtype=F64), torch.tensor([hi_], dtype=F64)
+        base = row_bases(1, 30, x.device)
+        compiled = engine._run("buckets", x, lo, hi, base, 30)[0]
+        with engine.eager_only():
+            eager = engine._run("buckets", x, lo, hi, base, 30)[0]
+        assert torch.equal(compiled, eager)
+        # the middle of bucket i (the odd points of the 61) lands in bucket i
+        assert compiled[1:60:2].tolist() == list(range(30)), (lo_, hi_, compiled[:61].tolist())
+        assert compiled[0] == 0 and compiled[60] == 29  # the ends in the end buckets
+        counts = row_counts(x, lo, hi, 30)[0]
+        assert counts.sum() == 4096 and counts[0] >= 4096 - 60 and counts[-1] >= 1
+        assert_counts_up_to_edges(counts, x[0], edges(lo, hi, 30)[0], F64)
 
 
 def test_rows_read_in_pieces_count_each_row_in_its_own_buckets() -> None:
