@@ -58,8 +58,19 @@ def edges(lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     steps = bins + 1
     i = torch.arange(steps, dtype=F64, device=lo.device)
     lo, hi = lo.unsqueeze(-1), hi.unsqueeze(-1)
+    # a range wider than float64 holds (ends of both signs beyond half its largest value) is
+    # spanned at half scale: halving is exact, and 1 for every other range changes nothing
+    half = halving(lo, hi, F64)
+    lo, hi = lo * half, hi * half
     step = (hi - lo) / bins
-    return torch.where(i < steps // 2, lo + step * i, hi - step * (steps - 1 - i))
+    return torch.where(i < steps // 2, lo + step * i, hi - step * (steps - 1 - i)) / half
+
+
+def halving(lo: Tensor, hi: Tensor, dtype: torch.dtype) -> Tensor:
+    """``0.5`` for a range ``[lo, hi]`` (``float64``) too wide for ``hi - lo`` in ``dtype`` (more
+    than half its largest finite value: the difference could overflow), else ``1.0``; the
+    factor by which :func:`edges` and :func:`bucket_index` scale the values first."""
+    return torch.where(hi - lo > torch.finfo(dtype).max / 2, 0.5, 1.0)
 
 
 def bucket_index(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
@@ -75,17 +86,23 @@ def bucket_index(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     """
     dtype = values.dtype
     start, end = lo.to(dtype).unsqueeze(1), hi.to(dtype).unsqueeze(1)
-    # bins / (hi - lo) in two factors that each fit the values' precision: a range of subnormal
+    # A range too wide for v - lo in the values' precision (ends of both signs near its largest
+    # value, as in a diverging run) is bucketed from halved values and a halved width: halving
+    # is exact (but for subnormal values, whose rounding cannot move a bucket of such a range),
+    # and the factor is exactly 1 for every other range
+    half = halving(lo, hi, dtype)
+    width = hi * half - lo * half
+    # bins / width in two factors that each fit the values' precision: a range of subnormal
     # width has a scale beyond float32's largest value (one factor, ``near``, for every
     # ordinary range: the other is then exactly 1). A float64 range narrower than about
     # bins * 2**-1024 has a scale beyond float64's largest value too: its second factor is
     # then taken from the width times ``near`` (exact, a power of two), which float64 holds
-    width = hi - lo
     scale = bins / width
     near = scale.clamp(max=2.0**64)
     then = torch.where(scale == near, 1.0, bins / (width * near))
     start_scale, then = near.to(dtype).unsqueeze(1), then.to(dtype).unsqueeze(1)
-    position = (values - start) * start_scale * then
+    half = half.to(dtype).unsqueeze(1)
+    position = (values * half - start * half) * start_scale * then
     # NaN (0 * inf, should a scale still overflow) as 0, as nan_to_num has it: a comparison,
     # which compiles to vector code where isnan does not
     position = torch.where(position == position, position, 0.0).clamp(0, bins - 1)

@@ -391,6 +391,37 @@ def test_a_float64_range_too_narrow_for_one_scale_still_buckets_its_values(
         assert_counts_up_to_edges(counts, x[0], edges(lo, hi, 30)[0], F64)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "end"), [(torch.float32, 3e38), (F64, 1.5e308), (torch.float32, 2e38)]
+)
+def test_a_range_too_wide_for_its_precision_still_buckets_its_values(
+    compiled_engine: None, dtype: torch.dtype, end: float
+) -> None:
+    """A range of both signs near the largest finite value (a diverging run's activations) is
+    wider than ``v - lo`` holds in the values' precision: the difference overflowed to inf and
+    every value above about the middle landed in the last bucket (and float64's edges were
+    NaN). Halved first, each value lands in its bucket and the edges are finite, compiled and
+    eager alike."""
+    assert f"buckets cpu {str(dtype).removeprefix('torch.')}" in engine.compile_status()
+    lo_, hi_ = -end, end
+    lo, hi = torch.tensor([lo_], dtype=F64), torch.tensor([hi_], dtype=F64)
+    limits = edges(lo, hi, 30)[0]
+    assert bool(torch.isfinite(limits).all()) and bool((limits.diff() > 0).all())
+    assert limits[0] == lo_ and limits[-1] == hi_
+    x = torch.full((1, 4096), 0.0, dtype=dtype)  # long enough for the compiled graph
+    middles = (limits[:-1] / 2 + limits[1:] / 2).to(dtype)  # a / 2 + b / 2: no overflow
+    x[0, :30] = middles
+    x[0, 30], x[0, 31] = lo_, hi_
+    base = row_bases(1, 30, x.device)
+    compiled = engine._run("buckets", x, lo, hi, base, 30)[0]
+    with engine.eager_only():
+        eager = engine._run("buckets", x, lo, hi, base, 30)[0]
+    assert torch.equal(compiled, eager)
+    assert compiled[:30].tolist() == list(range(30)), compiled[:30].tolist()
+    assert compiled[30] == 0 and compiled[31] == 29
+    assert_counts_up_to_edges(row_counts(x, lo, hi, 30)[0], x[0], limits, dtype)
+
+
 def test_rows_read_in_pieces_count_each_row_in_its_own_buckets() -> None:
     """Eagerly, many rows larger than a chunk in all are bucketed a few rows at a time: each
     piece's keys keep their rows' places (the bases are split with the rows)."""
