@@ -6,7 +6,7 @@ naming the option, what was given and what would be right.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import cast
 
 from torch import Tensor, nn
@@ -151,9 +151,12 @@ def stat_names(stats: object, owner: str) -> tuple[StatName, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def value_tensors(value: object) -> Iterator[Tensor]:
+def value_tensors(
+    value: object, complex_seen: Callable[[Tensor], None] | None = None
+) -> Iterator[Tensor]:
     """The real-valued tensors of a recorded value (structured outputs flattened); of a
-    ``DTensor``, the part this rank contributes (see ``stats.sharded.shard_for_stats``)."""
+    ``DTensor``, the part this rank contributes (see ``stats.sharded.shard_for_stats``). Each
+    complex tensor left out is handed to ``complex_seen``."""
     for tensor in iter_tensors(value):
         if is_sharded(tensor):
             part = shard_for_stats(tensor)
@@ -162,9 +165,13 @@ def value_tensors(value: object) -> Iterator[Tensor]:
             tensor = part
         if not tensor.is_complex():
             yield tensor
+        elif complex_seen is not None:
+            complex_seen(tensor)
 
 
-def record_tensors(stream: RecordStream) -> Iterator[Tensor]:
+def record_tensors(
+    stream: RecordStream, complex_seen: Callable[[Tensor], None] | None = None
+) -> Iterator[Tensor]:
     """The real-valued tensors of every record of a stream (:func:`value_tensors` of each)."""
     for record in stream.data_buffer:
-        yield from value_tensors(record)
+        yield from value_tensors(record, complex_seen)

@@ -328,6 +328,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._write_histograms = False
         self._warned = False
         self._records_warned = False
+        self._complex_warned: set[int] = set()  # streams told that complex outputs are left out
         self._streams: dict[str, RecordStream] = {}
         self._index: dict[int, int] = {}  # id(stream) -> its index among the streams
         self._collector: Collector | None = None
@@ -464,6 +465,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._streams = streams
         self._tag_cache.clear()  # the cached tags of every module follow these streams
         self._index = {id(stream): i for i, stream in enumerate(streams.values())}
+        self._complex_warned.clear()
         device = pl_module.device
         self._collector = Collector(len(streams), self.histogram_sample, device)
         self._channel_sizes, self._extremes_metric = {}, None
@@ -541,9 +543,31 @@ class FeatureStatsMonitor(RecorderCallback):
         if type(value) is Tensor:  # the common case: one plain tensor
             if not value.is_complex():
                 collector.add(index, value, sample)
+            elif index not in self._complex_warned:
+                self._warn_complex(index, value)
             return
-        for tensor in value_tensors(value):
+        for tensor in value_tensors(value, self._complex_seen(index)):
             collector.add(index, tensor, sample)
+
+    def _complex_seen(self, index: int) -> Callable[[Tensor], None] | None:
+        """What to call on a complex tensor of stream ``index``: warn, the first time only."""
+        if index in self._complex_warned:
+            return None
+        return lambda tensor: self._warn_complex(index, tensor)
+
+    def _warn_complex(self, index: int, tensor: Tensor) -> None:
+        """Say once per stream that its complex outputs are left out (no statistic is defined
+        for them), and how to monitor them."""
+        if index in self._complex_warned:
+            return
+        self._complex_warned.add(index)
+        key = tuple(self._streams)[index]
+        rank_zero_warn(
+            f"{self!r}: an output of {key!r} is complex ({tensor.dtype}) and is left out: the "
+            "statistics and histograms are of real values. To monitor it, record a real view "
+            "of it: a module that returns torch.view_as_real(z) (its real and imaginary parts) "
+            "or z.abs() (its magnitude). Reported once per module."
+        )
 
     def _held_bytes(self) -> int:
         """Bytes of the tensors the monitor holds for the current batch (records or states)."""
@@ -606,7 +630,7 @@ class FeatureStatsMonitor(RecorderCallback):
             sample = self._wants_sample() and not self.exact_histograms
             with torch.no_grad():
                 for index, stream in enumerate(self._streams.values()):
-                    tensors = list(record_tensors(stream))
+                    tensors = list(record_tensors(stream, self._complex_seen(index)))
                     for tensor in tensors:
                         collector.add(index, tensor, sample)
                     kept.append(tensors)

@@ -450,6 +450,58 @@ def test_a_module_not_called_logs_nothing(tmp_path: Path) -> None:
     }
 
 
+class _Spectrum(nn.Module):
+    """An FFT layer: a complex output, alone or next to a real one."""
+
+    def __init__(self, both: bool) -> None:
+        super().__init__()
+        self.both = both
+
+    def forward(self, x: torch.Tensor) -> Any:
+        z = torch.fft.rfft(x, dim=-1)
+        return (z.abs(), z) if self.both else z
+
+
+class _SpectrumNet(ProbeNet):
+    def __init__(self, both: bool) -> None:
+        super().__init__()
+        self.spectrum = _Spectrum(both)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.spectrum(x)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("exact", [False, True])  # statistics in the hook / of kept records
+@pytest.mark.parametrize("both", [False, True])  # a complex output / (real, complex)
+def test_a_complex_output_is_left_out_with_one_warning(
+    tmp_path: Path, both: bool, exact: bool
+) -> None:
+    """No statistic is defined for complex values: they are left out, and the monitor says so
+    once per module (naming it and the way to monitor a real view), not silently; a real tensor
+    next to them, and every other module, are logged as usual."""
+    logger = TensorBoardLogger(tmp_path, name="fft")
+    monitor = FeatureStatsMonitor(
+        ["spectrum", "probe"], every_n_steps=1, parameters=False, exact_histograms=exact
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(**QUIET, logger=logger, max_steps=3, callbacks=[monitor]).fit(
+            _SpectrumNet(both), loader(features(8))
+        )
+    told = [str(w.message) for w in caught if "is complex" in str(w.message)]
+    assert len(told) == 1, told
+    assert "an output of 'spectrum' is complex (torch.complex64) and is left out" in told[0]
+    assert "torch.view_as_real(z)" in told[0] and "Reported once per module" in told[0]
+    got = scalars(logger.log_dir)
+    assert got["stats/train/probe/mean"].keys() == {0, 1, 2}
+    if both:  # the magnitude is the module's only real tensor: never negative
+        assert got["stats/train/spectrum/min"].keys() == {0, 1, 2}
+        assert min(got["stats/train/spectrum/min"].values()) >= 0.0
+    else:
+        assert not [t for t in got if t.startswith("stats/train/spectrum/")]
+
+
 def test_unknown_source_fails_at_start(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="unknown")
     trainer = pl.Trainer(
