@@ -32,9 +32,17 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ._engine import flat_view, native_ready, row_counts, rows_states, state_row
+from ._engine import (
+    flat_view,
+    is_plain,
+    native_ready,
+    row_counts,
+    rows_states,
+    state_row,
+    stored_parts,
+)
 from ._histogram import stream_counts
-from ._state import COUNT, F64, MAX, MIN, NUMEL, ZEROS, empty_states, merge
+from ._state import COUNT, F64, empty_states, merge, zeros_state
 
 __all__ = ["SMALL", "Collector", "sample_stride"]
 
@@ -256,10 +264,11 @@ class Collector:
         n = x.numel()
         if n == 0:
             return
-        if x.layout != torch.strided:  # sparse: the stored values, and the implicit zeros
-            values = x.coalesce().values() if x.layout == torch.sparse_coo else x.values()
-            self.add(stream, values, sample)
-            self._add_zeros(stream, n - values.numel(), sample)
+        if not is_plain(x):  # sparse, nested, quantized: the stored values (implicit zeros)
+            parts, zeros = stored_parts(x)
+            for part in parts:
+                self.add(stream, part, sample)
+            self._add_zeros(stream, zeros, sample)
             return
         if stream in self.channels and x.dim():
             self._add_extremes(stream, x)
@@ -328,10 +337,7 @@ class Collector:
         """Add ``zeros`` elements equal to 0 (the implicit elements of a sparse tensor)."""
         if zeros <= 0:
             return
-        state = empty_states(1, device=self.device)
-        state[0, [COUNT, ZEROS, NUMEL]] = float(zeros)
-        state[0, [MIN, MAX]] = 0.0
-        self._add_rows(state, [stream])
+        self._add_rows(zeros_state(zeros, self.device)[None], [stream])
         if sample:
             self._sample(stream, torch.zeros(1, device=self.device), 1, weight=float(zeros))
 

@@ -50,7 +50,7 @@ from torch import Tensor
 from .._core.checks import switched_on
 from . import _cpu_kernel
 from ._histogram import bucket_keys, row_bases, tally
-from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state
+from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state, zeros_state
 
 __all__ = [
     "BLOCK_ROWS",
@@ -479,13 +479,47 @@ def rows_states(x: Tensor) -> Tensor:
     return states
 
 
+def is_plain(x: Tensor) -> bool:
+    """Whether ``x`` is an ordinary dense tensor (strided, not nested, not quantized): one that
+    the kernels read as it is; others are read through :func:`stored_parts`."""
+    return x.layout == torch.strided and not x.is_nested and not x.is_quantized
+
+
+def stored_parts(x: Tensor) -> tuple[list[Tensor], int]:
+    """The ordinary dense tensors that hold the values of a tensor that is not
+    (:func:`is_plain`), and how many of its elements are implicit zeros: a sparse tensor's
+    stored values (COO coalesced first, so that each element counts once) and the rest of its
+    elements as zeros; a nested tensor's components (its packed values, jagged layout); a
+    quantized tensor's values, dequantized. ``[x], 0`` for an ordinary tensor."""
+    if x.is_quantized:
+        return stored_parts(x.dequantize())
+    if x.is_nested:
+        if x.layout == torch.strided:
+            return [part for t in x.unbind() for part in stored_parts(t)[0]], 0
+        return [x.values()], 0
+    if x.layout == torch.sparse_coo:
+        values = x.coalesce().values()
+    elif x.layout != torch.strided:  # compressed sparse layouts (CSR, CSC, BSR, BSC)
+        values = x.values()
+    else:
+        return [x], 0
+    return [values], x.numel() - values.numel()
+
+
 def tensor_state(x: Tensor) -> Tensor:
-    """The packed state ``(WIDTH,)`` of all elements of ``x`` (any shape and real dtype).
+    """The packed state ``(WIDTH,)`` of all elements of ``x`` (any shape and real dtype; sparse,
+    nested and quantized tensors through their stored values: :func:`stored_parts`).
 
     The CPU kernel, or compiled: one pass over the whole tensor. Eager (and for memory that is
     not one dense block): pieces of at most :data:`CHUNK` elements, merged.
     """
     x = x.detach()
+    if not is_plain(x):
+        parts, zeros = stored_parts(x)
+        states = [tensor_state(part) for part in parts]
+        if zeros:
+            states.append(zeros_state(zeros, x.device))
+        return merge(torch.stack(states), 0) if states else empty_states(device=x.device)
     return state_row(x, flat_view(x))[0]
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "finalize",
     "merge",
     "rows_state",
+    "zeros_state",
 ]
 
 # Layout of the packed state: one float64 vector, so that a rank's states travel in one gather.
@@ -60,6 +61,15 @@ def empty_states(*shape: int, device: torch.device | str | None = None) -> Tenso
     states.select(-1, MIN).fill_(math.inf)
     states.select(-1, MAX).fill_(-math.inf)
     return states
+
+
+def zeros_state(count: int, device: torch.device | str | None = None) -> Tensor:
+    """The packed state ``(WIDTH,)`` of ``count`` (> 0) elements equal to 0: the implicit
+    elements of a sparse tensor."""
+    state = empty_states(device=device)
+    state[[COUNT, ZEROS, NUMEL]] = float(count)
+    state[[MIN, MAX]] = 0.0
+    return state
 
 
 def rows_state(x: Tensor, finite: bool = False) -> Tensor:

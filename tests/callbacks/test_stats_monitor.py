@@ -27,6 +27,7 @@ from helpers.models import (
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.tensorboard import SummaryWriter
 
 import lightning_recorder.callbacks.stats_monitor as monitor_module
@@ -500,6 +501,62 @@ def test_a_complex_output_is_left_out_with_one_warning(
         assert min(got["stats/train/spectrum/min"].values()) >= 0.0
     else:
         assert not [t for t in got if t.startswith("stats/train/spectrum/")]
+
+
+class _PaddedEncoder(pl.LightningModule):
+    """A batch-first TransformerEncoder with a padding mask: in evaluation, torch's fast path
+    runs its layers on nested tensors (the padded tokens dropped), which the layers return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(8, 1)
+        self.seen: list[torch.Tensor] = []  # the first layer's outputs in validation
+        self.enc.layers[0].register_forward_hook(self._keep)
+
+    def _keep(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if not self.training:
+            self.seen.append(torch.cat(out.detach().unbind()) if out.is_nested else out)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x, src_key_padding_mask=pad)).mean()
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(*batch)
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self(*batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_nested_outputs_of_a_transformer_fast_path_are_the_values_they_hold(
+    tmp_path: Path,
+) -> None:
+    """Validation of a transformer with a padding mask hands the monitor nested tensors (the
+    unpadded tokens): their statistics are those of the tokens they hold (the forward hook
+    crashed in torch's reshape before)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 5, 8)
+    pad = torch.zeros(8, 5, dtype=torch.bool)
+    pad[:, 3:] = True
+    pad[::2, 3] = False  # ragged: 3 or 4 tokens per sequence, left-aligned
+    data = DataLoader(TensorDataset(x, pad), batch_size=4)
+    logger = TensorBoardLogger(tmp_path, name="enc")
+    monitor = FeatureStatsMonitor(["enc.layers.0"], every_n_steps=1, stages=("train", "val"))
+    model = _PaddedEncoder()
+    pl.Trainer(
+        **QUIET, logger=logger, max_steps=2, callbacks=[monitor], num_sanity_val_steps=0
+    ).fit(model, data, data)
+    assert model.seen and all(t.shape[-1] == 8 for t in model.seen)
+    assert sum(t.shape[0] for t in model.seen) == int((~pad).sum())  # the fast path ran
+    want = reference_stats(torch.cat(model.seen))
+    got = scalars(logger.log_dir)
+    for stat in ("mean", "std", "min", "max"):
+        (value,) = got[f"stats/val/enc.layers.0/{stat}"].values()
+        assert value == pytest.approx(want[stat], rel=1e-5, abs=1e-6), stat
 
 
 def test_unknown_source_fails_at_start(tmp_path: Path) -> None:

@@ -543,3 +543,43 @@ def test_channel_extremes_are_made_on_their_device_without_a_copy_from_the_host(
     cpu = ChannelExtremes.on(3, "cpu")
     cpu.update(torch.tensor([[1.0, -2.0, 0.5], [3.0, 4.0, 0.5], [1.0, 0.0, 0.5]]))
     assert cpu.compute().tolist() == [[1.0, -2.0, 0.5], [3.0, 4.0, 0.5], [1.0, 0.0, 0.5]]
+
+
+def _laid_out(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in another layout, and the dense tensor of the values it holds."""
+    if kind == "coo":
+        return x.to_sparse(), x
+    if kind == "csr":
+        return x.to_sparse_csr(), x
+    if kind == "nested":  # ragged rows, as a transformer's fast path makes them
+        return torch.nested.nested_tensor([x[0], x[1, :3]]), torch.cat([x[0], x[1, :3]])
+    if kind == "jagged":
+        parts = [x[:2], x[:3]]
+        return torch.nested.nested_tensor(parts, layout=torch.jagged), torch.cat(parts)
+    q = torch.quantize_per_tensor(x, 0.05, 0, torch.qint8)
+    return q, q.dequantize()
+
+
+@pytest.mark.parametrize("kind", ["coo", "csr", "nested", "jagged", "quantized"])
+def test_sparse_nested_and_quantized_tensors_give_the_statistics_of_their_values(
+    kind: str,
+) -> None:
+    """A tensor that is not an ordinary dense one is read through the values it holds: a sparse
+    tensor's stored values and implicit zeros, a nested tensor's components, a quantized
+    tensor's dequantized values. Its statistics and histogram are those of the dense tensor of
+    the same values (they crashed inside torch's reshape before)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 5)
+    x[x.abs() < 0.6] = 0.0  # zeros for the sparse layouts to leave implicit
+    laid_out, dense = _laid_out(kind, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested and sparse CSR tensors are in beta
+        got, want = feature_stats(laid_out), feature_stats(dense)
+        counts, limits = histogram(laid_out, bins=7)
+        want_counts, want_limits = histogram(dense, bins=7)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
+    assert torch.equal(counts, want_counts) and torch.equal(limits, want_limits)
+    metric = FeatureStats()
+    metric.update(laid_out)
+    torch.testing.assert_close(metric.compute()["mean"], want["mean"], rtol=1e-12, atol=1e-12)
