@@ -86,6 +86,12 @@ class SourceSpec:
     def identity(self) -> bool:
         return self.tokens is None and self.mean is None and self.transform is None
 
+    @property
+    def identity_but_transform(self) -> bool:
+        """Whether ``transform`` is the only change: it alone sees the tensor as recorded (a
+        nested or sparse one included)."""
+        return self.tokens is None and self.mean is None
+
     def apply(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.tokens is not None:
             if tensor.dim() < 2:
@@ -98,7 +104,7 @@ class SourceSpec:
         if self.mean is not None:
             tensor = tensor.mean(dim=self.mean)
         if self.transform is not None:
-            rows = tensor.shape[0]
+            rows = tensor.size(0)  # a nested tensor has no shape, but has its rows
             tensor = self.transform(tensor)
             if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or len(tensor) != rows:
                 raise RecorderConfigError(

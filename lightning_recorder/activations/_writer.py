@@ -77,6 +77,33 @@ def _lower_priority() -> None:
         pass
 
 
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an ordinary dense one (strided, not nested, not quantized), whose
+    rows the shards store (this room imports nothing of the package but its errors)."""
+    return tensor.layout == torch.strided and not tensor.is_nested and not tensor.is_quantized
+
+
+def _not_dense(tensor: torch.Tensor, where: str) -> RecorderConfigError:
+    """The error for activations that are not an ordinary dense tensor, with what to pass."""
+    if tensor.is_nested:
+        what = (
+            "a nested tensor of ragged rows (as torch's TransformerEncoder makes in evaluation "
+            "with a padding mask)"
+        )
+        fix = (
+            "pad them with `transform=lambda t: t.to_padded_tensor(0.0)` for this source, or "
+            "build the encoder with enable_nested_tensor=False"
+        )
+    elif tensor.is_quantized:
+        what, fix = "a quantized tensor", "pass `transform=lambda t: t.dequantize()` for it"
+    else:
+        what, fix = f"a sparse tensor ({tensor.layout})", "pass `transform=lambda t: t.to_dense()`"
+    return RecorderConfigError(
+        f"Expected the activations of {where} to be an ordinary dense tensor (rows of one shape "
+        f"along dimension 0) but got {what}; {fix}."
+    )
+
+
 def _where(source: str, module: str) -> str:
     return f"source {source!r} (module {module!r})"
 
@@ -332,7 +359,11 @@ class ShardWriter:
             tensor = tensor.detach()
         spec = self._specs.get(source)
         if spec is not None:
+            if not _plain(tensor) and (spec.transform is None or not spec.identity_but_transform):
+                raise _not_dense(tensor, _where(source, module))
             tensor = spec.apply(tensor)
+        if not _plain(tensor):
+            raise _not_dense(tensor, _where(source, module))
         if tensor.dtype not in STORABLE:
             check_storable(tensor.dtype, _where(source, module))
         if tensor.dim() == 0:

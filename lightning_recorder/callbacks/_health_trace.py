@@ -40,7 +40,7 @@ from .._core.compat import current_autograd_node
 from .._core.hooks import HookSet
 from .._core.names import canonical_name, named_modules
 from .._core.structures import modified, snapshot
-from ._health_verdict import ZERO, Call, Entry, Timeline, Value, quick_counts
+from ._health_verdict import ZERO, Call, Entry, Timeline, Value, quick_counts, shape_of
 
 __all__ = ["Trace", "tensor_paths"]
 
@@ -216,7 +216,7 @@ class Trace:
                 bool(self.patterns) and self._excluded(f"{call.name}.{full}")
             )
             counts = ZERO if excluded else quick_counts(t)
-            entry = Entry("input", call.index, full, t.dtype, t.shape, counts, excluded)
+            entry = Entry("input", call.index, full, t.dtype, shape_of(t), counts, excluded)
             line.entries.append(entry)
             if value is not None:
                 value.consumers.append((call.index, full))
@@ -247,7 +247,7 @@ class Trace:
                 bool(self.patterns) and self._excluded(f"{call.name}.{full}")
             )
             counts = ZERO if excluded else quick_counts(t)
-            entry = Entry("output", call.index, full, t.dtype, t.shape, counts, excluded)
+            entry = Entry("output", call.index, full, t.dtype, shape_of(t), counts, excluded)
             line.entries.append(entry)
             if self.keep:
                 entry.tensor, entry.version = t, snapshot(t)

@@ -133,6 +133,34 @@ def test_source_options_tokens_mean_transform_dtype(tmp_path: Path) -> None:
     assert torch.equal(concat_activations(tmp_path, "pair"), x[:, [0, -1]].flatten(1))
 
 
+def test_nested_sparse_and_quantized_activations_need_a_transform(tmp_path: Path) -> None:
+    """Shards store rows of one shape: a nested tensor of ragged rows (a transformer's fast
+    path), a sparse or a quantized tensor is refused with the transform that stores it (it
+    crashed inside torch before), and with that transform the rows are stored."""
+    rows = [torch.randn(3, 4), torch.randn(2, 4)]
+    nested = torch.nested.nested_tensor(rows)
+    x = torch.randn(2, 4)
+    cases = [
+        (nested, "a nested tensor of ragged rows", "to_padded_tensor(0.0)"),
+        (x.to_sparse(), "a sparse tensor (torch.sparse_coo)", "to_dense()"),
+        (torch.quantize_per_tensor(x, 0.1, 0, torch.qint8), "a quantized tensor", "dequantize()"),
+    ]
+    for value, what, fix in cases:
+        with (
+            ShardWriter(tmp_path / "refused") as writer,
+            pytest.raises(RecorderConfigError, match="ordinary dense tensor") as caught,
+        ):
+            writer.write("enc", "enc", value, sample_index=range(2))
+        assert what in str(caught.value) and fix in str(caught.value)
+    sources = {"padded": {"transform": lambda t: t.to_padded_tensor(0.0)}}
+    with ShardWriter(tmp_path / "padded", sources=sources) as writer:
+        writer.write("padded", "enc", nested, sample_index=range(2))
+    stored = concat_activations(tmp_path / "padded", "padded")
+    assert stored.shape == (2, 3, 4)
+    assert torch.equal(stored[0], rows[0]) and torch.equal(stored[1, :2], rows[1])
+    assert not stored[1, 2].any()  # the padding
+
+
 def test_views_are_copied_so_the_queue_counts_what_it_holds(tmp_path: Path) -> None:
     big = torch.randn(64, 100)
     with ShardWriter(tmp_path, sources={"first": {"tokens": 0}}) as writer:

@@ -263,3 +263,33 @@ def test_device_flags_become_lower_bounds_or_exact_counts() -> None:
     assert flags is not None and flags.shape == (3,)  # the loss, an int already, is not packed
     packed.unpack(flags.tolist())
     assert [e.counts for e in packed.entries] == [(1, 0, 0), (0, 0, 1), (0, 0, 0)]
+
+
+class _ToNested(nn.Module):
+    """Ragged sequences as a nested tensor, as a transformer's fast path makes them."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nested.nested_tensor([x[0], x[1, :1]])
+
+
+class _NestedNaN(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * math.nan
+
+
+class _Padded(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to_padded_tensor(0.0)
+
+
+def test_nested_tensors_are_counted_and_named_with_their_shape() -> None:
+    """A module that makes non-finite values inside a nested tensor is named, with the values'
+    counts and the nested tensor's shape (-1 where its components differ); nested tensors have
+    no ``shape`` of their own and no ``sum`` (both crashed the trace before)."""
+    nested = torch.nested.nested_tensor([torch.tensor([1.0, math.inf]), torch.tensor([math.nan])])
+    assert quick_counts(nested) == (1, 1, 0) == exact_counts([nested])[0]
+    model = nn.Sequential(_ToNested(), _NestedNaN(), _Padded())
+    with torch.no_grad():  # evaluation, where the fast path runs
+        found = run(model, torch.randn(3, 2, 4), backward=False)
+    assert (found.module, found.direction, found.path) == ("1", "forward", "output")
+    assert found.shape == (2, -1, 4) and sum(found.counts.values()) == 12
