@@ -28,6 +28,7 @@ from lightning_recorder import (
     kl_div_loss,
     mse_loss,
 )
+from lightning_recorder._core.hooks import live_hooks
 from lightning_recorder.callbacks.distillation._patch import StepPatch, is_patched
 from lightning_recorder.errors import RecorderConfigError, RecorderStateError, UnknownSourceError
 
@@ -769,3 +770,59 @@ def test_teacher_that_cannot_take_the_student_input_points_to_teacher_input() ->
     ):
         fit(student, [distill], max_steps=1)
     assert distill._runner.module is None
+
+
+def _encoder(nested: bool) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=nested)
+
+
+class _EncoderStudent(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.head = _encoder(True), nn.Linear(8, 1)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        return self.head(self.enc(x, src_key_padding_mask=pad)).mean()
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return self(*batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class _EncoderTeacher(nn.Module):
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        self.enc = _encoder(nested)
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        return self.enc(batch[0], src_key_padding_mask=batch[1])
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_a_teacher_transformer_s_nested_outputs_are_refused_with_the_fix(nested: bool) -> None:
+    """In eval mode with a padding mask, torch's TransformerEncoder returns nested tensors
+    (its fast path), which the student's dense features cannot be compared with: a clear error
+    that names the fix (it crashed in torch before); with the fix the pair trains."""
+    torch.manual_seed(0)
+    x, pad = torch.randn(8, 5, 8), torch.zeros(8, 5, dtype=torch.bool)
+    pad[:, 3:] = True
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, pad), batch_size=4)
+    distill = FeatureDistillation(
+        _EncoderTeacher(nested), {"enc.layers.0": "enc.layers.0"}, teacher_input=tuple
+    )
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=2, callbacks=[distill]))
+    if nested:
+        student = _EncoderStudent()
+        with pytest.raises(RecorderConfigError, match="nested tensor of ragged rows") as caught:
+            trainer.fit(student, data)
+        assert "enable_nested_tensor=False" in str(caught.value)
+        assert "set_fastpath_enabled(False)" in str(caught.value)
+        # nothing left behind: the student's step unpatched, no hook on either model
+        assert "training_step" not in student.__dict__
+        assert live_hooks() == []
+    else:
+        trainer.fit(_EncoderStudent(), data)
+        assert trainer.global_step == 2

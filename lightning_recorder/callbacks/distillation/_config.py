@@ -95,6 +95,15 @@ def feature(record: Any, side: str, name: str) -> Tensor:
             "submodule that returns a tensor, or give the teacher side a path: "
             "{'source': name, 'path': ...}."
         )
+    if record.is_nested:
+        raise RecorderConfigError(
+            f"Expected the output of {side} module {name!r} to be a dense tensor but got a nested "
+            "tensor of ragged rows, which has no shape to compare: torch's TransformerEncoder "
+            "returns those in evaluation (the teacher always runs in eval mode) when it is given "
+            "a padding mask (its fast path). Build that encoder with enable_nested_tensor=False "
+            "(its outputs then keep the padded positions, as the student's do in training), or "
+            "turn the fast path off with torch.backends.mha.set_fastpath_enabled(False)."
+        )
     return record
 
 
