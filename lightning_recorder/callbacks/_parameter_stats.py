@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.compat import foreach_copy_, foreach_norm, foreach_sub_
+from ..stats.norms import norm_values
 from ..stats.sharded import full_values
 
 __all__ = ["ParameterStats"]
@@ -73,7 +74,8 @@ class ParameterStats:
         if not names:
             return
         with torch.no_grad():
-            grads = [cast(Tensor, self.params[name].grad) for name in names]
+            # a sparse gradient (nn.Embedding(sparse=True)): its stored values, the same norm
+            grads = [norm_values(cast(Tensor, self.params[name].grad)) for name in names]
             buffers = []
             for name in names:
                 param = self.params[name]

@@ -9,13 +9,39 @@ from torch import Tensor
 
 from .._core.checks import check_tensor
 from ..errors import RecorderConfigError
+from ._engine import is_plain, stored_parts
 from ._state import F64
 
 __all__ = ["global_norm", "tensor_norm", "update_ratio"]
 
 
-def _norm_input(t: Tensor, name: str) -> Tensor:
+def norm_values(t: Tensor) -> Tensor:
+    """``t``, or for a tensor that is not an ordinary dense one the values it holds (a sparse
+    gradient's stored values, coalesced; a nested tensor's components; a quantized tensor's
+    values), which have its L2 norm: implicit zeros add nothing to it."""
+    if is_plain(t):
+        return t
+    parts = stored_parts(t)[0]
+    if len(parts) == 1:
+        return parts[0]
+    flat = [p.reshape(-1) for p in parts]
+    return torch.cat(flat) if flat else torch.zeros(0, device=t.device)
+
+
+def _norm_input(t: Tensor, name: str, aligned: bool = False) -> Tensor:
+    """A real tensor of ``name`` in the precision its norm is taken in: its :func:`norm_values`,
+    or where it is compared element by element (``aligned``) its dense form."""
     t = check_tensor(t, name, real=True).detach()
+    if not is_plain(t):
+        if not aligned:
+            t = norm_values(t)
+        elif t.is_nested:
+            raise RecorderConfigError(
+                f"Expected `{name}` to be a tensor with one shape (dense, sparse or quantized) "
+                "but got a nested tensor; compare its components one by one."
+            )
+        else:
+            t = t.dequantize() if t.is_quantized else t.to_dense()
     return t.to(F64 if t.dtype == F64 else torch.float32)
 
 
@@ -101,7 +127,7 @@ def update_ratio(before: Tensor, after: Tensor, eps: float = 1e-12) -> Tensor:
         >>> update_ratio(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.5])).item()
         0.10000000149011612
     """
-    b, a = _norm_input(before, "before"), _norm_input(after, "after")
+    b, a = _norm_input(before, "before", True), _norm_input(after, "after", True)
     if a.shape != b.shape:
         raise RecorderConfigError(
             f"Expected `after` to have the shape of `before`, {tuple(b.shape)}, "

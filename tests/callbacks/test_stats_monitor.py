@@ -559,6 +559,50 @@ def test_nested_outputs_of_a_transformer_fast_path_are_the_values_they_hold(
         assert value == pytest.approx(want[stat], rel=1e-5, abs=1e-6), stat
 
 
+class _SparseEmbedding(pl.LightningModule):
+    """A recommendation-style model: an embedding with sparse gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.head(self.emb(batch[0])).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class _Grads(pl.Callback):
+    def __init__(self) -> None:
+        self.norms: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
+        grad = pl_module.emb.weight.grad
+        self.norms[trainer.global_step] = grad.to_dense().norm().item()
+
+
+def test_sparse_gradients_have_their_norms_and_update_ratios(tmp_path: Path) -> None:
+    """nn.Embedding(sparse=True) has sparse gradients: their norms (of the summed values) are
+    logged as a dense gradient's would be (the foreach norm has no sparse kernel: the monitor
+    crashed at the first logged step)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (24, 5))
+    ids[:, 0] = 7  # a row every sample looks up: repeated indices in each sparse gradient
+    logger = TensorBoardLogger(tmp_path, name="emb")
+    grads = _Grads()
+    monitor = FeatureStatsMonitor(["emb", "head"], every_n_steps=1)
+    pl.Trainer(**QUIET, logger=logger, max_steps=3, callbacks=[grads, monitor]).fit(
+        _SparseEmbedding(), loader(ids, batch_size=8)
+    )
+    got = scalars(logger.log_dir)
+    assert got["stats/train/emb.weight/grad_norm"].keys() == {0, 1, 2}
+    for step, norm in grads.norms.items():
+        assert got["stats/train/emb.weight/grad_norm"][step] == approx(norm)
+        assert 0.0 < got["stats/train/emb.weight/update_ratio"][step] < 1.0
+
+
 def test_unknown_source_fails_at_start(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="unknown")
     trainer = pl.Trainer(

@@ -583,3 +583,32 @@ def test_sparse_nested_and_quantized_tensors_give_the_statistics_of_their_values
     metric = FeatureStats()
     metric.update(laid_out)
     torch.testing.assert_close(metric.compute()["mean"], want["mean"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["coo", "csr", "nested", "jagged", "quantized"])
+def test_norms_of_sparse_nested_and_quantized_tensors_are_those_of_their_values(
+    kind: str,
+) -> None:
+    """A sparse gradient (``nn.Embedding(sparse=True)``), a nested or a quantized tensor has the
+    norm of the values it holds (torch's vector_norm has no sparse kernel: this crashed);
+    ``update_ratio`` compares element by element, so a sparse or quantized tensor is read
+    dense, and a nested one (no single shape) is refused with a clear error."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 5)
+    x[x.abs() < 0.6] = 0.0
+    laid_out, dense = _laid_out(kind, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested and sparse CSR tensors are in beta
+        torch.testing.assert_close(tensor_norm(laid_out), torch.linalg.vector_norm(dense))
+        torch.testing.assert_close(
+            global_norm([laid_out, torch.ones(3)]),
+            torch.linalg.vector_norm(torch.cat([dense.reshape(-1), torch.ones(3)])),
+        )
+        if kind in ("nested", "jagged"):
+            with pytest.raises(RecorderConfigError, match="got a nested tensor"):
+                update_ratio(laid_out, laid_out)
+        else:
+            torch.testing.assert_close(update_ratio(laid_out, laid_out), torch.tensor(0.0))
+    # a COO gradient with a repeated index (as an embedding's backward makes): summed first
+    repeated = torch.sparse_coo_tensor([[0, 1, 1]], torch.tensor([3.0, 1.0, 3.0]), (5,))
+    assert tensor_norm(repeated).item() == 5.0
