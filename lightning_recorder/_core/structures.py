@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import NoRecordError, RecorderConfigError
 from .checks import suggestion
@@ -20,9 +21,13 @@ from .compat import torch_op_signatures
 
 
 def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
-    """Every tensor inside a nested structure of tuples, lists, dicts and dataclasses."""
+    """Every tensor inside a nested structure of tuples, lists, dicts and dataclasses; of a
+    ``PackedSequence`` (an RNN's packed input or output), its data only: its other fields are
+    the packing's layout (batch sizes and orders), not values."""
     if isinstance(obj, torch.Tensor):
         yield obj
+    elif isinstance(obj, PackedSequence):
+        yield obj.data
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from iter_tensors(item)

@@ -603,6 +603,45 @@ def test_sparse_gradients_have_their_norms_and_update_ratios(tmp_path: Path) -> 
         assert 0.0 < got["stats/train/emb.weight/update_ratio"][step] < 1.0
 
 
+class _PackedLSTM(pl.LightningModule):
+    """An LSTM on packed sequences of different lengths: its output is ``(PackedSequence,
+    (h, c))``, whose packing metadata (batch sizes, orders) are integer tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 3, batch_first=True)
+        self.head = nn.Linear(3, 1)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(
+            batch[0], torch.tensor([5, 4, 2, 1]), batch_first=True
+        )
+        out, (h, c) = self.lstm(packed)
+        self.seen = [out.data.detach(), h.detach(), c.detach()]
+        return self.head(h[-1]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_packed_sequence_contributes_its_data_not_its_layout(tmp_path: Path) -> None:
+    """The statistics of an LSTM on packed sequences are those of its values (the packed data,
+    h and c), not of the packing's batch sizes and orders (which were pooled with them: a
+    ``max`` of 4, the largest batch size)."""
+    torch.manual_seed(0)
+    logger = TensorBoardLogger(tmp_path, name="packed")
+    monitor = FeatureStatsMonitor(["lstm"], every_n_steps=1, parameters=False)
+    model = _PackedLSTM()
+    pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor]).fit(
+        model, loader(torch.randn(4, 5, 4) + 10.0)
+    )
+    want = reference_stats(torch.cat([t.reshape(-1) for t in model.seen]))
+    got = scalars(logger.log_dir)
+    for stat in ("mean", "std", "min", "max"):
+        assert got[f"stats/train/lstm/{stat}"][0] == pytest.approx(want[stat], rel=1e-5), stat
+
+
 def test_unknown_source_fails_at_start(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="unknown")
     trainer = pl.Trainer(
