@@ -329,6 +329,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._warned = False
         self._records_warned = False
         self._complex_warned: set[int] = set()  # streams told that complex outputs are left out
+        self._empty_warned: set[int] = set()  # streams told that an output held no tensor
         self._streams: dict[str, RecordStream] = {}
         self._index: dict[int, int] = {}  # id(stream) -> its index among the streams
         self._collector: Collector | None = None
@@ -466,6 +467,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._tag_cache.clear()  # the cached tags of every module follow these streams
         self._index = {id(stream): i for i, stream in enumerate(streams.values())}
         self._complex_warned.clear()
+        self._empty_warned.clear()
         device = pl_module.device
         self._collector = Collector(len(streams), self.histogram_sample, device)
         self._channel_sizes, self._extremes_metric = {}, None
@@ -546,8 +548,26 @@ class FeatureStatsMonitor(RecorderCallback):
             elif index not in self._complex_warned:
                 self._warn_complex(index, value)
             return
+        found = False
         for tensor in value_tensors(value, self._complex_seen(index)):
             collector.add(index, tensor, sample)
+            found = True
+        if not found and index not in self._complex_warned:
+            self._warn_no_tensor(index, value)
+
+    def _warn_no_tensor(self, index: int, value: Any) -> None:
+        """Say once per stream that an output held no tensor to read (an object of its own
+        class, None), and how to choose one inside it."""
+        if index in self._empty_warned:
+            return
+        self._empty_warned.add(index)
+        key = tuple(self._streams)[index]
+        rank_zero_warn(
+            f"{self!r}: an output of {key!r} holds no tensor the monitor can read (got "
+            f"{type(value).__name__}; it looks inside tuples, lists, dicts, dataclasses and "
+            "PackedSequence), so that output is not logged. Monitor a submodule whose output is "
+            "a tensor, or return a tuple, dict or dataclass of tensors. Reported once per module."
+        )
 
     def _complex_seen(self, index: int) -> Callable[[Tensor], None] | None:
         """What to call on a complex tensor of stream ``index``: warn, the first time only."""
@@ -631,6 +651,8 @@ class FeatureStatsMonitor(RecorderCallback):
             with torch.no_grad():
                 for index, stream in enumerate(self._streams.values()):
                     tensors = list(record_tensors(stream, self._complex_seen(index)))
+                    if stream.data_buffer and not tensors and index not in self._complex_warned:
+                        self._warn_no_tensor(index, stream.data_buffer[0])
                     for tensor in tensors:
                         collector.add(index, tensor, sample)
                     kept.append(tensors)

@@ -642,6 +642,44 @@ def test_a_packed_sequence_contributes_its_data_not_its_layout(tmp_path: Path) -
         assert got[f"stats/train/lstm/{stat}"][0] == pytest.approx(want[stat], rel=1e-5), stat
 
 
+class _Opaque:
+    """An output of a class of its own: nothing the monitor can look inside."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+class _OpaqueNet(ProbeNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.opaque = nn.Linear(4, 4)
+        self.opaque.register_forward_hook(lambda m, a, out: _Opaque(out))  # the output replaced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.opaque(x).hidden)
+
+
+@pytest.mark.parametrize("exact", [False, True])  # statistics in the hook / of kept records
+def test_an_output_without_a_tensor_is_reported_once(tmp_path: Path, exact: bool) -> None:
+    """A module whose output holds no tensor the monitor can find is not logged, and the
+    monitor says so once (it was silent), naming the module and what it can read."""
+    logger = TensorBoardLogger(tmp_path, name="opaque")
+    monitor = FeatureStatsMonitor(
+        ["opaque", "probe"], every_n_steps=1, parameters=False, exact_histograms=exact
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor]).fit(
+            _OpaqueNet(), loader(features(8))
+        )
+    told = [str(w.message) for w in caught if "holds no tensor" in str(w.message)]
+    assert len(told) == 1, told
+    assert "an output of 'opaque' holds no tensor the monitor can read (got _Opaque;" in told[0]
+    got = scalars(logger.log_dir)
+    assert not [t for t in got if t.startswith("stats/train/opaque/")]
+    assert got["stats/train/probe/mean"].keys() == {0, 1}
+
+
 def test_unknown_source_fails_at_start(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="unknown")
     trainer = pl.Trainer(
