@@ -557,17 +557,25 @@ class FeatureStatsMonitor(RecorderCallback):
 
     def _warn_no_tensor(self, index: int, value: Any) -> None:
         """Say once per stream that an output held no tensor to read (an object of its own
-        class, None), and how to choose one inside it."""
-        if index in self._empty_warned:
-            return
-        self._empty_warned.add(index)
-        key = tuple(self._streams)[index]
-        rank_zero_warn(
-            f"{self!r}: an output of {key!r} holds no tensor the monitor can read (got "
-            f"{type(value).__name__}; it looks inside tuples, lists, dicts, dataclasses and "
-            "PackedSequence), so that output is not logged. Monitor a submodule whose output is "
-            "a tensor, or return a tuple, dict or dataclass of tensors. Reported once per module."
+        class, None), and what to monitor instead."""
+        self._warn_once(
+            self._empty_warned,
+            index,
+            lambda key: (
+                f"an output of {key!r} holds no tensor the monitor can read (got "
+                f"{type(value).__name__}; it looks inside tuples, lists, dicts, dataclasses and "
+                "PackedSequence), so that output is not logged. Monitor a submodule whose "
+                "output is a tensor, or return a tuple, dict or dataclass of tensors."
+            ),
         )
+
+    def _warn_once(self, told: set[int], index: int, message: Callable[[str], str]) -> None:
+        """Warn with ``message(key)`` for stream ``index`` unless ``told`` holds it already."""
+        if index in told:
+            return
+        told.add(index)
+        key = tuple(self._streams)[index]
+        rank_zero_warn(f"{self!r}: {message(key)} Reported once per module.")
 
     def _complex_seen(self, index: int) -> Callable[[Tensor], None] | None:
         """What to call on a complex tensor of stream ``index``: warn, the first time only."""
@@ -578,15 +586,15 @@ class FeatureStatsMonitor(RecorderCallback):
     def _warn_complex(self, index: int, tensor: Tensor) -> None:
         """Say once per stream that its complex outputs are left out (no statistic is defined
         for them), and how to monitor them."""
-        if index in self._complex_warned:
-            return
-        self._complex_warned.add(index)
-        key = tuple(self._streams)[index]
-        rank_zero_warn(
-            f"{self!r}: an output of {key!r} is complex ({tensor.dtype}) and is left out: the "
-            "statistics and histograms are of real values. To monitor it, record a real view "
-            "of it: a module that returns torch.view_as_real(z) (its real and imaginary parts) "
-            "or z.abs() (its magnitude). Reported once per module."
+        self._warn_once(
+            self._complex_warned,
+            index,
+            lambda key: (
+                f"an output of {key!r} is complex ({tensor.dtype}) and is left out: the "
+                "statistics and histograms are of real values. To monitor it, record a real view "
+                "of it: a module that returns torch.view_as_real(z) (its real and imaginary parts) "
+                "or z.abs() (its magnitude)."
+            ),
         )
 
     def _held_bytes(self) -> int:

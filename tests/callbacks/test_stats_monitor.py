@@ -451,6 +451,24 @@ def test_a_module_not_called_logs_nothing(tmp_path: Path) -> None:
     }
 
 
+def _fit_warned(
+    tmp_path: Path, model: pl.LightningModule, module: str, exact: bool, warning: str
+) -> tuple[list[str], dict[str, dict[int, float]]]:
+    """Three logged steps of a monitor on ``module`` and ``probe``: the warnings that contain
+    ``warning``, and the scalars written."""
+    logger = TensorBoardLogger(tmp_path, name=module)
+    monitor = FeatureStatsMonitor(
+        [module, "probe"], every_n_steps=1, parameters=False, exact_histograms=exact
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(**QUIET, logger=logger, max_steps=3, callbacks=[monitor]).fit(
+            model, loader(features(8))
+        )
+    told = [str(w.message) for w in caught if warning in str(w.message)]
+    return told, scalars(logger.log_dir)
+
+
 class _Spectrum(nn.Module):
     """An FFT layer: a complex output, alone or next to a real one."""
 
@@ -481,20 +499,10 @@ def test_a_complex_output_is_left_out_with_one_warning(
     """No statistic is defined for complex values: they are left out, and the monitor says so
     once per module (naming it and the way to monitor a real view), not silently; a real tensor
     next to them, and every other module, are logged as usual."""
-    logger = TensorBoardLogger(tmp_path, name="fft")
-    monitor = FeatureStatsMonitor(
-        ["spectrum", "probe"], every_n_steps=1, parameters=False, exact_histograms=exact
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pl.Trainer(**QUIET, logger=logger, max_steps=3, callbacks=[monitor]).fit(
-            _SpectrumNet(both), loader(features(8))
-        )
-    told = [str(w.message) for w in caught if "is complex" in str(w.message)]
+    told, got = _fit_warned(tmp_path, _SpectrumNet(both), "spectrum", exact, "is complex")
     assert len(told) == 1, told
     assert "an output of 'spectrum' is complex (torch.complex64) and is left out" in told[0]
     assert "torch.view_as_real(z)" in told[0] and "Reported once per module" in told[0]
-    got = scalars(logger.log_dir)
     assert got["stats/train/probe/mean"].keys() == {0, 1, 2}
     if both:  # the magnitude is the module's only real tensor: never negative
         assert got["stats/train/spectrum/min"].keys() == {0, 1, 2}
@@ -663,21 +671,11 @@ class _OpaqueNet(ProbeNet):
 def test_an_output_without_a_tensor_is_reported_once(tmp_path: Path, exact: bool) -> None:
     """A module whose output holds no tensor the monitor can find is not logged, and the
     monitor says so once (it was silent), naming the module and what it can read."""
-    logger = TensorBoardLogger(tmp_path, name="opaque")
-    monitor = FeatureStatsMonitor(
-        ["opaque", "probe"], every_n_steps=1, parameters=False, exact_histograms=exact
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor]).fit(
-            _OpaqueNet(), loader(features(8))
-        )
-    told = [str(w.message) for w in caught if "holds no tensor" in str(w.message)]
+    told, got = _fit_warned(tmp_path, _OpaqueNet(), "opaque", exact, "holds no tensor")
     assert len(told) == 1, told
     assert "an output of 'opaque' holds no tensor the monitor can read (got _Opaque;" in told[0]
-    got = scalars(logger.log_dir)
     assert not [t for t in got if t.startswith("stats/train/opaque/")]
-    assert got["stats/train/probe/mean"].keys() == {0, 1}
+    assert got["stats/train/probe/mean"].keys() == {0, 1, 2}
 
 
 def test_unknown_source_fails_at_start(tmp_path: Path) -> None:
