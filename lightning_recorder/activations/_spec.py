@@ -86,12 +86,6 @@ class SourceSpec:
     def identity(self) -> bool:
         return self.tokens is None and self.mean is None and self.transform is None
 
-    @property
-    def identity_but_transform(self) -> bool:
-        """Whether ``transform`` is the only change: it alone sees the tensor as recorded (a
-        nested or sparse one included)."""
-        return self.tokens is None and self.mean is None
-
     def apply(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.tokens is not None:
             if tensor.dim() < 2:

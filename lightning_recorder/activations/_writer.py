@@ -359,7 +359,9 @@ class ShardWriter:
             tensor = tensor.detach()
         spec = self._specs.get(source)
         if spec is not None:
-            if not _plain(tensor) and (spec.transform is None or not spec.identity_but_transform):
+            # only a transform alone sees a nested, sparse or quantized tensor as recorded
+            only_transform = spec.tokens is None and spec.mean is None
+            if not _plain(tensor) and (spec.transform is None or not only_transform):
                 raise _not_dense(tensor, _where(source, module))
             tensor = spec.apply(tensor)
         if not _plain(tensor):

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .._core.structures import modified
-from ..stats._engine import is_plain, stored_parts
+from ..stats.norms import norm_values
 from ._health_event import COUNT_KEYS
 
 __all__ = [
@@ -52,17 +52,6 @@ ZERO: tuple[int, int, int] = (0, 0, 0)
 
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def _values(t: torch.Tensor) -> torch.Tensor:
-    """``t`` detached, or for a tensor that is not an ordinary dense one (nested, sparse,
-    quantized) the values it holds, in one flat tensor (a sparse tensor's implicit zeros are
-    finite and left out)."""
-    t = t.detach()
-    if is_plain(t):
-        return t
-    parts = stored_parts(t)[0]
-    return torch.cat([p.reshape(-1) for p in parts]) if parts else t.new_zeros(0)
 
 
 def shape_of(t: torch.Tensor) -> torch.Size:
@@ -86,7 +75,7 @@ def quick_counts(t: torch.Tensor) -> Counts:
     :func:`resolve_counts` as "at least one" NaN/+inf/-inf (a kept tensor is counted exactly by
     :meth:`Timeline.resolve`).
     """
-    t = _values(t)
+    t = norm_values(t.detach())  # a nested or sparse tensor: the values it holds
     if t.is_complex():
         t = torch.view_as_real(t)
     if not t.is_floating_point() or t.numel() == 0:
@@ -101,7 +90,7 @@ def exact_counts(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
     """``(nan, posinf, neginf)`` of each tensor, element by element (one read per device)."""
     rows: list[Any] = []
     for t in tensors:
-        t = _values(t)
+        t = norm_values(t.detach())
         if t.is_complex():
             t = torch.view_as_real(t)
         if not t.is_floating_point() or t.numel() == 0:

@@ -495,7 +495,7 @@ def stored_parts(x: Tensor) -> tuple[list[Tensor], int]:
         return stored_parts(x.dequantize())
     if x.is_nested:
         if x.layout == torch.strided:
-            return [part for t in x.unbind() for part in stored_parts(t)[0]], 0
+            return list(x.unbind()), 0
         return [x.values()], 0
     if x.layout == torch.sparse_coo:
         values = x.coalesce().values()

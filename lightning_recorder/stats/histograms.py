@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .._core.checks import check_int, check_tensor
 from .._core.compat import distributed_active
-from ._engine import CHUNK, flat_view, is_plain, row_counts, stored_parts, tensor_state
+from ._engine import CHUNK, flat_view, row_counts, stored_parts, tensor_state
 from ._histogram import edges, ranges, summaries
 from ._state import F64
 
@@ -151,7 +151,7 @@ def _table(x: Tensor, bins: int, sync: bool, group: Any) -> Tensor:
     lo, hi = ranges(state)
     limits = edges(lo, hi, bins)
     counts = torch.zeros(1, bins, dtype=torch.int64, device=x.device)
-    parts, zeros = ([x.detach()], 0) if is_plain(x) else stored_parts(x.detach())
+    parts, zeros = stored_parts(x.detach())
     if zeros:  # a sparse tensor's implicit zeros, in the bucket of 0
         counts += zeros * row_counts(torch.zeros(1, 1, dtype=F64, device=x.device), lo, hi, bins)
     for part in parts:

@@ -19,8 +19,6 @@ def norm_values(t: Tensor) -> Tensor:
     """``t``, or for a tensor that is not an ordinary dense one the values it holds (a sparse
     gradient's stored values, coalesced; a nested tensor's components; a quantized tensor's
     values), which have its L2 norm: implicit zeros add nothing to it."""
-    if is_plain(t):
-        return t
     parts = stored_parts(t)[0]
     if len(parts) == 1:
         return parts[0]
