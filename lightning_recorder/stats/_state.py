@@ -107,6 +107,9 @@ def rows_state(x: Tensor, finite: bool = False) -> Tensor:
     shift = torch.where(seen, spread, 0.0).sum(1) / seen.sum(1).clamp(min=1)
     d = torch.where(ok, v - shift[:, None], 0.0)
     count = ok.sum(1, dtype=F64)
+    nan = (v != v).sum(1, dtype=F64)
+    posinf = (v == math.inf).sum(1, dtype=F64)
+    neginf = (v == -math.inf).sum(1, dtype=F64)
     return state_from_sums(
         count,
         shift,
@@ -116,10 +119,12 @@ def rows_state(x: Tensor, finite: bool = False) -> Tensor:
         torch.where(ok, v, math.inf).amin(1),
         torch.where(ok, v, -math.inf).amax(1),
         (v == 0).sum(1, dtype=F64),
-        (v != v).sum(1, dtype=F64),
-        (v == math.inf).sum(1, dtype=F64),
-        (v == -math.inf).sum(1, dtype=F64),
-        torch.full_like(count, length),
+        nan,
+        posinf,
+        neginf,
+        # every element is finite, NaN or infinite: the length, from the counts (compiled, in
+        # the same kernel as they; a column filled apart would be a kernel of its own)
+        count + nan + posinf + neginf,
     )
 
 
@@ -157,15 +162,14 @@ def merge(states: Tensor, dim: int = 0) -> Tensor:
     weight = count / total.unsqueeze(dim).clamp(min=1.0)
     mean = (weight * states[..., MEAN]).sum(dim)
     spread = count * (states[..., MEAN] - mean.unsqueeze(dim)).square()
-    parts = [
-        total,
-        mean,
-        states[..., M2].sum(dim) + spread.sum(dim),
-        states[..., MIN].amin(dim),
-        states[..., MAX].amax(dim),
-        *(states[..., i].sum(dim) for i in (ABS_SUM, ZEROS, NAN, POSINF, NEGINF, NUMEL)),
-    ]
-    return torch.stack(parts, -1)
+    m2 = (states[..., M2] + spread).sum(dim)
+    # The extremes as one reduction and the sums (ABS_SUM … NUMEL, adjacent) as another:
+    # compiled, each reduction is a kernel, and one per column took nine launches on CUDA.
+    low_high = torch.stack([states[..., MIN], -states[..., MAX]], -1).amin(dim)
+    sums = states[..., ABS_SUM:].sum(dim)
+    return torch.cat(
+        [torch.stack([total, mean, m2, low_high[..., 0], -low_high[..., 1]], -1), sums], -1
+    )
 
 
 def finalize(states: Tensor, correction: int) -> dict[str, Tensor]:
