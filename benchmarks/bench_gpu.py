@@ -52,7 +52,10 @@ taken before the optimizer step of a logging step and freed at its end) from the
 
 **The engine alone.** The packed state of one large output (2**24 float32, 2**25 bfloat16
 elements), compiled and eager, against one read of it (``x.sum(dtype=torch.float32)``), timed
-with CUDA events: what one monitored output costs a logging step, apart from the model.
+with CUDA events: what one monitored output costs a logging step, apart from the model. And what
+one output costs the host, which a ResNet-18 step is bound by: the host time per call of the
+state of an output of the first and of the last stage (the device left to run behind), and the
+kernels and copies each call runs on the GPU (``torch.profiler``).
 
 Run ``python benchmarks/bench_gpu.py`` (``--quick``: one repeat; ``--json PATH``: save every
 figure; ``--stacks``: print where each added synchronisation comes from; ``--profile MODEL``:
@@ -730,6 +733,56 @@ def engine_rows() -> dict[str, Any]:
     return rows
 
 
+def _host_per_call(fn: Callable[[], Any], calls: int = 200) -> float:
+    """Seconds of host time per call of ``fn``, the device left to run behind (what a call
+    costs a host-bound step: the launches and the Python around them)."""
+    for _ in range(10):
+        fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls
+    _sync()
+    return host
+
+
+def _device_operations_per_call(fn: Callable[[], Any], calls: int = 10) -> float:
+    """Kernels and copies run on the GPU per call of ``fn`` (``torch.profiler``); NaN on the
+    CPU."""
+    if not Setup.cuda():
+        return math.nan
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync()
+    on_device = torch.autograd.DeviceType.CUDA
+    return sum(1 for event in prof.events() if event.device_type == on_device) / calls
+
+
+def call_rows() -> dict[str, Any]:
+    """One output's state as the monitor takes it in a logging step: host time and device
+    operations per call, on outputs of the ResNet-18's first and last stages."""
+    rows: dict[str, Any] = {}
+    batch = Setup.batch
+    width = Setup.widths["resnet-18"]
+    shapes = [(batch, width, IMAGE, IMAGE), (batch, 8 * width, IMAGE // 8, IMAGE // 8)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in shapes:
+            x = torch.randn(shape, device=Setup.device).to(dtype)
+            with torch.no_grad():
+                host = _host_per_call(lambda x=x: engine.tensor_state(x))
+                operations = _device_operations_per_call(lambda x=x: engine.tensor_state(x))
+            name = str(dtype).removeprefix("torch.")
+            rows[f"{name}, {'x'.join(map(str, shape))}"] = {
+                "host per call (µs)": host * 1e6,
+                "device operations per call": operations,
+            }
+    return rows
+
+
 # ---------------------------------------------------------------------------- report
 def _cell(value: float) -> str:
     return (
@@ -789,6 +842,14 @@ def engine_table(rows: dict[str, Any]) -> str:
     lines = ["| tensor | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     for name, row in rows.items():
         lines.append(f"| {name} | " + " | ".join(f"{row[k]:.3f}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def call_table(rows: dict[str, Any]) -> str:
+    keys = ("host per call (µs)", "device operations per call")
+    lines = ["| output | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    for name, row in rows.items():
+        lines.append(f"| {name} | " + " | ".join(_cell(row[k]) for k in keys) + " |")
     return "\n".join(lines)
 
 
@@ -1024,6 +1085,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "(medians of 20):\n"
     )
     print(engine_table(results["engine"]))
+    results["calls"] = call_rows()
+    print(
+        "\nOne output's state as a logging step takes it: host time per call (the device "
+        "left to run behind) and the device's kernels and copies per call:\n"
+    )
+    print(call_table(results["calls"]))
     save()
     _stamp("syncs and memory ...")
     results["syncs"] = syncs_and_memory(models, SYNC_CONFIGS, args.stacks)

@@ -76,7 +76,7 @@ CHUNK = 2**18
 # A flat tensor of at least this many elements runs compiled as BLOCK_ROWS rows, merged in the
 # same graph: a single row is reduced by one thread block on a GPU (a 2**24-element state took
 # 116 reads of the data on an H100). The number of rows is fixed, so the merge is a reduction of
-# known size (one short kernel), not one of symbolic size (a loop per statistic).
+# known size (a few short kernels), not one of symbolic size (a loop per statistic).
 BLOCKED_LENGTH = 2**16
 BLOCK_ROWS = 512
 # Device types whose compiled graphs reduce one long row well (inductor's C++ loop over a row is
