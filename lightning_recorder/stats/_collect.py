@@ -6,7 +6,10 @@ batch's end:
 
 * **Large tensors** (more than :data:`SMALL` elements), and every tensor the CPU kernel reads
   (:func:`~._engine.native_ready`: a call costs a few µs), get their packed state at once, one
-  pass of the engine (:func:`~._engine.tensor_state`).
+  pass of the engine (:func:`~._engine.tensor_state`). On a GPU a large tensor is read as rows
+  (:func:`~._engine.block_rows`) whose states are held unmerged and merged every
+  :data:`_BLOCKS_HELD` tensors, all at once: kernel launches cost the host more than the
+  kernels cost the GPU.
 * **Small tensors** are otherwise copied and reduced at the batch's end, all those of one size
   and dtype in one call of the engine (the rows of a 2-d tensor): the cost of a compiled call
   paid per size, not per tensor.
@@ -33,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ._engine import (
+    block_rows,
     flat_view,
     is_plain,
     native_ready,
@@ -200,6 +204,9 @@ _MAX_ROWS = 4
 # they are merged stream by stream: a batch's memory stays bounded however many calls it has.
 _SMALL_HELD = 2**19
 _STATE_ROWS = 64
+# The unmerged states of large tensors read as blocks (BLOCK_ROWS rows each, 45 KiB) held before
+# they are merged, all at once: a few kernel launches for this many tensors, not a few each.
+_BLOCKS_HELD = 8
 
 
 class Collector:
@@ -207,8 +214,9 @@ class Collector:
 
     Memory stays bounded however many times a stream is called in a batch: copies of small
     tensors are reduced once they exceed :data:`_SMALL_HELD` elements, state rows merged once
-    there are :data:`_STATE_ROWS` (or four per stream), and a stream keeps at most
-    :data:`_MAX_ROWS` sample rows.
+    there are :data:`_STATE_ROWS` (or four per stream), the unmerged rows of large tensors once
+    there are :data:`_BLOCKS_HELD` tensors', and a stream keeps at most :data:`_MAX_ROWS` sample
+    rows.
 
     Args:
         streams: the number of streams (``add`` takes their index).
@@ -234,6 +242,9 @@ class Collector:
         """Forget this batch's data (the staging buffers are kept for the next one)."""
         self._rows: list[Tensor] = []  # blocks of state rows, (k, WIDTH) each
         self._owners: list[int] = []  # the stream of each state row, block after block
+        # the unmerged (BLOCK_ROWS, WIDTH) states of large tensors (block_rows), and their streams
+        self._blocks: list[Tensor] = []
+        self._block_owners: list[int] = []
         if len(self._groups) > 32:  # sizes that vary from batch to batch: start afresh
             self._groups = {}
         for group in self._groups.values():
@@ -246,12 +257,12 @@ class Collector:
 
     @property
     def empty(self) -> bool:
-        return not (self._rows or self._small_held or self._extremes)
+        return not (self._rows or self._blocks or self._small_held or self._extremes)
 
     def nbytes(self) -> int:
         """Bytes of this batch's data held (copies, state rows, used sample rows)."""
         held = sum(len(g.owners) * g.n * g.dtype.itemsize for g in self._groups.values())
-        held += sum(t.numel() * t.element_size() for t in self._rows)
+        held += sum(t.numel() * t.element_size() for t in [*self._rows, *self._blocks])
         for stage in self._stages.values():
             used = sum(1 for owner in stage.streams if owner >= 0)
             held += used * stage.sample * stage.dtype.itemsize
@@ -285,8 +296,15 @@ class Collector:
             self._small_held += n
             if self._small_held > _SMALL_HELD:
                 self._reduce_small()
-        else:  # on the CPU, the kernel (a few µs): every float32 and float64 tensor
-            self._add_rows(state_row(x, flat, native), [stream])
+        else:
+            blocks = block_rows(x, flat, native)  # a large tensor on a GPU: rows, unmerged
+            if blocks is None:  # on the CPU, the kernel (a few µs): float32 and float64
+                self._add_rows(state_row(x, flat, native), [stream])
+            else:
+                rows, rest = blocks
+                self._add_block(rows, stream)
+                if rest is not None:
+                    self._add_rows(rest, [stream])
         if sample:
             self._sample(stream, x, n, flat=flat)
 
@@ -322,6 +340,20 @@ class Collector:
         if len(self._owners) > max(_STATE_ROWS, 4 * self.m):  # merged stream by stream: m rows
             merged = self._merged()
             self._rows, self._owners = [merged], list(range(self.m))
+
+    def _add_block(self, rows: Tensor, stream: int) -> None:
+        """Hold the unmerged ``(BLOCK_ROWS, WIDTH)`` states of one tensor of ``stream``; every
+        :data:`_BLOCKS_HELD` tensors, merge them all at once (:meth:`_merge_blocks`)."""
+        self._blocks.append(rows if rows.device == self.device else rows.to(self.device))
+        self._block_owners.append(stream)
+        if len(self._blocks) >= _BLOCKS_HELD:
+            self._merge_blocks()
+
+    def _merge_blocks(self) -> None:
+        """The held blocks' states, each tensor's rows merged, as state rows of their streams."""
+        if self._blocks:
+            self._add_rows(merge(torch.stack(self._blocks), 1), self._block_owners)
+            self._blocks, self._block_owners = [], []
 
     def _reduce_small(self) -> None:
         """The states of the held copies, each group of one size and dtype in one call."""
@@ -402,6 +434,7 @@ class Collector:
     def states(self) -> Tensor:
         """The ``(m, WIDTH)`` packed states of this batch (the empty state for a stream that got
         nothing), on the collector's device."""
+        self._merge_blocks()
         self._reduce_small()
         return self._merged()
 

@@ -48,6 +48,18 @@ def test_stats_match_the_eager_cpu_and_float64(mode: str, dtype: torch.dtype) ->
     checks.check_stats_match_cpu(CPU, dtype)
 
 
+@pytest.mark.slow
+def test_stats_match_when_large_tensors_are_read_as_a_gpu_reads_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The path a GPU takes for large tensors, on the CPU: the compiled blocks of one tensor
+    (``feature_stats``), and in the collector the rows of several tensors merged at once."""
+    monkeypatch.setattr(engine, "ONE_ROW_DEVICES", ())
+    with checks.engine_mode("compiled", CPU):
+        assert "blocks cpu bfloat16" in engine.compile_status()
+        checks.check_stats_match_cpu(CPU, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", checks.DTYPES)
 def test_histograms_match_the_eager_cpu_and_torch_histogram(mode: str, dtype: torch.dtype) -> None:
     checks.check_histograms_match_cpu(CPU, dtype)

@@ -226,12 +226,15 @@ def check_stats_match_cpu(device: torch.device, dtype: torch.dtype) -> None:
     for part in parts:
         metric.update(part.to(device))
     assert_stats_agree(metric.compute(), reference(torch.cat(parts)), f"metric {dtype}")
-    # the monitor's collector: grouped small tensors, large ones, several calls of a stream
+    # the monitor's collector: grouped small tensors, large ones, several calls of a stream;
+    # on a GPU large tensors are read as rows, held unmerged and merged several at once (more
+    # tensors here than are held before a merge, of a whole number of rows and not)
     streams = [
         [sample("gaussian", dtype, 7 * 9, seed=1), sample("relu", dtype, 7 * 9, seed=2)],
         [sample("specials", dtype, SMALL + 3)],
         [sample("negative", dtype, 300), sample("far", dtype, 5000)],
         [sample("allnan", dtype, 40)],
+        [sample(("far", "specials")[i % 2], dtype, 2**17 + 5 * i, seed=i) for i in range(10)],
     ]
     collector = Collector(len(streams), 2**10, device)
     for i, tensors in enumerate(streams):

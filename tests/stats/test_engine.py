@@ -23,6 +23,7 @@ from helpers.models import assert_counts_up_to_edges
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from lightning_recorder.stats import _collect as collect
 from lightning_recorder.stats import _engine as engine
 from lightning_recorder.stats._collect import Collector, sample_stride
 from lightning_recorder.stats._engine import row_counts
@@ -476,6 +477,47 @@ def test_large_tensors_are_read_as_rows_of_blocks(
     monkeypatch.setattr(engine, "ONE_ROW_DEVICES", ("cpu",))  # the CPU's default: one row
     engine.tensor_state(data("gaussian", torch.bfloat16, 2**17))
     assert len(read) == 3 * (len(sizes) - 1)
+
+
+@pytest.mark.parametrize("rows_ready", [True, False])
+def test_a_collector_merges_the_blocks_of_several_tensors_at_once(
+    blocked_engine: None, monkeypatch: pytest.MonkeyPatch, rows_ready: bool
+) -> None:
+    """The collector reads a large tensor as the blocks graph does (BLOCK_ROWS rows, the rest
+    apart) but holds its rows unmerged and merges those of several tensors at once; where the
+    rows' graph is not ready it takes each tensor's state whole. Either way a stream's state
+    is that of all its tensors, and the rows held stay bounded."""
+    blocked: list[int] = []
+    whole = engine._blocked
+    monkeypatch.setattr(
+        engine, "_blocked", lambda flat, masked: blocked.append(1) or whole(flat, masked)
+    )
+    if not rows_ready:
+        ready = engine._COMPILER.ready
+        monkeypatch.setattr(
+            engine._COMPILER,
+            "ready",
+            lambda key: ready(key) and not (key is not None and key[0] == "state" and key[3]),
+        )
+    c = Collector(3, 2**10, torch.device("cpu"))
+    sizes = (2**17, 3 * 2**16 + 1000, 2**20 + 3)  # a whole number of rows, rests of two lengths
+    kinds = ("gaussian", "far", "specials")
+    added: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
+    held = []
+    for i in range(collect._BLOCKS_HELD + 3):
+        x = data(kinds[i % 3], torch.bfloat16, sizes[i % 3])
+        c.add(i % 3, x)
+        added[i % 3].append(x)
+        held.append(len(c._blocks))
+    states = c.states()
+    for stream, tensors in added.items():
+        assert_matches(states[stream], torch.cat([t.reshape(-1) for t in tensors]))
+    if rows_ready:
+        assert not blocked  # no tensor's rows merged on their own
+        assert held == [*range(1, collect._BLOCKS_HELD), 0, 1, 2, 3]
+    else:
+        assert len(blocked) == len(held) and max(held) == 0
+    assert not c._blocks  # merged into the batch's states
 
 
 def test_a_blocks_graph_failing_at_run_time_warns_and_reads_in_chunks(
