@@ -53,9 +53,10 @@ taken before the optimizer step of a logging step and freed at its end) from the
 **The engine alone.** The packed state of one large output (2**24 float32, 2**25 bfloat16
 elements), compiled and eager, against one read of it (``x.sum(dtype=torch.float32)``), timed
 with CUDA events: what one monitored output costs a logging step, apart from the model. And what
-one output costs the host, which a ResNet-18 step is bound by: the host time per call of the
-state of an output of the first and of the last stage (the device left to run behind), and the
-kernels and copies each call runs on the GPU (``torch.profiler``).
+one output costs the host, which a ResNet-18 step is bound by: the host time per output of the
+state of an output of the first and of the last stage, taken as the monitor's collector takes
+it (eight outputs, then their merge) and as ``tensor_state`` takes it (the device left to run
+behind), and the kernels and copies run on the GPU per output (``torch.profiler``).
 
 Run ``python benchmarks/bench_gpu.py`` (``--quick``: one repeat; ``--json PATH``: save every
 figure; ``--stacks``: print where each added synchronisation comes from; ``--profile MODEL``:
@@ -94,6 +95,7 @@ from lightning_recorder import (
     build_connector,
 )
 from lightning_recorder.stats import _engine as engine
+from lightning_recorder.stats._collect import Collector
 
 EVERY = 50
 BATCH = 128
@@ -763,23 +765,38 @@ def _device_operations_per_call(fn: Callable[[], Any], calls: int = 10) -> float
 
 
 def call_rows() -> dict[str, Any]:
-    """One output's state as the monitor takes it in a logging step: host time and device
-    operations per call, on outputs of the ResNet-18's first and last stages."""
+    """One output's state as the monitor takes it in a logging step (its collector, eight
+    outputs at a time, their rows merged together as the monitor merges them), and as
+    ``feature_stats`` takes it (``tensor_state``, the rows merged in the graph): host time and
+    device operations per output, on outputs of the ResNet-18's first and last stages."""
     rows: dict[str, Any] = {}
     batch = Setup.batch
     width = Setup.widths["resnet-18"]
     shapes = [(batch, width, IMAGE, IMAGE), (batch, 8 * width, IMAGE // 8, IMAGE // 8)]
+    several = 8
+    collector = Collector(1, 2**12, torch.device(Setup.device))
+
+    def collect(x: Tensor) -> None:
+        for _ in range(several):
+            collector.add(0, x, sample=False)
+        collector.states()
+        collector.clear()
+
     for dtype in (torch.float32, torch.bfloat16):
         for shape in shapes:
             x = torch.randn(shape, device=Setup.device).to(dtype)
+            name = f"{str(dtype).removeprefix('torch.')}, {'x'.join(map(str, shape))}"
             with torch.no_grad():
-                host = _host_per_call(lambda x=x: engine.tensor_state(x))
-                operations = _device_operations_per_call(lambda x=x: engine.tensor_state(x))
-            name = str(dtype).removeprefix("torch.")
-            rows[f"{name}, {'x'.join(map(str, shape))}"] = {
-                "host per call (µs)": host * 1e6,
-                "device operations per call": operations,
-            }
+                for how, fn, per in (
+                    ("monitor", lambda x=x: collect(x), several),
+                    ("tensor_state", lambda x=x: engine.tensor_state(x), 1),
+                ):
+                    host = _host_per_call(fn, calls=200 // per)
+                    operations = _device_operations_per_call(fn)
+                    rows[f"{name}, {how}"] = {
+                        "host per output (µs)": host / per * 1e6,
+                        "device operations per output": operations / per,
+                    }
     return rows
 
 
@@ -846,7 +863,7 @@ def engine_table(rows: dict[str, Any]) -> str:
 
 
 def call_table(rows: dict[str, Any]) -> str:
-    keys = ("host per call (µs)", "device operations per call")
+    keys = ("host per output (µs)", "device operations per output")
     lines = ["| output | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     for name, row in rows.items():
         lines.append(f"| {name} | " + " | ".join(_cell(row[k]) for k in keys) + " |")
@@ -1087,8 +1104,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(engine_table(results["engine"]))
     results["calls"] = call_rows()
     print(
-        "\nOne output's state as a logging step takes it: host time per call (the device "
-        "left to run behind) and the device's kernels and copies per call:\n"
+        "\nOne output's state as the monitor takes it (eight at a time) and as "
+        "tensor_state takes it: host time per output (the device left to run behind) and the "
+        "device's kernels and copies per output:\n"
     )
     print(call_table(results["calls"]))
     save()
