@@ -215,8 +215,8 @@ class Collector:
     Memory stays bounded however many times a stream is called in a batch: copies of small
     tensors are reduced once they exceed :data:`_SMALL_HELD` elements, state rows merged once
     there are :data:`_STATE_ROWS` (or four per stream), the unmerged rows of large tensors once
-    there are :data:`_BLOCKS_HELD` tensors', and a stream keeps at most :data:`_MAX_ROWS` sample
-    rows.
+    those of :data:`_BLOCKS_HELD` tensors are held, and a stream keeps at most :data:`_MAX_ROWS`
+    sample rows.
 
     Args:
         streams: the number of streams (``add`` takes their index).
