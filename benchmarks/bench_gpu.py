@@ -20,6 +20,10 @@ convolutions are bfloat16).
 ``--all`` adds the small CNN of the CPU distillation benchmark (twice as wide) and, for both
 models, ``FeatureDistillation`` from a teacher twice as wide against the same distillation
 written by hand into the LightningModule (``register_forward_hook`` closures, ``self.log``).
+``--package-logger`` adds the monitor writing through ``lightning_recorder.TensorBoardLogger``
+instead of Lightning's (its records checksummed by the ``google-crc32c`` wheel where installed;
+TensorBoard's own writer checksums them in pure Python, on a thread that holds the GIL, while a
+host-bound step waits).
 
 **The engine is compiled first.** The run waits for the statistics engine's compiled graphs
 (``warm_up(..., wait=True)``) before anything is timed, and reports ``compile_status()`` before
@@ -94,6 +98,8 @@ from lightning_recorder import (
     MSELoss,
     build_connector,
 )
+from lightning_recorder import TensorBoardLogger as RecorderTensorBoardLogger
+from lightning_recorder.callbacks._event_file import c_checksum
 from lightning_recorder.stats import _engine as engine
 from lightning_recorder.stats._collect import Collector
 
@@ -331,6 +337,12 @@ def _teacher(model: str) -> nn.Module:
     return Net(model, 2 * Setup.widths[model]).eval().requires_grad_(False)
 
 
+# the monitor with its defaults, writing through lightning_recorder's TensorBoardLogger (records
+# checksummed by the google-crc32c wheel where it is installed) instead of Lightning's, whose
+# TensorBoard writer checksums each record in pure Python on a thread that holds the GIL
+PACKAGE_LOGGER = "monitor, lightning_recorder.TensorBoardLogger"
+
+
 def _setup(config: str, model: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
     """The LightningModule and callbacks of a configuration (seeded)."""
     width = Setup.widths[model]
@@ -339,7 +351,7 @@ def _setup(config: str, model: str) -> tuple[pl.LightningModule, list[pl.Callbac
         return Plain(model, width), []
     if config == "callback":
         return Plain(model, width), [_Nothing()]
-    if config == "monitor":  # the defaults: every log_every_n_steps, parameters, histograms
+    if config in ("monitor", PACKAGE_LOGGER):  # defaults: every log_every_n_steps, parameters
         return Plain(model, width), [FeatureStatsMonitor([nn.Conv2d, nn.Linear])]
     if config == "monitor, parameters=False":
         return Plain(model, width), [FeatureStatsMonitor([nn.Conv2d, nn.Linear], parameters=False)]
@@ -373,7 +385,11 @@ def _fit(
     steps: int,
     precision: str,
     every: int | None = None,
+    package_logger: bool = False,
 ) -> None:
+    """Train ``model`` for ``steps`` steps, logging to Lightning's ``TensorBoardLogger`` (the
+    package's with ``package_logger``)."""
+    logger_class = RecorderTensorBoardLogger if package_logger else TensorBoardLogger
     with tempfile.TemporaryDirectory() as logdir:
         trainer = pl.Trainer(
             accelerator=Setup.accelerator,
@@ -381,7 +397,7 @@ def _fit(
             max_steps=steps,
             precision=precision,  # type: ignore[arg-type]
             callbacks=callbacks,
-            logger=TensorBoardLogger(logdir, name="", version=""),
+            logger=logger_class(logdir, name="", version=""),
             log_every_n_steps=every or Setup.every,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -426,7 +442,7 @@ def _timed(config: str, model: str, precision: str) -> dict[str, float]:
     module, callbacks = _setup(config, model)
     timer = _Timer()
     steps = Setup.warmup + Setup.synced + Setup.free
-    _fit(module, [timer, *callbacks], steps, precision)
+    _fit(module, [timer, *callbacks], steps, precision, package_logger=config == PACKAGE_LOGGER)
     _check_logged(callbacks, steps, Setup.every)
     times = [b - a for a, b in zip(timer.synced, timer.synced[1:], strict=False)]
     window = range(Setup.warmup, Setup.warmup + Setup.synced)
@@ -1012,6 +1028,8 @@ def _versions() -> dict[str, Any]:
         "lightning": pl.__version__,
         "python": sys.version.split()[0],
         "LIGHTNING_RECORDER_COMPILE": os.environ.get("LIGHTNING_RECORDER_COMPILE", "(unset)"),
+        # what lightning_recorder.TensorBoardLogger checksums its records with
+        "checksum": "google-crc32c" if c_checksum() is not None else "pure Python",
     }
     try:
         import triton
@@ -1043,6 +1061,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--eager", action="store_true", help="the eager engine (no compiling)")
     parser.add_argument(
+        "--package-logger",
+        action="store_true",
+        help="also time the monitor writing through lightning_recorder.TensorBoardLogger",
+    )
+    parser.add_argument(
         "--profile",
         choices=tuple(MODELS),
         help="profile a logging step of the monitor on this model",
@@ -1070,7 +1093,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     _stamp(
         f"device: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}), triton "
-        f"{info['triton']}, lightning {info['lightning']}, Python {info['python']}"
+        f"{info['triton']}, lightning {info['lightning']}, Python {info['python']}; the "
+        f"package's TensorBoardLogger checksums in {info['checksum']}"
     )
     info["compile_status_before"] = engine.compile_status()
     start = time.perf_counter()
@@ -1122,6 +1146,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         configs = ["plain", "callback", "monitor"]
         if args.all:
             configs += ["distill", "hand-written"]
+        if args.package_logger:
+            configs.append(PACKAGE_LOGGER)
         repeats = 1 if args.quick else args.repeats
         info["repeats"] = repeats
         _stamp(f"timing: {repeats} repeat(s) of {', '.join(configs)} ...")

@@ -15,7 +15,8 @@
 # python3) on this checkout (PYTHONPATH). Designed for a few minutes on an H100 (under 9 in
 # all): each part has a time limit (TESTS_TIMEOUT, BENCH_TIMEOUT, PROFILE_TIMEOUT, HEALTH_TIMEOUT seconds; the
 # benchmark's timing stops starting repeats after BENCH_BUDGET seconds; PYTEST_ARGS, "-x" by
-# default, go to pytest), and the benchmarks run even when a test fails. The exit status is
+# default, go to pytest, BENCH_ARGS to bench_gpu.py), and the benchmarks run even when a test
+# fails. The exit status is
 # non-zero if any part failed. Without a CUDA device it
 # stops, unless GPU_CHECK_DRY_RUN=1 (a check of the script itself: the tests skip, and the
 # benchmark runs on the CPU at toy sizes).
@@ -33,6 +34,7 @@ BENCH_BUDGET="${BENCH_BUDGET:-100}"
 HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-80}"
 PROFILE_TIMEOUT="${PROFILE_TIMEOUT:-60}"
 PYTEST_ARGS="${PYTEST_ARGS--x}"  # PYTEST_ARGS= (empty) runs every test after a failure too
+BENCH_ARGS="${BENCH_ARGS-}"  # more arguments of bench_gpu.py, e.g. --package-logger
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # cuBLAS is deterministic under torch.use_deterministic_algorithms only with a fixed workspace
@@ -88,8 +90,9 @@ tests=${PIPESTATUS[0]}
 stamp "tests/gpu: exit status $tests"
 
 stamp "benchmarks/bench_gpu.py (limit ${BENCH_TIMEOUT} s, timing budget ${BENCH_BUDGET} s) ..."
+# shellcheck disable=SC2086  # BENCH_ARGS: words
 timeout -s INT -k 30 "$BENCH_TIMEOUT" "$PYTHON" benchmarks/bench_gpu.py \
-    --device "$DEVICE" --json "$OUT/bench_gpu.json" --budget "$BENCH_BUDGET" 2>&1 \
+    --device "$DEVICE" --json "$OUT/bench_gpu.json" --budget "$BENCH_BUDGET" $BENCH_ARGS 2>&1 \
     | grep --line-buffered -v -e "^INFO" -e "LitLogger" -e "available: " -e "Using bfloat16" \
         -e 'stopped: `max_steps=' \
     | tee "$OUT/bench_gpu.log"
