@@ -535,8 +535,7 @@ def state_row(x: Tensor, flat: Tensor | None, native: bool | None = None) -> Ten
         return _cpu_kernel.rows_state(flat.view(1, n))
     if flat is not None and x.dtype in COMPILED_DTYPES:
         masked = _masked_by_default(x.device)
-        blocks = n >= BLOCKED_LENGTH and x.device.type not in ONE_ROW_DEVICES
-        if blocks and _COMPILER.ready(_key("blocks", x, False, masked)):
+        if _read_as_blocks(x) and _COMPILER.ready(_key("blocks", x, False, masked)):
             state = _blocked(flat, masked)
             if state is not None:
                 return state
@@ -562,21 +561,21 @@ def block_rows(x: Tensor, flat: Tensor | None, native: bool) -> tuple[Tensor, Te
     the host more than the kernel costs the GPU). ``x`` detached, ``flat`` its
     :func:`flat_view`, ``native`` its :func:`native_ready`, as :func:`state_row` takes them.
     """
-    n = x.numel()
-    if (
-        flat is None
-        or native
-        or x.dtype not in COMPILED_DTYPES
-        or n < BLOCKED_LENGTH
-        or x.device.type in ONE_ROW_DEVICES
-    ):
+    if flat is None or native or x.dtype not in COMPILED_DTYPES or not _read_as_blocks(x):
         return None
+    n = x.numel()
     body = n - n % BLOCK_ROWS
     rows = flat[:body].view(BLOCK_ROWS, -1)
     if not _COMPILER.ready(_key("state", rows, True, _masked_by_default(x.device))):
         return None
     rest = rows_states(flat[body:].view(1, -1)) if body < n else None
     return rows_states(rows), rest
+
+
+def _read_as_blocks(x: Tensor) -> bool:
+    """Whether a tensor whose compiled state is taken is read as :data:`BLOCK_ROWS` rows (large,
+    on a device that reduces one long row badly), by :func:`state_row` and :func:`block_rows`."""
+    return x.numel() >= BLOCKED_LENGTH and x.device.type not in ONE_ROW_DEVICES
 
 
 def _merged_pieces(flat: Tensor, states: Callable[[Tensor], Tensor]) -> Tensor:
