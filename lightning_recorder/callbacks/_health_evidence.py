@@ -9,6 +9,13 @@ A bundle is one directory, ``<root>/step<step:08d>-rank<rank>/``, holding
   an index of the tensors (role, dtype, shape, NaN/+inf/-inf counts), what was left out and
   why, the per-module summary of the replay, step, batch index, rank and library versions.
 
+A tensor that safetensors cannot hold as it is is stored as the dense tensors that hold its
+values, named in its index entry (``stored_as``): a nested tensor as its components
+(``<key>.0``, ``<key>.1``, ...), a sparse one as the ``<key>.indices`` and ``<key>.values`` of
+its coalesced COO form, a quantized one dequantized (``<key>``). Its shape in the index is that
+of :func:`._health_verdict.shape_of` (``-1`` for a nested tensor's ragged dimensions) and its
+``layout`` is named.
+
 Both are standard formats (``safetensors.torch.load_file`` and ``json.load``): no
 ``lightning_recorder`` is needed to read them. A bundle is written under a temporary name and
 renamed when complete, so a directory that exists is whole. All bundles of a run share one
@@ -23,6 +30,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,17 +38,40 @@ from typing import Any
 import torch
 
 from ._health_trace import tensor_paths
-from ._health_verdict import exact_counts
+from ._health_verdict import exact_counts, shape_of
 
 __all__ = ["Evidence", "describe_batch"]
 
 _JSON_RESERVE = 1 << 20  # bytes kept for event.json
 
 
+def layout_of(t: torch.Tensor) -> str | None:
+    """The layout of a tensor that is not an ordinary dense one (``"nested"`` with its layout,
+    ``"sparse_coo"``, ``"sparse_csr"``, ...); ``None`` for a dense tensor (a quantized one too:
+    its dtype says so)."""
+    if t.is_nested:
+        return f"nested {_name(t.layout)}"
+    return None if t.layout == torch.strided else _name(t.layout)
+
+
+def _name(layout: torch.layout) -> str:
+    return str(layout).removeprefix("torch.")
+
+
+def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor as JSON: ``{"tensor": dtype, "shape": [...]}``, and its ``layout`` if it is not
+    an ordinary dense one."""
+    info: dict[str, Any] = {"tensor": str(t.dtype), "shape": list(shape_of(t))}
+    layout = layout_of(t)
+    if layout is not None:
+        info["layout"] = layout
+    return info
+
+
 def describe_batch(batch: Any) -> Any:
     """The batch as JSON: tensors by dtype and shape, other values by type and a short repr."""
     if isinstance(batch, torch.Tensor):
-        return {"tensor": str(batch.dtype), "shape": list(batch.shape)}
+        return describe_tensor(batch)
     if isinstance(batch, Mapping):
         return {str(k): describe_batch(v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
@@ -53,8 +84,20 @@ def describe_batch(batch: Any) -> Any:
     return {"type": type(batch).__qualname__, "repr": text[:200] + ("…" if len(text) > 200 else "")}
 
 
-def _storable(t: torch.Tensor) -> torch.Tensor:
+def stored_as(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The dense tensors that hold the values of ``t`` in a bundle, by key: ``{key: t}`` for a
+    dense tensor, its components for a nested one, the indices and values of its coalesced COO
+    form for a sparse one, its values for a quantized one."""
     t = t.detach()
+    if t.is_nested:
+        return {f"{key}.{i}": part for i, part in enumerate(t.unbind())}
+    if t.layout != torch.strided:
+        coo = (t if t.layout == torch.sparse_coo else t.to_sparse_coo()).coalesce()
+        return {f"{key}.indices": coo.indices(), f"{key}.values": coo.values()}
+    return {key: t.dequantize() if t.is_quantized else t}
+
+
+def _storable(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.to("cpu").contiguous().clone()  # no storage shared between entries
@@ -84,7 +127,7 @@ class Evidence:
         """Write one bundle: ``tensors`` is ``{key: (role, tensor)}``, in order of importance.
 
         Returns the bundle's directory, or ``None`` when the budget is spent or writing failed
-        (the reason is in ``meta["not_written"]`` — evidence never stops training).
+        (then with a warning that says why: evidence never stops training).
         """
         left = self.max_bytes - self.used - _JSON_RESERVE
         if left < 0:
@@ -94,17 +137,21 @@ class Evidence:
         omitted: dict[str, Any] = {}
         rows = exact_counts([t for _, t in tensors.values()])
         for (key, (role, t)), row in zip(tensors.items(), rows, strict=True):
-            size = t.numel() * t.element_size()
+            parts = stored_as(key, t)
+            size = sum(p.numel() * p.element_size() for p in parts.values())
+            described = describe_tensor(t)
             info = {
                 "role": role,
-                "dtype": str(t.dtype),
-                "shape": list(t.shape),
+                "dtype": described.pop("tensor"),
+                **described,
                 "nan": row[0],
                 "posinf": row[1],
                 "neginf": row[2],
             }
+            if list(parts) != [key] or t.is_quantized:
+                info["stored_as"] = list(parts)
             if size <= left:
-                kept[key] = _storable(t)
+                kept.update((k, _storable(p)) for k, p in parts.items())
                 left -= size
                 index[key] = info
             else:
@@ -126,7 +173,14 @@ class Evidence:
             os.replace(tmp, final)
         except (OSError, RuntimeError, ValueError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            meta["not_written"] = f"{type(err).__name__}: {err}"
+            warnings.warn(
+                f"HealthMonitor could not write the evidence bundle {final} "
+                f"({type(err).__name__}: {str(err).strip()[:300]}); training goes on without "
+                "it. Pass an `evidence_dir` that can be written to, or evidence_max_bytes=0 to "
+                "write none.",
+                UserWarning,
+                stacklevel=2,
+            )
             return None
         self.used += written
         return final

@@ -55,9 +55,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def shape_of(t: torch.Tensor) -> torch.Size:
-    """``t.shape``; for a nested tensor of ragged components (which has none), its number of
-    components and each dimension its components share, ``-1`` where they differ."""
-    if not (t.is_nested and t.layout == torch.strided):
+    """``t.shape``; for a nested tensor (whose ragged dimensions have no size, or a symbolic
+    one), its number of components and each dimension its components share, ``-1`` where they
+    differ."""
+    if not t.is_nested:
         return t.shape
     sizes = [part.shape for part in t.unbind()]
     if not sizes:

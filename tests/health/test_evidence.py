@@ -1,0 +1,238 @@
+"""HealthMonitor's evidence bundles for tensors that are not ordinary dense ones (nested,
+sparse), and a bundle that cannot be written: training goes on in every case."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers.models import QUIET
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from lightning_recorder import HealthMonitor
+
+STEPS = 3
+BAD_STEP = 1
+
+
+def _nested(layout: torch.layout) -> Callable[[list[Tensor]], Tensor]:
+    return lambda parts: torch.nested.nested_tensor(parts, layout=layout)
+
+
+# how each kind of batch tensor is made from its dense components
+KINDS: dict[str, Callable[[list[Tensor]], Tensor]] = {
+    "nested strided": _nested(torch.strided),
+    "nested jagged": _nested(torch.jagged),
+    "sparse_coo": lambda parts: torch.cat(parts).to_sparse(),
+    "sparse_csr": lambda parts: torch.cat(parts).to_sparse_csr(),
+}
+
+
+def _parts(step: int, bad: float | None) -> list[Tensor]:
+    """Three components of 2, 3 and 5 rows of 4 features, some entries zero; ``bad`` at [1][0, 1]
+    of the bad step."""
+    g = torch.Generator().manual_seed(step)
+    parts = [
+        torch.randn(n, 4, generator=g) * (torch.rand(n, 4, generator=g) > 0.4) for n in (2, 3, 5)
+    ]
+    if bad is not None and step == BAD_STEP:
+        parts[1][0, 1] = bad
+    return parts
+
+
+class Pooled(pl.LightningModule):
+    """A batch of variable-length (nested) or sparse rows, projected and pooled per component."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        if x.is_nested:  # the module takes the nested tensor itself
+            parts = list(self.proj(x).unbind())
+        else:  # sparse: the components' rows, concatenated
+            parts = list(self.proj(x.to_dense()).split([2, 3, 5]))
+        pooled = torch.stack([p.mean(0) for p in parts])
+        return ((self.head(pooled).squeeze(-1) - y) ** 2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(monitor: HealthMonitor, batches: list[Any]) -> None:
+    trainer = pl.Trainer(**{**QUIET, "logger": False, "max_steps": STEPS}, callbacks=[monitor])
+    trainer.fit(Pooled(), torch.utils.data.DataLoader(batches, batch_size=None))
+    assert trainer.global_step == STEPS  # the bad step did not stop training
+
+
+def _batches(kind: str, bad: float) -> list[tuple[Tensor, Tensor]]:
+    make = KINDS[kind]
+    return [(make(_parts(s, bad)), _target(s)) for s in range(STEPS)]
+
+
+def _target(step: int) -> Tensor:
+    return torch.randn(3, generator=torch.Generator().manual_seed(100 + step))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_bad_batch_that_is_not_dense_is_stored_as_its_parts(kind: str, tmp_path: Path) -> None:
+    monitor = HealthMonitor("skip", evidence_dir=tmp_path, rules=())
+    _fit(monitor, _batches(kind, math.inf))
+    (event,) = monitor.events
+    assert (event.step, event.module, event.action) == (BAD_STEP, None, "skipped")
+    assert event.counts == {"nan": 0, "posinf": 1, "neginf": 0}
+    nested = kind.startswith("nested")
+    assert event.shape == ((3, -1, 4) if nested else (10, 4))  # -1: the ragged dimension
+    bundle = Path(event.evidence)
+    assert bundle == tmp_path / f"step{BAD_STEP:08d}-rank0"
+    meta = json.loads((bundle / "event.json").read_text())
+    tensors = load_file(str(bundle / "tensors.safetensors"))
+    # the batch described with its layout; the index says where its values are
+    assert meta["batch"][0] == {
+        "tensor": "torch.float32",
+        "shape": [3, -1, 4] if nested else [10, 4],
+        "layout": kind,
+    }
+    entry = meta["tensors"]["batch.0"]
+    assert (entry["layout"], entry["posinf"], entry["nan"]) == (kind, 1, 0)
+    expected = _parts(BAD_STEP, math.inf)
+    if nested:
+        assert entry["stored_as"] == ["batch.0.0", "batch.0.1", "batch.0.2"]
+        for i, part in enumerate(expected):  # the same values stored, not recomputed
+            assert torch.equal(tensors[f"batch.0.{i}"], part)
+    else:
+        assert entry["stored_as"] == ["batch.0.indices", "batch.0.values"]
+        rebuilt = torch.sparse_coo_tensor(
+            tensors["batch.0.indices"], tensors["batch.0.values"], (10, 4)
+        ).to_dense()
+        assert torch.equal(rebuilt, torch.cat(expected))
+    assert "batch.0" not in tensors and torch.equal(tensors["batch.1"], _target(BAD_STEP))
+    assert meta["omitted"] == {}
+
+
+class NestedOut(nn.Module):
+    """A projection of each component of a nested input, returned as a nested tensor; on the bad
+    step it makes a NaN in its second component itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.poison = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        parts = [self.proj(p) for p in x.unbind()]
+        if self.poison:
+            parts[1] = parts[1] * torch.tensor([1.0, math.nan, 1.0, 1.0])
+        return torch.nested.as_nested_tensor(parts)
+
+
+class NestedModel(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = NestedOut()
+        self.head = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        self.body.poison = self.trainer.global_step == BAD_STEP
+        pooled = torch.stack([p.mean(0) for p in self.body(x).unbind()])
+        return ((self.head(pooled).squeeze(-1) - y) ** 2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_module_that_makes_a_nan_in_a_nested_output_is_named_with_its_parts(
+    tmp_path: Path,
+) -> None:
+    monitor = HealthMonitor("skip", evidence_dir=tmp_path, rules=())
+    batches = [(KINDS["nested strided"](_parts(s, None)), _target(s)) for s in range(STEPS)]
+    trainer = pl.Trainer(**{**QUIET, "logger": False, "max_steps": STEPS}, callbacks=[monitor])
+    trainer.fit(NestedModel(), torch.utils.data.DataLoader(batches, batch_size=None))
+    (event,) = monitor.events
+    assert (event.step, event.module, event.direction, event.action) == (
+        BAD_STEP,
+        "body",
+        "forward",
+        "skipped",
+    )
+    assert event.counts == {"nan": 3, "posinf": 0, "neginf": 0}  # a column of 3 rows
+    assert event.shape == (3, -1, 4)
+    bundle = Path(event.evidence)
+    meta = json.loads((bundle / "event.json").read_text())
+    tensors = load_file(str(bundle / "tensors.safetensors"))
+    entry = meta["tensors"]["body.output"]
+    assert entry["layout"] == "nested strided" and entry["nan"] == 3
+    assert entry["stored_as"] == ["body.output.0", "body.output.1", "body.output.2"]
+    assert [tuple(tensors[k].shape) for k in entry["stored_as"]] == [(2, 4), (3, 4), (5, 4)]
+    assert tensors["body.output.1"][:, 1].isnan().all()
+    assert not tensors["body.output.0"].isnan().any() and not tensors["body.output.2"].isnan().any()
+
+
+def test_a_bundle_that_cannot_be_written_warns_and_training_goes_on(tmp_path: Path) -> None:
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("a file where the bundles' directory would be")
+    monitor = HealthMonitor("skip", evidence_dir=blocker, rules=())
+    dense = [(torch.cat(_parts(s, math.nan)), _target(s)) for s in range(STEPS)]
+    batches = [(x.to_sparse(), y) for x, y in dense]
+    with pytest.warns(UserWarning, match=r"could not write the evidence bundle .*not_a_directory"):
+        _fit(monitor, batches)
+    (event,) = monitor.events
+    assert event.action == "skipped" and event.evidence is None
+    assert "no evidence written" in event.message
+    assert blocker.read_text().startswith("a file")  # left as it was, nothing beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_directory"]
+
+
+class Quantized(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return ((self.proj(x.dequantize()).squeeze(-1) - y) ** 2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_quantized_batch_tensor_is_stored_dequantized(tmp_path: Path) -> None:
+    def batch(step: int) -> tuple[Tensor, Tensor]:
+        x = torch.quantize_per_tensor(
+            torch.cat(_parts(step, None)).clamp(-3, 3), 0.05, 0, torch.qint8
+        )
+        y = torch.randn(10, generator=torch.Generator().manual_seed(step))
+        if step == BAD_STEP:
+            y[4] = math.nan  # the quantized tensor cannot hold one: its neighbour does
+        return x, y
+
+    monitor = HealthMonitor("skip", evidence_dir=tmp_path, rules=())
+    trainer = pl.Trainer(**{**QUIET, "logger": False, "max_steps": STEPS}, callbacks=[monitor])
+    trainer.fit(
+        Quantized(), torch.utils.data.DataLoader([batch(s) for s in range(STEPS)], batch_size=None)
+    )
+    (event,) = monitor.events
+    assert event.action == "skipped" and event.counts == {"nan": 1, "posinf": 0, "neginf": 0}
+    bundle = Path(event.evidence)
+    meta = json.loads((bundle / "event.json").read_text())
+    tensors = load_file(str(bundle / "tensors.safetensors"))
+    entry = meta["tensors"]["batch.0"]
+    assert (entry["dtype"], entry["shape"], entry["stored_as"]) == (
+        "torch.qint8",
+        [10, 4],
+        ["batch.0"],
+    )
+    assert "layout" not in entry and meta["batch"][0] == {"tensor": "torch.qint8", "shape": [10, 4]}
+    assert tensors["batch.0"].dtype == torch.float32
+    assert torch.equal(tensors["batch.0"], batch(BAD_STEP)[0].dequantize())
+    assert meta["tensors"]["batch.1"]["nan"] == 1
