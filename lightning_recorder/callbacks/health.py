@@ -277,7 +277,12 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(on_nonfinite=self.on_nonfinite, localize=self.localize)
+        # Lightning formats it into a profiler label on every hook call: computed once.
+        key: str | None = self.__dict__.get("_state_key")
+        if key is None:
+            key = self._generate_state_key(on_nonfinite=self.on_nonfinite, localize=self.localize)
+            self.__dict__["_state_key"] = key
+        return key
 
     # ------------------------------------------------------------------ lifecycle
     @override
