@@ -6,13 +6,12 @@ the same run's TensorBoard events: the same scalars, and histograms from the ver
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 from helpers.models import QUIET, ProbeNet, events, features, loader, scalars
-from helpers.wandb_records import history as read_history
+from helpers.wandb_records import wait_for_history
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_recorder import FeatureStatsMonitor
@@ -39,13 +38,9 @@ def test_wandb_offline_run_gets_scalars_and_real_histograms(
     tb.experiment.close()  # every TensorBoard event on disk before reading them back
     # W&B's service process writes the offline run file; on a loaded machine its last records
     # may land after `finish` returns, so wait for them (up to a minute)
-    deadline = time.monotonic() + 60
-    history = read_history(tmp_path)
-    while len([r for r in history if "stats/train/probe/mean" in r]) < 2:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-        history = read_history(tmp_path)
+    history = wait_for_history(
+        tmp_path, lambda rows: len([r for r in rows if "stats/train/probe/mean" in r]) >= 2
+    )
     tb_scalars = scalars(tmp_path / "tb" / "version_0")
     tb_hists = events(tmp_path / "tb" / "version_0").Histograms("stats/train/probe/histogram")
     logged = [row for row in history if "stats/train/probe/mean" in row]

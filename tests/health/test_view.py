@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +194,7 @@ def test_wandb_gets_the_heat_maps_and_the_findings_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wandb = pytest.importorskip("wandb")
-    from helpers.wandb_records import history
+    from helpers.wandb_records import wait_for_history
     from lightning.pytorch.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -207,13 +206,9 @@ def test_wandb_gets_the_heat_maps_and_the_findings_table(
     finally:
         wandb.finish()
     # W&B's service process may write the last records after `finish` returns: wait for them
-    deadline = time.monotonic() + 60
-    rows = history(tmp_path)
-    while len([r for r in rows if "health/findings/_type" in r]) < len(DRAWN):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-        rows = history(tmp_path)
+    rows = wait_for_history(
+        tmp_path, lambda rows: len([r for r in rows if "health/findings/_type" in r]) >= len(DRAWN)
+    )
     for stat, n_rows in (("zero_fraction", 5), ("std", 5), ("grad_norm", 3)):
         key = f"health/heatmap/{stat}"
         images = [r for r in rows if f"{key}/_type" in r]

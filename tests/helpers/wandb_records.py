@@ -1,13 +1,18 @@
 """Reading a W&B offline run back (the package never reads them): its history records.
 
 W&B (0.31) writes an offline run as a ``.wandb`` file: a 7-byte header, then LevelDB-style log
-blocks of 32 KiB whose records are ``wandb_internal_pb2.Record`` protobufs.
+blocks of 32 KiB whose records are ``wandb_internal_pb2.Record`` protobufs. W&B's service process
+writes it, and may still be writing when ``wandb.finish`` returns (on a loaded machine):
+:func:`wait_for_history` reads it again until the records a test expects are there, and a
+reader never takes a record the writer has not finished (a missing file, a torn last record).
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +21,11 @@ HEADER = 7  # b":W&B", a 2-byte magic, a 1-byte version
 
 
 def records(path: Path) -> list[bytes]:
-    """The payloads of a ``.wandb`` log file (FULL, or FIRST/MIDDLE/LAST fragments joined)."""
+    """The payloads of a ``.wandb`` log file (FULL, or FIRST/MIDDLE/LAST fragments joined), up to
+    the last whole record (the writer may be in the middle of the next)."""
     data = path.read_bytes()
+    if len(data) < HEADER:  # created, header not written yet
+        return []
     assert data[:4] == b":W&B", data[:8]
     out: list[bytes] = []
     pos, parts = HEADER, b""
@@ -27,6 +35,8 @@ def records(path: Path) -> list[bytes]:
             pos += left
             continue
         length, kind = struct.unpack_from("<HB", data, pos + 4)
+        if pos + 7 + length > len(data):  # torn: the rest is still being written
+            break
         payload = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 1:
@@ -42,7 +52,10 @@ def records(path: Path) -> list[bytes]:
 def history(run_dir: Path) -> list[dict[str, Any]]:
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    found = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    if not found:  # the service has not created it yet
+        return []
+    (path,) = found
     rows = []
     for payload in records(path):
         record = wandb_internal_pb2.Record()
@@ -54,4 +67,18 @@ def history(run_dir: Path) -> list[dict[str, Any]]:
                     for item in record.history.item
                 }
             )
+    return rows
+
+
+def wait_for_history(
+    run_dir: Path, ready: Callable[[list[dict[str, Any]]], bool], timeout: float = 60.0
+) -> list[dict[str, Any]]:
+    """The history rows of the offline run under ``run_dir`` once ``ready(rows)`` holds, read
+    again every half second for up to ``timeout`` seconds (then the last rows read, for the
+    test's assertions to report)."""
+    deadline = time.monotonic() + timeout
+    rows = history(run_dir)
+    while not ready(rows) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        rows = history(run_dir)
     return rows
