@@ -451,8 +451,17 @@ class TupleStudent(Student):
 
 def test_errors_found_when_fitting() -> None:
     teacher, student = seeded()
-    with pytest.raises(UnknownSourceError, match=r"No module named 'feature\.2'.*'features\.2'"):
+    with pytest.raises(
+        UnknownSourceError,
+        match=r"No module named 'feature\.2'.*'features\.2'.*looked up in the student \(Student\): "
+        r"the keys of `pairs`",
+    ):
         fit(student, [FeatureDistillation(teacher, {"feature.2": "features.2"})], max_steps=1)
+    with pytest.raises(
+        UnknownSourceError,
+        match=r"No module named 'nope'.*looked up in the teacher \(Teacher\): the values of",
+    ):
+        fit(student, [FeatureDistillation(teacher, {"features.2": "nope"})], max_steps=1)
     with pytest.raises(RecorderConfigError, match="teacher to live outside the student"):
         fit(TeacherInside(teacher), [FeatureDistillation(teacher, PAIRS)], max_steps=1)
     with pytest.raises(RecorderConfigError, match="Expected `training_step` to return a loss"):

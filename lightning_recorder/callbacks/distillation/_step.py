@@ -19,7 +19,12 @@ from torch import Tensor, nn
 
 from ..._core.hooks import HookSet
 from ...distill import DistillDeliveryManager, LossFn
-from ...errors import RecorderConfigError, RecorderError, RecorderStateError
+from ...errors import (
+    RecorderConfigError,
+    RecorderError,
+    RecorderStateError,
+    UnknownSourceError,
+)
 from ...recorders import RecorderManager
 from .._lightning import attached_trainer
 from ._bank import ConnectorBank
@@ -138,11 +143,17 @@ class StepRunner:
         teacher = RecorderManager(
             {p: {**common, **teacher_config(t), "detach": True} for p, t in self.pairs.items()}
         )
-        student.initialize(pl_module)
+        try:
+            student.initialize(pl_module)
+        except UnknownSourceError as err:
+            raise _on_side(err, f"the student ({type(pl_module).__name__})", "keys") from None
         try:
             teacher.initialize(self.teacher)
-        except BaseException:
+        except BaseException as err:
             student.release()
+            if isinstance(err, UnknownSourceError):
+                side = f"the teacher ({type(self.teacher).__name__})"
+                raise _on_side(err, side, "values") from None
             raise
         return student, teacher
 
@@ -380,3 +391,11 @@ def _describe(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
 
     parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
     return ", ".join(parts) or "no arguments"
+
+
+def _on_side(err: UnknownSourceError, side: str, part: str) -> UnknownSourceError:
+    """``err`` (a name not found) saying which model it was looked up in: the pairs' ``keys``
+    name modules of the student, their ``values`` modules of the teacher."""
+    return UnknownSourceError(
+        f"{err} (looked up in {side}: the {part} of `pairs` name its modules)"
+    )
