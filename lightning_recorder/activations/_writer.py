@@ -368,16 +368,20 @@ class ShardWriter:
             raise _not_dense(tensor, _where(source, module))
         if tensor.dtype not in STORABLE:
             check_storable(tensor.dtype, _where(source, module))
+        shape = tuple(tensor.shape)
         if tensor.dim() == 0:
             tensor = tensor.reshape(1)
         rows = tensor.shape[0]
         if index is None:
             index = [-1] * rows
         elif len(index) != rows:
+            found = "a 0-d tensor (one value)" if not shape else f"{rows} rows (shape {shape})"
             raise RecorderConfigError(
-                f"Expected `sample_index` to have one entry per row of "
-                f"{_where(source, module)}, {rows}, but got {len(index)}; the rows of a record "
-                "are along its dimension 0."
+                f"Expected {_where(source, module)} to have one row per sample along its "
+                f"dimension 0, as many as the sample indices ({len(index)}: `sample_index`, or "
+                f"in `predict` the dataset indices of the batch), but got {found}; record an "
+                "output with a row per sample (choose one with `path`, or reshape it with a "
+                "`transform`), or give sample indices that match its rows."
             )
         event = None
         if not tensor.is_cpu:  # copied without blocking; the thread waits for it

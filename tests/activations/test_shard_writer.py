@@ -331,8 +331,13 @@ def test_bad_arguments(tmp_path: Path) -> None:
         ShardWriter(tmp_path, sources={"s": {"dtype": "half_float"}})
     assert _files(tmp_path, "") == ["file"]  # nothing left behind
     writer = ShardWriter(tmp_path, sources={"s": {"transform": lambda t: t.sum()}})
-    with pytest.raises(RecorderConfigError, match=r"one entry per row .* 2, but got 3"):
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"as many as the sample indices \(3: .* but got 2 rows \(shape \(2, 2\)\)",
+    ):
         writer.write("x", "m", torch.zeros(2, 2), sample_index=[0, 1, 2])
+    with pytest.raises(RecorderConfigError, match=r"\(2: .* but got a 0-d tensor \(one value\)"):
+        writer.write("x", "m", torch.tensor(1.0), sample_index=[0, 1])
     with pytest.raises(RecorderConfigError, match=r"return a tensor with 2 rows"):
         writer.write("s", "m", torch.zeros(2, 2))
     with pytest.raises(RecorderConfigError, match=r"dtype the shard format stores"):
