@@ -20,6 +20,19 @@ from .checks import suggestion
 from .compat import torch_op_signatures
 
 
+def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape of ``t`` as ints; for a nested tensor (whose ragged dimensions have no size, or
+    a symbolic one), its number of components and each dimension its components share, ``-1``
+    where they differ (``(3, -1, 4)``: three components of four features)."""
+    if not t.is_nested:
+        return tuple(int(s) for s in t.shape)
+    sizes = [part.shape for part in t.unbind()]
+    if not sizes:
+        return (0,)
+    dims = zip(*sizes, strict=True)  # the components have the same number of dimensions
+    return (len(sizes), *(int(d[0]) if len(set(d)) == 1 else -1 for d in dims))
+
+
 def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
     """Every tensor inside a nested structure of tuples, lists, dicts and dataclasses; of a
     ``PackedSequence`` (an RNN's packed input or output), its data only: its other fields are
@@ -217,7 +230,7 @@ def _describe(obj: Any) -> str:
             f"{type(obj).__name__} with fields {', '.join(f.name for f in dataclasses.fields(obj))}"
         )
     if isinstance(obj, torch.Tensor):
-        return f"Tensor of shape {tuple(obj.shape)}"
+        return f"Tensor of shape {shape_of(obj)}"
     return type(obj).__name__
 
 

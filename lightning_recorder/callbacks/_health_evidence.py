@@ -13,7 +13,7 @@ A tensor that safetensors cannot hold as it is is stored as the dense tensors th
 values, named in its index entry (``stored_as``): a nested tensor as its components
 (``<key>.0``, ``<key>.1``, ...), a sparse one as the ``<key>.indices`` and ``<key>.values`` of
 its coalesced COO form, a quantized one dequantized (``<key>``). Its shape in the index is that
-of :func:`._health_verdict.shape_of` (``-1`` for a nested tensor's ragged dimensions) and its
+of :func:`.._core.structures.shape_of` (``-1`` for a nested tensor's ragged dimensions) and its
 ``layout`` is named.
 
 Both are standard formats (``safetensors.torch.load_file`` and ``json.load``): no
@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
+from .._core.structures import shape_of
 from ._health_trace import tensor_paths
-from ._health_verdict import exact_counts, shape_of
+from ._health_verdict import exact_counts
 
 __all__ = ["Evidence", "describe_batch"]
 

@@ -39,8 +39,8 @@ from torch import nn
 from .._core.compat import current_autograd_node
 from .._core.hooks import HookSet
 from .._core.names import canonical_name, named_modules
-from .._core.structures import modified, snapshot
-from ._health_verdict import ZERO, Call, Entry, Timeline, Value, quick_counts, shape_of
+from .._core.structures import modified, shape_of, snapshot
+from ._health_verdict import ZERO, Call, Entry, Timeline, Value, quick_counts
 
 __all__ = ["Trace", "tensor_paths"]
 

@@ -54,19 +54,6 @@ ZERO: tuple[int, int, int] = (0, 0, 0)
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def shape_of(t: torch.Tensor) -> torch.Size:
-    """``t.shape``; for a nested tensor (whose ragged dimensions have no size, or a symbolic
-    one), its number of components and each dimension its components share, ``-1`` where they
-    differ."""
-    if not t.is_nested:
-        return t.shape
-    sizes = [part.shape for part in t.unbind()]
-    if not sizes:
-        return torch.Size([0])
-    dims = zip(*sizes, strict=True)  # the components have the same number of dimensions
-    return torch.Size([len(sizes), *(d[0] if len(set(d)) == 1 else -1 for d in dims)])
-
-
 def quick_counts(t: torch.Tensor) -> Counts:
     """``(nan, posinf, neginf)`` of a tensor without waiting for a device.
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from .._core.hooks import HookSet
 from .._core.names import canonical_name, named_modules
+from .._core.structures import shape_of
 
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 _UNBOUNDED = 1 << 64  # larger than any sequence number (AccumulateGrad nodes use 2**64 - 1)
@@ -264,7 +265,7 @@ class GraphBuilder:
         rec = TensorRecord(
             key=key,
             ref=None if fn is not None else weakref.ref(tensor),
-            shape=tuple(int(s) for s in tensor.shape),
+            shape=shape_of(tensor),
             dtype=dtype,
             parent=parent,
             fn=fn,
@@ -344,7 +345,7 @@ class GraphBuilder:
                 extra[id(var)] = TensorRecord(
                     key=("leaf", id(var)),
                     ref=None,
-                    shape=tuple(int(s) for s in var.shape),
+                    shape=shape_of(var),
                     dtype=str(var.dtype).removeprefix("torch."),
                     parent=call,
                     first_input=f"{call.name}{call.suffix()}:leaf".lstrip(":"),
@@ -362,7 +363,7 @@ class GraphBuilder:
             params[key] = ParamRecord(
                 name=name,
                 label=name.removeprefix(prefix) if name.startswith(prefix) else name,
-                shape=tuple(int(s) for s in var.shape),
+                shape=shape_of(var),
                 dtype=str(var.dtype).removeprefix("torch."),
                 call=home,
             )

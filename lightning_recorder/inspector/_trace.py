@@ -18,7 +18,7 @@ from torch import nn
 
 from .._core.checks import parse_device, suggestion
 from .._core.hooks import HookSet
-from .._core.structures import iter_tensors
+from .._core.structures import iter_tensors, shape_of
 from ..errors import RecorderConfigError, RecorderStateError
 
 Label = tuple[int, int]
@@ -79,7 +79,7 @@ def parse_label(value: Any) -> Label:
 
 
 def _shapes(value: Any) -> tuple[Shape, ...]:
-    return tuple(tuple(t.shape) for t in iter_tensors(value))
+    return tuple(shape_of(t) for t in iter_tensors(value))
 
 
 class _Call:

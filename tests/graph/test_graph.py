@@ -157,6 +157,18 @@ def test_tensors_at_module_boundaries(graph: ExecutionGraph) -> None:
     assert (escaped.parent, escaped.depth) == ("module:<root>", 1)
 
 
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_nested_tensors_have_ragged_dimensions_as_minus_one(layout: torch.layout) -> None:
+    # variable-length rows of four features: the ragged dimension has no single size
+    x = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=layout)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    graph = record_graph(net, x)
+    tensors = by_name(graph, "tensor")
+    assert tensors["input"].shape == (2, -1, 4)
+    assert tensors["0:out"].shape == (2, -1, 4) and tensors["output"].shape == (2, -1, 4)
+    assert by_name(graph, "parameter")["0.weight"].shape == (4, 4)
+
+
 def test_edges_form_a_dag_from_input_to_output(cnn: SmallCNN) -> None:
     x = torch.randn(2, 3, 8, 8, requires_grad=True)  # a leaf that autograd sees
     graph = record_graph(cnn, x)

@@ -148,6 +148,15 @@ def test_summary_shows_containers_repeated_calls_and_several_shapes() -> None:
     assert "│    │    ├─Linear (0): 3-3" in text
 
 
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_summary_of_nested_inputs_shows_ragged_dimensions_as_minus_one(
+    layout: torch.layout,
+) -> None:
+    x = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=layout)
+    text = Inspector(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), input_data=x).summary_text()
+    assert re.search(r"├─Linear \(0\): 1-1 +\[2, -1, 4\] +\[2, -1, 4\] +20", text), text
+
+
 # --- labels -----------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from ..._core.hooks import HookSet
+from ..._core.structures import shape_of
 from ...distill import DistillDeliveryManager, LossFn
 from ...errors import (
     RecorderConfigError,
@@ -386,7 +387,7 @@ def _describe(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
 
     def one(value: Any) -> str:
         if isinstance(value, Tensor):
-            return f"Tensor{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+            return f"Tensor{shape_of(value)} {str(value.dtype).removeprefix('torch.')}"
         return type(value).__name__
 
     parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
