@@ -25,7 +25,7 @@ def shape_of(t: torch.Tensor) -> tuple[int, ...]:
     a symbolic one), its number of components and each dimension its components share, ``-1``
     where they differ (``(3, -1, 4)``: three components of four features)."""
     if not t.is_nested:
-        return tuple(int(s) for s in t.shape)
+        return tuple(t.shape)  # ints (symbolic sizes stay symbolic: no specialisation in a trace)
     sizes = [part.shape for part in t.unbind()]
     if not sizes:
         return (0,)
