@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 from ..errors import DuplicateNameError, RecorderConfigError, UnknownRecorderTypeError
-from .checks import check_keys, suggestion
+from .checks import check_keys, closest, suggestion
 
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
@@ -90,9 +90,10 @@ class Registry(Generic[C]):
             )
         found = self.get(name) if isinstance(name, str) else None
         if found is None:
-            near = suggestion(str(name), valid, "types")
+            # close matches first; without one, the full list below says it (not a part twice)
+            near = suggestion(str(name), valid, "types") + " " if closest(str(name), valid) else ""
             raise UnknownRecorderTypeError(
-                f"Unknown {self.what} type {name!r} in {where}. {near} "
+                f"Unknown {self.what} type {name!r} in {where}. {near}"
                 f"Valid {self.what} types: {', '.join(valid)}."
             )
         return found
