@@ -151,7 +151,10 @@ def check_tensor(value: object, name: str, *, real: bool = False) -> torch.Tenso
             f"Expected `{name}` to be a torch.Tensor but got {type(value).__name__}."
         )
     if real and value.is_complex():
-        raise RecorderConfigError(f"Expected `{name}` to have a real dtype but got {value.dtype}.")
+        raise RecorderConfigError(
+            f"Expected `{name}` to have a real dtype but got {value.dtype}; pass its magnitude "
+            f"(`{name}.abs()`) or its real and imaginary parts (`torch.view_as_real({name})`)."
+        )
     return value
 
 

@@ -285,7 +285,11 @@ def test_errors() -> None:
         RecorderConfigError, match=r"Expected `x` to be a torch.Tensor but got list"
     ):
         metric.update([1.0, 2.0])  # type: ignore[arg-type]
-    with pytest.raises(RecorderConfigError, match=r"Expected `x` to have a real dtype but got "):
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"Expected `x` to have a real dtype but got torch.complex64; pass its magnitude "
+        r"\(`x.abs\(\)`\) or its real and imaginary parts \(`torch.view_as_real\(x\)`\)",
+    ):
         metric.update(torch.ones(2, dtype=torch.complex64))
     for bad in (-1, True, 0.5):
         with pytest.raises(
