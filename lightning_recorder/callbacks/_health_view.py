@@ -55,7 +55,10 @@ def layout(
 ) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout: ``{category: {chart title: ["Multiline", [regex]]}}``.
 
-    ``lead`` is the logger's own prefix with its join character, before every tag.
+    ``lead`` is the logger's public prefix with its join character, before every tag the
+    callbacks write themselves (:func:`._lightning.logger_prefix`). Without one, the health
+    counters' chart takes any leading ``<prefix>-``: they reach the logger through
+    ``log_metrics``, which adds a prefix Lightning's loggers keep private.
     """
     head = re.escape(lead)
     found: dict[str, dict[str, list[Any]]] = {}
@@ -73,10 +76,12 @@ def layout(
                 f"{stat} of every parameter": ["Multiline", [f"{where}{stat}$"]]
                 for stat in PARAMETER_STATS
             }
+    # the counters go through `log_metrics`, where a logger adds even a prefix it keeps private
+    counters = "health/(rule_events|nonfinite_steps|skipped_steps|amp_skipped_steps)$"
     found["health"] = {
         "rule findings and non-finite steps": [
             "Multiline",
-            [rf"^{head}health/(rule_events|nonfinite_steps|skipped_steps|amp_skipped_steps)$"],
+            [rf"^{head}{counters}" if lead else rf"^([^/]*-)?{counters}"],
         ]
     }
     return found

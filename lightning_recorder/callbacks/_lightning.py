@@ -1,20 +1,20 @@
 """Small Lightning helpers shared by the callbacks: stages, Lightning's step axis, step gating.
 
 What the callbacks need to know about Lightning's loops and loggers is read here, so that a
-change in Lightning touches one file. Two values have no public accessor (Lightning 2.6) and are
-read from private attributes behind a fallback, as Lightning's own ``LearningRateMonitor`` and
-``DeviceStatsMonitor`` read the first: the step axis of ``self.log`` (:func:`step_axis`) and a
-logger's key prefix (:func:`logger_prefix`); a third, the mark Lightning leaves on a model it
-unwrapped from ``torch.compile``, is read by :func:`is_compiled`. Everything else goes through
-public properties.
+change in Lightning touches one file. The step axis of ``self.log`` (:func:`step_axis`), which
+Lightning keeps privately, is derived from public counters (its agreement with Lightning's own
+value at every hook is tested, resumed runs included). Nothing private of Lightning's is read:
+everything goes through public properties and public traces (a model Lightning unwrapped from
+``torch.compile``: :func:`unwrapped_from_compile`); a logger's key prefix is read where the
+logger makes it public (:func:`logger_prefix`).
 
 * **Step axis.** Lightning logs ``self.log`` metrics of training step ``k`` (0-based, counted in
   optimizer steps) at ``step=k``, and validation metrics at the number of optimizer steps done so
   far. :func:`step_axis` returns that number, so callbacks log on the same x axis. (During
   ``on_train_batch_end`` ``trainer.global_step`` is already ``k + 1``, and it counts one step per
   optimizer, so it is not that axis.)
-* **Loggers.** :func:`logger_prefix` reads the prefix a Lightning logger puts before its keys
-  (the writing itself is in :mod:`._tensorboard`).
+* **Loggers.** :func:`logger_prefix` reads the prefix a logger puts before its keys, where the
+  logger makes it public (the writing itself is in :mod:`._tensorboard`).
 * **Gating.** "Every N steps" counts optimizer steps, not micro-batches: with gradient
   accumulation every micro-batch of a due optimizer step is recorded (:func:`is_due`), and the
   step is complete on the micro-batch that steps (:func:`completes_step`). Due steps are those
@@ -25,7 +25,7 @@ public properties.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
@@ -78,17 +78,63 @@ def attached_trainer(module: object) -> pl.Trainer | None:
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``torch.compile`` compiles ``module`` or a part of it: a LightningModule passed to
-    ``fit`` as ``torch.compile(model)`` (Lightning unwraps it and marks it with its private
-    ``_compiler_ctx``, which nothing public exposes), or what :func:`.compat.is_compiled` finds
-    (an ``OptimizedModule`` inside, a submodule compiled in place)."""
-    return getattr(module, "_compiler_ctx", None) is not None or compiled_by_torch(module)
+    ``fit`` as ``torch.compile(model)`` (:func:`unwrapped_from_compile`), or what
+    :func:`.compat.is_compiled` finds (an ``OptimizedModule`` inside, a submodule compiled in
+    place)."""
+    return unwrapped_from_compile(module) or compiled_by_torch(module)
+
+
+def unwrapped_from_compile(module: nn.Module) -> bool:
+    """Whether ``module`` looks as Lightning's public ``from_compiled`` leaves a LightningModule
+    (``fit`` calls it on ``torch.compile(model)``): its ``forward`` and ``training_step``
+    replaced, on the instance, by ``torch.compile``'s wrappers of its own methods
+    (``functools.wraps``: each wrapper's ``__wrapped__`` is the module's bound method).
+
+    Told from those public traces, not from the private mark Lightning also leaves. A module
+    whose two methods a user wrapped the same way by hand is taken for compiled too: the
+    callbacks then keep their hooks and records as on a compiled model, which costs memory
+    and time but changes no statistic.
+    """
+    own = vars(module)
+    for name in ("forward", "training_step"):
+        inner = getattr(own.get(name), "__wrapped__", None)
+        if getattr(inner, "__self__", None) is not module or getattr(inner, "__name__", "") != name:
+            return False
+    return True
 
 
 def step_axis(trainer: pl.Trainer) -> int:
-    """Lightning's x axis for logged metrics: optimizer steps completed before this batch."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    value = getattr(loop, "_batches_that_stepped", None)
-    return value if isinstance(value, int) else int(trainer.global_step)
+    """Lightning's x axis for logged metrics: the batches that stepped before this batch.
+
+    Lightning counts a batch that steps (see :func:`completes_step`) after its
+    ``on_train_batch_end`` and the validation that may follow it, so that everything logged
+    for training batch ``k`` and that validation lands on step ``k``. Derived from public
+    counters: the optimizer steps taken (``trainer.global_step``, automatic optimization: one
+    optimizer, one step per batch that steps) or the training batches completed (manual
+    optimization: every batch counts, whatever its optimizers did), less the current batch
+    where that count already holds it and Lightning's does not yet: in automatic optimization
+    from the optimizer step to the end of the validation after the batch, in manual
+    optimization during that validation. Both counts are restored from a checkpoint, as
+    Lightning's axis is.
+    """
+    # ready, started, processed and completed batches, over the whole fit
+    total: Any = trainer.fit_loop.epoch_loop.batch_progress.total
+    module = trainer.lightning_module
+    if module is None or module.automatic_optimization:
+        counted = trainer.global_step
+        if total.processed < total.ready:  # before this batch's optimizer step (batch start)
+            return counted
+        holds_batch = total.completed < total.ready or _validating_in_fit(trainer)
+    else:
+        counted = total.completed
+        holds_batch = total.completed == total.ready and _validating_in_fit(trainer)
+    if holds_batch and total.ready > 0 and completes_step(trainer):
+        return counted - 1
+    return counted
+
+
+def _validating_in_fit(trainer: pl.Trainer) -> bool:
+    return trainer.validating and trainer.state.fn == "fit"
 
 
 def completes_step(trainer: pl.Trainer) -> bool:
@@ -112,12 +158,16 @@ def is_due(step: int, every_n_steps: int) -> bool:
 
 
 def logger_prefix(logger: Logger) -> str:
-    """The ``prefix`` a Lightning logger puts before its metric keys (``""`` without one).
+    """The prefix a logger puts before its metric keys, where it makes it public: its ``prefix``
+    property (:class:`~lightning_recorder.TensorBoardLogger`'s); ``""`` for a logger without one.
 
-    Lightning's loggers apply it in ``log_metrics`` and keep it in a private attribute, with no
-    public accessor (Lightning 2.6); read here, so that a change in Lightning touches one file.
+    Lightning's loggers (2.6) keep their ``prefix`` argument in a private attribute and apply it
+    only in ``log_metrics``; it is not read. What the callbacks hand to ``log_metrics`` gets it
+    from Lightning; what they write to a TensorBoard writer themselves carries the prefix of a
+    logger that makes it public, and otherwise none (the callbacks' own ``prefix`` options put
+    anything before their tags).
     """
-    prefix = getattr(logger, "_prefix", "")
+    prefix = getattr(logger, "prefix", "")
     return prefix if isinstance(prefix, str) else ""
 
 

@@ -269,7 +269,9 @@ def write_tensorboard(
     through the writer's public ``file_writer`` (``torch.utils.tensorboard`` and tensorboardX
     writers, :class:`~lightning_recorder.TensorBoardLogger`'s); a writer of another make, or one
     whose ``file_writer`` is closed, gets one ``add_scalar`` / ``add_histogram_raw`` call per
-    tag. The logger's ``prefix`` is applied as its ``log_metrics`` would. Call on rank 0 only.
+    tag. A logger's public ``prefix`` (:class:`~lightning_recorder.TensorBoardLogger`'s) is
+    applied as its ``log_metrics`` would; Lightning's ``TensorBoardLogger`` keeps its own to
+    itself, and there the tags are written as given. Call on rank 0 only.
 
     Args:
         logger: the TensorBoard logger.

@@ -167,7 +167,12 @@ class FeatureStatsMonitor(RecorderCallback):
             inside the monitored modules: ``True`` every one of them, a name, glob or ``"re:"``
             pattern (or a list of them, names as in ``named_parameters()`` of the LightningModule)
             those it selects among them, ``False`` none.
-        prefix: the first component of every tag.
+        prefix: the first component of every tag. A logger's own ``prefix`` comes before it
+            where the logger applies it: in ``log_metrics`` (W&B, CSV and other loggers) and
+            in :class:`~lightning_recorder.TensorBoardLogger`'s events. Lightning's
+            ``TensorBoardLogger`` keeps its prefix to itself and the monitor writes its events
+            directly: there, to file the monitor's charts beside metrics logged with the
+            logger's prefix ``"run"``, pass ``prefix="run-stats"``.
         clone: record a copy of each output. Needed only where records are kept
             (``exact_histograms=True``, or a compiled model) and the model modifies a
             monitored output in place (e.g. ``ReLU(inplace=True)`` right after it): there such a

@@ -47,7 +47,8 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         version: the run's version (by default the next free ``version_N``).
         log_graph: add the model's graph (``example_input_array``).
         default_hp_metric: log ``hp_metric`` with the hyperparameters.
-        prefix: put before every metric key (joined with ``-``).
+        prefix: put before every metric key (joined with ``-``), and before the tags the
+            package's callbacks write to this logger's events (see :attr:`prefix`).
         sub_dir: a directory inside the run's.
         **kwargs: ``SummaryWriter`` options: ``max_queue``, ``flush_secs``,
             ``filename_suffix``, ``purge_step``, ``comment``.
@@ -94,6 +95,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
             **kwargs,
         )
         self._event_options = kwargs
+        self._own_prefix = prefix
         self._events: SummaryWriter | None = None
         self._fast = _c_checksum() is not None
         if "://" in str(save_dir):
@@ -108,6 +110,14 @@ class TensorBoardLogger(LightningTensorBoardLogger):
                 "writes through TensorBoard's own writer, which checksums each record in pure "
                 f"Python (about 0.3 ms per KiB). To checksum in C: {_EXTRA}"
             )
+
+    @property
+    def prefix(self) -> str:
+        """The ``prefix`` argument: put before every metric key, joined with ``-``. The package's
+        callbacks write their TensorBoard events to the writer themselves (one event per logged
+        step, not one ``log_metrics`` call per tag) and read it here, so that their tags carry it
+        as ``log_metrics`` keys do. (Lightning's own loggers keep their prefix to themselves.)"""
+        return self._own_prefix
 
     @property
     def checksums_in_c(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import functools
 import gc
 import weakref
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from helpers.docs import DOCS, python_blocks, run_page
 from helpers.models import QUIET, ProbeNet, features, loader
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.compile import from_compiled
+from lightning.pytorch.utilities.compile import from_compiled, to_uncompiled
 
 import lightning_recorder.callbacks.recorder as callback_module
 from lightning_recorder import RecorderCallback
@@ -321,6 +322,20 @@ def test_is_compiled() -> None:
     assert is_compiled(unwrapped)
     for model in (plain, holder, in_place):  # the Lightning view adds to torch's, no less
         assert is_compiled(model) == is_compiled_by_torch(model)
+    # told from public traces (each wrapper's `__wrapped__`), not from Lightning's private mark
+    assert not is_compiled(to_uncompiled(unwrapped))  # Lightning's own undo: not compiled
+    again = from_compiled(torch.compile(ProbeNet(), backend="eager"))  # type: ignore[arg-type]
+    vars(again).pop("_compiler_ctx")  # without the mark, still told
+    assert is_compiled(again)
+    # a user's wrapper of `forward` alone, a plain function, or another module's method: not it
+    only_forward = ProbeNet()
+    only_forward.forward = functools.wraps(only_forward.forward)(lambda *a: None)  # type: ignore[method-assign]
+    assert not is_compiled(only_forward)
+    other = ProbeNet()
+    donor = ProbeNet()
+    for name in ("forward", "training_step"):
+        setattr(other, name, functools.wraps(getattr(donor, name))(lambda *a: None))
+    assert not is_compiled(other)
 
 
 def test_checkpoint_resume_continues_counters(tmp_path: Path) -> None:

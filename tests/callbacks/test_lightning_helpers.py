@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from helpers.models import QUIET as HELPER_QUIET
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_recorder.callbacks._lightning import completes_step
+from lightning_recorder.callbacks._lightning import completes_step, step_axis
 
 QUIET = {**HELPER_QUIET, "logger": False}
 
@@ -159,3 +161,131 @@ def test_completes_step_on_the_epoch_last_partial_group() -> None:
     )
     ends = [idx for hook, idx, mine, _ in oracle.seen if hook == "end" and mine]
     assert ends == [2, 5, 8, 9]
+
+
+# ----------------------------------------------------------------------------- the step axis
+
+AXIS_HOOKS = (
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_validation_start",
+    "on_validation_batch_end",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_train_epoch_end",
+    "on_test_epoch_end",
+    "on_train_end",
+)
+
+
+class AxisOracle(pl.Callback):
+    """At every hook of :data:`AXIS_HOOKS`: ``step_axis`` and Lightning's own axis (its private
+    ``_batches_that_stepped``, read here as the reference), and ``global_step``."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int, int]] = []
+
+    def _check(self, hook: str, trainer: pl.Trainer) -> None:
+        lightning = trainer.fit_loop.epoch_loop._batches_that_stepped
+        self.seen.append((hook, step_axis(trainer), lightning, trainer.global_step))
+
+
+for _hook in AXIS_HOOKS:
+    setattr(
+        AxisOracle,
+        _hook,
+        lambda self, trainer, *args, _hook=_hook, **kwargs: self._check(_hook, trainer),
+    )
+
+
+class Evaluated(Net):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val", self.layer(batch[0]).mean())
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+class SkipsBatches(Evaluated):
+    """``training_step`` returns ``None`` on every third batch (Lightning skips its backward)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:  # type: ignore[override]
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 3 == 1 else loss
+
+
+class TwoOptimizersEvaluated(TwoOptimizers):
+    validation_step = Evaluated.validation_step
+    test_step = Evaluated.test_step
+
+
+AXIS_CASES = {
+    # validation inside the epoch, after batches that step and batches that accumulate
+    "val-every-2-accumulate-3": (
+        Evaluated,
+        {"accumulate_grad_batches": 3, "val_check_interval": 2},
+    ),
+    "val-every-3": (Evaluated, {"val_check_interval": 3}),
+    "val-at-epoch-end-accumulate-2": (Evaluated, {"accumulate_grad_batches": 2}),
+    "skipped-batches": (SkipsBatches, {"val_check_interval": 2}),
+    "manual-two-optimizers": (TwoOptimizersEvaluated, {"val_check_interval": 2}),
+    "strategy-accumulates": (
+        Evaluated,
+        {"accumulate_grad_batches": 3, "max_epochs": 1, "strategy": Accumulating("cpu")},
+    ),
+}
+
+
+def _axis_fit(model: pl.LightningModule, options: dict[str, Any], **fit: Any) -> AxisOracle:
+    oracle = AxisOracle()
+    callbacks = [oracle, *options.pop("callbacks", [])]
+    options = {"max_epochs": 2, "limit_val_batches": 1, "num_sanity_val_steps": 0, **options}
+    if len(callbacks) > 1:  # a ModelCheckpoint
+        options["enable_checkpointing"] = True
+    trainer = pl.Trainer(**{**QUIET, **options}, callbacks=callbacks)
+    trainer.fit(model, _data(7), _data(2), **fit)
+    trainer.validate(model, _data(2), verbose=False)
+    trainer.test(model, _data(2), verbose=False)
+    return oracle
+
+
+@pytest.mark.parametrize("case", list(AXIS_CASES))
+def test_step_axis_agrees_with_lightning_at_every_hook(case: str) -> None:
+    model, options = AXIS_CASES[case]
+    oracle = _axis_fit(model(), dict(options))
+    assert {hook for hook, *_ in oracle.seen} >= {"on_train_batch_end", "on_validation_end"}
+    disagreements = [s for s in oracle.seen if s[1] != s[2]]
+    assert not disagreements, disagreements
+    # the test decides something: the optimizer steps are not that axis at some hook
+    assert any(lightning != global_step for _, _, lightning, global_step in oracle.seen)
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+@pytest.mark.parametrize("saved", ["batch-end", "validation-end", "epoch-end"])
+def test_step_axis_agrees_with_lightning_after_a_resume(
+    tmp_path: Path, saved: str, manual: bool
+) -> None:
+    """Lightning restores its axis with a correction for where the checkpoint was saved; the
+    public counters the axis is derived from are restored too."""
+    model = TwoOptimizersEvaluated if manual else Evaluated
+    every = {
+        "batch-end": {"every_n_train_steps": 2, "save_on_train_epoch_end": False},
+        "validation-end": {"save_on_train_epoch_end": False},
+        "epoch-end": {"save_on_train_epoch_end": True},
+    }[saved]
+    interval = {"val_check_interval": 3} if saved == "validation-end" else {}
+    accumulate = {} if manual else {"accumulate_grad_batches": 2}
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, **every)
+    first = _axis_fit(model(), {**interval, **accumulate, "callbacks": [checkpoint]})
+    assert not [s for s in first.seen if s[1] != s[2]]
+    saved_files = sorted(tmp_path.glob("*.ckpt"))
+    assert len(saved_files) >= 2
+    for path in saved_files[:3]:
+        oracle = _axis_fit(model(), {**interval, **accumulate, "max_epochs": 3}, ckpt_path=path)
+        assert oracle.seen
+        disagreements = [s for s in oracle.seen if s[1] != s[2]]
+        assert not disagreements, (path.name, disagreements)

@@ -32,6 +32,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 import lightning_recorder.callbacks.stats_monitor as monitor_module
 from lightning_recorder import FeatureStatsMonitor
+from lightning_recorder import TensorBoardLogger as RecorderTensorBoardLogger
 from lightning_recorder._core.hooks import live_hooks
 from lightning_recorder.errors import RecorderConfigError, RecordModifiedError, UnknownSourceError
 from lightning_recorder.stats._state import WIDTH
@@ -725,16 +726,20 @@ class _PlainWriter(SummaryWriter):
     """A writer from another module: the monitor falls back to ``add_scalar`` per tag."""
 
 
-class _PlainLogger(TensorBoardLogger):
+class _PlainLogger(RecorderTensorBoardLogger):
+    """The package's logger (its prefix public) with a writer of another make."""
+
+    plain: SummaryWriter | None = None
+
     @property
     def experiment(self) -> SummaryWriter:
-        if self._experiment is None:
-            self._experiment = _PlainWriter(log_dir=self.log_dir)
-        return self._experiment
+        if self.plain is None:
+            self.plain = _PlainWriter(log_dir=self.log_dir)
+        return self.plain
 
 
 def test_one_event_per_step_equals_one_write_per_tag(tmp_path: Path) -> None:
-    fast = TensorBoardLogger(tmp_path, name="fast", prefix="p")
+    fast = RecorderTensorBoardLogger(tmp_path, name="fast", prefix="p")
     plain = _PlainLogger(tmp_path, name="plain", prefix="p")
     monitor = FeatureStatsMonitor("probe", every_n_steps=1, bins=4, parameters=False)
     pl.Trainer(**QUIET, logger=[fast, plain], max_steps=2, callbacks=[monitor]).fit(

@@ -24,6 +24,7 @@ from tensorboard.util import tensor_util
 
 import lightning_recorder.callbacks.stats_monitor as monitor_module
 from lightning_recorder import FeatureStatsMonitor
+from lightning_recorder import TensorBoardLogger as RecorderTensorBoardLogger
 from lightning_recorder.callbacks._tensorboard import (
     HistogramTable,
     collapse_empty_buckets,
@@ -305,17 +306,21 @@ def test_histogram_table_of_the_wrong_shape_is_refused() -> None:
 
 
 # ------------------------------------------------------------------ the writers
-def test_logger_prefix_reaches_scalars_and_histograms(tmp_path: Path) -> None:
-    logger = TensorBoardLogger(tmp_path, name="tb", prefix="run")
+@pytest.mark.parametrize("public", [True, False], ids=["package-logger", "lightning-logger"])
+def test_public_logger_prefix_reaches_scalars_and_histograms(tmp_path: Path, public: bool) -> None:
+    # the package's logger makes its prefix public; Lightning's keeps it private: not read
+    kind = RecorderTensorBoardLogger if public else TensorBoardLogger
+    logger = kind(tmp_path, name="tb", prefix="run")
     table = HistogramTable(torch.tensor([_row(4.0)], dtype=torch.float64), 3, ("m/histogram",))
     write_tensorboard(logger, {"m/mean": 0.5}, table, step=3)
     write_tensorboard(logger, {"m/std": 0.25}, {"m2/histogram": table["m/histogram"]}, step=4)
     logger.experiment.flush()
+    lead = "run-" if public else ""
     assert set(read_values(logger.log_dir)) == {
-        ("run-m/mean", 3),
-        ("run-m/histogram", 3),
-        ("run-m/std", 4),
-        ("run-m2/histogram", 4),
+        (f"{lead}m/mean", 3),
+        (f"{lead}m/histogram", 3),
+        (f"{lead}m/std", 4),
+        (f"{lead}m2/histogram", 4),
     }
     logger.finalize("success")
 

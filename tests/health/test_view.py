@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_recorder import DeadUnitsRule, FeatureStatsMonitor, HealthMonitor
+from lightning_recorder import TensorBoardLogger as RecorderTensorBoardLogger
 
 LAYERS = ["body.0", "body.1", "body.2", "body.3", "body.4"]  # model order
 WEIGHTS = ["body.0.weight", "body.2.weight", "body.4.weight"]
@@ -109,13 +110,21 @@ def red_beside(image: np.ndarray, x0: int, width: int, row: int) -> bool:
     return bool(((band[..., 0] > 150) & (band[..., 1] < 60) & (band[..., 2] < 60)).any())
 
 
-@pytest.mark.parametrize("prefix", ["", "fit"])
+@pytest.mark.parametrize(
+    ("prefix", "public"),
+    [("", False), ("fit", False), ("fit", True)],
+    ids=["none", "private", "public"],
+)
 def test_tensorboard_gets_the_layout_the_heat_maps_and_the_findings(
-    prefix: str, tmp_path: Path
+    prefix: str, public: bool, tmp_path: Path
 ) -> None:
-    logger = TensorBoardLogger(tmp_path, name="run", version=0, prefix=prefix)
+    # the package's logger makes its prefix public; Lightning's keeps it to itself, and applies
+    # it only to what goes through `log_metrics` (the health counters)
+    kind = RecorderTensorBoardLogger if public else TensorBoardLogger
+    logger = kind(tmp_path, name="run", version=0, prefix=prefix)
     stats, monitor = run([logger])
-    lead = f"{prefix}-" if prefix else ""
+    lead = f"{prefix}-" if public else ""
+    counters_lead = f"{prefix}-" if prefix else ""
     acc = accumulator(tmp_path / "run" / "version_0")
     scalars = acc.Tags()["scalars"]
 
@@ -139,7 +148,8 @@ def test_tensorboard_gets_the_layout_the_heat_maps_and_the_findings(
         chart = charts["parameters: train"][f"{stat} of every parameter"]
         assert matched(chart) == {f"{lead}stats/train/{p}/{stat}" for p in PARAMETERS}, stat
     [health] = charts["health"].values()
-    assert f"{lead}health/rule_events" in matched(health)
+    assert f"{counters_lead}health/rule_events" in matched(health)
+    assert f"{counters_lead}health/rule_events" in scalars
 
     # the heat maps: rows the layers in model order, columns the logged steps shown
     for stat, rows in (("zero_fraction", LAYERS), ("std", LAYERS), ("grad_norm", WEIGHTS)):

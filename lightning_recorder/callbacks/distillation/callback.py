@@ -16,6 +16,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -275,7 +276,9 @@ class FeatureDistillation(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if getattr(optimizer, "_optimizer", optimizer) is self._bank._optimizer:
+        if isinstance(optimizer, LightningOptimizer):  # its public view of the torch optimizer
+            optimizer = optimizer.optimizer
+        if optimizer is self._bank._optimizer:
             self._bank.unhide()  # in case a checkpoint's collection stopped half-way
             self._bank.all_reduce_grads()
 
