@@ -381,11 +381,18 @@ class RecorderCallback(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         """End a batch of any stage: an unchosen batch recorded only to keep the hooks' flag on
-        (compiled models) is dropped; a chosen one is handed to :meth:`_after_batch`."""
-        self._batch = (batch, batch_idx, dataloader_idx)
+        (compiled models) is dropped; a chosen one is handed to :meth:`_after_batch`, with the
+        batch in ``self._batch`` meanwhile (not kept after it: the memory of an unchosen batch
+        is the data loader's to reuse)."""
         if self._idle:
             self._free()
-        self._end(trainer, pl_module, stage, completes)
+        if self._active != stage:
+            return
+        self._batch = (batch, batch_idx, dataloader_idx)
+        try:
+            self._end(trainer, pl_module, stage, completes)
+        finally:
+            self._batch = (None, 0, 0)
 
     def _end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool

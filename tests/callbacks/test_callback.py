@@ -147,6 +147,29 @@ def test_records_are_freed_after_the_step_and_hooks_removed_after_the_run() -> N
         cb.manager  # noqa: B018
 
 
+@pytest.mark.parametrize("with_callback", [True, False], ids=["recorder", "control"])
+def test_a_batch_is_not_kept_after_its_step(with_callback: bool) -> None:
+    # the callback holds a batch only while its records are handed over: another step's batch,
+    # recorded or not, is the data loader's to free (a large batch is memory)
+    refs: list[weakref.ref[torch.Tensor]] = []
+    alive_at_next_start: list[bool] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            gc.collect()
+            if refs:
+                alive_at_next_start.append(refs[-1]() is not None)
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            batch = args[-2]
+            refs.append(weakref.ref(batch[0]))
+
+    recorder = RecorderCallback(FEAT, every_n_steps=2)
+    callbacks: list[pl.Callback] = [recorder] if with_callback else []
+    trainer(max_steps=5, callbacks=[*callbacks, Watch()]).fit(ProbeNet(), loader(features(32)))
+    assert alive_at_next_start == [False] * 4
+
+
 def test_not_due_step_has_no_record() -> None:
     errors: list[str] = []
     flags: list[bool] = []
