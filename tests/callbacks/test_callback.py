@@ -311,6 +311,43 @@ def test_hooks_are_suspended_between_recorded_steps() -> None:
     assert live_hooks() == []
 
 
+def test_training_batches_between_due_steps_after_a_recorded_validation() -> None:
+    # Training batches between due steps run without hooks and record nothing, also right
+    # after a validation that recorded (its hooks back on, its records held until then).
+    model = ProbeNet()
+    during: list[tuple[int, int]] = []
+    seen: list[tuple[str, int]] = []
+
+    def count(module: ProbeNet, batch_idx: int) -> None:
+        during.append((batch_idx, len(module.body[0]._forward_hooks)))
+
+    class Check(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            cb = RecorderCallback.of(trainer)
+            seen.append(("train", int(cb.recording)))
+
+        def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            cb = RecorderCallback.of(trainer)
+            seen.append(("val", cb.get_record_data("feat").shape[0]))
+
+    model.step_hook = count
+    cb = RecorderCallback(FEAT, every_n_steps=4, stages=("train", "val"))
+    run = trainer(
+        max_steps=10,
+        callbacks=[cb, Check()],
+        val_check_interval=3,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
+    run.fit(model, loader(features(64)), loader(features(4)))
+    # training steps 3 and 7 are due (every 4th); validation after batches 3, 6 and 9
+    assert during == [(k, 1 if k in (3, 7) else 0) for k in range(10)]
+    train = [recorded for kind, recorded in seen if kind == "train"]
+    assert train == [1 if k in (3, 7) else 0 for k in range(10)]
+    assert [kind for kind, _ in seen].count("val") == 3
+    assert cb.recorded_steps == 2 and live_hooks() == []
+
+
 def test_hooks_stay_with_keep_hooks_and_on_a_compiled_model() -> None:
     counts: list[int] = []
 
