@@ -259,6 +259,9 @@ def _run(teacher: Teacher, epochs: int, ckpt: Path | None, save: Path | None) ->
         trainer.save_checkpoint(save)
     optimizer = trainer.optimizers[0]
     connector = distill.connectors["features.2"].weight
+    # the scheduler drives the connectors' group too, and reports it after its steps
+    (config,) = trainer.lr_scheduler_configs
+    assert config.scheduler.get_last_lr() == [g["lr"] for g in optimizer.param_groups]
     return student, connector, optimizer.state[connector], optimizer.param_groups[1]["lr"]
 
 

@@ -172,10 +172,11 @@ class ConnectorBank:
             base_lrs = getattr(scheduler, "base_lrs", None)
             if isinstance(base_lrs, list) and len(base_lrs) == n_groups - 1:
                 base_lrs.append(group.get("initial_lr", group["lr"]))
-            for name in ("lr_lambdas", "_last_lr"):
-                values = getattr(scheduler, name, None)
-                if isinstance(values, list) and len(values) == n_groups - 1:
-                    values.append(values[0] if name == "lr_lambdas" else group["lr"])
+            lambdas = getattr(scheduler, "lr_lambdas", None)
+            if isinstance(lambdas, list) and len(lambdas) == n_groups - 1:
+                lambdas.append(lambdas[0])
+            # (`get_last_lr()` lists the new group from the scheduler's next `step()`, which
+            # reads every group's lr: its private list is not written here)
 
     def _load_pending_optimizer_state(self) -> None:
         pending = self._pending
