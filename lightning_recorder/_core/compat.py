@@ -2,7 +2,8 @@
 
 * :func:`current_autograd_node` — set while the autograd engine runs a backward node, which is
   how a forward re-run by activation checkpointing is told apart from a real call.
-* :func:`is_compiled` — whether ``torch.compile`` compiles a module or a part of it.
+* :func:`is_compiled` — whether ``torch.compile`` compiles a module or a part of it;
+  :func:`uncompiled` — the module a ``torch.compile`` wrapper holds.
 * :func:`distributed_active` — the one "is a process group running" test.
 * :func:`torch_op_signatures` — argument names of torch C functions, from their ATen schemas.
 
@@ -49,6 +50,13 @@ def is_compiled(module: nn.Module) -> bool:
         or getattr(m, "_compiled_call_impl", None) is not None
         for m in module.modules()
     )
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module an ``OptimizedModule`` (``torch.compile(module)``) wraps, or ``module`` itself
+    (torch keeps it in the wrapper's ``_orig_mod``)."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else module
 
 
 def distributed_active(group: Any = None) -> bool:

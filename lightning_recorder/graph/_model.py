@@ -11,6 +11,7 @@ from typing import Any, Literal, NamedTuple, get_args
 from torch import nn
 
 from .._core.checks import check_option, suggestion
+from .._core.compat import uncompiled
 from .._core.hooks import HookSet
 from ..errors import NoRecordError, RecorderConfigError, RecorderStateError, UnknownSourceError
 from ._builder import GraphBuilder
@@ -428,5 +429,4 @@ def record_graph(model: nn.Module, /, *args: Any, **kwargs: Any) -> ExecutionGra
 
 def _eager(model: nn.Module) -> nn.Module:
     """The module a ``torch.compile`` wrapper holds: compiling it just to record is wasted time."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, nn.Module) else model
+    return uncompiled(model)
