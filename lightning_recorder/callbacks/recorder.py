@@ -166,7 +166,8 @@ class RecorderCallback(Callback):
         self._suspended = False  # the hooks are suspended now
         self._record_idle = False  # record unchosen batches too, and drop them (compiled)
         self._idle = False  # the current batch records only to keep the flag on
-        #: ``(batch, batch_idx, dataloader_idx)`` of the batch that just ended (for subclasses).
+        #: ``(batch, batch_idx, dataloader_idx)`` of a recorded batch while its records are
+        #: handed over (``_after_batch``, for subclasses); ``(None, 0, 0)`` otherwise.
         self._batch: tuple[Any, int, int] = (None, 0, 0)
         self._module: pl.LightningModule | None = None  # the module the recorders are on
         self._called: set[tuple[str, str]] = set()  # (recorder, stream) recorded in training
