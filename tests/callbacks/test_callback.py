@@ -6,6 +6,7 @@ import doctest
 import functools
 import gc
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,26 +122,39 @@ def test_test_and_predict_on_request() -> None:
     assert live_hooks() == []
 
 
+class AliveAtNextStart(pl.Callback):
+    """Holds a weak reference to one tensor of each training batch (``watched(trainer,
+    on_train_batch_end's arguments)``) and tells, at the next batch's start and after a garbage
+    collection, whether it is still alive (``alive``)."""
+
+    def __init__(self, watched: Callable[[pl.Trainer, tuple[Any, ...]], torch.Tensor]) -> None:
+        self.watched = watched
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+        self.alive: list[bool] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        gc.collect()
+        if self.refs:
+            self.alive.append(self.refs[-1]() is not None)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.refs.append(weakref.ref(self.watched(trainer, args)))
+
+
 def test_records_are_freed_after_the_step_and_hooks_removed_after_the_run() -> None:
-    refs: list[weakref.ref[torch.Tensor]] = []
-    alive_at_next_start: list[bool] = []
     hooks_during: list[int] = []
 
-    class Watch(pl.Callback):
+    class Watch(AliveAtNextStart):
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-            gc.collect()
-            if refs:
-                alive_at_next_start.append(refs[-1]() is not None)
+            super().on_train_batch_start(trainer, *args)
             hooks_during.append(len(live_hooks()))
 
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            refs.append(weakref.ref(RecorderCallback.of(trainer).get_record_data("feat")))
-
+    watch = Watch(lambda trainer, _: RecorderCallback.of(trainer).get_record_data("feat"))
     cb = RecorderCallback(FEAT)
-    trainer(max_steps=3, callbacks=[cb, Watch()]).fit(ProbeNet(), loader(features(16)))
+    trainer(max_steps=3, callbacks=[cb, watch]).fit(ProbeNet(), loader(features(16)))
     gc.collect()
-    assert alive_at_next_start == [False, False]
-    assert refs[-1]() is None
+    assert watch.alive == [False, False]
+    assert watch.refs[-1]() is None
     assert hooks_during == [1, 1, 1]
     assert live_hooks() == []
     with pytest.raises(NotInitializedError, match="no recorders outside a run"):
@@ -151,23 +165,11 @@ def test_records_are_freed_after_the_step_and_hooks_removed_after_the_run() -> N
 def test_a_batch_is_not_kept_after_its_step(with_callback: bool) -> None:
     # the callback holds a batch only while its records are handed over: another step's batch,
     # recorded or not, is the data loader's to free (a large batch is memory)
-    refs: list[weakref.ref[torch.Tensor]] = []
-    alive_at_next_start: list[bool] = []
-
-    class Watch(pl.Callback):
-        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-            gc.collect()
-            if refs:
-                alive_at_next_start.append(refs[-1]() is not None)
-
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            batch = args[-2]
-            refs.append(weakref.ref(batch[0]))
-
+    watch = AliveAtNextStart(lambda _, args: args[-2][0])  # (outputs, batch, batch_idx)
     recorder = RecorderCallback(FEAT, every_n_steps=2)
     callbacks: list[pl.Callback] = [recorder] if with_callback else []
-    trainer(max_steps=5, callbacks=[*callbacks, Watch()]).fit(ProbeNet(), loader(features(32)))
-    assert alive_at_next_start == [False] * 4
+    trainer(max_steps=5, callbacks=[*callbacks, watch]).fit(ProbeNet(), loader(features(32)))
+    assert watch.alive == [False] * 4
 
 
 def test_not_due_step_has_no_record() -> None:
