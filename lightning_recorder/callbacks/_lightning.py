@@ -24,7 +24,7 @@ logger makes it public (:func:`logger_prefix`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -74,6 +74,15 @@ def attached_trainer(module: object) -> pl.Trainer | None:
         return module.trainer
     except RuntimeError:  # "... is not attached to a `Trainer`"
         return None
+
+
+def cached_state_key(callback: pl.Callback, make: Callable[[], str]) -> str:
+    """``callback.state_key``, made by ``make`` once per callback: Lightning formats it into a
+    profiler label on every hook call."""
+    key: str | None = callback.__dict__.get("_state_key")
+    if key is None:
+        key = callback.__dict__["_state_key"] = make()
+    return key
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -38,7 +38,7 @@ from ._health_sentinel import Sentinel, to_host_later
 from ._health_trace import Trace
 from ._health_verdict import Timeline
 from ._health_view import PARAMETER_STATS, HealthView
-from ._lightning import step_axis
+from ._lightning import cached_state_key, step_axis
 
 __all__ = [
     "DeadUnitsRule",
@@ -277,12 +277,10 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
 
     @property
     def state_key(self) -> str:
-        # Lightning formats it into a profiler label on every hook call: computed once.
-        key: str | None = self.__dict__.get("_state_key")
-        if key is None:
-            key = self._generate_state_key(on_nonfinite=self.on_nonfinite, localize=self.localize)
-            self.__dict__["_state_key"] = key
-        return key
+        return cached_state_key(self, self._make_state_key)
+
+    def _make_state_key(self) -> str:
+        return self._generate_state_key(on_nonfinite=self.on_nonfinite, localize=self.localize)
 
     # ------------------------------------------------------------------ lifecycle
     @override

@@ -18,6 +18,7 @@ from ..errors import NoRecordError, NotInitializedError, RecorderConfigError, Re
 from ..recorders import BaseRecorder, RecorderManager, recorder_types
 from ._lightning import (
     Stage,
+    cached_state_key,
     check_stages,
     completes_step,
     is_compiled,
@@ -178,11 +179,7 @@ class RecorderCallback(Callback):
     # ------------------------------------------------------------------ public API
     @property
     def state_key(self) -> str:
-        # Lightning formats it into a profiler label on every hook call: computed once.
-        key = self.__dict__.get("_state_key")
-        if key is None:
-            key = self._state_key = self._make_state_key()
-        return key
+        return cached_state_key(self, self._make_state_key)
 
     def _make_state_key(self) -> str:
         if self.name is not None:

@@ -23,7 +23,7 @@ from typing_extensions import override
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
 from ...errors import RecorderConfigError, RecorderStateError
-from .._lightning import attached_trainer
+from .._lightning import attached_trainer, cached_state_key
 from ._bank import ConnectorBank
 from ._config import (
     LossSpec,
@@ -216,12 +216,10 @@ class FeatureDistillation(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # Read by Lightning at every hook call: computed once.
-        key: str | None = self.__dict__.get("_state_key")
-        if key is None:
-            key = self._generate_state_key(pairs=self.pairs, log_prefix=self.log_prefix)
-            self.__dict__["_state_key"] = key
-        return key
+        return cached_state_key(self, self._make_state_key)
+
+    def _make_state_key(self) -> str:
+        return self._generate_state_key(pairs=self.pairs, log_prefix=self.log_prefix)
 
     @property
     def connectors(self) -> Mapping[str, nn.Module]:
