@@ -62,10 +62,20 @@ state of an output of the first and of the last stage, taken as the monitor's co
 it (eight outputs, then their merge) and as ``tensor_state`` takes it (the device left to run
 behind), and the kernels and copies run on the GPU per output (``torch.profiler``).
 
+**One graph, two ways of calling it** (``--aot``, for information; ``make gpu-check`` runs it
+last). The state of a large output's rows (masked, as the monitor takes it on a GPU) compiled
+by ``torch.compile``, as the engine compiles it (dynamo's guard and Python wrappers around the
+kernels at every call), and the same function exported by ``torch.export`` with symbolic sizes
+and compiled ahead of time by AOTInductor into a package whose C++ runner launches the kernels:
+host time and device operations per call, the compile's seconds, and how far apart the two
+results are. A per-output host cost is what keeps a ResNet-18 logging step above its target
+(see ``docs/benchmarks.md``); this says what the other way of calling the same graph would save.
+
 Run ``python benchmarks/bench_gpu.py`` (``--quick``: one repeat; ``--json PATH``: save every
 figure; ``--stacks``: print where each added synchronisation comes from; ``--profile MODEL``:
-profile a logging step). Without a CUDA device it says so and exits 0; ``--device cpu`` runs
-every part of it on the CPU at toy sizes, to check the script itself (its figures mean nothing).
+profile a logging step; ``--aot``: only the comparison above). Without a CUDA device it says so
+and exits 0; ``--device cpu`` runs every part of it on the CPU at toy sizes, to check the script
+itself (its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -102,6 +112,7 @@ from lightning_recorder import TensorBoardLogger as RecorderTensorBoardLogger
 from lightning_recorder.callbacks._event_file import c_checksum
 from lightning_recorder.stats import _engine as engine
 from lightning_recorder.stats._collect import Collector
+from lightning_recorder.stats._state import rows_state
 
 EVERY = 50
 BATCH = 128
@@ -816,6 +827,72 @@ def call_rows() -> dict[str, Any]:
     return rows
 
 
+class _StateOfRows(nn.Module):
+    """The state of the rows of a 2-d tensor, as the monitor takes a large output's on a GPU
+    (``rows_state``, masked): a module, for ``torch.export``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rows_state(x, False)
+
+
+def _ahead_of_time(example: Tensor, folder: str) -> tuple[Callable[[Tensor], Tensor], float]:
+    """``rows_state`` (masked) exported with symbolic sizes and compiled ahead of time by
+    AOTInductor into a package in ``folder``, loaded: its runner, and the seconds it took."""
+    start = time.perf_counter()
+    dynamic = torch.export.Dim.DYNAMIC
+    exported = torch.export.export(
+        _StateOfRows(), (example,), dynamic_shapes={"x": {0: dynamic, 1: dynamic}}
+    )
+    name = f"state-{example.device.type}-{str(example.dtype).removeprefix('torch.')}.pt2"
+    path = torch._inductor.aoti_compile_and_package(
+        exported, package_path=os.path.join(folder, name)
+    )
+    runner = torch._inductor.aoti_load_package(path)
+    return runner, time.perf_counter() - start
+
+
+def aot_rows() -> dict[str, Any]:
+    """The same graph called two ways, for information: the state of a large output's rows
+    (``BLOCK_ROWS`` rows, masked, as on a GPU) compiled by ``torch.compile`` (the engine's way:
+    dynamo's guard and the Python wrappers around the kernels at every call) and ahead of time
+    by AOTInductor (``torch.export``, then a package whose C++ runner launches the kernels):
+    host time and device operations per call, and the largest relative difference of the two
+    results."""
+    rows: dict[str, Any] = {}
+    batch = Setup.batch
+    width = Setup.widths["resnet-18"]
+    shapes = [(batch, width, IMAGE, IMAGE), (batch, 8 * width, IMAGE // 8, IMAGE // 8)]
+    compiled = torch.compile(rows_state, dynamic=True)
+    with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+        for dtype in (torch.float32,):  # one compile: a minute's work on the GPU machine
+            name = str(dtype).removeprefix("torch.")
+            example = torch.randn(2 * engine.BLOCK_ROWS, 256, device=Setup.device).to(dtype)
+            try:
+                runner, seconds = _ahead_of_time(example, folder)
+            except Exception as err:  # the comparison is for information: say why, go on
+                reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+                rows[f"{name}, AOTInductor"] = {"failed": reason}
+                _stamp(f"AOTInductor, {name}: {reason}")
+                continue
+            for shape in shapes:
+                x = torch.randn(shape, device=Setup.device).to(dtype)
+                x = x.reshape(engine.BLOCK_ROWS, -1)
+                found, expected = runner(x), compiled(x, False)
+                scale = expected.abs().clamp(min=1e-30)
+                difference = ((found - expected).abs() / scale).max().item()
+                for how, fn in (
+                    ("torch.compile", lambda x=x: compiled(x, False)),
+                    ("AOTInductor", lambda x=x, runner=runner: runner(x)),
+                ):
+                    rows[f"{name}, {'x'.join(map(str, shape))}, {how}"] = {
+                        "host per call (µs)": _host_per_call(fn) * 1e6,
+                        "device operations per call": _device_operations_per_call(fn),
+                        "compile (s)": seconds if how == "AOTInductor" else math.nan,
+                        "largest relative difference": difference,
+                    }
+    return rows
+
+
 # ---------------------------------------------------------------------------- report
 def _cell(value: float) -> str:
     return (
@@ -883,6 +960,23 @@ def call_table(rows: dict[str, Any]) -> str:
     lines = ["| output | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     for name, row in rows.items():
         lines.append(f"| {name} | " + " | ".join(_cell(row[k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def aot_table(rows: dict[str, Any]) -> str:
+    keys = (
+        "host per call (µs)",
+        "device operations per call",
+        "compile (s)",
+        "largest relative difference",
+    )
+    lines = ["| call | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    for name, row in rows.items():
+        if "failed" in row:
+            lines.append(f"| {name} | failed: {row['failed']} |" + " |" * (len(keys) - 1))
+            continue
+        cells = [f"{row[k]:.2e}" if k.startswith("largest") else _cell(row[k]) for k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -1066,6 +1160,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="also time the monitor writing through lightning_recorder.TensorBoardLogger",
     )
     parser.add_argument(
+        "--aot",
+        action="store_true",
+        help="only compare a torch.compile call of the state with an AOTInductor one",
+    )
+    parser.add_argument(
         "--profile",
         choices=tuple(MODELS),
         help="profile a logging step of the monitor on this model",
@@ -1096,6 +1195,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{info['triton']}, lightning {info['lightning']}, Python {info['python']}; the "
         f"package's TensorBoardLogger checksums in {info['checksum']}"
     )
+    if args.aot:
+        _stamp("the state's graph called two ways ...")
+        found = {"info": info, "aot": aot_rows()}
+        print(
+            "\nThe state of a large output's rows, the same graph compiled by torch.compile "
+            "and ahead of time by AOTInductor (for information): host time per call (the "
+            "device left to run behind), the device's operations per call:\n"
+        )
+        print(aot_table(found["aot"]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(found, f, indent=1, default=str)
+        return found
     info["compile_status_before"] = engine.compile_status()
     start = time.perf_counter()
     engine.warm_up(Setup.device, [torch.float32, torch.bfloat16], wait=True)

@@ -10,14 +10,15 @@
 # (GPU, driver, versions, commit), pytest_gpu.log and pytest_gpu.xml (per-test results and the
 # memory figures the tests record), bench_gpu.log and bench_gpu.json (every figure, the summary
 # against the targets last), profile.log (where the time of a logging step goes, host and GPU),
-# bench_health.log. Nothing is installed: it runs the Python that
-# holds a CUDA build of torch ($PYTHON; by default .venv/bin/python if there is one, else
-# python3) on this checkout (PYTHONPATH). Designed for a few minutes on an H100 (under 9 in
-# all): each part has a time limit (TESTS_TIMEOUT, BENCH_TIMEOUT, PROFILE_TIMEOUT, HEALTH_TIMEOUT seconds; the
+# bench_health.log, and aot.log and aot.json (last, for information: one graph of the state
+# called through torch.compile and compiled ahead of time by AOTInductor). Nothing is installed:
+# it runs the Python that holds a CUDA build of torch ($PYTHON; by default .venv/bin/python if
+# there is one, else python3) on this checkout (PYTHONPATH). Designed for a few minutes on an
+# H100 (under 10 in all): each part has a time limit (TESTS_TIMEOUT, BENCH_TIMEOUT,
+# PROFILE_TIMEOUT, HEALTH_TIMEOUT, AOT_TIMEOUT seconds; AOT_TIMEOUT=0 skips the last part; the
 # benchmark's timing stops starting repeats after BENCH_BUDGET seconds; PYTEST_ARGS, "-x" by
 # default, go to pytest, BENCH_ARGS to bench_gpu.py), and the benchmarks run even when a test
-# fails. The exit status is
-# non-zero if any part failed. Without a CUDA device it
+# fails. The exit status is non-zero if any part but the last failed. Without a CUDA device it
 # stops, unless GPU_CHECK_DRY_RUN=1 (a check of the script itself: the tests skip, and the
 # benchmark runs on the CPU at toy sizes).
 set -uo pipefail
@@ -33,6 +34,7 @@ BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}"
 BENCH_BUDGET="${BENCH_BUDGET:-100}"
 HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-80}"
 PROFILE_TIMEOUT="${PROFILE_TIMEOUT:-60}"
+AOT_TIMEOUT="${AOT_TIMEOUT:-75}"  # 0: skip the last, informational part
 PYTEST_ARGS="${PYTEST_ARGS--x}"  # PYTEST_ARGS= (empty) runs every test after a failure too
 BENCH_ARGS="${BENCH_ARGS-}"  # more arguments of bench_gpu.py, e.g. --package-logger
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -79,6 +81,7 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; 
     # the CPU is slower than a GPU at the benchmarks' work: time limits for a busy CPU
     BENCH_TIMEOUT=$((BENCH_TIMEOUT * 5)) BENCH_BUDGET=$((BENCH_BUDGET * 5))
     HEALTH_TIMEOUT=$((HEALTH_TIMEOUT * 8)) PROFILE_TIMEOUT=$((PROFILE_TIMEOUT * 8))
+    AOT_TIMEOUT=$((AOT_TIMEOUT * 4))
     stamp "no CUDA device: a dry run (the tests skip, the benchmark runs on the CPU at toy sizes)"
 fi
 
@@ -116,5 +119,16 @@ timeout -s INT -k 20 "$HEALTH_TIMEOUT" "$PYTHON" benchmarks/bench_health.py --de
 health=${PIPESTATUS[0]}
 stamp "bench_health: exit status $health"
 
-stamp "done: tests $tests, benchmark $bench, profile $profile, health benchmark $health; results in $OUT"
+# Last, for information (its status does not count): one graph of the state called as the engine
+# calls it (torch.compile) and compiled ahead of time by AOTInductor, host time per call
+aot=skipped
+if [ "$AOT_TIMEOUT" -gt 0 ]; then
+    stamp "benchmarks/bench_gpu.py --aot (limit ${AOT_TIMEOUT} s) ..."
+    timeout -s INT -k 20 "$AOT_TIMEOUT" "$PYTHON" benchmarks/bench_gpu.py --device "$DEVICE" \
+        --aot --json "$OUT/aot.json" > "$OUT/aot.log" 2>&1
+    aot=$?
+    stamp "torch.compile against AOTInductor: exit status $aot (in aot.log)"
+fi
+
+stamp "done: tests $tests, benchmark $bench, profile $profile, health benchmark $health, AOTInductor comparison $aot; results in $OUT"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$profile" -eq 0 ] && [ "$health" -eq 0 ]
