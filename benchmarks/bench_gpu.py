@@ -941,6 +941,19 @@ def sync_table(counted: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _keyed_table(
+    label: str,
+    keys: Sequence[str],
+    rows: dict[str, Any],
+    cell: Callable[[str, dict[str, Any]], str] = lambda key, row: _cell(row[key]),
+) -> str:
+    """A table of one row per entry of ``rows`` (its name, then ``cell`` of each key)."""
+    lines = [f"| {label} | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    for name, row in rows.items():
+        lines.append(f"| {name} | " + " | ".join(cell(key, row) for key in keys) + " |")
+    return "\n".join(lines)
+
+
 def engine_table(rows: dict[str, Any]) -> str:
     keys = (
         "read (ms)",
@@ -949,18 +962,11 @@ def engine_table(rows: dict[str, Any]) -> str:
         "compiled / read",
         "eager / read",
     )
-    lines = ["| tensor | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
-    for name, row in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[k]:.3f}" for k in keys) + " |")
-    return "\n".join(lines)
+    return _keyed_table("tensor", keys, rows, lambda key, row: f"{row[key]:.3f}")
 
 
 def call_table(rows: dict[str, Any]) -> str:
-    keys = ("host per output (µs)", "device operations per output")
-    lines = ["| output | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
-    for name, row in rows.items():
-        lines.append(f"| {name} | " + " | ".join(_cell(row[k]) for k in keys) + " |")
-    return "\n".join(lines)
+    return _keyed_table("output", ("host per output (µs)", "device operations per output"), rows)
 
 
 def aot_table(rows: dict[str, Any]) -> str:
@@ -970,14 +976,13 @@ def aot_table(rows: dict[str, Any]) -> str:
         "compile (s)",
         "largest relative difference",
     )
-    lines = ["| call | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
-    for name, row in rows.items():
-        if "failed" in row:
-            lines.append(f"| {name} | failed: {row['failed']} |" + " |" * (len(keys) - 1))
-            continue
-        cells = [f"{row[k]:.2e}" if k.startswith("largest") else _cell(row[k]) for k in keys]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(key: str, row: dict[str, Any]) -> str:
+        if "failed" in row:  # the reason in the first column, the others empty
+            return f"failed: {row['failed']}" if key == keys[0] else ""
+        return f"{row[key]:.2e}" if key.startswith("largest") else _cell(row[key])
+
+    return _keyed_table("call", keys, rows, cell)
 
 
 def summary(results: dict[str, Any]) -> list[dict[str, Any]]:

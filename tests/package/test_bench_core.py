@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_test_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers.benchmarks import load_benchmark
 
 
 def test_measure_times_every_variant_and_the_table_judges_the_targets() -> None:
-    bench = load("bench_core")
+    bench = load_benchmark("bench_core")
     results = bench.measure(rounds=2, steps=1, warmup=1)
     assert list(results) == [
         "none",
@@ -45,7 +34,7 @@ def test_measure_times_every_variant_and_the_table_judges_the_targets() -> None:
 
 
 def test_table_marks_a_missed_target() -> None:
-    bench = load("bench_core")
+    bench = load_benchmark("bench_core")
     names = ["none", "none, again", "hand hooks", "recorder", "recorder idle"]
     results = {n: (1.0, dict.fromkeys(names, 1.0)) for n in names}
     results["recorder"] = (1.1, {**dict.fromkeys(names, 1.1), "hand hooks": 1.05})
@@ -57,7 +46,7 @@ def test_table_marks_a_missed_target() -> None:
 def test_runner_finds_the_benchmarks_and_rejects_unknown_names(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    runner = load("run")
+    runner = load_benchmark("run")
     assert "core" in runner.discover()
     with pytest.raises(SystemExit) as exit_info:
         runner.main(["--only", "no_such_benchmark"])
@@ -66,7 +55,7 @@ def test_runner_finds_the_benchmarks_and_rejects_unknown_names(
 
 
 def test_runner_calls_main_with_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = load("run")
+    runner = load_benchmark("run")
     script = tmp_path / "bench_probe.py"
     out = tmp_path / "out.txt"
     script.write_text(

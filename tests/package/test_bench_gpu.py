@@ -3,24 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
-from types import ModuleType
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_test_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers.benchmarks import load_benchmark
 
 
 def test_the_aot_table_shows_each_call_and_a_failed_compile_with_its_reason() -> None:
-    bench = load("bench_gpu")
+    bench = load_benchmark("bench_gpu")
     rows = {
         "float32, 8x4x32x32, torch.compile": {
             "host per call (µs)": 185.0,

@@ -3,30 +3,17 @@ runs; neither the alarms of so short a run nor the timings are judged)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_test_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers.benchmarks import load_benchmark
 
 
 def test_false_alarm_run_counts_steps_checks_and_events(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench = load("health_false_alarms")
+    bench = load_benchmark("health_false_alarms")
     out = tmp_path / "alarms.json"
     results = bench.main(["--steps", "30", "--every", "10", "--json", str(out)])
     assert [r["run"] for r in results] == list(bench.RUNS)
@@ -45,14 +32,14 @@ def test_false_alarm_run_counts_steps_checks_and_events(
 
 
 def test_false_alarm_run_rejects_an_unknown_run() -> None:
-    bench = load("health_false_alarms")
+    bench = load_benchmark("health_false_alarms")
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--runs", "lstm"])
     assert exit_info.value.code == 2
 
 
 def test_cost_benchmark_quick_run_measures_every_ratio(capsys: pytest.CaptureFixture[str]) -> None:
-    bench = load("bench_health_rules")
+    bench = load_benchmark("bench_health_rules")
     result = bench.main(["--quick", "--default-malloc", "--models", "CNN (digits)"])
     figures = result["models"]["CNN (digits)"]
     assert set(figures["ratio"]) == {label for label, *_ in bench.RATIOS}
