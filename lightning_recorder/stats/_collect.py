@@ -35,6 +35,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from . import _cpu_kernel
 from ._engine import (
     block_rows,
     flat_view,
@@ -149,18 +150,18 @@ class _Stage:
             self._made = (key, made)
         return self._made[1]
 
-    def put(self, row: int, values: Tensor) -> None:
-        """Write ``values`` (1-d) at the start of ``row``, NaN after them."""
-        length = values.shape[0]
+    def slot(self, row: int, length: int) -> Tensor:
+        """The first ``length`` values of ``row``, for a sample of that length to be written
+        into, NaN after them."""
         target = self.heads.get((row, length))
         if target is None:  # a view made once per row and length (a loop repeats its sizes)
             if len(self.heads) > 4096:
                 self.heads.clear()
             target = self.heads[(row, length)] = self.rows[row][:length]
-        target.copy_(values)
         if self.filled[row] > length:  # a longer sample was here: NaN over its tail
             self.rows[row][length : self.filled[row]].fill_(math.nan)
         self.filled[row] = length
+        return target
 
     def release(self, row: int) -> None:
         """Make ``row`` free again."""
@@ -296,6 +297,12 @@ class Collector:
             self._small_held += n
             if self._small_held > _SMALL_HELD:
                 self._reduce_small()
+        elif native and flat is not None and sample and self.device.type == "cpu":
+            # the CPU kernel: the state, and the sample in the same call (the output read once,
+            # then its sampled elements while it is in the cache)
+            target, stride = self._sample_slot(stream, x.dtype, n)
+            self._add_rows(_cpu_kernel.rows_state(flat.view(1, n), target, stride), [stream])
+            return
         else:
             blocks = block_rows(x, flat, native)  # a large tensor on a GPU: rows, unmerged
             if blocks is None:  # on the CPU, the kernel (a few µs): float32 and float64
@@ -382,25 +389,35 @@ class Collector:
         flat: Tensor | None = None,
     ) -> None:
         """Stage a sample of ``x`` (``n`` elements; ``flat``: its :func:`flat_view`, if known)."""
-        dtype = torch.float32 if x.dtype in _STAGED_32 else F64
-        stage = self._stages.get(dtype)
+        target, stride = self._sample_slot(stream, x.dtype, n, weight)
+        flat = flat if flat is not None else flat_view(x)
+        if flat is not None:
+            target.copy_(flat[::stride])
+        else:  # not one block of memory: the sampled elements, in logical order
+            target.copy_(torch.take(x, torch.arange(0, n, stride, device=x.device)))
+
+    def _sample_slot(
+        self, stream: int, dtype: torch.dtype, n: int, weight: float | None = None
+    ) -> tuple[Tensor, int]:
+        """A staged row for the sample of a tensor of ``dtype`` and ``n`` elements of
+        ``stream`` (each value standing for ``weight`` elements, by default ``n`` over the
+        sample's length), and the stride to sample at: the sample is written into the row
+        (:meth:`_sample`, or the CPU kernel in the same call as the state)."""
+        staged = torch.float32 if dtype in _STAGED_32 else F64
+        stage = self._stages.get(staged)
         if stage is None:
-            stage = self._stages[dtype] = _Stage(dtype, self.sample)
+            stage = self._stages[staged] = _Stage(staged, self.sample)
         rows = self._samples.setdefault(stream, [])
         if len(rows) >= _MAX_ROWS:
             self._thin(rows)
         stride = sample_stride(n, self.sample)
         length = -(-n // stride)
         index = stage.take(self.device)
-        flat = flat if flat is not None else flat_view(x)
-        if flat is not None:
-            stage.put(index, flat[::stride])
-        else:  # not one block of memory: the sampled elements, in logical order
-            stage.put(index, torch.take(x, torch.arange(0, n, stride, device=x.device)))
         stage.weights[index] = n / length if weight is None else weight
         stage.streams[index] = stream
         stage.width = max(stage.width, length)
         rows.append((stage, index))
+        return stage.slot(index, length), stride
 
     @staticmethod
     def _thin(rows: list[tuple[_Stage, int]]) -> None:

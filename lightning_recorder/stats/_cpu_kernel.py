@@ -2,10 +2,12 @@
 
 The op computes what :func:`~._state.rows_state` defines (the packed states of the rows of a
 2-d tensor, NaN and infinities counted apart) in one read of the data, for ``float32`` and
-``float64`` rows that are contiguous, on the CPU. It is registered with torch's dispatcher (a
-schema and a fake implementation here, the CPU kernel in ``_cpu_state.cpp``), so it composes
-with ``torch.compile`` and the rest of torch; :func:`~._state.rows_state` stays the definition,
-the path of every other device and dtype, and the reference the tests hold the kernel to.
+``float64`` rows that are contiguous, on the CPU; given a ``sample`` buffer it also copies a
+row's elements at a stride into it (the histogram sample, taken while the row is in the cache).
+It is registered with torch's dispatcher (a schema and a fake implementation here, the CPU
+kernel in ``_cpu_state.cpp``), so it composes with ``torch.compile`` and the rest of torch;
+:func:`~._state.rows_state` stays the definition, the path of every other device and dtype,
+and the reference the tests hold the kernel to.
 
 **Why a native kernel.** On the CPU, the logging step of a model with many small layers is
 bound by the cost of each call, not by the data: a call of a ``torch.compile`` d graph costs
@@ -43,10 +45,11 @@ DTYPES = (torch.float32, torch.float64)
 _ENV = "LIGHTNING_RECORDER_NATIVE"
 
 _LIB = torch.library.Library("lightning_recorder", "DEF")
-_LIB.define("rows_state(Tensor x) -> Tensor")
+# ``sample``: the row's elements 0, stride, 2 stride, ... copied into it (one row only)
+_LIB.define("rows_state(Tensor x, Tensor(a!)? sample=None, int stride=1) -> Tensor")
 
 
-def _fake(x: Tensor) -> Tensor:
+def _fake(x: Tensor, sample: Tensor | None = None, stride: int = 1) -> Tensor:
     """The op's fake implementation: the shape and dtype of the result, without data."""
     torch._check(x.dim() == 2, lambda: f"rows_state takes a 2-d tensor, got {x.dim()}-d")
     return x.new_empty((x.shape[0], WIDTH), dtype=F64)
@@ -96,7 +99,13 @@ def build() -> None:
         _loaded = True
 
 
-def rows_state(x: Tensor) -> Tensor:
+def rows_state(x: Tensor, sample: Tensor | None = None, stride: int = 1) -> Tensor:
     """The packed states ``(R, WIDTH)`` of the rows of ``x`` ``(R, L)`` (``float32`` or
-    ``float64`` on the CPU, rows contiguous), by the CPU kernel (:func:`build` first)."""
-    return _OP(x)
+    ``float64`` on the CPU, rows contiguous), by the CPU kernel (:func:`build` first).
+
+    With ``sample`` (1-d, contiguous, ``x``'s dtype; ``R == 1``), also ``sample.copy_(x[0,
+    ::stride][: len(sample)])`` in the same call, while the row is in the cache: the strided
+    histogram sample of an output, taken with its state."""
+    if sample is None:
+        return _OP(x)
+    return _OP(x, sample, stride)

@@ -18,6 +18,11 @@
 // (float32 rows take their extremes and zeros on 8 float32 lanes, where they are exact)
 // (GCC vector extensions: AVX2 where the CPU has it, chosen at load time by target_clones, SSE2
 // elsewhere), so the result differs from torch's only in the order of the float64 additions.
+//
+// Given a `sample` (a 1-d tensor of the row's dtype; one row only), the op also copies the
+// row's elements 0, stride, 2 stride, ... into it, right after reading the row (still in the
+// cache): the strided histogram sample the monitor takes of each output, without a second
+// pass over the output and a second call.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 namespace {
 
@@ -285,22 +291,51 @@ __attribute__((target_clones("avx2", "default"))) void rows_f64(
   }
 }
 
-at::Tensor rows_state_cpu(const at::Tensor& x) {
+template <typename T>
+void strided_copy(const T* x, int64_t stride, T* out, int64_t length) {
+  for (int64_t k = 0; k < length; ++k) {
+    out[k] = x[k * stride];
+  }
+}
+
+at::Tensor rows_state_cpu(const at::Tensor& x, const std::optional<at::Tensor>& sample,
+                          int64_t stride) {
   TORCH_CHECK(x.dim() == 2, "lightning_recorder::rows_state takes a 2-d tensor, got ", x.dim(),
               " dimensions");
   TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1,
               "lightning_recorder::rows_state takes rows that are contiguous (stride 1), got "
               "strides ",
               x.strides());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+              "lightning_recorder::rows_state takes float32 or float64, got ", x.scalar_type());
+  const bool sampled = sample.has_value() && sample->defined();
+  if (sampled) {
+    const at::Tensor& s = *sample;
+    TORCH_CHECK(x.size(0) == 1, "lightning_recorder::rows_state samples one row, got ",
+                x.size(0), " rows");
+    TORCH_CHECK(s.dim() == 1 && s.is_contiguous() && s.scalar_type() == x.scalar_type() &&
+                    s.device() == x.device(),
+                "lightning_recorder::rows_state takes a contiguous 1-d sample of the row's dtype "
+                "and device, got ",
+                s.sizes(), " ", s.scalar_type(), " on ", s.device());
+    TORCH_CHECK(stride >= 1 && (s.numel() == 0 || (s.numel() - 1) * stride < x.size(1)),
+                "lightning_recorder::rows_state: a sample of ", s.numel(), " elements at stride ",
+                stride, " does not fit in a row of ", x.size(1));
+  }
   at::Tensor out = at::empty({x.size(0), kWidth}, x.options().dtype(at::kDouble));
   double* o = out.mutable_data_ptr<double>();
   if (x.scalar_type() == at::kFloat) {
     rows_f32(x.const_data_ptr<float>(), x.size(0), x.size(1), x.stride(0), o);
+    if (sampled) {
+      strided_copy(x.const_data_ptr<float>(), stride, sample->mutable_data_ptr<float>(),
+                   sample->numel());
+    }
   } else {
-    TORCH_CHECK(x.scalar_type() == at::kDouble,
-                "lightning_recorder::rows_state takes float32 or float64, got ",
-                x.scalar_type());
     rows_f64(x.const_data_ptr<double>(), x.size(0), x.size(1), x.stride(0), o);
+    if (sampled) {
+      strided_copy(x.const_data_ptr<double>(), stride, sample->mutable_data_ptr<double>(),
+                   sample->numel());
+    }
   }
   return out;
 }

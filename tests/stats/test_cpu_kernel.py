@@ -9,6 +9,7 @@ exactly, mean/std/abs_mean within ``1e-9`` relative), against the torch function
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -135,6 +136,69 @@ def test_the_collector_reduces_small_tensors_at_once_without_copies() -> None:
     states = collector.states()
     assert_matches(states[0], torch.cat([small[0].reshape(-1), (small[0] * 3).reshape(-1)]))
     assert_matches(states[1], small[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("n", "stride"), [(1, 1), (50, 1), (5000, 7), (32768, 11), (70_001, 17)])
+def test_the_op_takes_the_strided_sample_in_the_same_call(
+    dtype: torch.dtype, n: int, stride: int
+) -> None:
+    """With a sample buffer the op also copies the row's elements at the stride into it (the
+    histogram sample), exactly, and the state is the same as without it."""
+    x = data("specials", dtype, n)
+    length = -(-n // stride)
+    sample = torch.full((length,), 123.0, dtype=dtype)
+    state = _cpu_kernel.rows_state(x.view(1, -1), sample, stride)
+    assert torch.equal(sample.nan_to_num(nan=7.0), x[::stride].nan_to_num(nan=7.0))
+    assert torch.equal(state, op(x.view(1, -1)))
+    shorter = torch.full((length - 1,), 123.0, dtype=dtype)  # a shorter buffer: its length only
+    _cpu_kernel.rows_state(x.view(1, -1), shorter, stride)
+    assert torch.equal(shorter.nan_to_num(nan=7.0), x[::stride][:-1].nan_to_num(nan=7.0))
+
+
+def test_a_bad_sample_is_refused_with_a_reason_and_nothing_written() -> None:
+    x = torch.randn(1, 100)
+    for sample, stride, reason in (
+        (torch.zeros(20), 10, "does not fit in a row of 100"),  # 19 * 10 >= 100
+        (torch.zeros(10), 0, "does not fit"),
+        (torch.zeros(10, dtype=torch.float64), 10, "of the row's dtype"),
+        (torch.zeros(20)[::2], 10, "contiguous 1-d sample"),
+        (torch.zeros(2, 5), 10, "contiguous 1-d sample"),
+    ):
+        before = sample.clone()
+        with pytest.raises(RuntimeError, match=reason):
+            _cpu_kernel.rows_state(x, sample, stride)
+        assert torch.equal(sample, before)
+    with pytest.raises(RuntimeError, match="samples one row"):
+        _cpu_kernel.rows_state(torch.randn(2, 50), torch.zeros(5), 10)
+
+
+def test_torch_checks_the_op_with_a_sample() -> None:
+    """torch's operator checks of the mutating form (the schema declares the sample written)."""
+    for x in (torch.randn(1, 500), data("specials", torch.float64, 900).view(1, -1)):
+        sample = torch.zeros(-(-x.shape[1] // 7), dtype=x.dtype)
+        torch.library.opcheck(torch.ops.lightning_recorder.rows_state.default, (x, sample, 7))
+
+
+def test_the_collector_samples_in_the_kernel_call_as_it_would_apart() -> None:
+    """The collector's samples and histogram counts are the same whether the kernel takes the
+    sample (the default on the CPU) or the engine's own function and a strided copy do."""
+    xs = [data(k, torch.float32, n) for k, n in (("relu", 32768), ("specials", 5000))]
+    xs.append(data("gaussian", torch.float64, 9009).view(9, 1001))
+    found = []
+    for no_native in (False, True):
+        collector = Collector(3, 512, torch.device("cpu"))
+        with engine.compiled_only() if no_native else contextlib.nullcontext():
+            for i, x in enumerate(xs):
+                collector.add(i, x)
+                collector.add(i, x * 2)  # two rows of samples for each stream
+            states = collector.states()
+            lo, hi = states[:, 3].clamp(max=0.0), states[:, 4].clamp(min=1.0)
+            found.append((states, collector.counts(lo, hi, 16, states)))
+    (native_states, native_counts), (plain_states, plain_counts) = found
+    assert_close_states(native_states, plain_states)
+    assert torch.equal(native_counts, plain_counts)
+    assert native_counts.sum() > 0
 
 
 def test_a_failed_build_warns_once_and_the_statistics_stay_right(
