@@ -42,7 +42,8 @@ def is_compiled(module: nn.Module) -> bool:
     ``OptimizedModule``, or has a submodule compiled in place by ``nn.Module.compile()``.
 
     (A LightningModule that Lightning unwrapped from ``torch.compile(model)`` is told by
-    ``callbacks._lightning.is_compiled``, which reads Lightning's mark and then calls this.)
+    ``callbacks._lightning.is_compiled``, from the wrappers Lightning leaves on its methods,
+    and then by this.)
     """
     optimized = _optimized_module()
     return any(

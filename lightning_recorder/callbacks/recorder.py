@@ -384,17 +384,6 @@ class RecorderCallback(Callback):
         is the data loader's to reuse)."""
         if self._idle:
             self._free()
-        if self._active != stage:
-            return
-        self._batch = (batch, batch_idx, dataloader_idx)
-        try:
-            self._end(trainer, pl_module, stage, completes)
-        finally:
-            self._batch = (None, 0, 0)
-
-    def _end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
-    ) -> None:
         if self._active != stage or self._manager is None:
             return
         self._manager.stop()
@@ -403,7 +392,11 @@ class RecorderCallback(Callback):
             self._report_silent_modules()
             if completes:
                 self.recorded_steps += 1
-        self._after_batch(trainer, pl_module, stage, completes)
+        self._batch = (batch, batch_idx, dataloader_idx)
+        try:
+            self._after_batch(trainer, pl_module, stage, completes)
+        finally:
+            self._batch = (None, 0, 0)
 
     def _report_silent_modules(self) -> None:
         """Warn once per module that recorded in earlier training steps and not in this one.

@@ -423,10 +423,6 @@ def record_graph(model: nn.Module, /, *args: Any, **kwargs: Any) -> ExecutionGra
         [('tensor:0', 'module:<root>'), ('module:<root>', 'tensor:1')]
     """
     with GraphRecorder(model) as recorder:
-        _eager(model)(*args, **kwargs)
+        # the module a torch.compile wrapper holds: compiling it just to record is wasted time
+        uncompiled(model)(*args, **kwargs)
     return recorder.graph
-
-
-def _eager(model: nn.Module) -> nn.Module:
-    """The module a ``torch.compile`` wrapper holds: compiling it just to record is wasted time."""
-    return uncompiled(model)
