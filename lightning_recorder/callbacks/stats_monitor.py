@@ -23,7 +23,7 @@ from ..recorders import RecordStream
 from ..stats import STAT_NAMES, StatName
 from ..stats._collect import Collector
 from ..stats._engine import row_counts, warm_up
-from ..stats._histogram import edges, ranges, summaries
+from ..stats._histogram import ranges, stream_table
 from ..stats._state import F64, finalize
 from ..stats.metric import BucketCounts, ChannelExtremes, StreamStates
 from ..stats.sharded import any_sharded
@@ -701,18 +701,17 @@ class FeatureStatsMonitor(RecorderCallback):
             merged.reset()
             merged.update(states)
             every = merged.compute()
-        lo, hi = ranges(every)
-        limits = edges(lo, hi, self.bins)
+        bins = self.bins
         if self.exact_histograms:
-            found = self._exact_counts(kept, lo, hi, device)
+            table = stream_table(every, self._exact_counts(kept, *ranges(every), device), bins)
         else:
-            found = cast(Collector, self._collector).counts(lo, hi, self.bins, states)
-        if distributed:  # summed over every rank
+            table = cast(Collector, self._collector).table(every, states, bins)
+        if distributed:  # the counts summed over every rank
             summed = cast(BucketCounts, self._bucket_counts)
             summed.reset()
-            summed.update(found)
-            found = summed.compute()
-        return torch.cat([summaries(every), limits, found.to(F64)], 1)
+            summed.update(table[:, -bins:])
+            table = torch.cat([table[:, :-bins], summed.compute()], 1)
+        return table
 
     def _exact_counts(
         self, kept: list[list[Tensor]], lo: Tensor, hi: Tensor, device: torch.device

@@ -22,7 +22,9 @@ batch's end:
 
 :meth:`Collector.states` merges the rows of each stream into ``(m, WIDTH)`` states;
 :meth:`Collector.counts` buckets every sample row against its stream's edges at once
-(:func:`~._histogram.row_counts`). Nothing synchronises with the host on any device (small
+(:func:`~._engine.row_counts`), and :meth:`Collector.table` makes the whole histogram table
+of the batch (ranges, edges, summaries and counts) in two compiled calls and one count
+(:func:`~._engine.sampled_table`). Nothing synchronises with the host on any device (small
 bookkeeping tensors go to the device with a non-blocking copy from pinned memory).
 """
 
@@ -43,11 +45,12 @@ from ._engine import (
     native_ready,
     row_counts,
     rows_states,
+    sampled_table,
     state_row,
     stored_parts,
 )
-from ._histogram import stream_counts
-from ._state import COUNT, F64, empty_states, merge, zeros_state
+from ._histogram import ranges, scaled_counts, stream_counts, stream_table
+from ._state import F64, empty_states, merge, zeros_state
 
 __all__ = ["SMALL", "Collector", "sample_stride"]
 
@@ -467,6 +470,22 @@ class Collector:
             index, weights, rows = stage.layout(self.m, self.device)
             counted = row_counts(stage.buffer[:used, : stage.width], lo[index], hi[index], bins)
             found = found + stream_counts(counted, weights, rows)
-        total = found.sum(1, keepdim=True)
-        scale = states[:, COUNT].unsqueeze(1) / total.clamp(min=1e-300)
-        return torch.where(total > 0, found * scale, found)
+        return scaled_counts(found, states)
+
+    def table(self, every: Tensor, states: Tensor, bins: int) -> Tensor:
+        """This batch's histograms as one ``float64`` table ``(m, 2 * bins + 6)``
+        (:func:`~._histogram.stream_table`): each stream's range and summary from ``every``
+        (its packed state over every rank, ``(m, WIDTH)``), its counts from this batch's
+        samples as :meth:`counts` has them (scaled to this rank's ``states``). The samples of
+        one staging buffer, the usual case, take the engine's :func:`~._engine.sampled_table`
+        (compiled: two graph calls and one count)."""
+        staged = [
+            stage
+            for stage in self._stages.values()
+            if stage.buffer is not None and any(owner >= 0 for owner in stage.streams)
+        ]
+        if len(staged) != 1:  # samples of two dtypes (or none): buffer by buffer
+            return stream_table(every, self.counts(*ranges(every), bins, states), bins)
+        stage = staged[0]
+        values = stage.buffer[: len(stage.streams), : stage.width]  # type: ignore[index]
+        return sampled_table(values, every, states, *stage.layout(self.m, self.device), bins)

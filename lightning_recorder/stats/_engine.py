@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .._core.checks import switched_on
 from . import _cpu_kernel
-from ._histogram import bucket_keys, row_bases, tally
+from ._histogram import bucket_keys, count_keys, row_bases, sample_keys, sample_table, tally
 from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state, zeros_state
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "reset_compiled",
     "row_counts",
     "rows_states",
+    "sampled_table",
     "state_row",
     "tensor_state",
     "warm_up",
@@ -114,6 +115,8 @@ _KERNELS: dict[str, Callable[..., Tensor]] = {
     "state": rows_state,
     "blocks": blocks_state,
     "buckets": bucket_keys,
+    "keys": sample_keys,
+    "table": sample_table,
 }
 
 
@@ -133,6 +136,19 @@ def _example(key: Key) -> tuple[Any, ...]:
     x = torch.zeros(rows, length, dtype=dtype, device=device)
     if kernel in ("state", "blocks"):
         return (x, not masked)
+    # sampled histograms: 5 rows of 2 streams, the second with 3 of them (sizes that differ
+    # from each other, so that torch.compile gives each its own symbol); ``several``: the graph
+    # for streams of several rows (3), else for one row each (a size of 1 is specialised)
+    states = empty_states(2, device=device)
+    stream = torch.tensor([0, 0, 1, 1, 1], device=device)
+    if kernel == "keys":
+        return (torch.zeros(5, length, dtype=dtype, device=device), states, stream, 30)
+    if kernel == "table":
+        weights = torch.ones(5, dtype=F64, device=device)
+        owned = [[0, 1, 5], [2, 3, 4]] if several else [[0], [2]]  # 5: no row
+        counted = torch.zeros(5, 31, dtype=dtype, device=device)
+        rows_of_stream = torch.tensor(owned, device=device)
+        return (counted, states, states, weights, rows_of_stream, 30)
     bounds = torch.zeros(rows, dtype=F64, device=device)
     return (x, bounds, bounds + 1, row_bases(rows, 30, x.device), 30)
 
@@ -359,8 +375,18 @@ def warm_up(
             keys += [("state", device.type, d, several, inference, masked) for d in chosen]
         if device.type not in ONE_ROW_DEVICES:
             keys += [("blocks", device.type, d, False, inference, masked) for d in chosen]
-    keys += [("buckets", device.type, d, True, False, False) for d in sorted(staged, key=str)]
+    for d in sorted(staged, key=str):
+        keys += [("buckets", device.type, d, True, False, False), ("keys", *_sampled(device, d))]
+    keys += [("table", *_sampled(device, torch.int64, several)) for several in (False, True)]
     _COMPILER.warm(keys, wait, native=native and device.type == "cpu")
+
+
+def _sampled(
+    device: torch.device, dtype: torch.dtype, several: bool = True
+) -> tuple[str, torch.dtype, bool, bool, bool]:
+    """The rest of the key of a sampled histogram's kernel on ``dtype`` (training tensors;
+    ``several``: the table's graph for streams of several rows)."""
+    return (device.type, dtype, several, False, False)
 
 
 def compile_status() -> str:
@@ -622,6 +648,51 @@ def row_counts(values: Tensor, lo: Tensor, hi: Tensor, bins: int) -> Tensor:
     bases = row_bases(values.shape[0], bins, values.device)
     keys = _run("buckets", values.contiguous(), lo.contiguous(), hi.contiguous(), bases, bins)
     return tally(keys, bins)
+
+
+def sampled_table(
+    values: Tensor,
+    every: Tensor,
+    states: Tensor,
+    stream: Tensor,
+    weights: Tensor,
+    rows_of_stream: Tensor,
+    bins: int,
+) -> Tensor:
+    """The histogram table ``(m, 2 * bins + 6)`` (:func:`~._histogram.stream_table`) of ``m``
+    streams from sample rows ``values`` ``(R, S)`` (float32 or float64, padded with NaN): row
+    ``r`` belongs to stream ``stream[r]`` and each of its values stands for ``weights[r]``
+    elements; ``rows_of_stream`` ``(m, k)`` lists each stream's rows (``R`` pads). Ranges and
+    summaries from ``every`` (the streams' states over every rank), counts scaled to this rank's
+    ``states``.
+
+    Two kernels of the engine around one integer count (:func:`~._histogram.sample_keys`,
+    :func:`~._histogram.count_keys`, :func:`~._histogram.sample_table`): compiled, the whole
+    table is two graph calls and a ``bincount`` (on the CPU; an integer ``index_add_``
+    elsewhere), where op by op it is some forty calls. Eager for one stream or one row, short
+    rows, or before the graphs are ready (the same functions); streams of several rows (a
+    module called twice) have a table graph of their own."""
+    rows, length = values.shape
+    compiled = every.shape[0] > 1 and rows > 1 and length >= MIN_COMPILED_LENGTH
+    several = rows_of_stream.shape[1] > 1
+    values, every, states = values.contiguous(), every.contiguous(), states.contiguous()
+    with _plain(values):
+        keys = _sampled_call("keys", values, compiled, True, every, stream, bins)
+        counted = count_keys(keys.reshape(-1), rows * (bins + 1)).view(rows, bins + 1)
+        return _sampled_call(
+            "table", counted, compiled, several, every, states, weights, rows_of_stream, bins
+        )
+
+
+def _sampled_call(kernel: str, x: Tensor, compiled: bool, several: bool, *args: Any) -> Tensor:
+    """A kernel of :func:`sampled_table` on ``x`` and ``args``: its graph (the variant for
+    ``several`` rows per stream) where ``compiled`` allows it and it is ready, else eagerly."""
+    key = _key(kernel, x, several, False) if compiled else None
+    if key is not None and _COMPILER.ready(key):
+        found = _compiled(key, x, *args)
+        if found is not None:
+            return found
+    return _KERNELS[kernel](x, *args)
 
 
 def _chunks(x: Tensor, flat: Tensor | None) -> Iterable[Tensor]:

@@ -34,7 +34,11 @@ __all__ = [
     "count_keys",
     "edges",
     "ranges",
+    "sample_keys",
+    "sample_table",
+    "scaled_counts",
     "stream_counts",
+    "stream_table",
     "summaries",
     "tally",
 ]
@@ -155,6 +159,51 @@ def stream_counts(counts: Tensor, weights: Tensor, rows_of_stream: Tensor) -> Te
     weighted = counts.to(F64) * weights.to(F64).unsqueeze(1)
     padded = torch.cat([weighted, weighted.new_zeros(1, weighted.shape[1])])
     return padded[rows_of_stream].sum(1)
+
+
+def scaled_counts(found: Tensor, states: Tensor) -> Tensor:
+    """The ``float64`` counts ``found`` ``(m, bins)`` of sampled values scaled to the count of
+    finite values of each stream's packed state (``states`` ``(m, WIDTH)``); a stream whose
+    sample counted nothing keeps its zeros."""
+    total = found.sum(1, keepdim=True)
+    scale = states[:, COUNT].unsqueeze(1) / total.clamp(min=1e-300)
+    return torch.where(total > 0, found * scale, found)
+
+
+def stream_table(states: Tensor, counts: Tensor, bins: int) -> Tensor:
+    """The histograms of ``m`` streams as one ``float64`` table ``(m, 2 * bins + 6)``, rows
+    ``[num, sum, sum_squares, min, max, *edges, *counts]``: the summaries and :func:`edges` of
+    the packed ``states`` ``(m, WIDTH)`` (every rank's, merged) and the ``counts`` ``(m,
+    bins)``."""
+    lo, hi = ranges(states)
+    return torch.cat([summaries(states), edges(lo, hi, bins), counts.to(F64)], 1)
+
+
+def sample_keys(values: Tensor, every: Tensor, stream: Tensor, bins: int) -> Tensor:
+    """:func:`bucket_keys` of sample rows ``values`` ``(R, S)`` over the ranges of their streams
+    (row ``r`` belongs to stream ``stream[r]``; ``every`` ``(m, WIDTH)``, the streams' packed
+    states over every rank): the first half of a sampled histogram, up to the count (a kernel of
+    the engine)."""
+    lo, hi = ranges(every)
+    bases = row_bases(values.shape[0], bins, values.device)
+    return bucket_keys(values, lo[stream], hi[stream], bases, bins)
+
+
+def sample_table(
+    counted: Tensor,
+    every: Tensor,
+    states: Tensor,
+    weights: Tensor,
+    rows_of_stream: Tensor,
+    bins: int,
+) -> Tensor:
+    """The second half of a sampled histogram (a kernel of the engine): the :func:`stream_table`
+    of the streams whose sample rows have the integer counts ``counted`` (``(R, bins + 1)``:
+    :func:`count_keys` of :func:`sample_keys`, the last column not counted), each row weighted
+    and added to its stream (:func:`stream_counts`), scaled to this rank's ``states``
+    (:func:`scaled_counts`), with the summaries and edges of ``every``."""
+    found = stream_counts(counted[:, :bins], weights, rows_of_stream)
+    return stream_table(every, scaled_counts(found, states), bins)
 
 
 def summaries(states: Tensor) -> Tensor:

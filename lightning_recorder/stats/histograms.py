@@ -11,7 +11,7 @@ from torch import Tensor
 from .._core.checks import check_int, check_tensor
 from .._core.compat import distributed_active
 from ._engine import CHUNK, flat_view, row_counts, stored_parts, tensor_state
-from ._histogram import edges, ranges, summaries
+from ._histogram import ranges, stream_table
 from ._state import F64
 
 __all__ = ["HistogramRow", "histogram", "histogram_raw_kwargs"]
@@ -149,7 +149,6 @@ def _table(x: Tensor, bins: int, sync: bool, group: Any) -> Tensor:
         merged.update(state)
         state = merged.compute()
     lo, hi = ranges(state)
-    limits = edges(lo, hi, bins)
     counts = torch.zeros(1, bins, dtype=torch.int64, device=x.device)
     parts, zeros = stored_parts(x.detach())
     if zeros:  # a sparse tensor's implicit zeros, in the bucket of 0
@@ -167,4 +166,4 @@ def _table(x: Tensor, bins: int, sync: bool, group: Any) -> Tensor:
         summed = BucketCounts(1, bins, process_group=group).to(x.device)
         summed.update(found)
         found = summed.compute()
-    return torch.cat([summaries(state), limits, found], 1)[0]
+    return stream_table(state, found, bins)[0]

@@ -317,6 +317,8 @@ def engine_workload(
             collector.add(3, x[1:])  # an offset into the storage
             states = collector.states()
             collector.counts(*ranges(states), 30, states)
+            collector.table(states, states, 30)
+            collector.table(states, states, 7)
             with torch.inference_mode():
                 y = x.clone()
                 feature_stats(y)
@@ -325,6 +327,7 @@ def engine_workload(
                 inference.add(1, y)
                 s = inference.states()
                 inference.counts(*ranges(s), 30, s)
+                inference.table(s, s, 30)
         # layouts of real outputs, under autocast and with autograd on (global state)
         conv = sample("relu", dtype, 16 * 32 * 12 * 12).view(16, 32, 12, 12).to(device)
         with torch.enable_grad(), torch.autocast(device.type, enabled=device.type == "cuda"):
