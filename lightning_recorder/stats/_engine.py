@@ -1,10 +1,12 @@
 """The statistics engine: the package's kernels, compiled where they can be, eager elsewhere.
 
-Two kernels, plain torch functions written once: :func:`~._state.rows_state` (the packed states
-of the rows of a 2-d tensor) and :func:`~._histogram.bucket_keys` (the histogram bucket of
-every value of the rows of a 2-d tensor, as a key of one count for all rows);
+The kernels are plain torch functions written once: :func:`~._state.rows_state` (the packed
+states of the rows of a 2-d tensor) and :func:`~._histogram.bucket_keys` (the histogram bucket
+of every value of the rows of a 2-d tensor, as a key of one count for all rows);
 :func:`blocks_state` is the first followed by :func:`~._state.merge`, the state of a whole
-tensor read as rows.
+tensor read as rows; :func:`~._histogram.sample_keys` and :func:`~._histogram.sample_table`
+are the two halves of a batch's histogram table around its integer count
+(:func:`sampled_table`), composed of the histogram's own functions.
 
 **Compiled.** ``torch.compile(kernel, dynamic=True)`` fuses a kernel into one read of its data
 (inductor on the CPU, Triton on CUDA) with no ``float64`` copy of it. Inputs are 2-d (a
