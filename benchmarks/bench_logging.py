@@ -60,7 +60,6 @@ from lightning_recorder.stats._engine import (
     tensor_state,
     warm_up,
 )
-from lightning_recorder.stats._histogram import edges, ranges
 
 # --------------------------------------------------------------------------- timing
 
@@ -105,12 +104,11 @@ def kernel_row(x: Tensor, kind: str, repeats: int) -> str:
     cpu = torch.device("cpu")
     collector = Collector(1, FeatureStatsMonitor.histogram_sample, cpu)
 
-    def with_histogram() -> Any:  # the monitor's path: the state, a sample, its counts
+    def with_histogram() -> Any:  # the monitor's path: the state, a sample, its histogram
         collector.clear()
         collector.add(0, x)
         states = collector.states()
-        lo, hi = ranges(states)
-        return collector.counts(lo, hi, 30, states)
+        return collector.table(states, states, 30)
 
     def eager() -> Any:
         with eager_only():
@@ -456,10 +454,8 @@ def per_layer(repeats: int) -> list[str]:
         for i, x in enumerate(layers):
             collector.add(i, x)
         states = collector.states()
-        lo, hi = ranges(states)
-        limits = edges(lo, hi, 30)
-        counts = collector.counts(lo, hi, 30, states)
-        return torch.cat([states.reshape(-1), limits.reshape(-1), counts.reshape(-1)]).tolist()
+        table = collector.table(states, states, 30)
+        return torch.cat([states.reshape(-1), table.reshape(-1)]).tolist()
 
     t = interleaved({"hook": in_hook}, repeats, inner=2, clock=time.thread_time)
     us = statistics.median(t["hook"]) * 1e6 / len(layers)

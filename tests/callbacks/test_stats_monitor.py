@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.benchmarks import load_benchmark
 from helpers.docs import DOCS, python_blocks, run_page
 from helpers.models import (
     QUIET,
@@ -755,16 +756,10 @@ def test_one_event_per_step_equals_one_write_per_tag(tmp_path: Path) -> None:
 
 
 def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_callbacks.py"
-    spec = importlib.util.spec_from_file_location("bench_callbacks", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
     threads = torch.get_num_threads()
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
-        spec.loader.exec_module(bench)
+        bench = load_benchmark("bench_callbacks")
         argv = ["--quick", "--default-malloc", "--json", str(tmp_path / "bench.json")]
         result = bench.main(argv)  # the default malloc: this process goes on testing
     finally:
@@ -1183,15 +1178,9 @@ def test_source_dict_with_an_unknown_key_is_rejected() -> None:
 def test_logging_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
     """``benchmarks/bench_logging.py --quick``: every table, every row, positive ratios (a quick
     run measures, it does not judge)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_logging.py"
-    spec = importlib.util.spec_from_file_location("bench_logging", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
     threads = torch.get_num_threads()
     try:
-        spec.loader.exec_module(bench)
+        bench = load_benchmark("bench_logging")
         report = bench.main(["--quick", "--models", "a"])
     finally:
         torch.set_num_threads(threads)

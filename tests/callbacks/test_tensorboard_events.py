@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from helpers.benchmarks import load_benchmark
 from helpers.models import QUIET, ProbeNet, events, features, loader, scalars
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -450,13 +451,7 @@ def test_tensorboardx_writer_gets_the_same_single_event(tmp_path: Path) -> None:
 
 
 def test_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_writer.py"
-    spec = importlib.util.spec_from_file_location("bench_writer", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_writer")
     report = bench.main(quick=True)
     out = capsys.readouterr().out
     assert "| 16 | 7 |" in out and "| 16 | 13 |" in out
