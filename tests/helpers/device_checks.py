@@ -277,7 +277,7 @@ def check_histograms_match_cpu(device: torch.device, dtype: torch.dtype) -> None
             assert_counts_up_to_edges(want_counts, x, want_limits, x.dtype)
     # the collector: tensors of at most the sample's size are histogrammed whole (exact)
     tensors = [sample(k, dtype, 200 + 31 * i, seed=i) for i, k in enumerate(KINDS)]
-    counted = []
+    counted, tables = [], []
     for where in (device, torch.device("cpu")):
         collector = Collector(len(tensors), 2**10, where)
         for i, t in enumerate(tensors):
@@ -286,12 +286,21 @@ def check_histograms_match_cpu(device: torch.device, dtype: torch.dtype) -> None
         lo, hi = ranges(states)
         limits = edges(lo, hi, 30)
         counted.append((collector.counts(lo, hi, 30, states).cpu(), limits.cpu()))
+        tables.append(collector.table(states, states, 30).cpu())  # what the monitor writes
     (got, got_limits), (want, want_limits) = counted
-    assert_edges_close(got_limits, want_limits, f"collector {dtype} on {device.type}")
+    what = f"collector {dtype} on {device.type}"
+    assert_edges_close(got_limits, want_limits, what)
     for i, t in enumerate(tensors):
         # integer counts scaled by the count of finite values over their sum (1)
         assert_counts_up_to_edges(got[i], t, want_limits[i], t.dtype)
         assert_counts_up_to_edges(want[i], t, want_limits[i], t.dtype)
+    # the step's table: [num, sum, sum_squares, min, max, *edges, *counts] of every stream
+    table, cpu_table = tables
+    assert table.shape == (len(tensors), 2 * 30 + 6), what
+    torch.testing.assert_close(table[:, :5], cpu_table[:, :5], rtol=1e-6, atol=0, equal_nan=True)
+    assert_edges_close(table[:, 5:36], want_limits, what)
+    for i, t in enumerate(tensors):
+        assert_counts_up_to_edges(table[i, 36:], t, want_limits[i], t.dtype)
 
 
 # ---------------------------------------------------------------------------- recompiles
