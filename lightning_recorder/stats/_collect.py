@@ -153,6 +153,13 @@ class _Stage:
             self._made = (key, made)
         return self._made[1]
 
+    def samples(self) -> Tensor | None:
+        """The rows in use, up to the longest sample (free rows hold NaN), or ``None`` when no
+        row holds a sample."""
+        if self.buffer is None or not any(owner >= 0 for owner in self.streams):
+            return None
+        return self.buffer[: len(self.streams), : self.width]
+
     def slot(self, row: int, length: int) -> Tensor:
         """The first ``length`` values of ``row``, for a sample of that length to be written
         into, NaN after them."""
@@ -463,12 +470,9 @@ class Collector:
         stream's range ``[lo, hi]`` (``(m,)``), scaled to the count of finite values of the
         stream's packed state in ``states`` ``(m, WIDTH)`` (this batch's, this rank's)."""
         found = torch.zeros(self.m, bins, dtype=F64, device=self.device)
-        for stage in self._stages.values():
-            used = len(stage.streams)
-            if stage.buffer is None or not any(owner >= 0 for owner in stage.streams):
-                continue
+        for stage, values in self._staged():
             index, weights, rows = stage.layout(self.m, self.device)
-            counted = row_counts(stage.buffer[:used, : stage.width], lo[index], hi[index], bins)
+            counted = row_counts(values, lo[index], hi[index], bins)
             found = found + stream_counts(counted, weights, rows)
         return scaled_counts(found, states)
 
@@ -479,13 +483,13 @@ class Collector:
         samples as :meth:`counts` has them (scaled to this rank's ``states``). The samples of
         one staging buffer, the usual case, take the engine's :func:`~._engine.sampled_table`
         (compiled: two graph calls and one count)."""
-        staged = [
-            stage
-            for stage in self._stages.values()
-            if stage.buffer is not None and any(owner >= 0 for owner in stage.streams)
-        ]
+        staged = self._staged()
         if len(staged) != 1:  # samples of two dtypes (or none): buffer by buffer
             return stream_table(every, self.counts(*ranges(every), bins, states), bins)
-        stage = staged[0]
-        values = stage.buffer[: len(stage.streams), : stage.width]  # type: ignore[index]
+        stage, values = staged[0]
         return sampled_table(values, every, states, *stage.layout(self.m, self.device), bins)
+
+    def _staged(self) -> list[tuple[_Stage, Tensor]]:
+        """Each staging buffer that holds samples, with its rows in use."""
+        found = [(stage, stage.samples()) for stage in self._stages.values()]
+        return [(stage, values) for stage, values in found if values is not None]
