@@ -41,6 +41,15 @@ noise: how far apart two readings of the same code land, the resolution of every
 a separate process trains with the monitor alone for 2,000 steps and compares its peak RSS
 after step 2,000 with that after step 200.
 
+**The steps that log nothing** (``--idle``, for information; 24 repeats). Only configurations
+that never log take turns: the baseline; a callback that does nothing, twice; the monitor with
+``every_n_steps`` beyond the run, twice; and that monitor with its three per-step hooks
+(``on_train_batch_start``, ``on_train_batch_end``, ``on_before_optimizer_step``) replaced by
+``Callback``'s no-ops, attached as usual. Each is compared with the baseline as the median of
+its per-step ratios and as the ratio of its mean step time. This splits what a step that logs
+nothing costs into what any callback costs, what the monitor's presence costs and what its
+per-step code costs. The two identical pairs show the run's noise.
+
 Run ``python benchmarks/bench_callbacks.py`` (``--quick`` for a smoke run). Timings use one CPU
 thread (``torch.set_num_threads(1)``) to keep the noise of a shared machine down, and batches of
 128 digits (``--batch-size``; the example trains with 32), so that a step is long enough to time.
@@ -116,6 +125,17 @@ SPACED = "histograms every other logged step"
 # the defaults once more, a second configuration identical to "monitor": how far apart two
 # identical configurations read in one run, the noise of every other row
 TWIN = "monitor, again"
+# ``--idle``: monitors that never log, to split the per-step cost of the steps that log nothing
+NEVER = 10**6  # every_n_steps of a monitor that never logs in a run
+NOOP_HOOKS = "monitor, never logging, per-step hooks no-ops"
+IDLE_CONFIGS: dict[str, dict[str, Any] | str | None] = {
+    "baseline": None,
+    EMPTY: EMPTY,
+    "empty callback, again": EMPTY,
+    "monitor, never logging": {"every_n_steps": NEVER},
+    "monitor, never logging, again": {"every_n_steps": NEVER},
+    NOOP_HOOKS: NOOP_HOOKS,
+}
 CONFIGS: dict[str, dict[str, Any] | str | None] = {
     "monitor": {},
     "baseline": None,
@@ -166,6 +186,15 @@ class _Baton:
             self._done[me] = True
         self.ready.abort()  # if one failed before its first batch, free those waiting
         self.pass_on(me)
+
+
+class _NoopHooksMonitor(FeatureStatsMonitor):
+    """The monitor attached as usual, with its three per-step hooks replaced by ``Callback``'s
+    no-ops (``--idle``): what its presence costs a step, without its per-step code."""
+
+    on_train_batch_start = pl.Callback.on_train_batch_start
+    on_train_batch_end = pl.Callback.on_train_batch_end
+    on_before_optimizer_step = pl.Callback.on_before_optimizer_step
 
 
 class _StepTimer(pl.Callback):
@@ -283,11 +312,13 @@ def _trainer(
     """A Trainer for ``steps`` steps with a monitor built with ``monitor`` (``None``: without),
     logging to a ``logger`` (Lightning's ``TensorBoardLogger`` by default)."""
     callbacks: list[pl.Callback] = [timer]
+    sources = [nn.Conv2d, nn.Linear]
     if monitor == EMPTY:
         callbacks.append(pl.Callback())
+    elif monitor == NOOP_HOOKS:
+        callbacks.append(_NoopHooksMonitor(sources, every_n_steps=NEVER))
     elif isinstance(monitor, dict):
-        sources = [nn.Conv2d, nn.Linear]
-        callbacks.append(FeatureStatsMonitor(sources, every_n_steps=EVERY, **monitor))
+        callbacks.append(FeatureStatsMonitor(sources, **{"every_n_steps": EVERY, **monitor}))
     return pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
@@ -302,7 +333,12 @@ def _trainer(
 
 
 def _side_by_side(
-    names: Sequence[str], steps: int, batch_size: int, root: str, seed: int = 0
+    names: Sequence[str],
+    steps: int,
+    batch_size: int,
+    root: str,
+    seed: int = 0,
+    configs: dict[str, dict[str, Any] | str | None] = CONFIGS,
 ) -> dict[str, _StepTimer]:
     """Train one model per configuration, each in its own thread, one step at a time in turn.
 
@@ -317,7 +353,7 @@ def _side_by_side(
         pl.seed_everything(0, verbose=False)  # the same initial weights for every configuration
         label = name.replace(" ", "-")
         logger = RecorderTensorBoardLogger if name == RECORDER_LOGGER else TensorBoardLogger
-        trainer = _trainer(CONFIGS[name], steps, root, label, timers[name], logger)
+        trainer = _trainer(configs[name], steps, root, label, timers[name], logger)
         jobs.append((trainer, DigitsCNN()))
     run_in_turns(
         [
@@ -471,6 +507,73 @@ def measure(
     }
 
 
+def measure_idle(
+    repeats: int = 24,
+    periods: int = 5,
+    batch_size: int = 128,
+    default_malloc: bool = False,
+    all_cpus: bool = False,
+) -> dict[str, Any]:
+    """``--idle``: the configurations of :data:`IDLE_CONFIGS` side by side (none of them logs);
+    per configuration and clock, the median over the repeats of each repeat's median per-step
+    ratio to the baseline, and of its ratio of mean step times, over the timed window."""
+    torch.set_num_threads(1)
+    pinned = False if default_malloc else pin_malloc()
+    window = range(EVERY, EVERY * (periods + 1))
+    names = list(IDLE_CONFIGS)
+    per_step: dict[str, dict[str, list[float]]] = {
+        clock: {n: [] for n in names[1:]} for clock in ("wall", "cpu")
+    }
+    of_means: dict[str, dict[str, list[float]]] = {
+        clock: {n: [] for n in names[1:]} for clock in ("wall", "cpu")
+    }
+    with tempfile.TemporaryDirectory() as root, one_cpu(not all_cpus) as cpu:
+        _side_by_side(names, 2 * EVERY, batch_size, root, configs=IDLE_CONFIGS)  # warm up
+        for r in range(repeats):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            order = order if r % 2 == 0 else order[::-1]
+            timers = _side_by_side(
+                order, window.stop + 2, batch_size, root, seed=r, configs=IDLE_CONFIGS
+            )
+            for clock in ("wall", "cpu"):
+                base = getattr(timers["baseline"], clock)
+                for name in names[1:]:
+                    times = getattr(timers[name], clock)
+                    per_step[clock][name].append(
+                        statistics.median(times[k] / base[k] for k in window)
+                    )
+                    of_means[clock][name].append(
+                        sum(times[k] for k in window) / sum(base[k] for k in window)
+                    )
+    return {
+        "repeats": repeats,
+        "malloc_pinned": pinned,
+        "one_cpu": cpu,
+        "window": [window.start, window.stop],
+        "per_step": {
+            c: {n: statistics.median(v) for n, v in by.items()} for c, by in per_step.items()
+        },
+        "of_means": {
+            c: {n: statistics.median(v) for n, v in by.items()} for c, by in of_means.items()
+        },
+        "per_step_by_repeat": per_step,
+    }
+
+
+def idle_table(result: dict[str, Any]) -> str:
+    """The ``--idle`` figures as a Markdown table."""
+    lines = [
+        "| configuration | per-step ratio, wall | of the means, wall | per-step ratio, CPU |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, ratio in result["per_step"]["wall"].items():
+        lines.append(
+            f"| {name} | **{ratio:.4f}** | {result['of_means']['wall'][name]:.4f} | "
+            f"{result['per_step']['cpu'][name]:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(result: dict[str, Any]) -> str:
     """The figures as a Markdown table."""
     checksum = "google-crc32c" if c_checksum() is not None else "pure-Python checksum"
@@ -513,7 +616,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark and print a table of ratios; return the figures."""
     parser = argparse.ArgumentParser(description="FeatureStatsMonitor overhead")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=None, help="15 (--idle: 24)")
     parser.add_argument("--periods", type=int, default=5, help="logging periods timed per run")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--rss-steps", type=int, default=2000)
@@ -525,6 +628,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--all-cpus", action="store_true", help="let the threads run on every CPU (noisier)"
     )
+    parser.add_argument(
+        "--idle",
+        action="store_true",
+        help="only monitors that never log, a callback that does nothing and the baseline, "
+        "each twice or once (see IDLE_CONFIGS), 24 repeats unless --repeats says otherwise",
+    )
     parser.add_argument("--rss-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -532,8 +641,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.rss_child is not None:
         _rss_child(args.rss_child, args.batch_size)
         return {}
+    if args.repeats is None:
+        args.repeats = 24 if args.idle else 15
     if args.quick:
         args.repeats, args.periods, args.rss_steps = 1, 1, 210
+    if args.idle:
+        found = measure_idle(
+            args.repeats, args.periods, args.batch_size, args.default_malloc, args.all_cpus
+        )
+        start, stop = found["window"]
+        print(
+            f"\nSteps that log nothing: configurations that never log vs the same Trainer "
+            f"without a callback, medians of {found['repeats']} repeats, steps {start}-{stop - 1}, "
+            "the configurations taking turns step by step (two identical configurations differ "
+            "by the run's noise).\n"
+        )
+        print(idle_table(found))
+        if args.json:
+            Path(args.json).write_text(json.dumps(found, indent=2))
+        return found
     result = measure(
         args.repeats,
         args.periods,

@@ -798,6 +798,57 @@ def test_benchmark_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert (tmp_path / "bench.json").exists() and result["malloc_pinned"] is False
 
 
+def test_benchmark_idle_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    threads = torch.get_num_threads()
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        bench = load_benchmark("bench_callbacks")
+        argv = ["--idle", "--quick", "--default-malloc", "--json", str(tmp_path / "idle.json")]
+        result = bench.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    if cpus is not None:
+        assert os.sched_getaffinity(0) == cpus  # every CPU given back
+    out = capsys.readouterr().out
+    assert "Steps that log nothing" in out and "| configuration | per-step ratio, wall |" in out
+    configs = set(bench.IDLE_CONFIGS) - {"baseline"}
+    assert bench.NOOP_HOOKS in configs and len(configs) == 5
+    for name in configs:
+        assert f"| {name} | **" in out
+    for figures in (result["per_step"], result["of_means"]):
+        for clock in ("wall", "cpu"):
+            assert set(figures[clock]) == configs
+            assert all(0.5 < v < 2.0 for v in figures[clock].values())  # sane ratios, not judged
+    assert result["repeats"] == 1 and result["malloc_pinned"] is False
+    assert (tmp_path / "idle.json").exists()
+
+
+def test_benchmark_idle_monitors_never_log(tmp_path: Path) -> None:
+    """The ``--idle`` monitors never log and are attached as usual; the second one's per-step
+    hooks do nothing (otherwise the split would compare the wrong things)."""
+
+    class Probe(pl.Callback):
+        def __init__(self, monitor: FeatureStatsMonitor) -> None:
+            self.monitor, self.attached = monitor, list[bool]()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.attached.append(self.monitor._manager is not None)
+
+    bench = load_benchmark("bench_callbacks")
+    for name, hooks_run in (("monitor, never logging", True), (bench.NOOP_HOOKS, False)):
+        trainer = bench._trainer(
+            bench.IDLE_CONFIGS[name], 3, str(tmp_path), "idle", bench._StepTimer()
+        )
+        monitor = next(c for c in trainer.callbacks if isinstance(c, FeatureStatsMonitor))
+        probe = Probe(monitor)
+        trainer.callbacks.append(probe)
+        trainer.fit(bench.DigitsCNN(), bench._loader(3, 8))
+        assert probe.attached == [True, True, True]
+        assert monitor.logged_steps == 0 and monitor.every_n_steps == bench.NEVER
+        # the batch start records the step (steps 0, 1, 2) only where the hooks run
+        assert monitor._train_step == (2 if hooks_run else 0)
+
+
 # ------------------------------------------------------------------ loggers: W&B, tabular
 def test_numpy_histogram_has_the_buckets_written_to_tensorboard() -> None:
     import numpy as np
