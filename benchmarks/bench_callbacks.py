@@ -365,6 +365,15 @@ def _side_by_side(
     return timers
 
 
+def turn_order(names: Sequence[str], r: int) -> list[str]:
+    """The order of the configurations ``names`` in repeat ``r`` (the first round of turns):
+    rotated by ``r`` (over ``len(names)`` repeats every configuration takes every place) and
+    reversed every other repeat (so that every configuration follows every other)."""
+    k = r % len(names)
+    order = [*names[k:], *names[:k]]
+    return order if r % 2 == 0 else order[::-1]
+
+
 def run_in_turns(fits: Sequence[Callable[[], Any]], baton: _Baton) -> None:
     """Run each of ``fits`` in its own thread (their timers hand the turn on with ``baton``),
     wait for all, and raise the first error any of them raised."""
@@ -458,8 +467,7 @@ def measure(
         _side_by_side(names, 2 * EVERY, batch_size, root)  # warm up imports, allocator, TB
         for r in range(repeats):
             # the first round: every configuration takes every place; rotate, reverse every other
-            order = names[r % len(names) :] + names[: r % len(names)]
-            order = order if r % 2 == 0 else order[::-1]
+            order = turn_order(names, r)
             timers = _side_by_side(order, steps, batch_size, root, seed=r)
             splits.append(_split(timers["monitor"].wall, timers["baseline"].wall, window))
             for clock in ("wall", "cpu"):
@@ -530,8 +538,7 @@ def measure_idle(
     with tempfile.TemporaryDirectory() as root, one_cpu(not all_cpus) as cpu:
         _side_by_side(names, 2 * EVERY, batch_size, root, configs=IDLE_CONFIGS)  # warm up
         for r in range(repeats):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            order = order if r % 2 == 0 else order[::-1]
+            order = turn_order(names, r)
             timers = _side_by_side(
                 order, window.stop + 2, batch_size, root, seed=r, configs=IDLE_CONFIGS
             )
@@ -652,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         start, stop = found["window"]
         print(
             f"\nSteps that log nothing: configurations that never log vs the same Trainer "
-            f"without a callback, medians of {found['repeats']} repeats, steps {start}-{stop - 1}, "
+            f"without them, medians of {found['repeats']} repeats, steps {start}-{stop - 1}, "
             "the configurations taking turns step by step (two identical configurations differ "
             "by the run's noise).\n"
         )

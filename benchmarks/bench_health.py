@@ -171,8 +171,7 @@ def measure_cpu(repeats: int, steps: int, warmup: int) -> dict[str, Any]:
         model_steps = max(warmup + 2, steps // 4) if model.startswith("ResNet") else steps
         _side_by_side(model, CONFIGS, warmup + 2, seed=99)  # warm up
         for r in range(repeats):
-            order = list(CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)])
-            order = order if r % 2 == 0 else order[::-1]
+            order = _callbacks.turn_order(CONFIGS, r)
             walls = _side_by_side(model, order, model_steps, seed=r)
             med = {c: statistics.median(walls[c][warmup:]) for c in CONFIGS}
             for c in CONFIGS:
@@ -320,8 +319,7 @@ def measure_gpu(repeats: int, steps: int, warmup: int) -> dict[str, Any]:
     make, shape, batch = _logging.resnet18_like, (3, 32, 32), 128
     times: dict[str, list[float]] = {c: [] for c in GPU_CONFIGS}
     for r in range(repeats):
-        order = list(GPU_CONFIGS[r % len(GPU_CONFIGS) :] + GPU_CONFIGS[: r % len(GPU_CONFIGS)])
-        for config in order if r % 2 == 0 else order[::-1]:
+        for config in _callbacks.turn_order(GPU_CONFIGS, r):
             pl.seed_everything(0, verbose=False)
             window = _Window(warmup)
             _trainer(config, steps, [window], accelerator="gpu", devices=1).fit(

@@ -234,8 +234,7 @@ def measure(model: str, repeats: int, start: int, stop: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         _side_by_side(model, CONFIGS, 3 * EVERY * VIEW_EVERY // 2, root, seed=99)  # warm up
         for r in range(repeats):
-            order = list(CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)])
-            order = order if r % 2 == 0 else order[::-1]
+            order = _callbacks.turn_order(CONFIGS, r)
             timers, drawn = _side_by_side(model, order, stop + 2, root, seed=r)
             got = {c: _summary(t.wall, window, drawn if c == CONFIGS[-1] else set()) for c, t in
                    timers.items()}  # fmt: skip
