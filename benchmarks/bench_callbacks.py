@@ -50,6 +50,14 @@ its per-step ratios and as the ratio of its mean step time. This splits what a s
 nothing costs into what any callback costs, what the monitor's presence costs and what its
 per-step code costs. The two identical pairs show the run's noise.
 
+**The benchmark models** (``--model resnet18`` or ``--model mlp64``, for information). The same
+measures on the ResNet-18-like model (batch 16) and the 64-layer MLP (batch 128) of
+``bench_logging.py``, every module monitored, on made-up data: a step of a real model is 70 and
+5 times the digits CNN's, and what a logging step costs is mostly per module. Only the defaults
+(with Lightning's logger and with ``lightning_recorder.TensorBoardLogger``), the baseline and
+the defaults' twin take turns; no memory run. The ResNet's step takes about half a second here:
+``--repeats 3 --periods 2`` keeps a run under twenty minutes.
+
 Run ``python benchmarks/bench_callbacks.py`` (``--quick`` for a smoke run). Timings use one CPU
 thread (``torch.set_num_threads(1)``) to keep the noise of a shared machine down, and batches of
 128 digits (``--batch-size``; the example trains with 32), so that a step is long enough to time.
@@ -82,6 +90,7 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
+import importlib.util
 import json
 import os
 import random
@@ -95,7 +104,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -145,6 +154,17 @@ CONFIGS: dict[str, dict[str, Any] | str | None] = {
     RECORDER_LOGGER: {},
     TWIN: {},
 }
+# ``--model``: the model that trains. ``digits``, the default: the digits CNN, every Conv2d and
+# Linear output monitored. The others: bench_logging's benchmark models (the CPU targets
+# for a step that logs are set on them), every module monitored, on made-up data of
+# their batch size; only the defaults (with Lightning's logger and with the package's), the
+# baseline and the defaults' twin take turns (their steps are 5 to 70 times the digits CNN's).
+DIGITS = "digits"
+BENCHMARK_MODELS = {  # --model: (bench_logging's name of the model, what the table says)
+    "resnet18": ("(b) ResNet-18-like, every module", "the ResNet-18-like model"),
+    "mlp64": ("(c) MLP, 64 layers, every module", "the 64-layer MLP"),
+}
+MODEL_CONFIGS = ("monitor", "baseline", RECORDER_LOGGER, TWIN)
 
 
 class _Baton:
@@ -301,6 +321,36 @@ def _loader(steps: int, batch_size: int) -> DataLoader:
     return DataLoader(data, batch_size=batch_size, shuffle=True, generator=order)
 
 
+def _bench_logging() -> Any:
+    """``bench_logging`` of this folder, which defines the benchmark models (loaded once)."""
+    found = sys.modules.get("_bench_logging")
+    if found is None:
+        spec = importlib.util.spec_from_file_location(
+            "_bench_logging", Path(__file__).with_name("bench_logging.py")
+        )
+        assert spec is not None and spec.loader is not None
+        found = importlib.util.module_from_spec(spec)
+        sys.modules["_bench_logging"] = found
+        spec.loader.exec_module(found)
+    return found
+
+
+def workload(model: str, steps: int, batch_size: int) -> tuple[pl.LightningModule, DataLoader, Any]:
+    """The LightningModule, training data (``steps`` batches at least, the same in every run)
+    and monitored sources of ``--model`` ``model``: the digits CNN (batches of ``batch_size``)
+    or a benchmark model of ``bench_logging`` (its own batch size)."""
+    if model == DIGITS:
+        return DigitsCNN(), _loader(steps, batch_size), (nn.Conv2d, nn.Linear)
+    bench = _bench_logging()
+    build, shape, batch = bench.MODELS[BENCHMARK_MODELS[model][0]]
+    data = torch.Generator().manual_seed(0)
+    n = batch * (steps + 1)
+    x = torch.randn(n, *shape, generator=data)
+    y = torch.randint(0, 10, (n,), generator=data)
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch)
+    return bench.Net(build()), loader, "net.*"
+
+
 def _trainer(
     monitor: dict[str, Any] | str | None,
     steps: int,
@@ -308,11 +358,13 @@ def _trainer(
     name: str,
     timer: _StepTimer,
     logger: type[TensorBoardLogger] = TensorBoardLogger,
+    sources: Any = (nn.Conv2d, nn.Linear),
 ) -> pl.Trainer:
-    """A Trainer for ``steps`` steps with a monitor built with ``monitor`` (``None``: without),
-    logging to a ``logger`` (Lightning's ``TensorBoardLogger`` by default)."""
+    """A Trainer for ``steps`` steps with a monitor of ``sources`` built with ``monitor``
+    (``None``: without), logging to a ``logger`` (Lightning's ``TensorBoardLogger`` by
+    default)."""
     callbacks: list[pl.Callback] = [timer]
-    sources = [nn.Conv2d, nn.Linear]
+    sources = list(sources) if isinstance(sources, tuple) else sources
     if monitor == EMPTY:
         callbacks.append(pl.Callback())
     elif monitor == NOOP_HOOKS:
@@ -339,6 +391,7 @@ def _side_by_side(
     root: str,
     seed: int = 0,
     configs: dict[str, dict[str, Any] | str | None] = CONFIGS,
+    model: str = DIGITS,
 ) -> dict[str, _StepTimer]:
     """Train one model per configuration, each in its own thread, one step at a time in turn.
 
@@ -351,14 +404,15 @@ def _side_by_side(
     jobs = []
     for name in names:
         pl.seed_everything(0, verbose=False)  # the same initial weights for every configuration
+        module, loader, sources = workload(model, steps, batch_size)
         label = name.replace(" ", "-")
         logger = RecorderTensorBoardLogger if name == RECORDER_LOGGER else TensorBoardLogger
-        trainer = _trainer(configs[name], steps, root, label, timers[name], logger)
-        jobs.append((trainer, DigitsCNN()))
+        trainer = _trainer(configs[name], steps, root, label, timers[name], logger, sources)
+        jobs.append((trainer, module, loader))
     run_in_turns(
         [
-            lambda trainer=trainer, model=model: trainer.fit(model, _loader(steps, batch_size))
-            for trainer, model in jobs
+            lambda trainer=trainer, module=module, loader=loader: trainer.fit(module, loader)
+            for trainer, module, loader in jobs
         ],
         baton,
     )
@@ -446,14 +500,16 @@ def measure(
     rss_steps: int = 2000,
     default_malloc: bool = False,
     all_cpus: bool = False,
+    model: str = DIGITS,
 ) -> dict[str, Any]:
-    """Run the benchmark; return per-clock medians, ratios and the RSS figures."""
+    """Run the benchmark; return per-clock medians, ratios and the RSS figures (the digits CNN:
+    a benchmark model of ``--model`` has no memory run)."""
     torch.set_num_threads(1)
     pinned = False if default_malloc else pin_malloc()
     window = range(EVERY, EVERY * (periods + 1))  # whole logging periods after a warm-up
     steps = window.stop + 2
     keys = ("amortised", "non-logging step", "logging step")
-    names = list(CONFIGS)
+    names = list(CONFIGS) if model == DIGITS else list(MODEL_CONFIGS)
     per: dict[str, dict[str, list[dict[str, float]]]] = {
         clock: {name: [] for name in names} for clock in ("wall", "cpu")
     }
@@ -464,11 +520,12 @@ def measure(
     }
     splits: list[dict[str, float]] = []  # the monitor's amortised excess, by kind of step
     with tempfile.TemporaryDirectory() as root, one_cpu(not all_cpus) as cpu:
-        _side_by_side(names, 2 * EVERY, batch_size, root)  # warm up imports, allocator, TB
+        # warm up imports, allocator, TensorBoard
+        _side_by_side(names, 2 * EVERY, batch_size, root, model=model)
         for r in range(repeats):
             # the first round: every configuration takes every place; rotate, reverse every other
             order = turn_order(names, r)
-            timers = _side_by_side(order, steps, batch_size, root, seed=r)
+            timers = _side_by_side(order, steps, batch_size, root, seed=r, model=model)
             splits.append(_split(timers["monitor"].wall, timers["baseline"].wall, window))
             for clock in ("wall", "cpu"):
                 got = {name: _summary(getattr(t, clock), window) for name, t in timers.items()}
@@ -477,16 +534,9 @@ def measure(
                 for name, by_key in ratios[clock].items():
                     for key in keys:
                         by_key[key].append(got[name][key] / got["baseline"][key])
-    root_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    child = subprocess.run(
-        [sys.executable, __file__, "--rss-child", str(rss_steps), "--batch-size", str(batch_size)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": root_path},
-        check=True,
-    )
-    rss = json.loads(child.stdout.strip().splitlines()[-1])
+    rss = _rss(rss_steps, batch_size) if model == DIGITS else None
     return {
+        "model": model,
         "repeats": repeats,
         "malloc_pinned": pinned,
         "one_cpu": cpu,
@@ -510,9 +560,23 @@ def measure(
         "ratios_per_repeat": ratios,
         "amortised_split": {k: statistics.median(s[k] for s in splits) for k in splits[0]},
         "rss_kib": rss,
-        "rss_ratio": rss["after_last"] / rss["after_200"],
+        "rss_ratio": None if rss is None else rss["after_last"] / rss["after_200"],
         "rss_steps": rss_steps,
     }
+
+
+def _rss(steps: int, batch_size: int) -> dict[str, int]:
+    """Peak RSS after step 200 and after step ``steps`` of the monitor's training run, in a
+    process of its own (:func:`_rss_child`)."""
+    root_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    child = subprocess.run(
+        [sys.executable, __file__, "--rss-child", str(steps), "--batch-size", str(batch_size)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root_path},
+        check=True,
+    )
+    return cast(dict[str, int], json.loads(child.stdout.strip().splitlines()[-1]))
 
 
 def measure_idle(
@@ -588,7 +652,8 @@ def table(result: dict[str, Any]) -> str:
         "| measure | baseline (ms) | monitored (ms) | ratio, wall (min–max) | ratio, CPU | limit |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    rows = [("monitor", key, key) for key in result["ratio"]["wall"]["monitor"]]
+    measured = result["ratio"]["wall"]
+    rows = [("monitor", key, key) for key in measured["monitor"]]
     rows.append(("scalars only", "logging step", "logging step, `histograms=False`"))
     rows.append(("scalars only", "amortised", "amortised, `histograms=False`"))
     rows.append((SPACED, "amortised", "amortised, histograms every other logged step"))
@@ -601,8 +666,8 @@ def table(result: dict[str, Any]) -> str:
         (RECORDER_LOGGER, key, f"{key}, `lightning_recorder.TensorBoardLogger` ({checksum})")
         for key in ("amortised", "logging step")
     ]
-    for config, key, label in rows:
-        ratio = result["ratio"]["wall"][config][key]
+    for config, key, label in [row for row in rows if row[0] in measured]:
+        ratio = measured[config][key]
         lo, hi = result["ratio_range"]["wall"][config][key]
         cpu = result["ratio"]["cpu"][config][key]
         base, mon = result["ms"]["wall"]["baseline"][key], result["ms"]["wall"][config][key]
@@ -612,6 +677,8 @@ def table(result: dict[str, Any]) -> str:
             f"{cpu:.3f} | {limit} |"
         )
     rss, n = result["rss_kib"], result["rss_steps"]
+    if rss is None:  # a benchmark model: no memory run
+        return "\n".join(lines)
     lines.append(
         f"| peak RSS, after step {n} vs 200 | {rss['after_200'] / 1024:.1f} MiB | "
         f"{rss['after_last'] / 1024:.1f} MiB | **{result['rss_ratio']:.4f}** | | "
@@ -641,6 +708,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="only monitors that never log, a callback that does nothing and the baseline, "
         "each twice or once (see IDLE_CONFIGS), 24 repeats unless --repeats says otherwise",
     )
+    parser.add_argument(
+        "--model",
+        choices=[DIGITS, *BENCHMARK_MODELS],
+        default=DIGITS,
+        help="the digits CNN (default), or a benchmark model of bench_logging, every module "
+        "monitored (the defaults with either logger, the baseline and the twin; no --idle)",
+    )
     parser.add_argument("--rss-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -652,6 +726,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.repeats = 24 if args.idle else 15
     if args.quick:
         args.repeats, args.periods, args.rss_steps = 1, 1, 210
+    if args.idle and args.model != DIGITS:
+        parser.error("--idle times the digits CNN only: leave out --model")
     if args.idle:
         found = measure_idle(
             args.repeats, args.periods, args.batch_size, args.default_malloc, args.all_cpus
@@ -674,13 +750,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.rss_steps,
         args.default_malloc,
         args.all_cpus,
+        args.model,
     )
     start, stop = result["window"]
     malloc = "malloc fixed (thresholds, one arena)" if result["malloc_pinned"] else "glibc malloc"
     where = "every CPU" if result["one_cpu"] is None else "one CPU"
+    watched = f"every Conv2d/Linear output of the digits CNN (batch {result['batch_size']})"
+    if args.model != DIGITS:
+        watched = f"every module of {BENCHMARK_MODELS[args.model][1]} (made-up data)"
     print(
-        f"\nFeatureStatsMonitor on every Conv2d/Linear output of the digits CNN (batch "
-        f"{result['batch_size']}), logging every {EVERY} steps, vs the same Trainer without it: "
+        f"\nFeatureStatsMonitor on {watched}, "
+        f"logging every {EVERY} steps, vs the same Trainer without it: "
         f"medians of {result['repeats']} repeats, the configurations taking turns step by step, "
         f"steps {start}-{stop - 1}, one torch thread, {where}, "
         f"{malloc}.\n"

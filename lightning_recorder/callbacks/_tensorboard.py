@@ -11,7 +11,8 @@
 * **Weights & Biases.** :func:`write_wandb` logs the scalars and the same histograms as
   ``wandb.Histogram`` objects (:func:`numpy_histogram` converts the buckets).
 * **Loggers.** :func:`histogram_loggers` tells which loggers can show histograms;
-  :func:`logger_names` the class names a logger answers to (for per-logger options).
+  :func:`logger_names` the class names a logger answers to (for per-logger options);
+  :func:`checksummed_in_python` whether TensorBoard's own writer checksums a logger's records.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 
 from ._lightning import logger_prefix
+
+#: TensorBoard's own writer checksums every record in pure Python, about this many ms per KiB
+#: (measured by ``benchmarks/bench_writer.py``), on its writer thread, holding the GIL.
+PURE_PYTHON_CHECKSUM_MS_PER_KIB = 0.3
+#: A logged step's event of more bytes than this costs that checksum about 10 ms: worth saying.
+SLOW_CHECKSUM_BYTES = 32 * 1024
 
 
 class HistogramTable(Mapping[str, dict[str, Any]]):
@@ -244,15 +251,26 @@ def summary_class(writer: object) -> Any:
     """The ``Summary`` message class of a ``SummaryWriter``: TensorBoard's for
     ``torch.utils.tensorboard`` writers (and their subclasses), tensorboardX's own for
     tensorboardX (the same schema, another Python class), ``None`` for other writers."""
-    modules = [cls.__module__ for cls in type(writer).__mro__]
-    if any(m.startswith("torch.utils.tensorboard") for m in modules):
+    make = _writer_make(writer)
+    if make == "torch":
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         return Summary
-    if any(m.startswith("tensorboardX") for m in modules):
+    if make == "tensorboardX":
         from tensorboardX.proto.summary_pb2 import Summary as SummaryX
 
         return SummaryX
+    return None
+
+
+def _writer_make(writer: object) -> str | None:
+    """``"torch"`` for a ``torch.utils.tensorboard`` writer (or a subclass), ``"tensorboardX"``
+    for tensorboardX's, ``None`` for a writer of another make."""
+    modules = [cls.__module__ for cls in type(writer).__mro__]
+    if any(m.startswith("torch.utils.tensorboard") for m in modules):
+        return "torch"
+    if any(m.startswith("tensorboardX") for m in modules):
+        return "tensorboardX"
     return None
 
 
@@ -261,7 +279,7 @@ def write_tensorboard(
     scalars: Mapping[str, float],
     hists: Mapping[str, dict[str, Any]],
     step: int,
-) -> None:
+) -> Any:
     """Write scalars and histograms as one TensorBoard event (one queue put, not one per tag).
 
     Writing each scalar through ``add_scalar`` costs a queue hand-off to the writer thread per
@@ -279,6 +297,10 @@ def write_tensorboard(
         hists: ``{tag: keyword arguments of SummaryWriter.add_histogram_raw}``, or a
             :class:`HistogramTable`.
         step: the ``global_step`` of every value.
+
+    Returns:
+        The ``Summary`` written as one event, or ``None`` (nothing to write, or a writer that
+        took one call per tag).
     """
     prefix = logger_prefix(logger)
     if prefix:
@@ -300,10 +322,25 @@ def write_tensorboard(
             )
             kwargs = {**kwargs, "bucket_limits": limits, "bucket_counts": counts}
             writer.add_histogram_raw(tag, global_step=step, **kwargs)
-        return
+        return None
     summary = tensorboard_summary(scalars, hists, summary_type)
-    if summary.value:
-        file_writer.add_summary(summary, step)
+    if not summary.value:
+        return None
+    file_writer.add_summary(summary, step)
+    return summary
+
+
+def checksummed_in_python(logger: TensorBoardLogger) -> bool:
+    """Whether TensorBoard's own writer checksums the records of ``logger`` (in pure Python,
+    :data:`PURE_PYTHON_CHECKSUM_MS_PER_KIB`): Lightning's ``TensorBoardLogger`` writing through
+    ``torch.utils.tensorboard``. ``False`` for :class:`~lightning_recorder.TensorBoardLogger`
+    (in C with the ``google-crc32c`` wheel; without it, it says so itself when made) and for
+    tensorboardX's writer (which uses the ``crc32c`` wheel where installed)."""
+    from .tensorboard_logger import TensorBoardLogger as RecorderTensorBoardLogger
+
+    if isinstance(logger, RecorderTensorBoardLogger):
+        return False
+    return _writer_make(logger.experiment) == "torch"
 
 
 def histogram_loggers(loggers: Sequence[Logger]) -> tuple[list[Logger], list[Logger]]:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -45,7 +46,10 @@ from ._stats_options import (
 )
 from ._stats_report import StatsReport
 from ._tensorboard import (
+    PURE_PYTHON_CHECKSUM_MS_PER_KIB,
+    SLOW_CHECKSUM_BYTES,
     HistogramTable,
+    checksummed_in_python,
     histogram_loggers,
     logger_names,
     write_tensorboard,
@@ -333,6 +337,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._write_histograms = False
         self._warned = False
         self._records_warned = False
+        self._checksums_checked: set[int] = set()  # id() of the TensorBoard loggers checked
         self._complex_warned: set[int] = set()  # streams told that complex outputs are left out
         self._empty_warned: set[int] = set()  # streams told that an output held no tensor
         self._streams: dict[str, RecordStream] = {}
@@ -947,11 +952,33 @@ class FeatureStatsMonitor(RecorderCallback):
                 kept_scalars = {t: v for t, v in scalars.items() if _stat_of(t) in allowed}
                 kept_hists = hists if "histogram" in allowed else {}
             if isinstance(logger, TensorBoardLogger):
-                write_tensorboard(logger, kept_scalars, kept_hists, step)
+                event = write_tensorboard(logger, kept_scalars, kept_hists, step)
+                if event is not None and id(logger) not in self._checksums_checked:
+                    self._checksums_checked.add(id(logger))  # the first event only
+                    self._check_checksum(logger, event.ByteSize())
             elif isinstance(logger, WandbLogger):
                 write_wandb(logger, kept_scalars, kept_hists, step)
             elif kept_scalars:
                 logger.log_metrics(kept_scalars, step=step)
+
+    def _check_checksum(self, logger: TensorBoardLogger, size: int) -> None:
+        """Warn once when TensorBoard's own writer checksums the ``size`` bytes of a logged
+        step's event in pure Python and that costs about 10 ms or more per logged step."""
+        if size <= SLOW_CHECKSUM_BYTES or not checksummed_in_python(logger):
+            return
+        kib = size / 1024
+        ms = kib * PURE_PYTHON_CHECKSUM_MS_PER_KIB
+        rank_zero_warn(
+            f"{self!r} writes {kib:.0f} KiB to TensorBoard per logged step through Lightning's "
+            f"TensorBoardLogger, whose writer (TensorBoard's) checksums every record in pure "
+            f"Python: about {ms:.0f} ms per logged step on its writer thread, holding the GIL "
+            "the training step needs. lightning_recorder.TensorBoardLogger takes the same "
+            "arguments, writes the same files and checksums in C with the google-crc32c wheel "
+            '(pip install "lightning-recorder[fast-tensorboard]"); or log fewer values '
+            "(`stats`, `logger_stats`, `histograms=False`) or less often (`every_n_steps`). "
+            "Reported once.",
+            category=PossibleUserWarning,
+        )
 
     def _logger_filter(self, logger: Logger) -> frozenset[str]:
         """The statistics ``logger`` gets: those of ``logger_stats`` for its class (the most

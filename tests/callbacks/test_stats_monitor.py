@@ -849,6 +849,47 @@ def test_benchmark_idle_monitors_never_log(tmp_path: Path) -> None:
         assert monitor._train_step == (2 if hooks_run else 0)
 
 
+def test_benchmark_models_train_side_by_side(tmp_path: Path) -> None:
+    """``--model``: a benchmark model of bench_logging trains in turns with every module
+    monitored, the defaults with either logger, the baseline and the twin (a few steps here:
+    the full run is the benchmark's)."""
+    bench = load_benchmark("bench_callbacks")
+    for model, batch, size in (("mlp64", 128, 64), ("resnet18", 16, 3 * 32 * 32)):
+        module, data, sources = bench.workload(model, 3, 999)  # its own batch size
+        x, labels = next(iter(data))
+        assert x.shape[0] == labels.shape[0] == batch and x[0].numel() == size
+        assert sources == "net.*"
+        assert len(data) >= 3 and module.net(x).shape == (batch, 10)
+        again = next(iter(bench.workload(model, 3, 999)[1]))[0]
+        assert torch.equal(x, again)  # the same data in every configuration
+    names = list(bench.MODEL_CONFIGS)
+    timers = bench._side_by_side(names, 4, 0, str(tmp_path), model="mlp64")
+    assert set(timers) == {"monitor", "baseline", bench.RECORDER_LOGGER, bench.TWIN}
+    assert all(len(t.wall) == 3 and min(t.wall) > 0 for t in timers.values())
+
+
+def test_benchmark_table_of_a_benchmark_model_has_its_rows_only() -> None:
+    bench = load_benchmark("bench_callbacks")
+    keys = ("amortised", "non-logging step", "logging step")
+    names = [n for n in bench.MODEL_CONFIGS if n != "baseline"]
+    ratio = {n: dict.fromkeys(keys, 1.25) for n in names}
+    result = {
+        "ratio": {"wall": ratio, "cpu": ratio},
+        "ratio_range": {"wall": {n: dict.fromkeys(keys, (1.0, 1.5)) for n in names}},
+        "ms": {"wall": {n: dict.fromkeys(keys, 50.0) for n in ["baseline", *names]}},
+        "rss_kib": None,
+        "rss_steps": 2000,
+    }
+    out = bench.table(result)
+    assert "| amortised | 50.00 | 50.00 | **1.250** (1.00–1.50) | 1.250 | <= 1.01 |" in out
+    assert "the same monitor again" in out and "`lightning_recorder.TensorBoardLogger`" in out
+    assert "histograms=False" not in out and "does nothing" not in out
+    assert "peak RSS" not in out  # a benchmark model has no memory run
+    assert out.count("\n") == 1 + 3 + 2 + 2  # header, the monitor, the twin, the other logger
+    with pytest.raises(SystemExit):
+        bench.main(["--idle", "--model", "mlp64"])  # --idle times the digits CNN only
+
+
 # ------------------------------------------------------------------ loggers: W&B, tabular
 def test_numpy_histogram_has_the_buckets_written_to_tensorboard() -> None:
     import numpy as np

@@ -373,3 +373,70 @@ def test_the_package_touches_no_private_attribute_of_tensorboards_writers() -> N
     ]
     assert found == []
     assert PRIVATE.search("writer._get_file_writer().event_writer._async_writer._writer")
+
+
+# ------------------------------------------------------------------ the cost of a slow checksum
+class _Deep(pl.LightningModule):
+    """``depth`` small linear layers: an event of about 0.9 KiB per layer with the defaults."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(depth)])
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _checksum_warnings(logger: pl.loggers.Logger, depth: int) -> list[str]:
+    """The warnings about the checksum's cost of a run of three logged steps (each of
+    Lightning's category for a possible performance problem)."""
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    monitor = FeatureStatsMonitor("net.*", every_n_steps=1)
+    trainer = pl.Trainer(max_steps=3, logger=logger, callbacks=[monitor], **QUIET)
+    with pytest.warns() as caught:  # every warning of the run, whichever there are
+        trainer.fit(_Deep(depth), loader(features(12)))
+    assert monitor.logged_steps == 3
+    told = [w for w in caught if "per logged step" in str(w.message)]
+    assert all(w.category is PossibleUserWarning for w in told)
+    return [str(w.message) for w in told]
+
+
+def test_monitor_warns_once_of_tensorboards_pure_python_checksum_of_a_large_event(
+    tmp_path: Path,
+) -> None:
+    from lightning_recorder.callbacks._tensorboard import SLOW_CHECKSUM_BYTES
+
+    logger = LightningTensorBoardLogger(tmp_path, name="large")
+    (told,) = _checksum_warnings(logger, depth=48)  # three logged steps, one warning
+    size = int(re.search(r"writes (\d+) KiB", told).group(1))  # type: ignore[union-attr]
+    assert size * 1024 > SLOW_CHECKSUM_BYTES
+    assert "pure Python" in told and "lightning_recorder.TensorBoardLogger" in told
+    assert "fast-tensorboard" in told and "every_n_steps" in told and "Reported once" in told
+    (path,) = event_files(logger.log_dir)  # the size said is that of the events written
+    written = [len(r) for r in records(path) if Event.FromString(r).summary.value]
+    assert len(written) == 3 and all(abs(n / 1024 - size) <= 1 for n in written)
+    # a second monitor (another run) says it again, once
+    assert len(_checksum_warnings(LightningTensorBoardLogger(tmp_path, name="again"), 48)) == 1
+
+
+def test_monitor_says_nothing_of_a_small_event_or_a_c_checksum(tmp_path: Path) -> None:
+    # a few layers: a small event, its pure-Python checksum a millisecond or two
+    assert _checksum_warnings(LightningTensorBoardLogger(tmp_path, name="small"), depth=4) == []
+    # the package's logger checksums in C: the same large event, nothing to say
+    ours = TensorBoardLogger(tmp_path, name="ours")
+    assert ours.checksums_in_c
+    assert _checksum_warnings(ours, depth=48) == []
+
+
+def test_monitor_leaves_the_package_logger_without_the_wheel_to_warn_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "google_crc32c", None)
+    with pytest.warns(UserWarning, match="no C CRC-32C"):  # said once, when it is made
+        logger = TensorBoardLogger(tmp_path, name="plain")
+    assert type(logger.experiment) is SummaryWriter  # TensorBoard's own writer after all
+    assert _checksum_warnings(logger, depth=48) == []
