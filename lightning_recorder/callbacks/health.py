@@ -38,7 +38,7 @@ from ._health_sentinel import Sentinel, to_host_later
 from ._health_trace import Trace
 from ._health_verdict import Timeline
 from ._health_view import PARAMETER_STATS, HealthView
-from ._lightning import cached_state_key, step_axis
+from ._lightning import STATE_KEY, step_axis
 
 __all__ = [
     "DeadUnitsRule",
@@ -275,9 +275,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         """
         return _default_rules()
 
-    @property
-    def state_key(self) -> str:
-        return cached_state_key(self, self._make_state_key)
+    state_key = STATE_KEY  # made once by _make_state_key, then an instance attribute
 
     def _make_state_key(self) -> str:
         return self._generate_state_key(on_nonfinite=self.on_nonfinite, localize=self.localize)

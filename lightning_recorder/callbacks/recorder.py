@@ -17,8 +17,8 @@ from .._core.registry import option_names
 from ..errors import NoRecordError, NotInitializedError, RecorderConfigError, RecorderStateError
 from ..recorders import BaseRecorder, RecorderManager, recorder_types
 from ._lightning import (
+    STATE_KEY,
     Stage,
-    cached_state_key,
     check_stages,
     completes_step,
     is_compiled,
@@ -177,9 +177,7 @@ class RecorderCallback(Callback):
         self._loader = 0  # the dataloader index of the current evaluation batch
 
     # ------------------------------------------------------------------ public API
-    @property
-    def state_key(self) -> str:
-        return cached_state_key(self, self._make_state_key)
+    state_key = STATE_KEY  # made once by _make_state_key, then an instance attribute
 
     def _make_state_key(self) -> str:
         if self.name is not None:

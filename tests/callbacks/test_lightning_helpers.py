@@ -289,3 +289,39 @@ def test_step_axis_agrees_with_lightning_after_a_resume(
         assert oracle.seen
         disagreements = [s for s in oracle.seen if s[1] != s[2]]
         assert not disagreements, (path.name, disagreements)
+
+
+def test_state_key_is_made_once_and_then_read_without_a_python_call() -> None:
+    """Lightning reads ``state_key`` at every hook call (into a profiler label): after the first
+    read it is an attribute of the callback, which no Python function runs to read."""
+    import sys
+
+    from lightning_recorder import (
+        ActivationWriter,
+        FeatureDistillation,
+        FeatureStatsMonitor,
+        HealthMonitor,
+    )
+
+    made = [
+        FeatureStatsMonitor([nn.Linear], every_n_steps=3),
+        ActivationWriter(["body"], "memory://acts"),
+        HealthMonitor(on_nonfinite="skip"),
+        FeatureDistillation(nn.Sequential(nn.Linear(2, 2)), {"0": "0"}),
+    ]
+    for callback in made:
+        first = callback.state_key
+        assert first.startswith(type(callback).__name__) and first == callback._make_state_key()
+        calls: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any, calls: list[str] = calls) -> None:
+            if event == "call":  # a Python function entered
+                calls.append(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        try:
+            again = (callback.state_key, callback.state_key, callback.state_key)
+        finally:
+            sys.setprofile(None)
+        assert again == (first,) * 3 and calls == [], (type(callback).__name__, calls)
+    assert len({c.state_key for c in made}) == len(made)

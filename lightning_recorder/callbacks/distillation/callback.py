@@ -23,7 +23,7 @@ from typing_extensions import override
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
 from ...errors import RecorderConfigError, RecorderStateError
-from .._lightning import attached_trainer, cached_state_key
+from .._lightning import STATE_KEY, attached_trainer
 from ._bank import ConnectorBank
 from ._config import (
     LossSpec,
@@ -213,10 +213,7 @@ class FeatureDistillation(Callback):
             load_teacher(teacher, teacher_checkpoint)
         self._patch: StepPatch | None = None
 
-    @property
-    @override
-    def state_key(self) -> str:
-        return cached_state_key(self, self._make_state_key)
+    state_key = STATE_KEY  # made once by _make_state_key, then an instance attribute
 
     def _make_state_key(self) -> str:
         return self._generate_state_key(pairs=self.pairs, log_prefix=self.log_prefix)
