@@ -14,9 +14,12 @@ on the thread's CPU clock. Whatever slows a shared machine down for a while (oth
 clock changes) then falls on every configuration alike, a few milliseconds apart; timed one
 after the other, whole runs of the same configuration differed by several percent. Repeats
 rotate the order of the turns (and reverse it every other repeat), so that every configuration
-follows every other. After a step that logged, the timer waits for the logger's writer thread
-to finish that step's events (inside the next step's time, where a single run pays for them)
-so that they are not paid by another configuration's step.
+follows every other. A step that logged ends when the logger's writer thread has written its
+events (checksums included; in a single run that work competes with the next steps): the timer
+waits for it before it stops the clock and hands the turn on, so that no other configuration's
+step pays for it. (Until 09362ce the timer waited only when the turn came back: the writer
+thread ran during the other configurations' steps, and the ratios of a logging step read low,
+most for the largest events.)
 
 Per repeat, over steps 50-299 (five logging periods, warm-up excluded):
 
@@ -223,9 +226,9 @@ class _StepTimer(pl.Callback):
     A step runs from one ``on_train_batch_start`` to the next: data, forward, backward,
     optimizer, every callback and logging. With a baton, the timer hands the turn to the next
     trainer at each batch start and waits for it to come back, and the time spent waiting is not
-    counted. After a step that logged, the timer first waits for the logger's writer thread to
-    finish that step's events, inside the next step's time: in a single training run this work
-    competes with the following step, and here it must not land in another trainer's step.
+    counted. A step that logged ends when the logger's writer thread has written its events:
+    in a single training run that work competes with the following steps, and here it must not
+    land in another trainer's step, so the timer waits for it before the clock stops.
     """
 
     def __init__(
@@ -239,6 +242,12 @@ class _StepTimer(pl.Callback):
         self._started: tuple[float, float] | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._started is not None and _logs(len(self.wall)):  # the step ending logged
+            # its events written (and checksummed) by the logger's writer thread before the
+            # clock stops and the turn passes: in its own time, not in another configuration's
+            flush = getattr(getattr(trainer.logger, "experiment", None), "flush", None)
+            if callable(flush):
+                flush()
         wall, cpu = time.perf_counter(), time.thread_time()
         if self._started is not None:
             self.wall.append(wall - self._started[0])
@@ -253,10 +262,6 @@ class _StepTimer(pl.Callback):
                 self.baton.pass_on(self.me)
             self.baton.wait(self.me)
         self._started = time.perf_counter(), time.thread_time()
-        if step > 0 and step % EVERY == 0:
-            flush = getattr(getattr(trainer.logger, "experiment", None), "flush", None)
-            if callable(flush):
-                flush()
 
 
 def pin_malloc() -> bool:

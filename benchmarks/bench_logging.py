@@ -249,10 +249,11 @@ class NoEventMonitor(FeatureStatsMonitor):
 class TurnTimer(pl.Callback):
     """Step times (batch start to the next batch start), on the wall clock and on the training
     thread's CPU clock, while the configurations take turns one step at a time (the baton of
-    ``bench_callbacks``): the time spent waiting for the turn is not counted. At the start of
-    its turn a step first lets the logger's writer thread finish the previous step's event (in
-    a single run that work competes with the next step; here it must not fall on another
-    configuration's step)."""
+    ``bench_callbacks``): the time spent waiting for the turn is not counted. A step ends when
+    the logger's writer thread has written its event, before the clock stops and the turn
+    passes (in a single run that work competes with the next step; here it must not fall on
+    another configuration's step; until 09362ce the wait came when the turn came back, after
+    the writer thread had run during other configurations' steps)."""
 
     def __init__(self, baton: Any, me: int) -> None:
         self.baton, self.me = baton, me
@@ -261,6 +262,10 @@ class TurnTimer(pl.Callback):
         self._start: tuple[float, float] | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._start is not None:  # the step ending logged: its events written in its time
+            flush = getattr(getattr(trainer.logger, "experiment", None), "flush", None)
+            if callable(flush):
+                flush()
         now = (time.perf_counter(), time.thread_time())
         if self._start is not None:
             self.times.append(now[0] - self._start[0])
@@ -270,9 +275,6 @@ class TurnTimer(pl.Callback):
             self.baton.ready.wait()
         self.baton.wait(self.me)
         self._start = (time.perf_counter(), time.thread_time())
-        flush = getattr(getattr(trainer.logger, "experiment", None), "flush", None)
-        if callable(flush):
-            flush()
 
 
 class FloorReads(pl.Callback):

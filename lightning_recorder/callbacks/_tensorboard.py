@@ -26,8 +26,9 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 
 from ._lightning import logger_prefix
 
-#: TensorBoard's own writer checksums every record in pure Python, about this many ms per KiB
-#: (measured by ``benchmarks/bench_writer.py``), on its writer thread, holding the GIL.
+#: TensorBoard's own writer checksums every record in pure Python, up to about this many ms per
+#: KiB (``benchmarks/bench_writer.py`` under load; 0.2 on a quiet machine), on its writer
+#: thread, holding the GIL.
 PURE_PYTHON_CHECKSUM_MS_PER_KIB = 0.3
 #: A logged step's event of more bytes than this costs that checksum about 10 ms: worth saying.
 SLOW_CHECKSUM_BYTES = 32 * 1024

@@ -971,8 +971,8 @@ class FeatureStatsMonitor(RecorderCallback):
         rank_zero_warn(
             f"{self!r} writes {kib:.0f} KiB to TensorBoard per logged step through Lightning's "
             f"TensorBoardLogger, whose writer (TensorBoard's) checksums every record in pure "
-            f"Python: about {ms:.0f} ms per logged step on its writer thread, holding the GIL "
-            "the training step needs. lightning_recorder.TensorBoardLogger takes the same "
+            f"Python: up to about {ms:.0f} ms per logged step on its writer thread, holding the "
+            "GIL the training step needs. lightning_recorder.TensorBoardLogger takes the same "
             "arguments, writes the same files and checksums in C with the google-crc32c wheel "
             '(pip install "lightning-recorder[fast-tensorboard]"); or log fewer values '
             "(`stats`, `logger_stats`, `histograms=False`) or less often (`every_n_steps`). "
