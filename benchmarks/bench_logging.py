@@ -39,6 +39,7 @@ import random
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -476,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[str]]:
     parser.add_argument("--models", default="abc", help="Trainer-level models: a, b and/or c")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per Trainer run")
     args = parser.parse_args(argv)
+    # the MLP's event is large, and Lightning's logger's checksum is measured knowingly
+    warnings.filterwarnings("ignore", ".*per logged step through Lightning's TensorBoardLogger.*")
     torch.set_num_threads(1)
     repeats = 2 if args.quick else args.repeats
     parts = args.only.split(",")
