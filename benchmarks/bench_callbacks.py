@@ -347,13 +347,8 @@ def workload(model: str, steps: int, batch_size: int) -> tuple[pl.LightningModul
     if model == DIGITS:
         return DigitsCNN(), _loader(steps, batch_size), (nn.Conv2d, nn.Linear)
     bench = _bench_logging()
-    build, shape, batch = bench.MODELS[BENCHMARK_MODELS[model][0]]
-    data = torch.Generator().manual_seed(0)
-    n = batch * (steps + 1)
-    x = torch.randn(n, *shape, generator=data)
-    y = torch.randint(0, 10, (n,), generator=data)
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch)
-    return bench.Net(build()), loader, "net.*"
+    body, data, batch = bench.model_data(BENCHMARK_MODELS[model][0], steps)
+    return bench.Net(body), DataLoader(data, batch_size=batch), "net.*"
 
 
 def _trainer(

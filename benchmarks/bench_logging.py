@@ -316,14 +316,21 @@ class FloorReads(pl.Callback):
             handle.remove()
 
 
-def job(model_name: str, config: str, steps: int, root: str, timer: pl.Callback) -> Any:
-    """The Trainer, model and data of one configuration (every model from the same seed)."""
+def model_data(model_name: str, steps: int) -> tuple[nn.Module, Any, int]:
+    """The body of ``MODELS[model_name]``, made-up data for ``steps + 1`` of its batches (from
+    seed 0: the same in every configuration and run) and its batch size."""
     build, shape, batch = MODELS[model_name]
     torch.manual_seed(0)
     body = build()
     data = torch.utils.data.TensorDataset(
         torch.randn(batch * (steps + 1), *shape), torch.randint(0, 10, (batch * (steps + 1),))
     )
+    return body, data, batch
+
+
+def job(model_name: str, config: str, steps: int, root: str, timer: pl.Callback) -> Any:
+    """The Trainer, model and data of one configuration (every model from the same seed)."""
+    body, data, batch = model_data(model_name, steps)
     callbacks: list[pl.Callback] = [timer]
     if config == "floor":
         types = (nn.Conv2d, nn.Linear)

@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 
 from ._lightning import logger_prefix
+from .tensorboard_logger import TensorBoardLogger as RecorderTensorBoardLogger
 
 #: TensorBoard's own writer checksums every record in pure Python, up to about this many ms per
 #: KiB (``benchmarks/bench_writer.py`` under load; 0.2 on a quiet machine), on its writer
@@ -337,8 +338,6 @@ def checksummed_in_python(logger: TensorBoardLogger) -> bool:
     ``torch.utils.tensorboard``. ``False`` for :class:`~lightning_recorder.TensorBoardLogger`
     (in C with the ``google-crc32c`` wheel; without it, it says so itself when made) and for
     tensorboardX's writer (which uses the ``crc32c`` wheel where installed)."""
-    from .tensorboard_logger import TensorBoardLogger as RecorderTensorBoardLogger
-
     if isinstance(logger, RecorderTensorBoardLogger):
         return False
     return _writer_make(logger.experiment) == "torch"
