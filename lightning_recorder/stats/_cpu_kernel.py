@@ -45,12 +45,18 @@ DTYPES = (torch.float32, torch.float64)
 _ENV = "LIGHTNING_RECORDER_NATIVE"
 
 _LIB = torch.library.Library("lightning_recorder", "DEF")
-# ``sample``: the row's elements 0, stride, 2 stride, ... copied into it (one row only)
-_LIB.define("rows_state(Tensor x, Tensor(a!)? sample=None, int stride=1) -> Tensor")
+# Two overloads of the one op: ``default`` reads (a pure function, as torch.compile takes it
+# best), ``sampled`` also writes the row's elements 0, stride, 2 stride, ... into ``sample``
+# (one row only). One overload with an optional written argument instead failed in inductor
+# when the argument was left out (the functionalized call's result indexed after the call had
+# been put back in place).
+_LIB.define("rows_state(Tensor x) -> Tensor")
+_LIB.define("rows_state.sampled(Tensor x, Tensor(a!) sample, int stride) -> Tensor")
 
 
 def _fake(x: Tensor, sample: Tensor | None = None, stride: int = 1) -> Tensor:
-    """The op's fake implementation: the shape and dtype of the result, without data."""
+    """The op's fake implementation (both overloads): the shape and dtype of the result,
+    without data."""
     torch._check(x.dim() == 2, lambda: f"rows_state takes a 2-d tensor, got {x.dim()}-d")
     return x.new_empty((x.shape[0], WIDTH), dtype=F64)
 
@@ -58,12 +64,14 @@ def _fake(x: Tensor, sample: Tensor | None = None, stride: int = 1) -> Tensor:
 # torch.library.register_fake since torch 2.4, impl_abstract before
 _register_fake = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
 _register_fake("lightning_recorder::rows_state", _fake, lib=_LIB)
+_register_fake("lightning_recorder::rows_state.sampled", _fake, lib=_LIB)
 
 
 _lock = threading.Lock()
 _loaded = False
-# the op's overload, resolved once (a call through the overload packet costs a few µs more)
+# the op's overloads, resolved once (a call through the overload packet costs a few µs more)
 _OP = torch.ops.lightning_recorder.rows_state.default
+_OP_SAMPLED = torch.ops.lightning_recorder.rows_state.sampled
 
 
 def enabled() -> bool:
@@ -108,4 +116,4 @@ def rows_state(x: Tensor, sample: Tensor | None = None, stride: int = 1) -> Tens
     histogram sample of an output, taken with its state."""
     if sample is None:
         return _OP(x)
-    return _OP(x, sample, stride)
+    return _OP_SAMPLED(x, sample, stride)

@@ -340,8 +340,15 @@ at::Tensor rows_state_cpu(const at::Tensor& x, const std::optional<at::Tensor>& 
   return out;
 }
 
+at::Tensor rows_state_plain(const at::Tensor& x) { return rows_state_cpu(x, std::nullopt, 1); }
+
+at::Tensor rows_state_sampled(const at::Tensor& x, at::Tensor& sample, int64_t stride) {
+  return rows_state_cpu(x, sample, stride);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lightning_recorder, CPU, m) {
-  m.impl("rows_state", &rows_state_cpu);
+  m.impl("rows_state", &rows_state_plain);
+  m.impl("rows_state.sampled", &rows_state_sampled);
 }

@@ -110,6 +110,23 @@ def test_the_op_runs_inside_a_compiled_graph() -> None:
     assert_close_states(compiled(x), rows_state((x * 2.0).reshape(1, -1)))
 
 
+def test_the_sampling_overload_runs_inside_a_compiled_graph() -> None:
+    """The overload that writes the sample composes with torch.compile too: the graph writes
+    the caller's buffer, as the eager call does."""
+
+    def stats(x: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        return _cpu_kernel.rows_state(x.reshape(1, -1) * 2.0, sample, 7)
+
+    x = torch.randn(8, 300)
+    got, expected = torch.full((343,), 123.0), torch.full((343,), 123.0)
+    compiled = torch.compile(stats, fullgraph=True, dynamic=False)
+    assert_close_states(
+        compiled(x, got), _cpu_kernel.rows_state((x * 2.0).reshape(1, -1), expected, 7)
+    )
+    assert torch.equal(got, expected)
+    assert torch.equal(got, (x * 2.0).reshape(-1)[::7])
+
+
 def test_the_engine_takes_the_kernel_for_float32_and_float64_on_the_cpu() -> None:
     x = data("specials", n=300_000)
     assert engine.native_ready(x) and engine.native_ready(x.double())
@@ -177,7 +194,7 @@ def test_torch_checks_the_op_with_a_sample() -> None:
     """torch's operator checks of the mutating form (the schema declares the sample written)."""
     for x in (torch.randn(1, 500), data("specials", torch.float64, 900).view(1, -1)):
         sample = torch.zeros(-(-x.shape[1] // 7), dtype=x.dtype)
-        torch.library.opcheck(torch.ops.lightning_recorder.rows_state.default, (x, sample, 7))
+        torch.library.opcheck(torch.ops.lightning_recorder.rows_state.sampled, (x, sample, 7))
 
 
 def test_the_collector_samples_in_the_kernel_call_as_it_would_apart() -> None:
