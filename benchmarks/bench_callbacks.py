@@ -168,6 +168,9 @@ BENCHMARK_MODELS = {  # --model: (bench_logging's name of the model, what the ta
     "mlp64": ("(c) MLP, 64 layers, every module", "the 64-layer MLP"),
 }
 MODEL_CONFIGS = ("monitor", "baseline", RECORDER_LOGGER, TWIN)
+# The monitor's warning that Lightning's TensorBoardLogger checksums a large event in pure
+# Python: the benchmarks (this one and bench_logging) measure that cost knowingly.
+CHECKSUM_WARNING = ".*per logged step through Lightning's TensorBoardLogger.*"
 
 
 class _Baton:
@@ -243,11 +246,7 @@ class _StepTimer(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self._started is not None and _logs(len(self.wall)):  # the step ending logged
-            # its events written (and checksummed) by the logger's writer thread before the
-            # clock stops and the turn passes: in its own time, not in another configuration's
-            flush = getattr(getattr(trainer.logger, "experiment", None), "flush", None)
-            if callable(flush):
-                flush()
+            write_events(trainer)  # in its own time, not in another configuration's
         wall, cpu = time.perf_counter(), time.thread_time()
         if self._started is not None:
             self.wall.append(wall - self._started[0])
@@ -262,6 +261,15 @@ class _StepTimer(pl.Callback):
                 self.baton.pass_on(self.me)
             self.baton.wait(self.me)
         self._started = time.perf_counter(), time.thread_time()
+
+
+def write_events(trainer: pl.Trainer) -> None:
+    """Wait until the writer thread of ``trainer``'s logger has written (and checksummed) what
+    was logged so far, where the logger has one that can be flushed: a timer calls it at the
+    end of a step that logged, before the clock stops and the turn passes."""
+    flush = getattr(getattr(trainer.logger, "experiment", None), "flush", None)
+    if callable(flush):
+        flush()
 
 
 def pin_malloc() -> bool:
@@ -719,8 +727,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*validation_step.*but have no.*")
-    # the benchmark models' events are large, and the checksum is measured knowingly
-    warnings.filterwarnings("ignore", ".*per logged step through Lightning's TensorBoardLogger.*")
+    warnings.filterwarnings("ignore", CHECKSUM_WARNING)  # the benchmark models' large events
     if args.rss_child is not None:
         _rss_child(args.rss_child, args.batch_size)
         return {}

@@ -256,17 +256,16 @@ class TurnTimer(pl.Callback):
     another configuration's step; until 09362ce the wait came when the turn came back, after
     the writer thread had run during other configurations' steps)."""
 
-    def __init__(self, baton: Any, me: int) -> None:
+    def __init__(self, baton: Any, me: int, write_events: Callable[[pl.Trainer], None]) -> None:
         self.baton, self.me = baton, me
+        self.write_events = write_events  # bench_callbacks.write_events
         self.times: list[float] = []
         self.cpu: list[float] = []
         self._start: tuple[float, float] | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self._start is not None:  # the step ending logged: its events written in its time
-            flush = getattr(getattr(trainer.logger, "experiment", None), "flush", None)
-            if callable(flush):
-                flush()
+            self.write_events(trainer)
         now = (time.perf_counter(), time.thread_time())
         if self._start is not None:
             self.times.append(now[0] - self._start[0])
@@ -367,7 +366,7 @@ def side_by_side(
     on every configuration alike. ``(wall, CPU)`` step times of each, warm-up excluded."""
     turns = _sibling("bench_callbacks")
     baton = turns._Baton(len(configs), seed=seed)
-    timers = {c: TurnTimer(baton, k) for k, c in enumerate(configs)}
+    timers = {c: TurnTimer(baton, k, turns.write_events) for k, c in enumerate(configs)}
     jobs = [job(model_name, c, steps, root, timers[c]) for c in configs]
     turns.run_in_turns(
         [partial(trainer.fit, model, loader) for trainer, model, loader in jobs], baton
@@ -485,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[str]]:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per Trainer run")
     args = parser.parse_args(argv)
     # the MLP's event is large, and Lightning's logger's checksum is measured knowingly
-    warnings.filterwarnings("ignore", ".*per logged step through Lightning's TensorBoardLogger.*")
+    warnings.filterwarnings("ignore", _sibling("bench_callbacks").CHECKSUM_WARNING)
     torch.set_num_threads(1)
     repeats = 2 if args.quick else args.repeats
     parts = args.only.split(",")
