@@ -10,7 +10,9 @@ way ends the process: ``terminate called without an active exception`` (SIGABRT)
 the process group while Python is fully alive joins those threads first.
 
 * ``strategy="ddp"`` scripts (every rank runs ``__main__``): call :func:`end_process_group`
-  after the run returned normally (after an error another rank may still wait in a collective).
+  after the run, also after a failed one: ending a gloo process group is local to the process
+  (it does not wait for the other ranks), and a rank still waiting in a collective with this one
+  then fails at once instead of at its timeout.
 * ``ddp_spawn`` (the workers run ``fit`` only): add :class:`DestroyProcessGroup` to the
   callbacks; its ``teardown`` is the last hook of the fit in each worker.
 * :func:`record_threads_at_exit` writes the names of the process's native threads, as the

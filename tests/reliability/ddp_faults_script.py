@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from helpers.dist_exit import end_process_group
+from helpers.dist_exit import end_process_group, record_threads_at_exit
 from helpers.models import QUIET, ProbeNet, features
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -117,9 +117,11 @@ def main(out_dir: Path, mode: str) -> None:
         "batches": batches.seen,
     }
     torch.save(result, out_dir / f"rank{trainer.global_rank}.pt")
+    record_threads_at_exit(out_dir / f"threads{trainer.global_rank}.txt")
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
-    if sys.argv[2] != "fail":  # after a failed rank the other may still wait in a collective
-        end_process_group()  # before the interpreter exits (helpers/dist_exit.py)
+    # before the interpreter exits, after a failed fit too (helpers/dist_exit.py): the rank that
+    # failed ends its own process group without waiting for the other
+    end_process_group()

@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.dist_exit import leftover_c10d_threads, native_threads
 from helpers.models import QUIET, ProbeNet, features, reference_stats
 from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers import CSVLogger
@@ -394,6 +395,11 @@ def ddp_run(out: Path, mode: str) -> list[dict[str, Any]]:
         timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Both ranks exited with no thread of the process group left, after a failed fit too (see
+    # helpers.dist_exit: a gloo thread still running as the interpreter finalizes can abort it).
+    if native_threads() is not None:
+        for rank in (0, 1):
+            assert leftover_c10d_threads(out / f"threads{rank}.txt") == [], rank
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
