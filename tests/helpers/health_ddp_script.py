@@ -4,7 +4,8 @@ A rule that records its checks shows where the rules run.
 Usage: ``python health_ddp_script.py OUT_DIR``. Lightning's DDP launcher starts the second
 process. Rank ``r`` takes samples ``r, r + 2, …`` in order (its own ``DistributedSampler``), so
 that batch 1 of rank 1 alone carries :class:`Trap`'s marker. Each rank saves its events and its
-parameters after every batch to ``OUT_DIR/rank{RANK}.pt``.
+parameters after every batch to ``OUT_DIR/rank{RANK}.pt``, and the names of its threads at exit to
+``OUT_DIR/threads{RANK}.txt``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from helpers.dist_exit import end_process_group, record_threads_at_exit
 from helpers.health_models import Net, data
 from helpers.models import QUIET
 from lightning_recorder import HealthEvent, HealthMonitor, HealthRule, RuleInput
@@ -85,7 +87,9 @@ def main(out_dir: Path) -> None:
         "checks": checks.steps,
     }
     torch.save(result, out_dir / f"rank{trainer.global_rank}.pt")
+    record_threads_at_exit(out_dir / f"threads{trainer.global_rank}.txt")
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_process_group()  # before the interpreter exits (helpers/dist_exit.py)
