@@ -1,15 +1,21 @@
 """Every read of PyTorch's private state, in one file: a change in torch touches only this one.
 
+Torch 2.13 offers no public way to these facts; its own public utilities read the same kind of
+state (``torch.utils.module_tracker`` asks ``torch._C._current_graph_task_id`` whether a backward
+runs).
+
 * :func:`current_autograd_node` — set while the autograd engine runs a backward node, which is
   how a forward re-run by activation checkpointing is told apart from a real call.
 * :func:`is_compiled` — whether ``torch.compile`` compiles a module or a part of it;
   :func:`uncompiled` — the module a ``torch.compile`` wrapper holds.
-* :func:`distributed_active` — the one "is a process group running" test.
-* :func:`torch_op_signatures` — argument names of torch C functions, from their ATen schemas.
-
-
+* :func:`torch_op_signatures` — argument names of torch C functions, from their ATen schemas
+  (the public ``torch.overrides.get_testing_overrides()`` has one signature per function, some
+  of them short: ``torch.add`` without ``alpha``, ``torch.sum`` without ``keepdim``).
 * :func:`foreach_norm`, :func:`foreach_sub`, :func:`foreach_sub_`, :func:`foreach_copy_` —
-  torch's private multi-tensor kernels, one call for many tensors.
+  torch's multi-tensor kernels (``torch._foreach_*``), one call for many tensors.
+
+Two helpers read nothing private and live here to be found with them:
+:func:`distributed_active` (the one "is a process group running" test) and :func:`dtensor_type`.
 """
 
 from __future__ import annotations
