@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.dist_exit import leftover_c10d_threads, native_threads
+from helpers.dist_exit import assert_no_c10d_threads_left
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "health_ddp_script.py"
 
@@ -38,9 +38,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # no thread of the process group left at exit (helpers.dist_exit), which could abort a rank
-    if native_threads() is not None:
-        for rank in (0, 1):
-            assert leftover_c10d_threads(out / f"threads{rank}.txt") == [], rank
+    assert_no_c10d_threads_left(out)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     return {"ranks": ranks, "out": out}
 

@@ -16,7 +16,8 @@ the process group while Python is fully alive joins those threads first.
 * ``ddp_spawn`` (the workers run ``fit`` only): add :class:`DestroyProcessGroup` to the
   callbacks; its ``teardown`` is the last hook of the fit in each worker.
 * :func:`record_threads_at_exit` writes the names of the process's native threads, as the
-  interpreter starts to exit, for the tests to check that none of torch's is left.
+  interpreter starts to exit, for the tests to check that none of torch's is left
+  (:func:`assert_no_c10d_threads_left`).
 """
 
 from __future__ import annotations
@@ -86,3 +87,14 @@ def leftover_c10d_threads(path: Path) -> list[str]:
     """The torch process-group threads listed in a file of :func:`record_threads_at_exit`."""
     names = Path(path).read_text().split()
     return [name for name in names if name.startswith(C10D_THREADS)]
+
+
+def assert_no_c10d_threads_left(out: Path, ranks: tuple[int, ...] = (0, 1)) -> None:
+    """Assert that each rank's threads at exit (``out/threads{rank}.txt`` of
+    :func:`record_threads_at_exit`) held no thread of the process group; where ``/proc`` lists
+    no threads (not Linux) there is nothing to check."""
+    if native_threads() is None:
+        return
+    for rank in ranks:
+        left = leftover_c10d_threads(Path(out) / f"threads{rank}.txt")
+        assert left == [], f"rank {rank} exited with process-group threads: {left}"

@@ -2,9 +2,10 @@
 
 Usage: ``python ddp_faults_script.py OUT_DIR MODE`` with MODE ``uneven`` (a full run: 10 rows,
 each rank gets 5, so its second batch holds one row) or ``fail`` (rank 1 raises in its second
-``training_step``; rank 0 then waits in the gradient all-reduce until the process group's
-timeout). Each rank saves what it saw and what was left installed to ``OUT_DIR/rank{RANK}.pt``;
-rank 0 logs to ``OUT_DIR/ddp/version_0/metrics.csv``.
+``training_step``; rank 0's gradient all-reduce then fails when rank 1 ends its process group,
+at the latest at the process group's timeout). Each rank saves what it saw and what was left
+installed to ``OUT_DIR/rank{RANK}.pt``, and the names of its threads at exit to
+``OUT_DIR/threads{RANK}.txt``; rank 0 logs to ``OUT_DIR/ddp/version_0/metrics.csv``.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def main(out_dir: Path, mode: str) -> None:
     ]
     trainer = pl.Trainer(
         **QUIET,
-        # With a failing rank the other waits in the all-reduce until this timeout; it also
+        # With a failing rank the other waits in the all-reduce at most until this timeout; it also
         # bounds the start-up rendezvous, so it must cover a slow start of the second process.
         strategy=DDPStrategy(timeout=timedelta(seconds=90 if mode == "fail" else 600)),
         devices=2,
