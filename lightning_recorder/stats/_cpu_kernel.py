@@ -37,12 +37,13 @@ from torch import Tensor
 from .._core.checks import switched_on
 from ._state import F64, WIDTH
 
-__all__ = ["DTYPES", "build", "enabled", "loaded", "rows_state"]
+__all__ = ["DTYPES", "ENV", "build", "enabled", "loaded", "rows_state"]
 
 SOURCE = Path(__file__).with_name("_cpu_state.cpp")
 # The dtypes the kernel reads.
 DTYPES = (torch.float32, torch.float64)
-_ENV = "LIGHTNING_RECORDER_NATIVE"
+# The environment variable that turns the kernel off (``0``/``off``).
+ENV = "LIGHTNING_RECORDER_NATIVE"
 
 _LIB = torch.library.Library("lightning_recorder", "DEF")
 # Two overloads of the one op: ``default`` reads (a pure function, as torch.compile takes it
@@ -76,7 +77,7 @@ _OP_SAMPLED = torch.ops.lightning_recorder.rows_state.sampled
 
 def enabled() -> bool:
     """Whether the kernel may be used (``LIGHTNING_RECORDER_NATIVE`` is not ``0``/``off``)."""
-    return switched_on(_ENV)
+    return switched_on(ENV)
 
 
 def loaded() -> bool:
@@ -89,7 +90,7 @@ def build() -> None:
     builder raises (no compiler, no ``ninja``) and ``RuntimeError`` when the kernel is off."""
     global _loaded
     if not enabled():
-        raise RuntimeError(f"the CPU kernel is off ({_ENV}=0)")
+        raise RuntimeError(f"the CPU kernel is off ({ENV}=0)")
     with _lock:
         if _loaded:
             return

@@ -179,6 +179,8 @@ class _Compiler:
 
     def status(self) -> str:
         native = "; CPU kernel loaded" if _cpu_kernel.loaded() else ""
+        if not native and not _cpu_kernel.enabled():
+            native = f"; CPU kernel off ({_cpu_kernel.ENV}=0)"
         if self._native_failed is not None:
             native = f"; CPU kernel not built: {self._native_failed}"
         if not compile_enabled():
@@ -397,7 +399,9 @@ def compile_status() -> str:
     Returns:
         ``"off (LIGHTNING_RECORDER_COMPILE=0)"``, ``"failed: <the compiler's error>"``, ``"not
         compiled yet"``, or ``"compiled for <kernel device dtype ...>, ..."`` (with ``" (more
-        compiling)"`` while a background compile runs).
+        compiling)"`` while a background compile runs); then, for the CPU kernel,
+        ``"; CPU kernel loaded"``, ``"; CPU kernel not built: <the builder's error>"``,
+        ``"; CPU kernel off (LIGHTNING_RECORDER_NATIVE=0)"``, or nothing (not built yet).
 
     Examples:
         >>> from lightning_recorder.stats import compile_status
