@@ -70,6 +70,10 @@ and compiled ahead of time by AOTInductor into a package whose C++ runner launch
 host time and device operations per call, the compile's seconds, and how far apart the two
 results are. A per-output host cost is what keeps a ResNet-18 logging step above its target
 (see ``docs/benchmarks.md``); this says what the other way of calling the same graph would save.
+Before it, the same option compares two ways of taking the states of every convolution output of
+a ResNet-18 step (20; as rows, masked): a ``torch.compile`` call per output, as the monitor's
+hooks call the engine, and one call of one graph for all of them: host time and device
+operations per output, each way's first call (its compile), and how far apart the results are.
 
 Run ``python benchmarks/bench_gpu.py`` (``--quick``: one repeat; ``--json PATH``: save every
 figure; ``--stacks``: print where each added synchronisation comes from; ``--profile MODEL``:
@@ -851,6 +855,73 @@ def _ahead_of_time(example: Tensor, folder: str) -> tuple[Callable[[Tensor], Ten
     return runner, time.perf_counter() - start
 
 
+def _all_states(xs: list[Tensor]) -> Tensor:
+    """The states of the rows of each 2-d tensor of ``xs`` (``rows_state``, masked), one tensor
+    after another: every output of a step in one call of one graph."""
+    return torch.cat([rows_state(x, False) for x in xs])
+
+
+def step_output_shapes() -> list[tuple[int, ...]]:
+    """The shapes of the convolution outputs of one step of the benchmark's ResNet-18: per
+    stage, the stem or the stage's shortcut and the four convolutions of its two blocks (20 in
+    all); on the CPU (toy sizes), one per stage (a shorter compile)."""
+    width, side = Setup.widths["resnet-18"], IMAGE
+    per_stage = 5 if Setup.cuda() else 1
+    return [
+        (Setup.batch, width * 2**stage, side >> stage, side >> stage)
+        for stage in range(4)
+        for _ in range(per_stage)
+    ]
+
+
+def batched_rows() -> dict[str, Any]:
+    """The states of every convolution output of a ResNet-18 step (each as :data:`BLOCK_ROWS`
+    rows, masked, as the monitor takes a large output on a GPU), for information: one
+    ``torch.compile`` call per output, as the monitor calls the engine in its hooks, against one
+    call of one graph for them all (``_all_states``). Host time and device operations per
+    output (the device left to run behind), the seconds of each first call (its compile), and
+    the largest relative difference of the two results."""
+    rows: dict[str, Any] = {}
+    each = torch.compile(rows_state, dynamic=True)
+    together = torch.compile(_all_states, dynamic=True)
+    with torch.no_grad():
+        for dtype in (torch.float32,):
+            name = str(dtype).removeprefix("torch.")
+            xs = [
+                torch.randn(shape, device=Setup.device).to(dtype).reshape(engine.BLOCK_ROWS, -1)
+                for shape in step_output_shapes()
+            ]
+
+            def one_each(xs: list[Tensor] = xs) -> Tensor:
+                return torch.cat([each(x, False) for x in xs])
+
+            def all_at_once(xs: list[Tensor] = xs) -> Tensor:
+                return together(xs)
+
+            found: dict[str, Tensor] = {}
+            seconds: dict[str, float] = {}
+            for how, fn in (("each", one_each), ("all", all_at_once)):
+                start = time.perf_counter()
+                found[how] = fn()
+                _sync()
+                seconds[how] = time.perf_counter() - start
+            scale = found["each"].abs().clamp(min=1e-30)
+            difference = ((found["all"] - found["each"]).abs() / scale).max().item()
+            n = len(xs)
+            for how, label in (
+                ("each", "a torch.compile call per output"),
+                ("all", "one torch.compile call for all"),
+            ):
+                fn = one_each if how == "each" else all_at_once
+                rows[f"{name}, {n} outputs, {label}"] = {
+                    "host per output (µs)": _host_per_call(fn, calls=50) / n * 1e6,
+                    "device operations per output": _device_operations_per_call(fn) / n,
+                    "first call (s)": seconds[how],
+                    "largest relative difference": difference,
+                }
+    return rows
+
+
 def aot_rows() -> dict[str, Any]:
     """The same graph called two ways, for information: the state of a large output's rows
     (``BLOCK_ROWS`` rows, masked, as on a GPU) compiled by ``torch.compile`` (the engine's way:
@@ -969,6 +1040,18 @@ def call_table(rows: dict[str, Any]) -> str:
     return _keyed_table("output", ("host per output (µs)", "device operations per output"), rows)
 
 
+def _comparison_table(label: str, keys: Sequence[str], rows: dict[str, Any]) -> str:
+    """A table of the ways of calling one graph: a failed row shows its reason in the first
+    column, a relative difference in scientific notation."""
+
+    def cell(key: str, row: dict[str, Any]) -> str:
+        if "failed" in row:  # the reason in the first column, the others empty
+            return f"failed: {row['failed']}" if key == keys[0] else ""
+        return f"{row[key]:.2e}" if key.startswith("largest") else _cell(row[key])
+
+    return _keyed_table(label, keys, rows, cell)
+
+
 def aot_table(rows: dict[str, Any]) -> str:
     keys = (
         "host per call (µs)",
@@ -976,13 +1059,17 @@ def aot_table(rows: dict[str, Any]) -> str:
         "compile (s)",
         "largest relative difference",
     )
+    return _comparison_table("call", keys, rows)
 
-    def cell(key: str, row: dict[str, Any]) -> str:
-        if "failed" in row:  # the reason in the first column, the others empty
-            return f"failed: {row['failed']}" if key == keys[0] else ""
-        return f"{row[key]:.2e}" if key.startswith("largest") else _cell(row[key])
 
-    return _keyed_table("call", keys, rows, cell)
+def batched_table(rows: dict[str, Any]) -> str:
+    keys = (
+        "host per output (µs)",
+        "device operations per output",
+        "first call (s)",
+        "largest relative difference",
+    )
+    return _comparison_table("calls", keys, rows)
 
 
 def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -1201,8 +1288,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"package's TensorBoardLogger checksums in {info['checksum']}"
     )
     if args.aot:
+        _stamp("every output of a step: a call each, or one call for all ...")
+        batched = batched_rows()
+        print(
+            "\nThe states of every convolution output of a ResNet-18 step, a torch.compile call "
+            "per output (as the monitor's hooks call the engine) or one call of one graph for "
+            "all (for information): host time and the device's operations per output:\n"
+        )
+        print(batched_table(batched), flush=True)  # kept in the log if the rest runs too long
         _stamp("the state's graph called two ways ...")
-        found = {"info": info, "aot": aot_rows()}
+        found = {"info": info, "batched": batched, "aot": aot_rows()}
         print(
             "\nThe state of a large output's rows, the same graph compiled by torch.compile "
             "and ahead of time by AOTInductor (for information): host time per call (the "

@@ -10,8 +10,9 @@
 # (GPU, driver, versions, commit), pytest_gpu.log and pytest_gpu.xml (per-test results and the
 # memory figures the tests record), bench_gpu.log and bench_gpu.json (every figure, the summary
 # against the targets last), profile.log (where the time of a logging step goes, host and GPU),
-# bench_health.log, and aot.log and aot.json (last, for information: one graph of the state
-# called through torch.compile and compiled ahead of time by AOTInductor). Nothing is installed:
+# bench_health.log, and aot.log and aot.json (last, for information: the states of a step's
+# outputs through a torch.compile call each and through one call for all, then one graph of the
+# state called through torch.compile and compiled ahead of time by AOTInductor). Nothing is installed:
 # it runs the Python that holds a CUDA build of torch ($PYTHON; by default .venv/bin/python if
 # there is one, else python3) on this checkout (PYTHONPATH). Designed for a few minutes on an
 # H100 (under 10 in all): each part has a time limit (TESTS_TIMEOUT, BENCH_TIMEOUT,
@@ -34,7 +35,7 @@ BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}"
 BENCH_BUDGET="${BENCH_BUDGET:-100}"
 HEALTH_TIMEOUT="${HEALTH_TIMEOUT:-80}"
 PROFILE_TIMEOUT="${PROFILE_TIMEOUT:-60}"
-AOT_TIMEOUT="${AOT_TIMEOUT:-75}"  # 0: skip the last, informational part
+AOT_TIMEOUT="${AOT_TIMEOUT:-120}"  # 0: skip the last, informational part
 PYTEST_ARGS="${PYTEST_ARGS--x}"  # PYTEST_ARGS= (empty) runs every test after a failure too
 BENCH_ARGS="${BENCH_ARGS-}"  # more arguments of bench_gpu.py, e.g. --package-logger
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -119,16 +120,18 @@ timeout -s INT -k 20 "$HEALTH_TIMEOUT" "$PYTHON" benchmarks/bench_health.py --de
 health=${PIPESTATUS[0]}
 stamp "bench_health: exit status $health"
 
-# Last, for information (its status does not count): one graph of the state called as the engine
-# calls it (torch.compile) and compiled ahead of time by AOTInductor, host time per call
+# Last, for information (its status does not count): the states of a step's outputs through a
+# torch.compile call each and through one call for all (its table printed first, kept in aot.log
+# if the limit stops the rest), then one graph of the state called as the engine calls it
+# (torch.compile) and compiled ahead of time by AOTInductor; host time per output and per call
 aot=skipped
 if [ "$AOT_TIMEOUT" -gt 0 ]; then
     stamp "benchmarks/bench_gpu.py --aot (limit ${AOT_TIMEOUT} s) ..."
     timeout -s INT -k 20 "$AOT_TIMEOUT" "$PYTHON" benchmarks/bench_gpu.py --device "$DEVICE" \
         --aot --json "$OUT/aot.json" > "$OUT/aot.log" 2>&1
     aot=$?
-    stamp "torch.compile against AOTInductor: exit status $aot (in aot.log)"
+    stamp "a call each, one call for all, AOTInductor: exit status $aot (in aot.log)"
 fi
 
-stamp "done: tests $tests, benchmark $bench, profile $profile, health benchmark $health, AOTInductor comparison $aot; results in $OUT"
+stamp "done: tests $tests, benchmark $bench, profile $profile, health benchmark $health, call comparisons $aot; results in $OUT"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$profile" -eq 0 ] && [ "$health" -eq 0 ]
