@@ -15,7 +15,8 @@
 # state called through torch.compile and compiled ahead of time by AOTInductor). Nothing is installed:
 # it runs the Python that holds a CUDA build of torch ($PYTHON; by default .venv/bin/python if
 # there is one, else python3) on this checkout (PYTHONPATH). Designed for a few minutes on an
-# H100 (under 10 in all): each part has a time limit (TESTS_TIMEOUT, BENCH_TIMEOUT,
+# H100 (the default limits add up to 640 s; a runner that stops at 600 s cuts the last,
+# informational part first): each part has a time limit (TESTS_TIMEOUT, BENCH_TIMEOUT,
 # PROFILE_TIMEOUT, HEALTH_TIMEOUT, AOT_TIMEOUT seconds; AOT_TIMEOUT=0 skips the last part; the
 # benchmark's timing stops starting repeats after BENCH_BUDGET seconds; PYTEST_ARGS, "-x" by
 # default, go to pytest, BENCH_ARGS to bench_gpu.py), and the benchmarks run even when a test
