@@ -41,7 +41,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +239,13 @@ def _sibling(name: str) -> Any:
     return module
 
 
+@cache
+def _turns() -> Any:
+    """``bench_callbacks`` of this folder, loaded once (its baton, its turn runner, its event
+    flush and its checksum-warning pattern; nothing here changes it)."""
+    return _sibling("bench_callbacks")
+
+
 class NoEventMonitor(FeatureStatsMonitor):
     """The monitor without writing anything: its own work, without building and writing the
     TensorBoard event (for information)."""
@@ -364,7 +371,7 @@ def side_by_side(
     """One Trainer per configuration, each in its own thread, taking turns step by step (a
     step of each in a fresh random order every round): the slow spells of a shared machine fall
     on every configuration alike. ``(wall, CPU)`` step times of each, warm-up excluded."""
-    turns = _sibling("bench_callbacks")
+    turns = _turns()
     baton = turns._Baton(len(configs), seed=seed)
     timers = {c: TurnTimer(baton, k, turns.write_events) for k, c in enumerate(configs)}
     jobs = [job(model_name, c, steps, root, timers[c]) for c in configs]
@@ -484,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[str]]:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per Trainer run")
     args = parser.parse_args(argv)
     # the MLP's event is large, and Lightning's logger's checksum is measured knowingly
-    warnings.filterwarnings("ignore", _sibling("bench_callbacks").CHECKSUM_WARNING)
+    warnings.filterwarnings("ignore", _turns().CHECKSUM_WARNING)
     torch.set_num_threads(1)
     repeats = 2 if args.quick else args.repeats
     parts = args.only.split(",")
