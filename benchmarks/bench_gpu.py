@@ -881,45 +881,36 @@ def batched_rows() -> dict[str, Any]:
     call of one graph for them all (``_all_states``). Host time and device operations per
     output (the device left to run behind), the seconds of each first call (its compile), and
     the largest relative difference of the two results."""
-    rows: dict[str, Any] = {}
     each = torch.compile(rows_state, dynamic=True)
     together = torch.compile(_all_states, dynamic=True)
     with torch.no_grad():
-        for dtype in (torch.float32,):
-            name = str(dtype).removeprefix("torch.")
-            xs = [
-                torch.randn(shape, device=Setup.device).to(dtype).reshape(engine.BLOCK_ROWS, -1)
-                for shape in step_output_shapes()
-            ]
-
-            def one_each(xs: list[Tensor] = xs) -> Tensor:
-                return torch.cat([each(x, False) for x in xs])
-
-            def all_at_once(xs: list[Tensor] = xs) -> Tensor:
-                return together(xs)
-
-            found: dict[str, Tensor] = {}
-            seconds: dict[str, float] = {}
-            for how, fn in (("each", one_each), ("all", all_at_once)):
-                start = time.perf_counter()
-                found[how] = fn()
-                _sync()
-                seconds[how] = time.perf_counter() - start
-            scale = found["each"].abs().clamp(min=1e-30)
-            difference = ((found["all"] - found["each"]).abs() / scale).max().item()
-            n = len(xs)
-            for how, label in (
-                ("each", "a torch.compile call per output"),
-                ("all", "one torch.compile call for all"),
-            ):
-                fn = one_each if how == "each" else all_at_once
-                rows[f"{name}, {n} outputs, {label}"] = {
-                    "host per output (µs)": _host_per_call(fn, calls=50) / n * 1e6,
-                    "device operations per output": _device_operations_per_call(fn) / n,
-                    "first call (s)": seconds[how],
-                    "largest relative difference": difference,
-                }
-    return rows
+        xs = [
+            torch.randn(shape, device=Setup.device).reshape(engine.BLOCK_ROWS, -1)
+            for shape in step_output_shapes()
+        ]
+        ways: dict[str, Callable[[], Tensor]] = {
+            "a torch.compile call per output": lambda: torch.cat([each(x, False) for x in xs]),
+            "one torch.compile call for all": lambda: together(xs),
+        }
+        found: dict[str, Tensor] = {}
+        seconds: dict[str, float] = {}
+        for label, fn in ways.items():
+            start = time.perf_counter()
+            found[label] = fn()
+            _sync()
+            seconds[label] = time.perf_counter() - start
+        first, second = found.values()
+        difference = ((second - first).abs() / first.abs().clamp(min=1e-30)).max().item()
+        n = len(xs)
+        return {
+            f"float32, {n} outputs, {label}": {
+                "host per output (µs)": _host_per_call(fn, calls=50) / n * 1e6,
+                "device operations per output": _device_operations_per_call(fn) / n,
+                "first call (s)": seconds[label],
+                "largest relative difference": difference,
+            }
+            for label, fn in ways.items()
+        }
 
 
 def aot_rows() -> dict[str, Any]:

@@ -178,11 +178,14 @@ class _Compiler:
         return key is not None and key in self._ready and not getattr(_LOCAL, "eager", False)
 
     def status(self) -> str:
-        native = "; CPU kernel loaded" if _cpu_kernel.loaded() else ""
-        if not native and not _cpu_kernel.enabled():
-            native = f"; CPU kernel off ({_cpu_kernel.ENV}=0)"
         if self._native_failed is not None:
             native = f"; CPU kernel not built: {self._native_failed}"
+        elif _cpu_kernel.loaded():
+            native = "; CPU kernel loaded"
+        elif not _cpu_kernel.enabled():
+            native = f"; CPU kernel off ({_cpu_kernel.ENV}=0)"
+        else:
+            native = ""  # not built yet
         if not compile_enabled():
             return f"off ({_ENV}=0){native}"
         if self._failed is not None:
