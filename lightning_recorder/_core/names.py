@@ -282,6 +282,22 @@ def select(
     return matched
 
 
+def absent_module_type(source: object, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether ``source`` names module classes (a class, a tuple of classes, or a string that
+    resolves to one, as :func:`as_module_type` reads it) of which ``modules`` (from
+    :func:`named_modules`) hold no instance, the root left out as :func:`select` leaves it out.
+
+    A name or pattern is never absent in this sense, nor is a bare class name that is not one of
+    ``torch.nn``'s (a :func:`class_named` stand-in): those may be typos.
+    """
+    if isinstance(source, str) and canonical_name(source) in modules:
+        return False
+    wanted = as_module_type(source)
+    if wanted is None or isinstance(wanted, _ClassNameMeta):
+        return False
+    return not any(isinstance(module, wanted) for name, module in modules.items() if name)
+
+
 def as_module_type(source: object) -> type | tuple[type, ...] | None:
     """The module type(s) a source names, or ``None`` when it names modules by name/pattern.
 

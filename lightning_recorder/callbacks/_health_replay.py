@@ -16,8 +16,10 @@ shows non-finite values:
   touched;
 * every buffer (BatchNorm running statistics, counters) is copied before and written back after.
 
-What is not restored: Python state that ``training_step`` changes by itself (counters,
-attributes), and other recorders, which see the replay's module calls as calls of the step.
+The recorder callbacks of the Trainer (``FeatureStatsMonitor``, ``ActivationWriter``) are
+:meth:`~lightning_recorder.RecorderCallback.paused` meanwhile: the step's statistics and records
+count its calls once. What is not restored: Python state that ``training_step`` changes by
+itself (counters, attributes).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 from ._health_trace import Trace
 from ._health_verdict import Finding
 from ._lightning import is_compiled
+from .recorder import RecorderCallback
 
 __all__ = ["MicroBatch", "capture_rng", "replay", "why_not_replayable"]
 
@@ -155,6 +158,9 @@ def replay(
             stack.enter_context(muted_logging(pl_module))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(_eager(pl_module))
+            for callback in trainer.callbacks:  # type: ignore[attr-defined]
+                if isinstance(callback, RecorderCallback):
+                    stack.enter_context(callback.paused())
             trace.install()
             for micro in window:
                 torch.set_rng_state(micro.cpu_rng)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -296,7 +297,7 @@ class RecorderCallback(Callback):
         if self._manager is not None:
             return
         keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
-        configs: dict[str, dict[str, Any]] = self._configs
+        configs = self._configs_for(pl_module)
         if keep:  # patches of functions and methods stay in place too, so nothing recompiles
             configs = {name: _persistent(config) for name, config in configs.items()}
         manager = RecorderManager(configs)
@@ -328,6 +329,20 @@ class RecorderCallback(Callback):
             manager.reset_data_buffer()
             manager.release()
         self._on_detach()
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Record nothing inside; the batch's records so far stay, and recording goes on after.
+
+        For a forward pass inside the step that is not the step's own: ``HealthMonitor``
+        replays a flagged step inside it, so that the step's statistics count its calls once.
+        """
+        manager = self._manager
+        return contextlib.nullcontext() if manager is None else manager.paused()
+
+    def _configs_for(self, pl_module: pl.LightningModule) -> dict[str, dict[str, Any]]:
+        """The configs of the recorders to install on ``pl_module``: all of them (a subclass
+        may leave some out)."""
+        return self._configs
 
     def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Called once the recorders are installed (subclasses prepare here)."""

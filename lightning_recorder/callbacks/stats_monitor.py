@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from .._core.checks import check_bool, check_positive_int, suggestion
 from .._core.compat import distributed_active
-from .._core.names import named_modules, named_parameters, select
+from .._core.names import absent_module_type, named_modules, named_parameters, select
 from ..errors import RecorderConfigError, UnknownSourceError
 from ..recorders import RecordStream
 from ..stats import STAT_NAMES, StatName
@@ -149,6 +149,10 @@ class FeatureStatsMonitor(RecorderCallback):
             ``"features.*"`` (``*`` crosses dots), ``"re:"`` regular expressions matching whole
             names, or module types (``torch.nn.Conv2d``, ``"torch.nn.Conv2d"``, ``"Conv2d"``, or
             the bare name of a class defined elsewhere, ``"BertLayer"``) — one, or a list.
+            A type of ``torch.nn`` (or a class passed as such) that the model does not have is
+            left out when another source matches, so that one list such as ``[nn.Conv2d,
+            nn.Linear, nn.ReLU, nn.Tanh]`` serves any network; names, patterns and bare class
+            names must match.
             An item may be a dict ``{"source": ..., "path": ...}`` to follow a path into the
             module's output: a tuple index (``0``), a key or attribute (``"last_hidden_state"``),
             or a dotted chain of them (``"hidden_states.2"``), as the ``path`` of
@@ -466,6 +470,32 @@ class FeatureStatsMonitor(RecorderCallback):
             )
 
     @override
+    @override
+    def _configs_for(self, pl_module: pl.LightningModule) -> dict[str, dict[str, Any]]:
+        """Every source but the module types the model does not have, so that one list, such as
+        ``[nn.Conv2d, nn.Linear, nn.ReLU, nn.Tanh]``, serves any network. Names, patterns and
+        bare class names that are not ``torch.nn``'s must match (a typo is an error there), and
+        so must one of the types.
+
+        Raises:
+            UnknownSourceError: every source is a module type and the model has none of them.
+        """
+        modules = named_modules(pl_module)
+        present = {
+            key: config
+            for key, config in self._configs.items()
+            if not absent_module_type(config["source"], modules)
+        }
+        if present or len(self._configs) == 1:  # one source: the recorder's own error
+            return present or self._configs
+        wanted = ", ".join(key.rsplit(".", 1)[-1] for key in self._configs)
+        types = sorted({type(module).__name__ for name, module in modules.items() if name})
+        raise UnknownSourceError(
+            f"{type(self).__name__} found no module of any of the types of `sources` "
+            f"({wanted}) in the model, so it would monitor nothing. Types present: "
+            f"{', '.join(types)}. Name some of those, or modules by name or pattern."
+        )
+
     def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # One stream per key: the module name, then "/" and the dotted path if there is one
         # (two paths into one module are two series; a second recorder of a key is not counted).

@@ -13,10 +13,11 @@ patches installed, gated by a flag), and *records* only while its context is act
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType, TracebackType
 from typing import Any, ClassVar, Literal
 
@@ -422,6 +423,20 @@ class BaseRecorder(abc.ABC):
     def stop(self) -> None:
         """Stop recording; records stay readable. Does nothing if not recording."""
         self._recording = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record no call of the source inside; recording goes on after, into the same records.
+
+        For calls that are not part of what is recorded, such as a second forward pass inside a
+        step (``HealthMonitor`` replays a flagged step this way). Does nothing when not
+        recording.
+        """
+        was, self._recording = self._recording, False
+        try:
+            yield
+        finally:
+            self._recording = was
 
     def __enter__(self) -> BaseRecorder:
         with _CONTEXT_LOCK:

@@ -18,6 +18,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
 from types import MappingProxyType, TracebackType
@@ -172,6 +173,15 @@ class RecorderManager:
         """
         for recorder in self._recorders.values():
             recorder.suspend()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Every recorder :meth:`~lightning_recorder.recorders.base.BaseRecorder.paused` inside:
+        no call is recorded, and recording goes on after into the same records."""
+        with contextlib.ExitStack() as stack:
+            for recorder in self._recorders.values():
+                stack.enter_context(recorder.paused())
+            yield
 
     def stop(self) -> None:
         """Stop every recorder (idempotent); records stay readable."""

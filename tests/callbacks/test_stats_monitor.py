@@ -690,6 +690,48 @@ def test_unknown_source_fails_at_start(tmp_path: Path) -> None:
     assert live_hooks() == []
 
 
+def test_module_types_the_model_lacks_are_left_out(tmp_path: Path) -> None:
+    """One list of types serves any network (the health docs' list, on an MLP without
+    convolutions or tanh): the types present are monitored, the others left out."""
+    logger = TensorBoardLogger(tmp_path, name="types")
+    monitor = FeatureStatsMonitor(
+        [nn.Conv2d, nn.Linear, "torch.nn.ReLU", nn.Tanh], every_n_steps=1, parameters=False
+    )
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor])
+    trainer.fit(ProbeNet(), loader(features(8)))
+    got = scalars(logger.log_dir)
+    monitored = {tag.split("/")[2] for tag in got if tag.startswith("stats/train/")}
+    assert monitored == {"body.0", "body.1", "body.2"}
+    assert got["stats/train/body.1/mean"].keys() == {0, 1}
+    assert live_hooks() == []
+
+
+@pytest.mark.parametrize(
+    ("sources", "match"),
+    [
+        # none of several types: one error naming them all and the types present
+        (
+            [nn.Conv2d, nn.Tanh],
+            r"no module of any of the types of `sources` \(Conv2d, Tanh\).*"
+            r"Types present: .*Linear",
+        ),
+        ([nn.Conv2d], r"No module of type Conv2d in the model\. Types present: .*Linear"),
+        # a bare class name that is not torch.nn's may be a typo: it must match
+        ([nn.Linear, "Conv2D"], r"No module named 'Conv2D', nor of a class named 'Conv2D'"),
+        # names and patterns must match, whatever else does
+        ([nn.Linear, "bdy.*"], r"'bdy.\*' matches no module"),
+    ],
+)
+def test_sources_that_must_match(tmp_path: Path, sources: list[Any], match: str) -> None:
+    logger = TensorBoardLogger(tmp_path, name="strict")
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_steps=1, callbacks=[FeatureStatsMonitor(sources)]
+    )
+    with pytest.raises(UnknownSourceError, match=match):
+        trainer.fit(ProbeNet(), loader(features(8)))
+    assert live_hooks() == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -429,3 +429,26 @@ def test_next_to_feature_stats_monitor(tmp_path: Path) -> None:
     faults = {1: Fault("body.2", "forward", "nan", 1)}
     fit(Net("mlp"), [Injector(faults), stats, monitor], steps=3, logger=logger)
     assert [(e.step, e.module, e.action) for e in monitor.events] == [(1, "body.2", "skipped")]
+
+
+def test_the_replay_is_not_counted_in_the_steps_statistics(tmp_path: Path) -> None:
+    """The replay of a flagged step runs every module again; the monitor's statistics of that
+    step count each module call once, as on the clean steps."""
+    from helpers.models import scalars
+
+    from lightning_recorder import FeatureStatsMonitor
+
+    stats = FeatureStatsMonitor(
+        [torch.nn.Linear], every_n_steps=1, histograms=False, stats=["numel", "mean"]
+    )
+    monitor = HealthMonitor("skip", evidence_max_bytes=0)
+    logger = TensorBoardLogger(tmp_path, name="once", version=0)
+    faults = {1: Fault("body.0", "forward", "nan", 1)}
+    fit(Net("mlp"), [Injector(faults), stats, monitor], steps=3, logger=logger)
+    assert [(e.step, e.module, e.action) for e in monitor.events] == [(1, "body.0", "skipped")]
+    assert monitor.events[0].reproduced
+    got = scalars(logger.log_dir)
+    counts = {name: got[f"stats/train/{name}/numel"] for name in ("body.0", "body.2")}
+    for name, by_step in counts.items():
+        assert by_step.keys() == {0, 1, 2}, name
+        assert len(set(by_step.values())) == 1, (name, by_step)  # one batch of 4 each step

@@ -197,3 +197,34 @@ def test_a_resumed_hook_runs_after_hooks_added_since() -> None:
         2 * nn.functional.conv2d(x, model.conv1.weight, model.conv1.bias),
     )
     manager.release()
+
+
+def test_paused_records_nothing_and_keeps_the_records_so_far() -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    manager = RecorderManager(
+        {
+            "out": {"type": "ModuleOutputs", "source": "0"},
+            "fn": {"type": "FunctionOutputs", "source": "torch.nn.functional.relu"},
+        }
+    )
+    manager.initialize(model)
+    try:
+        first, second, third = torch.ones(1, 2), torch.zeros(1, 2), torch.full((1, 2), 2.0)
+        with manager:
+            model(first)
+            with manager.paused():
+                assert not manager.recording
+                model(second)  # not part of the recording
+            assert manager.recording
+            model(third)
+        records = manager.get_recorder("out").data_buffer
+        assert len(records) == 2
+        assert torch.equal(records[0], model[0](first))
+        assert torch.equal(records[1], model[0](third))
+        assert len(manager.get_recorder("fn").data_buffer) == 2  # a patched function too
+        with manager.paused():  # not recording: nothing to pause
+            model(second)
+        assert not manager.recording
+    finally:
+        manager.release()
+    assert live_hooks() == []
