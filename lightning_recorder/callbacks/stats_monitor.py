@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor, nn
@@ -140,8 +141,10 @@ class FeatureStatsMonitor(RecorderCallback):
     FSDP2, are reduced across their shards).
 
     **Edges worth knowing.** A parameter without a gradient in a step (frozen, or unused) gets
-    its ``norm`` only. Under ``fast_dev_run`` the default cadence (``log_every_n_steps``, 50)
-    logs nothing on the one training batch: pass ``every_n_steps=1`` to see it.
+    its ``norm`` only. ``fast_dev_run`` suppresses logging (Lightning replaces every logger with
+    a ``DummyLogger``): with ``every_n_steps=1`` the one batch's statistics still reach
+    :meth:`subscribe` listeners; a short real run (``max_steps=1``, ``every_n_steps=1``) logs
+    them.
 
     Args:
         sources: module names from ``named_modules()`` of the LightningModule (the root
@@ -446,16 +449,20 @@ class FeatureStatsMonitor(RecorderCallback):
                 f"Expected the Trainer to have a logger for {self!r} to write to, but it has "
                 "none (logger=False); pass a logger such as TensorBoardLogger."
             )
-        present = set().union(*(logger_names(lg) for lg in trainer.loggers))
-        for key in self.logger_stats:
+        # fast_dev_run swaps the Trainer's loggers for one DummyLogger ("Logging and
+        # checkpointing is suppressed"): no logger of the user's to check `logger_stats` against,
+        # nor to warn about; the statistics still reach the listeners.
+        loggers = [lg for lg in trainer.loggers if not isinstance(lg, DummyLogger)]
+        present = set().union(*(logger_names(lg) for lg in loggers))
+        for key in self.logger_stats if loggers else ():
             if key not in present:
-                shown = sorted(type(lg).__name__ for lg in trainer.loggers)
+                shown = sorted(type(lg).__name__ for lg in loggers)
                 raise RecorderConfigError(
                     f"Expected the keys of `logger_stats` of {type(self).__name__} to name logger "
                     f"classes of the Trainer but got {key!r}. "
                     f"{suggestion(key, shown, 'logger classes')}"
                 )
-        able, others = histogram_loggers(trainer.loggers)
+        able, others = histogram_loggers(loggers)
         wanted = [lg for lg in able if "histogram" in self._logger_filter(lg)]
         self._write_histograms = self.histograms and bool(wanted)
         if self.histograms and others and not self._warned:

@@ -965,6 +965,25 @@ def test_histogram_loggers_and_message_for_several_loggers(tmp_path: Path) -> No
     assert sum("W&B loggers only" in str(w.message) for w in rec) == 1
 
 
+@pytest.mark.parametrize("per_logger", [None, {"TensorBoardLogger": ["mean", "histogram"]}])
+def test_fast_dev_run_gives_no_logger_warning_and_still_reports(
+    tmp_path: Path, recwarn: pytest.WarningsRecorder, per_logger: dict[str, list[str]] | None
+) -> None:
+    # fast_dev_run swaps every logger for Lightning's DummyLogger ("Logging and checkpointing is
+    # suppressed"): it is no logger of the user's to warn about, nor to check `logger_stats`
+    # against; the listeners still get the batch's statistics.
+    monitor = FeatureStatsMonitor("probe", every_n_steps=1, logger_stats=per_logger)
+    reports: list[Any] = []
+    monitor.subscribe(reports.append)
+    logger = TensorBoardLogger(tmp_path, name="fdr")
+    trainer = pl.Trainer(**QUIET, logger=logger, fast_dev_run=True, callbacks=[monitor])
+    trainer.fit(ProbeNet(), loader(features(8)))
+    assert type(trainer.logger).__name__ == "DummyLogger"
+    assert [str(w.message) for w in recwarn if "histograms" in str(w.message)] == []
+    assert [r.step for r in reports] == [0] and monitor.logged_steps == 1
+    assert not (tmp_path / "fdr").exists()  # nothing written
+
+
 def _columns(log_dir: str) -> set[str]:
     with open(Path(log_dir) / "metrics.csv") as f:
         return {k for row in csv.DictReader(f) for k, v in row.items() if v and "/" in k}
