@@ -465,16 +465,31 @@ class FeatureStatsMonitor(RecorderCallback):
         able, others = histogram_loggers(loggers)
         wanted = [lg for lg in able if "histogram" in self._logger_filter(lg)]
         self._write_histograms = self.histograms and bool(wanted)
-        if self.histograms and others and not self._warned:
+        # a logger whose `logger_stats` entry leaves "histogram" out asked for none
+        unshown = [lg for lg in others if "histogram" in self._logger_filter(lg)]
+        if self.histograms and unshown and not self._warned:
             self._warned = True
-            names = [type(lg).__name__ for lg in others]
-            verb = "gets" if len(names) == 1 else "get"
-            listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-            rank_zero_warn(
-                f"{type(self).__name__} writes histograms to TensorBoard and W&B loggers only; "
-                f"{listed} {verb} the scalar statistics. Pass histograms=False to silence this "
-                "warning."
-            )
+            self._warn_histograms_unshown(unshown)
+
+    def _warn_histograms_unshown(self, loggers: list[Logger]) -> None:
+        """Say that ``loggers`` cannot show histograms, and the two ways to silence it: the
+        ``logger_stats`` entry of each without ``"histogram"`` (the other loggers keep theirs),
+        or ``histograms=False`` (no histograms for any logger)."""
+        names = [type(lg).__name__ for lg in loggers]
+        verb = "gets" if len(names) == 1 else "get"
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        offered = (*self.stats, *(PARAM_STATS if self.parameters is not False else ()))
+        entries = {
+            type(lg).__name__: [n for n in offered if n in self._logger_filter(lg)]
+            for lg in loggers
+        }
+        rank_zero_warn(
+            f"{type(self).__name__} writes histograms to TensorBoard and W&B loggers only; "
+            f"{listed} {verb} the scalar statistics. To silence this warning, leave 'histogram' "
+            f"out of `logger_stats` for {' and '.join(entries)} (logger_stats={entries!r}), "
+            "which keeps the histograms of any other logger, or pass histograms=False for none "
+            "at all."
+        )
 
     @override
     @override

@@ -340,6 +340,13 @@ def test_other_loggers_get_scalars_and_a_single_warning(tmp_path: Path) -> None:
         trainer.fit(ProbeNet(), loader(features(8)))
         trainer.validate(ProbeNet(), loader(features(8)))
     assert sum("W&B loggers only" in str(w.message) for w in rec) == 1
+    (message,) = [str(w.message) for w in rec if "W&B loggers only" in str(w.message)]
+    assert message.endswith(
+        "To silence this warning, leave 'histogram' out of `logger_stats` for CSVLogger "
+        "(logger_stats={'CSVLogger': ['mean', 'std', 'min', 'max', 'abs_mean', 'zero_fraction', "
+        "'nonfinite']}), which keeps the histograms of any other logger, or pass "
+        "histograms=False for none at all."
+    )
     with open(Path(csv_logger.log_dir) / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert {"stats/train/body.0/mean", "stats/train/body.2/nonfinite"} <= set(rows[0])
@@ -1012,6 +1019,43 @@ def test_logger_stats_selects_per_logger(tmp_path: Path) -> None:
     assert {t.rsplit("/", 1)[1] for t in tb if t.startswith("stats/")} == {"max"}
     hist = events(tb_logger.log_dir).Histograms("stats/train/probe/histogram")
     assert len(hist) == 2
+
+
+def test_no_histogram_warning_for_a_logger_whose_logger_stats_leave_histograms_out(
+    tmp_path: Path, recwarn: pytest.WarningsRecorder
+) -> None:
+    # the docs' example: the CSV file readable, the histograms in TensorBoard
+    csv_logger = CSVLogger(tmp_path, name="csv")
+    tb_logger = TensorBoardLogger(tmp_path, name="tb")
+    monitor = FeatureStatsMonitor(
+        "probe",
+        every_n_steps=1,
+        logger_stats={
+            "CSVLogger": ["mean", "std"],
+            "TensorBoardLogger": ["mean", "std", "histogram"],
+        },
+    )
+    trainer = pl.Trainer(**QUIET, logger=[tb_logger, csv_logger], max_steps=2, callbacks=[monitor])
+    trainer.fit(ProbeNet(), loader(features(8)))
+    assert [str(w.message) for w in recwarn if "histograms" in str(w.message)] == []
+    assert len(events(tb_logger.log_dir).Histograms("stats/train/probe/histogram")) == 2
+    assert _columns(csv_logger.log_dir) == {"stats/train/probe/mean", "stats/train/probe/std"}
+
+
+def test_histogram_warning_suggests_the_logger_stats_entry_without_histogram(
+    tmp_path: Path,
+) -> None:
+    csv_logger = CSVLogger(tmp_path, name="csv")
+    monitor = FeatureStatsMonitor(
+        "body.0", every_n_steps=1, logger_stats={"CSVLogger": ["histogram", "norm", "mean"]}
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"CSVLogger gets the scalar statistics\. To silence this warning, leave 'histogram' "
+        r"out of `logger_stats` for CSVLogger \(logger_stats=\{'CSVLogger': \['mean', 'norm'\]\}\)",
+    ):
+        trainer = pl.Trainer(**QUIET, logger=csv_logger, max_steps=1, callbacks=[monitor])
+        trainer.fit(ProbeNet(), loader(features(8)))
 
 
 def test_logger_stats_without_histogram_writes_none(tmp_path: Path) -> None:
