@@ -12,6 +12,7 @@ from typing import cast
 from torch import Tensor, nn
 
 from .._core.checks import suggestion
+from .._core.names import is_glob
 from .._core.structures import iter_tensors, parse_path
 from ..errors import RecorderConfigError
 from ..recorders import RecordStream
@@ -57,6 +58,37 @@ def parameter_patterns(parameters: object, owner: str) -> tuple[str, ...] | None
             f"non-empty list of them, but got {parameters!r}."
         )
     return tuple(items)
+
+
+def unmonitored_parameters(pattern: str, names: Sequence[str], owner: str) -> str:
+    """The message for an entry of ``parameters`` that selects no parameter of the monitored
+    modules but ``names``, parameters of modules that are not monitored: whose they are, and
+    what would be right (monitor those modules, or drop the entry)."""
+    shown = 5
+    owners = list(dict.fromkeys(name.rpartition(".")[0] for name in names))
+    of = ", ".join(repr(m) if m else "the LightningModule itself" for m in owners[:shown])
+    of += f" and {len(owners) - shown} more" if len(owners) > shown else ""
+    head = f"`parameters` of {owner} selects among the parameters of the monitored modules, but "
+    if is_glob(pattern):
+        listed = ", ".join(map(repr, names[:shown]))
+        listed += f" and {len(names) - shown} more" if len(names) > shown else ""
+        head += (
+            f"the pattern {pattern!r} matches only parameters of modules that are not monitored: "
+            f"{listed} (of {of})."
+        )
+    else:
+        head += f"{pattern!r} is a parameter of {of}, which is not monitored."
+    modules = [m for m in owners if m]
+    if not modules:  # parameters of the LightningModule itself: no source names the root
+        return (
+            f"{head} No source can name the LightningModule itself; leave {pattern!r} out of "
+            "`parameters`."
+        )
+    added = ", ".join(map(repr, modules[:shown])) + (" and more" if len(modules) > shown else "")
+    return (
+        f"{head} Add {added} to `sources` to get {'its' if len(names) == 1 else 'their'} "
+        f"statistics, or leave {pattern!r} out of `parameters`."
+    )
 
 
 def logger_stats(

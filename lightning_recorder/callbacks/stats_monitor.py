@@ -43,6 +43,7 @@ from ._stats_options import (
     source_and_path,
     source_key,
     stat_names,
+    unmonitored_parameters,
     value_tensors,
 )
 from ._stats_report import StatsReport
@@ -569,11 +570,8 @@ class FeatureStatsMonitor(RecorderCallback):
         self, pl_module: pl.LightningModule, streams: dict[str, RecordStream]
     ) -> dict[str, torch.nn.Parameter]:
         prefixes = tuple(dict.fromkeys(s.name + "." for s in streams.values()))
-        inside = {
-            name: param
-            for name, param in named_parameters(pl_module).items()
-            if name.startswith(prefixes)
-        }
+        every = named_parameters(pl_module)
+        inside = {name: param for name, param in every.items() if name.startswith(prefixes)}
         if self._param_patterns is None:
             return inside
         chosen: set[str] = set()
@@ -581,10 +579,15 @@ class FeatureStatsMonitor(RecorderCallback):
             try:
                 chosen.update(select(inside, pattern, "parameter"))
             except UnknownSourceError as err:
-                raise UnknownSourceError(
-                    f"`parameters` of {type(self).__name__} selects among the parameters "
-                    f"of the monitored modules: {err}"
-                ) from None
+                owner = type(self).__name__
+                try:  # parameters of the model, of modules that are not monitored?
+                    outside = select(every, pattern, "parameter")
+                except UnknownSourceError:
+                    raise UnknownSourceError(
+                        f"`parameters` of {owner} selects among the parameters of the monitored "
+                        f"modules: {err}"
+                    ) from None
+                raise UnknownSourceError(unmonitored_parameters(pattern, outside, owner)) from None
         return {name: param for name, param in inside.items() if name in chosen}
 
     @override

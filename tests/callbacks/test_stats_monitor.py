@@ -1103,6 +1103,41 @@ def test_parameters_by_pattern_and_regex(tmp_path: Path) -> None:
     assert got == {"body.0.weight", "body.2.weight", "body.2.bias"}
 
 
+@pytest.mark.parametrize(
+    ("parameters", "match"),
+    [
+        (
+            ["body.2.weight"],
+            r"^`parameters` of FeatureStatsMonitor selects among the parameters of the monitored "
+            r"modules, but 'body\.2\.weight' is a parameter of 'body\.2', which is not monitored\. "
+            r"Add 'body\.2' to `sources` to get its statistics, or leave 'body\.2\.weight' out of "
+            r"`parameters`\.$",
+        ),
+        (
+            ["body.0.*", "body.2.*"],
+            r"modules, but the pattern 'body\.2\.\*' matches only parameters of modules that are "
+            r"not monitored: 'body\.2\.weight', 'body\.2\.bias' \(of 'body\.2'\)\. Add "
+            r"'body\.2' to `sources` to get their statistics, or leave 'body\.2\.\*' out of "
+            r"`parameters`\.$",
+        ),
+        (  # a name the model does not have: closest names, as before
+            ["body.0.wieght"],
+            r"of the monitored modules: No parameter named 'body\.0\.wieght' in the model\. "
+            r"Closest parameter names: 'body\.0\.weight'",
+        ),
+    ],
+)
+def test_parameters_outside_the_monitored_modules_are_named(
+    tmp_path: Path, parameters: list[str], match: str
+) -> None:
+    monitor = FeatureStatsMonitor("body.0", every_n_steps=1, parameters=parameters)
+    logger = TensorBoardLogger(tmp_path, name="p")
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor])
+    with pytest.raises(UnknownSourceError, match=match):
+        trainer.fit(ProbeNet(), loader(features(8)))
+    assert live_hooks() == []
+
+
 def test_class_name_source(tmp_path: Path) -> None:
     class Scale(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
