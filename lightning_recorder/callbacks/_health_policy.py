@@ -141,11 +141,12 @@ class Decisions:
         extra: dict[str, Any] = {"rank": trainer.global_rank, "world_size": trainer.world_size}
         if loud and self.evidence_checkpoint and not self._checkpointed:
             extra["checkpoint"] = self._checkpoint(trainer, pl_module, step)
+        if action == "skipped":  # counted before the report, which logs the counters
+            self.counters["skipped_steps"] += 1
         self._finish(trainer, event, action, micro, finding, check, extra, loud, log_step)
         if action == "skipped":
             for _, p in named:
                 p.grad = None  # optimizers skip parameters without a gradient: no state change
-            self.counters["skipped_steps"] += 1
         elif action == "raised":
             reason = event.message
             if too_many:

@@ -291,6 +291,8 @@ def test_loggers_get_a_text_entry_and_the_counters(tmp_path: Path) -> None:
     acc.Reload()
     nonfinite = {e.step: e.value for e in acc.Scalars("health/nonfinite_steps")}
     assert nonfinite == {1: 1.0, 3: 2.0}
+    # each skipped step is counted in its own report (it was logged one step late)
+    assert {e.step: e.value for e in acc.Scalars("health/skipped_steps")} == {1: 1.0, 3: 2.0}
     assert {e.step: e.value for e in acc.Scalars("health/nan")} == {1: 1.0, 3: 0.0}
     assert {e.step: e.value for e in acc.Scalars("health/neginf")}[3] == 1.0
     texts = acc.Tensors("health/events/text_summary")
