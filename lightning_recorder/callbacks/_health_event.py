@@ -64,7 +64,9 @@ class HealthEvent:
         evidence: the directory of the evidence bundle, or ``None`` when none was written.
         parameters: the parameters whose gradient the always-on check found non-finite (at most
             the first 16).
-        details: anything more a rule wants to say (plain values).
+        details: anything more a rule wants to say (plain values). A non-finite event read
+            lazily on a GPU after some gradients were freed or changed in place lists those
+            parameters under ``"counted_at_least"``: each counts as one value, a lower bound.
 
     Examples:
         >>> event = HealthEvent("nonfinite", step=3, batch_idx=3, rank=0, module="net.2",
@@ -131,6 +133,8 @@ _ACTIONS = {
 
 def _tensor(event: HealthEvent) -> str:
     parts = [format_counts(event.counts)]
+    if event.details.get("counted_at_least"):  # gradients gone before a lazy read counted them
+        parts.insert(0, "at least")
     if event.dtype is not None:
         shape = list(event.shape) if event.shape is not None else "?"
         parts.append(f"in a {event.dtype.removeprefix('torch.')} tensor of shape {shape}")

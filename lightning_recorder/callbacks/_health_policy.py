@@ -15,8 +15,11 @@ their state alone); ``"raise"``, or ``"skip"`` past ``max_consecutive_skips``, r
 :class:`~lightning_recorder.NonFiniteError`.
 
 **Reading lazily** (``"warn"`` without replays): the check and the ``"always"`` timelines are
-copied to the host without waiting and handled at a later batch start (or at the end of
-training); each rank reports what it saw, without collectives.
+copied to the host without waiting and handled as soon as they have arrived — on the CPU at
+once, before the optimizer step; on a GPU at a later batch start (or at the end of training);
+each rank reports what it saw, without collectives. A flagged step is counted element by
+element then, as above, from the gradients the check saw (see
+:meth:`._health_sentinel.Reading.counts` for one freed or changed before the copy arrived).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ._health_event import HealthEvent
 from ._health_evidence import Evidence
 from ._health_replay import MicroBatch, replay
 from ._health_report import Reporter
-from ._health_sentinel import Reading, step_counts
+from ._health_sentinel import Reading
 from ._health_step import (
     Check,
     all_reduce_max,
@@ -43,7 +46,7 @@ from ._health_step import (
     make_event,
     write_evidence,
 )
-from ._health_verdict import Finding, Timeline
+from ._health_verdict import Counts, Finding, Timeline
 from ._lightning import step_axis
 
 if TYPE_CHECKING:
@@ -99,7 +102,7 @@ class Decisions:
         if not bool(flag):  # the one synchronisation of a clean step
             self._streak = 0
             return
-        total, loss, grads = step_counts(reading.losses, named)
+        (total, loss, grads), _ = reading.counts()
         mine = [float(any(total.values())), float(any(loss.values()))]
         any_bad, loss_bad = all_reduce_max(torch.tensor(mine, device=flag.device)).tolist()
         if not any_bad:  # a norm overflowed float32, no value was NaN or infinite
@@ -107,11 +110,7 @@ class Decisions:
             return
         check = Check(total, loss, [name for name, _ in grads])
         if timelines:  # "always": the gradients counted here are the parameters' part
-            by_name = dict(named)
-            timelines[-1].params = [
-                (*_split(n), by_name[n].grad.dtype, by_name[n].grad.shape, _row(c))  # type: ignore[union-attr]
-                for n, c in grads
-            ]
+            timelines[-1].params = _parameter_rows(reading, grads)
         step, log_step = trainer.global_step, step_axis(trainer)
         scaler = _scaler(trainer)
         if scaler is not None and not loss_bad and scaler.get_scale() > 1.0:
@@ -233,12 +232,13 @@ class Decisions:
         if not pending.reading.host_bad():
             self._streak = 0
             return
-        counts, bad, loss = pending.reading.tensor_counts()
-        check = Check(counts, loss, [name for name, _ in bad])
+        (total, loss, grads), missed = pending.reading.counts()
+        if not any(total.values()):  # a norm overflowed float32, no value was NaN or infinite
+            self._streak = 0
+            return
+        check = Check(total, loss, [name for name, _ in grads])
         if pending.timelines:
-            pending.timelines[-1].params = [
-                (*_split(n), torch.float32, (), _row({key: 1})) for n, key in bad
-            ]
+            pending.timelines[-1].params = _parameter_rows(pending.reading, grads)
         self._streak += 1
         self.counters["nonfinite_steps"] += 1
         finding: Finding | None = None
@@ -253,6 +253,9 @@ class Decisions:
         event = make_event(pending.step, micro, trainer.global_rank, check, found, False)
         extra: dict[str, Any] = {"rank": trainer.global_rank, "world_size": trainer.world_size}
         extra["read"] = "lazily"
+        if missed and not (found and found.get("reproduced")):  # the check's counts
+            event.details["counted_at_least"] = missed
+            extra["counted_at_least"] = missed
         loud = self._streak == 1
         self._finish(trainer, event, "warned", micro, finding, check, extra, loud, pending.log_step)
 
@@ -264,6 +267,19 @@ def _split(name: str) -> tuple[str, str]:
 
 def _row(counts: dict[str, int]) -> tuple[int, int, int]:
     return counts.get("nan", 0), counts.get("posinf", 0), counts.get("neginf", 0)
+
+
+def _parameter_rows(
+    reading: Reading, grads: Sequence[tuple[str, dict[str, int]]]
+) -> list[tuple[str, str, torch.dtype, tuple[int, ...], Counts]]:
+    """A timeline's parameter entries for the non-finite gradients of the check (a gradient
+    freed since: float32, shape unknown)."""
+    rows: list[tuple[str, str, torch.dtype, tuple[int, ...], Counts]] = []
+    for name, counts in grads:
+        grad = reading.gradient(name)
+        dtype, shape = (grad.dtype, tuple(grad.shape)) if grad is not None else (torch.float32, ())
+        rows.append((*_split(name), dtype, shape, _row(counts)))
+    return rows
 
 
 def _scaler(trainer: pl.Trainer) -> Any:

@@ -15,11 +15,21 @@ normed in float32 (their own range would overflow at 65504).
 nothing on the CPU). :meth:`Reading.later` starts a non-blocking copy into pinned host memory
 and records a CUDA event, so that the next step can look at the result without waiting for it
 (:meth:`Reading.ready`); on the CPU the copy is the vector itself.
+
+**Counting.** A flagged step's values are counted element by element, whenever the flag is
+read: :meth:`Reading.counts` runs :func:`step_counts` over the losses and the gradients that
+were checked. A reading that waits to be read lazily holds its gradients by weak reference
+with their version counters, so that it keeps no gradient alive and sees one changed in place
+since: on the CPU it is read before the optimizer step, with every gradient as it was; on a GPU
+a gradient freed (the next ``zero_grad``) or changed (gradient clipping) before the copy
+arrived counts as one NaN or +inf, as its norm says — a lower bound, and :meth:`Reading.counts`
+names those parameters.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +37,7 @@ from typing import Any
 import torch
 
 from .._core.compat import foreach_norm
+from .._core.structures import Versions, modified, snapshot
 from ._health_event import COUNT_KEYS
 from ._health_verdict import exact_counts
 
@@ -57,16 +68,25 @@ def grouped_norms(
     return torch.cat(parts), order
 
 
+Counted = tuple[dict[str, int], dict[str, int], list[tuple[str, dict[str, int]]]]
+"""Element counts of a step: all of them, the losses', and each non-finite gradient's
+``(parameter, counts)``."""
+
+
 @dataclass
 class Reading:
-    """One step's check: ``values`` holds the loss values then the gradient norms."""
+    """One step's check: ``values`` holds the loss values then the gradient norms; ``grads``
+    the gradients checked, by parameter (weak references with their versions once
+    :meth:`later` made the reading lazy)."""
 
     values: torch.Tensor
     losses: list[torch.Tensor]
     names: list[str]  # the parameter of each norm
+    grads: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     host: torch.Tensor | None = None
     event: Any = None
     meta: dict[str, Any] = field(default_factory=dict)
+    kept: list[tuple[str, weakref.ref[torch.Tensor], Versions]] = field(default_factory=list)
 
     def flag(self) -> torch.Tensor:
         """A 0-dim bool tensor on the device: whether anything is not finite."""
@@ -78,8 +98,11 @@ class Reading:
 
     def later(self) -> Reading:
         """Start reading without waiting: a non-blocking copy to pinned host memory, and an
-        event that says when it (and every copy started before it) has arrived."""
+        event that says when it (and every copy started before it) has arrived. The gradients
+        are held from now on by weak reference, with their version counters."""
         self.host = to_host_later(self.values)
+        self.kept = [(name, weakref.ref(grad), snapshot(grad)) for name, grad in self.grads]
+        self.grads = []
         if self.values.device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record()
@@ -99,25 +122,48 @@ class Reading:
         assert self.host is not None
         return not bool(torch.isfinite(self.host).all())
 
-    def tensor_counts(self) -> tuple[dict[str, int], list[tuple[str, str]], dict[str, int]]:
-        """From the copied values: how many *tensors* (loss values, gradients) hold a NaN or
-        have an infinite norm; ``(parameter, "nan" or "posinf")`` for each gradient whose norm
-        is not finite; the losses' counts."""
-        assert self.host is not None
-        values = self.host.tolist()
-        n = len(self.losses)
-        total, loss = dict.fromkeys(COUNT_KEYS, 0), dict.fromkeys(COUNT_KEYS, 0)
-        names = []
-        for k, v in enumerate(values):
-            if math.isfinite(v):
-                continue
-            key = "nan" if math.isnan(v) else "posinf" if v > 0 else "neginf"
-            total[key] += 1
-            if k < n:
-                loss[key] += 1
+    def counts(self) -> tuple[Counted, list[str]]:
+        """The element counts of the step (:func:`step_counts` over the losses and the checked
+        gradients), and the parameters whose gradient a lazy read found freed or changed in
+        place since the check: each of those counts as one NaN or one +inf, as its norm says
+        (a lower bound)."""
+        if not self.kept:
+            return step_counts(self.losses, self.grads), []
+        live: list[tuple[str, torch.Tensor]] = []
+        gone: list[str] = []
+        for name, ref, versions in self.kept:
+            grad = ref()
+            if grad is None or modified(grad, versions):
+                gone.append(name)
             else:
-                names.append((self.names[k - n], key))
-        return total, names, loss
+                live.append((name, grad))
+        total, loss, grads = step_counts(self.losses, live)
+        if not gone:
+            return (total, loss, grads), []
+        values = (self.host if self.host is not None else self.values).tolist()
+        norms = dict(zip(self.names, values[len(self.losses) :], strict=True))
+        rows = dict(grads)
+        missed = []
+        for name in gone:
+            norm = norms[name]
+            if math.isfinite(norm):
+                continue
+            key = "nan" if math.isnan(norm) else "posinf"  # a norm cannot tell +inf from -inf
+            total[key] += 1
+            rows[name] = {**dict.fromkeys(COUNT_KEYS, 0), key: 1}
+            missed.append(name)
+        ordered = [(name, rows[name]) for name, _, _ in self.kept if name in rows]
+        return (total, loss, ordered), missed
+
+    def gradient(self, name: str) -> torch.Tensor | None:
+        """The checked gradient of parameter ``name`` (``None``: freed since, or unknown)."""
+        for key, grad in self.grads:
+            if key == name:
+                return grad
+        for key, ref, _ in self.kept:
+            if key == name:
+                return ref()
+        return None
 
 
 def to_host_later(t: torch.Tensor) -> torch.Tensor:
@@ -154,26 +200,27 @@ class Sentinel:
             loss.float().sum().reshape(1).to(device, non_blocking=True) for loss in self.losses
         ]
         values = torch.cat([*losses, norms])
-        return Reading(values, list(self.losses), [with_grad[k][0] for k in order])
+        return Reading(values, list(self.losses), [with_grad[k][0] for k in order], with_grad)
 
 
 def step_counts(
-    losses: Sequence[torch.Tensor], named: Sequence[tuple[str, torch.Tensor]]
-) -> tuple[dict[str, int], dict[str, int], list[tuple[str, dict[str, int]]]]:
-    """Element counts, for a flagged step: all of them, the losses', and each non-finite
-    gradient's ``(name, counts)``."""
-    tensors = [*losses, *(p.grad for _, p in named if p.grad is not None)]
-    names = [n for n, p in named if p.grad is not None]
+    losses: Sequence[torch.Tensor], grads: Sequence[tuple[str, torch.Tensor]]
+) -> Counted:
+    """Element counts of a flagged step (one read per device): all of them, the losses', and
+    each non-finite gradient's ``(parameter, counts)``; ``grads`` are ``(parameter, gradient)``.
+    """
+    tensors = [*losses, *(grad for _, grad in grads)]
+    names = [name for name, _ in grads]
     rows = exact_counts(tensors)
     keys = COUNT_KEYS
     total = {k: sum(r[i] for r in rows) for i, k in enumerate(keys)}
     loss = {k: sum(r[i] for r in rows[: len(losses)]) for i, k in enumerate(keys)}
-    grads = [
+    found = [
         (name, dict(zip(keys, row, strict=True)))
         for name, row in zip(names, rows[len(losses) :], strict=True)
         if any(row)
     ]
-    return total, loss, grads
+    return total, loss, found
 
 
 def nonfinite_parameters(

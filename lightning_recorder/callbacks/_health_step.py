@@ -59,8 +59,8 @@ def choose(findings: Sequence[dict[str, Any]]) -> int:
 
 @dataclass
 class Check:
-    """What the always-on check found on a step: element counts (or tensor counts when read
-    lazily), the losses' counts, and the parameters whose gradient is not finite."""
+    """What the always-on check found on a step: element counts of the losses and gradients,
+    the losses' counts, and the parameters whose gradient is not finite."""
 
     counts: dict[str, int]
     loss: dict[str, int]

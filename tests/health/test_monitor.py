@@ -18,6 +18,9 @@ from helpers.models import QUIET
 from lightning.pytorch.loggers import TensorBoardLogger
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_recorder import (
     HealthEvent,
@@ -26,6 +29,8 @@ from lightning_recorder import (
     RecorderConfigError,
     RecorderError,
 )
+from lightning_recorder.callbacks._health_event import describe
+from lightning_recorder.callbacks._health_sentinel import Sentinel
 from lightning_recorder.callbacks.health import HealthRule, RuleInput
 
 
@@ -244,6 +249,91 @@ def test_lazy_check_without_localisation() -> None:
     assert (event.step, event.module, event.direction, event.reproduced) == (1, None, None, None)
     assert event.parameters and all(p.startswith("body.") for p in event.parameters)
     assert "were non-finite" in event.message and model.logged == [0, 1]  # no replay
+
+
+class TwoLinear(pl.LightningModule):
+    """Two Linear layers; the batch of ``bad`` holds NaN, so that the loss and every gradient
+    are NaN throughout: 1 + 8*16 + 8 + 4*8 + 4 = 173 values."""
+
+    def __init__(self, bad: int = 1) -> None:
+        super().__init__()
+        self.l1, self.l2, self.bad = nn.Linear(16, 8), nn.Linear(8, 4), bad
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = x * math.nan if batch_idx == self.bad else x
+        return F.cross_entropy(self.l2(self.l1(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def classes(n: int = 24) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip"])  # read lazily / before the optimizer step
+def test_the_check_counts_values_not_tensors_however_it_is_read(policy: str) -> None:
+    monitor = HealthMonitor(policy, localize=False, rules=(), evidence_max_bytes=0)
+    fit(TwoLinear(), [monitor], steps=2, loader=classes())
+    event = monitor.events[0]
+    assert event.counts == {"nan": 173, "posinf": 0, "neginf": 0}
+    assert ": 173 NaN, 0 +inf, 0 -inf;" in event.message
+    assert event.parameters == ("l1.weight", "l1.bias", "l2.weight", "l2.bias")
+
+
+class ManualLinear(pl.LightningModule):
+    """One Linear layer under manual optimization; the batch of step 1 holds NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.linear = nn.Linear(16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        x = x * math.nan if batch_idx == 1 else x
+        opt = self.optimizers()
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(F.cross_entropy(self.linear(x), y))
+        opt.step()  # type: ignore[union-attr]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_manual_optimization_read_lazily_counts_values() -> None:
+    with pytest.warns(UserWarning, match="cannot replay steps: manual optimization"):
+        monitor = HealthMonitor("warn", rules=(), evidence_max_bytes=0)  # no replay: lazily
+        fit(ManualLinear(), [monitor], steps=2, loader=classes())
+    event = monitor.events[0]  # the loss and the 4x16 + 4 gradient values
+    assert event.counts == {"nan": 69, "posinf": 0, "neginf": 0} and "69 NaN" in event.message
+
+
+def test_a_lazy_read_counts_the_gradients_as_checked_and_bounds_those_gone() -> None:
+    a, b, c = (nn.Parameter(torch.zeros(n)) for n in (3, 4, 5))
+    a.grad = torch.tensor([math.nan, math.nan, 1.0])
+    b.grad = torch.tensor([math.inf, -math.inf, math.inf, 0.0])
+    c.grad = torch.tensor([math.nan, 0.0, 0.0, 0.0, 0.0])
+    sentinel = Sentinel()
+    sentinel.add_loss(torch.tensor(math.nan))
+    reading = sentinel.read([("a", a), ("b", b), ("c", c)], torch.device("cpu")).later()
+    assert reading.host_bad()
+    b.grad.mul_(0.5)  # changed in place since the check (gradient clipping)
+    c.grad = None  # freed (zero_grad)
+    (total, loss, grads), missed = reading.counts()
+    assert missed == ["b", "c"]  # each counted from its norm: one +inf, one NaN
+    assert total == {"nan": 1 + 2 + 1, "posinf": 1, "neginf": 0}
+    assert loss == {"nan": 1, "posinf": 0, "neginf": 0}
+    assert grads == [
+        ("a", {"nan": 2, "posinf": 0, "neginf": 0}),
+        ("b", {"nan": 0, "posinf": 1, "neginf": 0}),
+        ("c", {"nan": 1, "posinf": 0, "neginf": 0}),
+    ]
+    event = HealthEvent("nonfinite", 3, 3, counts=total, details={"counted_at_least": missed})
+    assert ": at least 4 NaN, 1 +inf, 0 -inf;" in describe(event)
 
 
 def test_always_localises_every_step_without_replay() -> None:
