@@ -106,6 +106,7 @@ class Diagnosis:
         self._completed = -1
         self._warned_stats = False
         self._warned_tracked: set[str] = set()
+        self._warned_parameters = False
         self._trainer: pl.Trainer | None = None
         self._module: pl.LightningModule | None = None
         self._modules: dict[str, nn.Module] = {}
@@ -227,6 +228,7 @@ class Diagnosis:
         )
         if report is not None:
             self._check_tracked(report)
+            self._check_parameters(report)
         fired: list[HealthEvent] = []
         for rule in self.rules:
             if report is None and rule.needs_statistics:
@@ -294,6 +296,35 @@ class Diagnosis:
                     "the FeatureStatsMonitor monitors none of them; add them to its sources "
                     f"(e.g. torch.nn.{kinds[0]})."
                 )
+
+    def _check_parameters(self, report: StatsReport) -> None:
+        """Warn once when rules read parameter figures and the FeatureStatsMonitor logs those
+        of none of the model's weights (they would check nothing)."""
+        if self._warned_parameters:
+            return
+        self._warned_parameters = True
+        needy = [rule.name for rule in self.rules if rule.needs_parameters]
+        if not needy or not self._weights or self._weights.intersection(report.parameters):
+            return
+        names = ", ".join(needy)
+        silence = "or leave these rules out of `rules=` to silence this warning."
+        if self._stats is not None and self._stats.parameters is False:
+            rank_zero_warn(
+                f"HealthMonitor's rules {names} read the gradient norms and update ratios of the "
+                "weights, and the FeatureStatsMonitor logs none (`parameters=False`): they check "
+                "nothing. Pass `parameters=True` to the FeatureStatsMonitor (or a pattern "
+                f"covering the weights, e.g. `parameters='*.weight'`), {silence}"
+            )
+            return
+        weights = [name for name in self._parameters if name in self._weights]
+        shown = ", ".join(weights[:2]) + (" …" if len(weights) > 2 else "")
+        rank_zero_warn(
+            f"HealthMonitor's rules {names} read the gradient norms and update ratios of the "
+            f"weights, and the FeatureStatsMonitor logs those of none of the model's weights "
+            f"(such as {shown}): they check nothing. Monitor the modules that hold them and "
+            "pass `parameters=True` to the FeatureStatsMonitor (or a pattern covering them, "
+            f"e.g. `parameters='*.weight'`), {silence}"
+        )
 
     def _in_model_order(self, report: StatsReport) -> StatsReport:
         """``report`` with its series in the model's order (the monitor lists them by source:

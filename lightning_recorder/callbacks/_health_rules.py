@@ -99,6 +99,12 @@ class HealthRule:
     """Whether the rule reads a :class:`~lightning_recorder.FeatureStatsMonitor`'s report (the
     monitor warns once when the Trainer has none)."""
 
+    needs_parameters: bool = False
+    """Whether the rule reads the parameter figures of the report
+    (:attr:`~lightning_recorder.callbacks.StatsReport.parameters`: gradient norms, update
+    ratios); the monitor warns once when the FeatureStatsMonitor logs those of none of the
+    model's weights (``parameters=False``, or a pattern that selects none of them)."""
+
     def start(self) -> None:
         """Forget what earlier checks left (called at the start of each ``fit``)."""
 

@@ -109,6 +109,7 @@ class VanishingGradientsRule(_Patient):
     """
 
     name = "vanishing_gradients"
+    needs_parameters = True
 
     def __init__(self, ratio: float = 1e-3, first_norm: float = 1e-4, patience: int = 1) -> None:
         super().__init__(patience)
@@ -170,6 +171,7 @@ class ExplodingGradientsRule(_Patient):
     """
 
     name = "exploding_gradients"
+    needs_parameters = True
 
     def __init__(self, ratio: float = 70.0, patience: int = 1) -> None:
         super().__init__(patience)
@@ -236,6 +238,7 @@ class UpdateRatioRule(_Patient):
     """
 
     name = "update_ratio"
+    needs_parameters = True
 
     def __init__(
         self, high: float | None = 0.1, low: float | None = 1e-6, patience: int = 3

@@ -4,6 +4,7 @@ FeatureStatsMonitor, alerts rate-limited per rule and module, and a resumed run.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,41 @@ def test_a_warning_when_the_monitor_watches_none_of_the_modules_a_rule_judges(
         "FeatureStatsMonitor monitors none of them; add them to its sources (e.g. torch.nn.ReLU)."
     ) in messages
     assert sum("'saturation' judges modules such as body.6" in m for m in messages) == 1
+
+
+@pytest.mark.parametrize("parameters", [False, "*.bias", True])
+def test_a_warning_when_the_monitor_logs_no_weight_the_gradient_rules_read(
+    parameters: bool | str, tmp_path: Path
+) -> None:
+    stats = FeatureStatsMonitor(
+        [nn.Linear, nn.ReLU, nn.Sigmoid], every_n_steps=1, histograms=False, parameters=parameters
+    )
+    monitor = HealthMonitor(evidence_max_bytes=0)
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Net("mlp"), [stats, monitor], steps=3, logger=logger)
+    warned = [str(w.message) for w in record if "and update ratios of" in str(w.message)]
+    rules = "HealthMonitor's rules vanishing_gradients, exploding_gradients, update_ratio"
+    if parameters is True:
+        assert warned == []
+    elif parameters is False:
+        assert warned == [
+            f"{rules} read the gradient norms and update ratios of the weights, and the "
+            "FeatureStatsMonitor logs none (`parameters=False`): they check nothing. Pass "
+            "`parameters=True` to the FeatureStatsMonitor (or a pattern covering the weights, "
+            "e.g. `parameters='*.weight'`), or leave these rules out of `rules=` to silence "
+            "this warning."
+        ]
+    else:
+        assert warned == [
+            f"{rules} read the gradient norms and update ratios of the weights, and the "
+            "FeatureStatsMonitor logs those of none of the model's weights (such as "
+            "body.0.weight, body.2.weight …): they check nothing. Monitor the modules that hold "
+            "them and pass `parameters=True` to the FeatureStatsMonitor (or a pattern covering "
+            "them, e.g. `parameters='*.weight'`), or leave these rules out of `rules=` to "
+            "silence this warning."
+        ]
 
 
 # ---------------------------------------------------------------------------- alerts
