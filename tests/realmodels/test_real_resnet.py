@@ -220,7 +220,8 @@ def test_parameter_pattern_outside_the_monitored_modules_is_an_error(tmp_path: P
     )
     with pytest.raises(
         UnknownSourceError,
-        match=r"`parameters`.*monitored modules.*'net\.fc\.weight'.*'net\.layer2\.0\.",
+        match=r"`parameters`.*monitored modules, but 'net\.fc\.weight' is a parameter of "
+        r"'net\.fc', which is not monitored\. Add 'net\.fc' to `sources`",
     ):
         trainer.fit(ImageClassifier(resnet_basic()), image_loader())
 
