@@ -166,7 +166,9 @@ def assert_counts_up_to_edges(
     which may land in the bucket next to it, as with ``torch.histc``: every cumulative count
     (values in the buckets before edge ``i``) lies between the number of values below
     ``edges[i] - delta`` and below ``edges[i] + delta``, ``delta`` four units of rounding of the
-    range's magnitude."""
+    range's magnitude, and at least four of ``dtype``'s smallest subnormal value: the edges of a
+    range only a few subnormals wide are rounded to multiples of it (``[0, 5e-324]`` in three
+    buckets has the edges ``0, 0, 5e-324, 5e-324``)."""
     v = values.detach().reshape(-1).double()
     v = v[torch.isfinite(v)]
     e = edges.double()
@@ -177,7 +179,8 @@ def assert_counts_up_to_edges(
     elif dtype in (torch.float16, torch.bfloat16):  # upcast exactly to float32
         dtype = torch.float32
     magnitude = float(e.abs().max())
-    delta = 4 * torch.finfo(dtype).eps * magnitude
+    info = torch.finfo(dtype)
+    delta = 4 * max(info.eps * magnitude, info.tiny * info.eps)  # tiny * eps: the least subnormal
     cumulative = torch.cumsum(counts.double(), 0)
     for i in range(1, e.numel() - 1):
         low = float((v < e[i] - delta).sum())
