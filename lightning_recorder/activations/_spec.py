@@ -94,8 +94,24 @@ class SourceSpec:
                     f"but got shape {tuple(tensor.shape)}."
                 )
             index = self.tokens if isinstance(self.tokens, int) else list(self.tokens)
+            size = 0 if tensor.is_nested else tensor.size(1)  # a nested tensor: torch's error
+            wanted = [index] if isinstance(index, int) else index
+            outside = [t for t in wanted if size and not -size <= t < size]
+            if outside:
+                raise RecorderConfigError(
+                    f"Expected `tokens` of {self.where} to be positions of dimension 1 of its "
+                    f"activations, of size {size} (shape {tuple(tensor.shape)}), so from "
+                    f"{-size} to {size - 1}, but got {outside[0]}."
+                )
             tensor = tensor[:, index]
         if self.mean is not None:
+            dims = tensor.dim()
+            outside = [d for d in self.mean if not tensor.is_nested and not -dims <= d < dims]
+            if outside:
+                raise RecorderConfigError(
+                    f"Expected `mean` of {self.where} to name dimensions of its activations, "
+                    f"which have {dims} (shape {tuple(tensor.shape)}), but got {outside[0]}."
+                )
             tensor = tensor.mean(dim=self.mean)
         if self.transform is not None:
             rows = tensor.size(0)  # a nested tensor has no shape, but has its rows

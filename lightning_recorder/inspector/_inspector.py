@@ -12,6 +12,7 @@ from torch import nn
 
 from .._core.checks import check_bool, check_option, suggestion
 from .._core.hooks import HookSet, WeakHook
+from .._core.structures import map_tensors
 from ..errors import RecorderConfigError, RecorderStateError, UnknownSourceError
 from ._trace import (
     Label,
@@ -457,6 +458,12 @@ class Inspector(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()
         state.update(_hooks=None, _pass=None, _statistics=None)
+        # the activations without their autograd graph (``detach=False``), which a copy cannot
+        # share: ``copy.deepcopy`` refuses tensors that are not leaves of a graph
+        state["_activations"] = {
+            label: map_tensors(value, torch.Tensor.detach)
+            for label, value in self._activations.items()
+        }
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -133,6 +133,35 @@ def test_source_options_tokens_mean_transform_dtype(tmp_path: Path) -> None:
     assert torch.equal(concat_activations(tmp_path, "pair"), x[:, [0, -1]].flatten(1))
 
 
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (
+            {"tokens": [0, 7]},
+            r"`tokens` of .*'enc'.* positions of dimension 1 of its activations, of size 5 "
+            r"\(shape \(4, 5, 6\)\), so from -5 to 4, but got 7\.",
+        ),
+        ({"tokens": -6}, r"so from -5 to 4, but got -6\."),
+        (
+            {"mean": [1, 3]},
+            r"`mean` of .*'enc'.* dimensions of its activations, which have 3 "
+            r"\(shape \(4, 5, 6\)\), but got 3\.",
+        ),
+    ],
+)
+def test_source_options_outside_the_activations_are_refused(
+    tmp_path: Path, options: dict[str, object], match: str
+) -> None:
+    """A position or dimension the activations do not have is a configuration error that says
+    which option, the activations' shape and what would be right (it was torch's IndexError)."""
+    x = torch.randn(4, 5, 6)
+    with (
+        ShardWriter(tmp_path, sources={"enc": options}) as writer,
+        pytest.raises(RecorderConfigError, match=match),
+    ):
+        writer.write("enc", "enc", x, sample_index=range(4))
+
+
 def test_nested_sparse_and_quantized_activations_need_a_transform(tmp_path: Path) -> None:
     """Shards store rows of one shape: a nested tensor of ragged rows (a transformer's fast
     path), a sparse or a quantized tensor is refused with the transform that stores it (it

@@ -480,6 +480,27 @@ def test_deepcopy_and_pickle_keep_recording_and_leave_the_original_alone() -> No
         pickle.loads(pickle.dumps(net))
 
 
+def test_deepcopy_after_a_forward_that_recorded_activations_with_their_graph() -> None:
+    """With ``detach=False`` (the default) the recorded activations are part of the autograd
+    graph; a copy gets them without it, equal in value, and records on its own."""
+    net = toynet()
+    x = torch.rand(2, 5)
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("1-3")
+        rnet(x)
+        assert rnet.activations["1-3"].grad_fn is not None
+        for twin in (copy.deepcopy(rnet), pickle.loads(pickle.dumps(rnet))):
+            kept = twin.activations["1-3"]
+            assert kept.grad_fn is None
+            torch.testing.assert_close(kept, rnet.activations["1-3"].detach())
+            twin(2 * x)  # records its own forward; the original's activations stay
+            layers = twin.net
+            expected = layers[2](layers[1](layers[0](2 * x)))
+            torch.testing.assert_close(twin.activations["1-3"].detach(), expected)
+            assert rnet.activations["1-3"].grad_fn is not None
+            twin.release()
+
+
 # --- documentation ----------------------------------------------------------------------------
 
 
