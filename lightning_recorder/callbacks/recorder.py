@@ -167,6 +167,7 @@ class RecorderCallback(Callback):
         self._suspend_idle = False  # suspend the hooks between recorded batches (this run)
         self._suspended = False  # the hooks are suspended now
         self._record_idle = False  # record unchosen batches too, and drop them (compiled)
+        self._compiled_checked = False  # the first chosen batch of a compiled model was checked
         self._idle = False  # the current batch records only to keep the flag on
         #: ``(batch, batch_idx, dataloader_idx)`` of a recorded batch while its records are
         #: handed over (``_after_batch``, for subclasses); ``(None, 0, 0)`` otherwise.
@@ -310,6 +311,7 @@ class RecorderCallback(Callback):
         # dropped at the batch end), so the hooks' on/off flag that dynamo guards on never
         # changes and the model compiles once.
         self._record_idle = keep
+        self._compiled_checked = False
         try:
             self._on_attach(trainer, pl_module)
         except BaseException:
@@ -401,6 +403,7 @@ class RecorderCallback(Callback):
             return
         self._manager.stop()
         self._active, self._holding = None, True
+        self._check_compiled_hooks(stage)
         if stage == "train":
             self._report_silent_modules()
             if completes:
@@ -410,6 +413,32 @@ class RecorderCallback(Callback):
             self._after_batch(trainer, pl_module, stage, completes)
         finally:
             self._batch = (None, 0, 0)
+
+    def _check_compiled_hooks(self, stage: Stage) -> None:
+        """Warn once when the first chosen batch of a compiled model recorded nothing from any
+        module the recorders hook: torch then runs code it compiled before the hooks existed."""
+        manager = self._manager
+        if self._compiled_checked or not self._record_idle or manager is None:
+            return
+        streams = [
+            stream
+            for recorder in manager.recorders.values()
+            if getattr(recorder, "hooked_modules", None)
+            for stream in recorder.streams.values()
+        ]
+        if not streams:
+            return
+        self._compiled_checked = True
+        if any(stream.num_calls for stream in streams):
+            return
+        rank_zero_warn(
+            f"{self!r} recorded nothing in its first {stage} batch from any of the modules it "
+            "hooks, and the model is compiled. If those modules ran, torch is running code it "
+            "compiled before the hooks were installed: torch.compile does not recompile when "
+            "hooks are added later (the model, or another of its class, was compiled and run "
+            "earlier in this process, as in a first fit in a notebook). Call "
+            "torch.compiler.reset() before this run, so that the model compiles with the hooks."
+        )
 
     def _report_silent_modules(self) -> None:
         """Warn once per module that recorded in earlier training steps and not in this one.

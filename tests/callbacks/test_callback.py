@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import functools
 import gc
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -279,6 +280,34 @@ def test_compiled_model_records_on_every_due_step() -> None:
     compiled = torch.compile(Unlogged(), backend="aot_eager")
     trainer(max_steps=6, callbacks=[cb, seen]).fit(compiled, loader(features(32)))
     assert [n for _, _, n in seen.entries] == [None, 1, None, 1, None, 1]
+
+
+def test_a_model_compiled_before_the_hooks_is_reported_until_torch_recompiles() -> None:
+    """torch.compile does not recompile when hooks are added later: a model compiled and run
+    before the callback is attached (a first fit in a notebook) records nothing, and the
+    callback says so once, naming torch.compiler.reset(); after it, the same run records."""
+    data = loader(features(16))
+    torch.compiler.reset()  # whatever earlier tests compiled: a known start
+    try:
+        trainer(max_steps=1).fit(torch.compile(Unlogged(), backend="eager"), data)
+        for reset in (False, True):
+            if reset:
+                torch.compiler.reset()
+            seen = Seen()
+            cb = RecorderCallback(FEAT, stages="train")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                compiled = torch.compile(Unlogged(), backend="eager")
+                trainer(max_steps=2, callbacks=[cb, seen]).fit(compiled, data)
+            told = [str(w.message) for w in caught if "torch.compiler.reset()" in str(w.message)]
+            recorded = [n for _, _, n in seen.entries]
+            if reset:
+                assert told == [] and recorded == [1, 1]
+            else:
+                assert len(told) == 1 and "recorded nothing in its first train batch" in told[0]
+                assert recorded == [None, None]
+    finally:
+        torch.compiler.reset()
 
 
 def test_hooks_are_suspended_between_recorded_steps() -> None:

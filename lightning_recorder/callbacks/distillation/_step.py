@@ -276,7 +276,10 @@ class StepRunner:
                 "Expected the teacher to have run in this step, but the student's forward was "
                 "never called: FeatureDistillation runs the teacher on the inputs of the "
                 "student's forward (`self(x)` in the step). Call the student through `self(...)`, "
-                "or pass `teacher_input=` to map the batch to the teacher's input."
+                "or pass `teacher_input=` to map the batch to the teacher's input. (A student "
+                "that torch compiled before this run runs without the callback's hooks: "
+                "torch.compile does not recompile for hooks added later. Call "
+                "torch.compiler.reset() before fit.)"
             )
         student, teacher = self._recorders[self.phase]
         terms: dict[str, Tensor] = {}
