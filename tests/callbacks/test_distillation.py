@@ -327,8 +327,22 @@ def test_manual_optimization_needs_the_explicit_form() -> None:
     assert distill.connectors["features.2"].weight.grad is not None
 
 
+class EarlyTermStudent(Student):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        term = distillation_loss(self)  # before the student's forward: no teacher pass yet
+        x, y = batch
+        return F.cross_entropy(self(x), y) + term
+
+
 def test_distillation_loss_errors() -> None:
     teacher, _ = seeded()
+    early = FeatureDistillation(teacher, PAIRS, add_to_loss=False)
+    with pytest.raises(
+        RecorderStateError,
+        match=r"teacher to have run in this step, but the student's forward was never called.*"
+        r"compiled before this run.*torch\.compiler\.reset\(\)",
+    ):
+        fit(EarlyTermStudent(), [early], max_steps=1)
     with pytest.raises(RecorderStateError, match=r"Expected a FeatureDistillation\(\.\.\., add"):
         fit(ExplicitStudent(), [FeatureDistillation(teacher, PAIRS)], max_steps=1)
     distill = FeatureDistillation(teacher, PAIRS, add_to_loss=False)
