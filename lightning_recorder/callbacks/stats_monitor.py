@@ -509,8 +509,10 @@ class FeatureStatsMonitor(RecorderCallback):
             for key, config in self._configs.items()
             if not absent_module_type(config["source"], modules)
         }
-        if present or len(self._configs) == 1:  # one source: the recorder's own error
-            return present or self._configs
+        if present:
+            return present
+        if len(self._configs) == 1:  # one source: the recorder's own error names it
+            return self._configs
         wanted = ", ".join(key.rsplit(".", 1)[-1] for key in self._configs)
         types = sorted({type(module).__name__ for name, module in modules.items() if name})
         raise UnknownSourceError(
