@@ -119,6 +119,10 @@ class StreamStates(_Quiet):
         super().merge_state(incoming_state)  # nothing cached to go stale (compute_with_cache=False)
         self._fresh = False
 
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._fresh = False  # a loaded state (a checkpoint) is added to, not replaced
+
 
 class BucketCounts(_Quiet):
     """Histogram counts ``(streams, bins)`` summed over every rank by ``compute()``."""

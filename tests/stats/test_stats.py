@@ -513,6 +513,19 @@ def test_pickle_and_state_dict(tmp_path: Path) -> None:
     assert_stats(fresh.compute(), reference([x], correction=0))
 
 
+def test_update_after_load_state_dict_adds_to_the_loaded_state() -> None:
+    """A metric restored from a checkpoint goes on from the loaded state, as after a merge."""
+    x, y = torch.randn(20), torch.randn(7) * 2 + 1
+    metric = FeatureStats()
+    metric.persistent(True)
+    metric.update(x)
+    restored = FeatureStats()
+    restored.persistent(True)
+    restored.load_state_dict(metric.state_dict())
+    restored.update(y)
+    assert_stats(restored.compute(), reference([x, y]))
+
+
 class _Moves(torch.overrides.TorchFunctionMode):
     """Records every torch call whose result lies on another device than its first argument."""
 
