@@ -164,7 +164,7 @@ class RecorderManager:
         """Start the recorders not recording (threads checked by the caller, under the lock)."""
         holder = _this_thread()  # looked up once for all the recorders
         idle = [r for r in self._recorders.values() if not r._recording]
-        apply_all(idle, lambda r: r._start_as(holder), BaseRecorder.stop)
+        apply_all(idle, lambda r: r._start_as(holder), lambda r: r.stop())  # subclasses' stop
 
     def suspend(self) -> None:
         """Remove the hooks of every idle recorder until :meth:`start` reinstalls them.

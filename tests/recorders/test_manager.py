@@ -12,6 +12,7 @@ from torch import nn
 from lightning_recorder import (
     DuplicateNameError,
     ModuleOutputsRecorder,
+    NotInitializedError,
     RecorderConfigError,
     RecorderManager,
     UnknownRecorderTypeError,
@@ -130,6 +131,24 @@ def test_duplicate_names_and_unknown_recorder_name() -> None:
     with pytest.raises(RecorderConfigError, match=r"No recorder named 'conv_rec'.*'conv1_rec'"):
         manager.get_recorder("conv_rec")
     assert "conv1_rec" in manager and len(manager) == 1
+
+
+def test_a_recorder_that_cannot_start_leaves_no_function_patched() -> None:
+    """When one recorder of a manager cannot start, those started before it are stopped with
+    their own ``stop``: a function recorder puts the original function back."""
+    original = torch.nn.functional.relu
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    manager = RecorderManager(
+        {"relu": {"type": "FunctionOutputs", "source": "torch.nn.functional.relu"}}
+    )
+    manager.initialize(model)
+    manager.add_recorder("late", {"type": "ModuleOutputs", "source": "1"})  # not initialized
+    for start in (manager.start, manager.__enter__):
+        with pytest.raises(NotInitializedError, match=r"ModuleOutputsRecorder\('1'\)"):
+            start()
+        assert torch.nn.functional.relu is original
+        assert not manager.get_recorder("relu").recording
+    manager.release()
 
 
 def test_register_rejects_non_recorders() -> None:
