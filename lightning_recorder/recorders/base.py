@@ -145,11 +145,26 @@ class RecordStream:
             size = f" of length {len(record)}" if hasattr(record, "__len__") else ""
             raise NoRecordError(
                 f"Expected `data_idx` to index record {record_idx} of {self._label}, a "
-                f"{type(record).__name__}{size}, but got {data_idx!r}."
+                f"{type(record).__name__}{size}, but got {data_idx!r}.{_valid_data_idx(record)}"
             ) from None
 
     def __repr__(self) -> str:
         return f"RecordStream({self.name!r}, records={len(self._records)})"
+
+
+def _valid_data_idx(record: Any) -> str:
+    """What indexes ``record`` as a `data_idx`: its positions, and its names or keys."""
+    if isinstance(record, Mapping):
+        return f" Valid keys: {', '.join(repr(k) for k in record)}."
+    if isinstance(record, torch.Tensor) and record.dim() == 0:
+        return " A 0-d tensor has no index: leave `data_idx` out."
+    if not hasattr(record, "__len__") or len(record) == 0:
+        return ""
+    valid = f" Valid: an int in [-{len(record)}, {len(record) - 1}]"
+    names = getattr(record, "names", None)  # an Arguments record
+    if isinstance(names, tuple):
+        valid += f" or an argument name, {', '.join(repr(n) for n in names)}"
+    return f"{valid}."
 
 
 class RecorderHook(WeakHook["BaseRecorder"]):

@@ -547,6 +547,13 @@ def test_record_and_data_index_errors() -> None:
         rec.get_record_data(2)
     with pytest.raises(NoRecordError, match=r"`data_idx` to index record 0.*Arguments of length 1"):
         inputs.get_record_data(0, data_idx=3)
+    with pytest.raises(
+        NoRecordError,
+        match=r"got 'inputs'. Valid: an int in \[-1, 0\] or an argument name, 'input'",
+    ):
+        inputs.get_record_data(0, data_idx="inputs")
+    with pytest.raises(NoRecordError, match=r"got 5. Valid: an int in \[-1, 0\]\.$"):
+        rec.get_record_data(0, data_idx=5)
     with pytest.raises(IndexError):  # NoRecordError is also an IndexError
         rec.get_record_data(5)
     with pytest.raises(RecorderStateError, match="do not nest"), rec, rec:
