@@ -38,10 +38,15 @@ class _ModuleRecorder(BaseRecorder):
     """Shared source resolution for module recorders."""
 
     def __init__(self, source: str | type[nn.Module] | tuple[type[nn.Module], ...], **options: Any):
-        if not isinstance(source, (str, type, tuple)) or source == "":
+        if isinstance(source, str) and not source:
             raise RecorderConfigError(
-                f"Expected `source` to be a module name, a glob pattern or a module type but got "
-                f"{source!r}. The root module itself cannot be recorded: name a submodule."
+                "Expected `source` to be a module name, a glob pattern or a module type but got "
+                "''. The root module itself cannot be recorded: name a submodule."
+            )
+        if not isinstance(source, (str, type, tuple)):
+            raise RecorderConfigError(
+                f"Expected `source` to be a module name, a glob pattern or a module type (or a "
+                f"tuple of nn.Module types) but got {type(source).__name__} {source!r}."
             )
         if isinstance(source, type) and not issubclass(source, nn.Module):
             raise RecorderConfigError(

@@ -518,6 +518,15 @@ def test_bad_options(kwargs: dict[str, object], match: str) -> None:
         ModuleOutputsRecorder(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("source", [None, 3, [nn.Conv2d]])
+def test_a_source_of_a_wrong_type_is_named_with_what_is_expected(source: object) -> None:
+    with pytest.raises(
+        RecorderConfigError, match=r"\(or a tuple of nn.Module types\) but got"
+    ) as err:
+        ModuleOutputsRecorder(source)  # type: ignore[arg-type]
+    assert type(source).__name__ in str(err.value) and "root module" not in str(err.value)
+
+
 def test_initialize_needs_a_model_and_reading_needs_initialize() -> None:
     rec = ModuleOutputsRecorder("conv1")
     with pytest.raises(NotInitializedError, match="has not been initialized"):
