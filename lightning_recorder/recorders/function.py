@@ -20,6 +20,7 @@ uninitialized when persistent (call :meth:`initialize` on the copy to install it
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Literal
 
@@ -154,18 +155,38 @@ class _CallableRecorder(BaseRecorder):
     def _empty_hint(self) -> str:
         owner, _, attr = self.source.rpartition(".")
         if self._want == "function":
+            held = _held_elsewhere(self._target.func, owner) if self._target is not None else []
+            found = (
+                f" Loaded modules that hold it under their own name: {', '.join(held)}."
+                if held
+                else ""
+            )
             return (
                 f"The name {attr!r} was patched in module {owner!r}. If the code that runs "
                 f"imported the function into another module (`from {owner} import {attr}` "
                 "elsewhere), it calls that module's own reference: record "
-                f"'<that module>.{attr}' — the module that uses the function. Also check that "
-                "the call happened inside the context."
+                f"'<that module>.{attr}' — the module that uses the function.{found} Also check "
+                "that the call happened inside the context."
             )
         return (
             f"The method {attr!r} was patched on class {owner!r}. Calls through a subclass that "
             "overrides it, or through a bound method captured before `initialize`, are not "
             "seen; also check that the call happened inside the context."
         )
+
+
+def _held_elsewhere(func: Any, owner: str, limit: int = 5) -> list[str]:
+    """Quoted dotted paths (at most ``limit``) under which loaded modules other than ``owner``
+    hold ``func``: the sources that would see calls made through those references."""
+    found: list[str] = []
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if name == owner or not isinstance(namespace, dict):
+            continue
+        found += [f"'{name}.{key}'" for key, value in list(namespace.items()) if value is func]
+        if len(found) >= limit:
+            break
+    return found[:limit]
 
 
 def _rebuild(

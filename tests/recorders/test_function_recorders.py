@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 from helpers import toy as toy_module
@@ -154,6 +157,24 @@ def test_function_bound_under_another_module_is_explained() -> None:
     with pytest.raises(NoRecordError, match="the module that uses the function"):
         rec.get_record_data()
     rec.release()
+
+
+def test_an_empty_function_recorder_names_the_modules_that_hold_the_function() -> None:
+    """A function imported into another module under its own name is called through that
+    reference: the error for an empty record names the modules that hold one."""
+    holder = types.ModuleType("lr_test_holder")
+    holder.double = toy_module.double  # as `from helpers.toy import double` would
+    sys.modules[holder.__name__] = holder
+    try:
+        rec = FunctionOutputsRecorder("helpers.toy.double").initialize()
+        with rec:
+            holder.double(torch.ones(1))
+        held = r"hold it under their own name: .*'lr_test_holder.double'"
+        with pytest.raises(NoRecordError, match=held):
+            rec.get_record_data()
+        rec.release()
+    finally:
+        del sys.modules[holder.__name__]
 
 
 def test_release_is_idempotent_and_reinitialize_works() -> None:
