@@ -206,7 +206,10 @@ class RecorderManager:
                     )
                 if recorder.recording:
                     raise RecorderStateError(
-                        f"{recorder!r} is already recording: manager contexts do not nest."
+                        f"{recorder!r} is already recording, inside a context of this manager "
+                        "or started on its own (`start()`, `with recorder:`): manager contexts "
+                        "do not nest, and a recorder records one context at a time; stop it "
+                        "before entering the manager."
                     )
             self._start_idle()
         return self

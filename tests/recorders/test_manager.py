@@ -15,6 +15,7 @@ from lightning_recorder import (
     NotInitializedError,
     RecorderConfigError,
     RecorderManager,
+    RecorderStateError,
     UnknownRecorderTypeError,
     UnknownSourceError,
     recorder_types,
@@ -148,6 +149,21 @@ def test_a_recorder_that_cannot_start_leaves_no_function_patched() -> None:
             start()
         assert torch.nn.functional.relu is original
         assert not manager.get_recorder("relu").recording
+    manager.release()
+
+
+def test_entering_a_manager_whose_recorder_records_on_its_own_says_so() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    recorder = ModuleOutputsRecorder("0")
+    manager = RecorderManager({"out": recorder})
+    manager.initialize(model)
+    with recorder:
+        with pytest.raises(RecorderStateError, match=r"or started on its own.*stop it"):
+            manager.__enter__()
+        assert recorder.recording
+    with manager:  # once it stopped, the manager records with it
+        model(torch.randn(1, 2))
+    assert len(recorder.data_buffer) == 1
     manager.release()
 
 
