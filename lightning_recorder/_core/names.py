@@ -69,6 +69,35 @@ def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {canonical_name(n): p for n, p in model.named_parameters(remove_duplicate=True)}
 
 
+def refuse_second_name(
+    model: nn.Module, source: object, what: str, items: Mapping[str, object]
+) -> None:
+    """Raise when ``source``, an exact name that :func:`select` did not find in ``items`` (the
+    deduplicated names of ``what``, ``"module"`` or ``"parameter"``), names an object that
+    ``items`` list under another name: a tied parameter or a module registered twice, which
+    ``named_modules()`` / ``named_parameters()`` list once.
+
+    Raises:
+        UnknownSourceError: the message names the listed name to record instead.
+    """
+    if not isinstance(source, str) or is_glob(source) or canonical_name(source) in items:
+        return
+    key = canonical_name(source)
+    every = (
+        model.named_parameters(remove_duplicate=False)
+        if what == "parameter"
+        else model.named_modules(remove_duplicate=False)
+    )
+    shared = next((obj for name, obj in every if canonical_name(name) == key), None)
+    listed = next((name for name, obj in items.items() if obj is shared), None)
+    if shared is not None and listed is not None:
+        raise UnknownSourceError(
+            f"No {what} named {source!r} in named_{what}s(): {source!r} is a second name of the "
+            f"{what} {listed!r} (shared or tied, the same object), which named_{what}s() lists "
+            f"once. Record {listed!r}."
+        )
+
+
 def is_regex(source: object) -> bool:
     """Whether a source is a ``"re:"`` regular expression over names."""
     return isinstance(source, str) and source.startswith(REGEX_PREFIX)

@@ -17,9 +17,16 @@ from torch import nn
 
 from .._core.checks import suggestion
 from .._core.hooks import GradSink
-from .._core.names import as_module_type, canonical_name, is_glob, named_modules, select
+from .._core.names import (
+    as_module_type,
+    canonical_name,
+    is_glob,
+    named_modules,
+    refuse_second_name,
+    select,
+)
 from .._core.structures import Binder, iter_tensors
-from ..errors import RecorderConfigError
+from ..errors import RecorderConfigError, UnknownSourceError
 from ._registry import register_recorder
 from .base import BaseRecorder, RecorderHook, RecordStream
 
@@ -82,7 +89,11 @@ class _ModuleRecorder(BaseRecorder):
             names = select(modules, self._type, "module")
         else:
             self._group = isinstance(self.source, str) and is_glob(self.source)
-            names = select(modules, self.source, "module")
+            try:
+                names = select(modules, self.source, "module")
+            except UnknownSourceError:
+                refuse_second_name(model, self.source, "module", modules)
+                raise
         for name in names:
             self._install(name, modules[name], self.add_stream(name))
             self._hooked[name] = modules[name]

@@ -20,8 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.names import is_glob, named_modules, named_parameters, select
-from ..errors import RecorderConfigError
+from .._core.names import (
+    is_glob,
+    named_modules,
+    named_parameters,
+    refuse_second_name,
+    select,
+)
+from ..errors import RecorderConfigError, UnknownSourceError
 from ._registry import register_recorder
 from .base import BaseRecorder, RecorderHook, RecordStream
 
@@ -65,7 +71,11 @@ class _ParameterSource(BaseRecorder):
         params = named_parameters(model)
         masks = _pruned(model, params)
         choices = {**params, **{name: params[f"{name}_orig"] for name in masks}}
-        names = select(choices, self.source, "parameter")
+        try:
+            names = select(choices, self.source, "parameter")
+        except UnknownSourceError:
+            refuse_second_name(model, self.source, "parameter", choices)
+            raise
         self._masks = {name: masks[name] for name in names if name in masks}
         return {name: choices[name] for name in names}
 

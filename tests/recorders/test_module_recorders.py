@@ -502,6 +502,38 @@ def test_unknown_names_list_closest(factory: object, match: str) -> None:
     assert live_hooks() == []
 
 
+class _Tied(nn.Module):
+    """An embedding tied to the output layer, and one block registered under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+        self.block = nn.Linear(4, 4)
+        self.again = self.block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.again(self.block(self.emb(x))))
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: ParameterRecorder("head.weight"), r"second name of the parameter 'emb.weight'"),
+        (lambda: ParameterGradRecorder("head.weight"), r"Record 'emb.weight'"),
+        (lambda: ModuleOutputsRecorder("again"), r"second name of the module 'block'"),
+    ],
+)
+def test_a_second_name_of_a_shared_object_names_the_one_to_record(
+    factory: object, match: str
+) -> None:
+    rec = factory()  # type: ignore[operator]
+    with pytest.raises(UnknownSourceError, match=match):
+        rec.initialize(_Tied())
+    assert live_hooks() == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
