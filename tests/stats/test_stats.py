@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -511,6 +512,13 @@ def test_pickle_and_state_dict(tmp_path: Path) -> None:
     fresh = FeatureStats(correction=0)
     fresh.load_state_dict(torch.load(tmp_path / "stats.pt", weights_only=True))
     assert_stats(fresh.compute(), reference([x], correction=0))
+
+
+def test_scaling_page_gives_the_size_of_the_gathered_state() -> None:
+    """The page on scaling out states how many numbers per module cross ranks: the packed state."""
+    text = (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8")
+    sizes = re.findall(r"an? (\d+)-number state|`(\d+) × modules`", text)
+    assert sizes and {int(a or b) for a, b in sizes} == {WIDTH}
 
 
 def test_update_after_load_state_dict_adds_to_the_loaded_state() -> None:
