@@ -6,6 +6,8 @@ runs).
 
 * :func:`current_autograd_node` — set while the autograd engine runs a backward node, which is
   how a forward re-run by activation checkpointing is told apart from a real call.
+* :func:`reentrant_rerun` — whether that node is a reentrant checkpoint's backward
+  (``torch.utils.checkpoint.CheckpointFunction``), whose re-run alone carries gradients.
 * :func:`is_compiled` — whether ``torch.compile`` compiles a module or a part of it;
   :func:`uncompiled` — the module a ``torch.compile`` wrapper holds.
 * :func:`torch_op_signatures` — argument names of torch C functions, from their ATen schemas
@@ -33,6 +35,25 @@ except AttributeError:  # pragma: no cover - very old torch
 
     def current_autograd_node() -> Any:
         return None
+
+
+def _reentrant_backward() -> type | None:
+    try:
+        from torch.utils.checkpoint import CheckpointFunction
+    except ImportError:  # pragma: no cover - torch without reentrant checkpointing
+        return None
+    return getattr(CheckpointFunction, "_backward_cls", None)
+
+
+_REENTRANT_BACKWARD = _reentrant_backward()
+
+
+def reentrant_rerun() -> bool:
+    """Whether the autograd engine is re-running a forward for a reentrant checkpoint
+    (``checkpoint(..., use_reentrant=True)``): its first run has no autograd graph, so the
+    gradients of the tensors made inside reach only the tensors of this re-run."""
+    node = current_autograd_node()
+    return node is not None and type(node) is _REENTRANT_BACKWARD
 
 
 def _optimized_module() -> type | None:

@@ -43,7 +43,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import RecorderStateError
-from .compat import current_autograd_node
+from .compat import current_autograd_node, reentrant_rerun
 
 _LIVE: dict[int, tuple[str, RemovableHandle]] = {}
 
@@ -260,6 +260,16 @@ class WeakHook(InertWhenCopied, Generic[OwnerT]):
         """The owner, or ``None`` when it is gone or a checkpointed forward is being re-run."""
         owner = self._ref()
         if owner is None or current_autograd_node() is not None:
+            return None
+        return owner
+
+    def live_for_grads(self) -> OwnerT | None:
+        """:meth:`live`, also in the forward a reentrant checkpoint re-runs during backward: a
+        hook that registers :class:`GradSink` s registers them there, since the tensors of the
+        first run (made without autograd) receive no gradient. A non-reentrant re-run stays
+        out: its tensors are not back-propagated, the first run's are."""
+        owner = self._ref()
+        if owner is None or (current_autograd_node() is not None and not reentrant_rerun()):
             return None
         return owner
 

@@ -164,8 +164,8 @@ class OutputGradsHook(SubRecorderHook):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        slot = self._slot()
-        if slot is None:
+        slot = self.live_for_grads()  # also in a reentrant checkpoint's re-run
+        if slot is None or not slot.active:
             return
         tensor = pick(output, self._path, slot.name or "<root>")
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:

@@ -25,7 +25,7 @@ import torch
 from torch.compiler import is_compiling
 
 from .._core.checks import check_bool, parse_device, parse_dtype, suggestion
-from .._core.compat import current_autograd_node
+from .._core.compat import current_autograd_node, reentrant_rerun
 from .._core.hooks import HookSet, WeakHook
 from .._core.structures import (
     Path,
@@ -196,6 +196,15 @@ class RecorderHook(WeakHook["BaseRecorder"]):
         if holder is None or is_compiling() or holder[0] == get_ident():
             return rec
         return rec if rec.records_this_thread() else None
+
+    def grad_recorder(self) -> BaseRecorder | None:
+        """:meth:`recorder` for a hook that registers gradient sinks: also in the forward a
+        reentrant checkpoint re-runs during backward (see :meth:`WeakHook.live_for_grads`),
+        which the autograd engine may run in a thread of its own."""
+        if not reentrant_rerun():
+            return self.recorder()
+        rec = self._ref()
+        return rec if rec is not None and rec._recording else None
 
     def on_grad(self, owner: BaseRecorder, grad: torch.Tensor, key: Any) -> None:
         """Record a gradient that arrived for the recording session ``key``."""

@@ -248,7 +248,7 @@ class _OutputGradHook(RecorderHook):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        rec = self.recorder()
+        rec = self.grad_recorder()
         if rec is None:
             return
         tensor = _single_tensor(rec._select(output), repr(rec))
@@ -266,7 +266,7 @@ class _InputGradHook(RecorderHook):
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        rec = self.recorder()
+        rec = self.grad_recorder()
         if rec is None:
             return None
         key: int | str = rec.path[0] if rec.path else 0

@@ -505,7 +505,8 @@ def test_models_with_collector_hooks_deepcopy_and_pickle_and_copies_do_not_recor
     torch.testing.assert_close(twin(x), model(x))
 
 
-def test_activation_checkpoint_recomputation_is_not_recorded_twice() -> None:
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpoint_recomputation_is_not_recorded_twice(use_reentrant: bool) -> None:
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
     head = nn.Linear(3, 1)
@@ -514,7 +515,7 @@ def test_activation_checkpoint_recomputation_is_not_recorded_twice() -> None:
         ForwardInputsCollector().children(block) as inputs,
         OutputGradsCollector().children(block) as grads,
     ):
-        out = head(checkpoint(block, x, use_reentrant=False))
+        out = head(checkpoint(block, x, use_reentrant=use_reentrant))
         out.sum().backward()
     assert list(inputs.iter_samples()) == [1, 1]
     assert list(grads.iter_samples()) == [1, 1]

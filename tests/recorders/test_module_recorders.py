@@ -410,6 +410,28 @@ def test_activation_checkpoint_recomputation_not_double_counted() -> None:
     rec.release()
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_recorders_inside_activation_checkpoint(use_reentrant: bool) -> None:
+    """One gradient per call of a checkpointed module, the one autograd gives, in both kinds of
+    checkpoint (a reentrant one runs its forward without autograd, then again in backward)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = nn.Sequential(OrderedDict(block=block, head=nn.Linear(4, 1)))
+    out_grad = ModuleOutputGradsRecorder("block.0").initialize(model)
+    in_grad = ModuleInputGradsRecorder("block.2").initialize(model)
+    x = torch.randn(5, 3, requires_grad=True)
+    with out_grad, in_grad:
+        model.head(checkpoint(block, x, use_reentrant=use_reentrant)).sum().backward()
+    assert len(out_grad.data_buffer) == len(in_grad.data_buffer) == 1
+    h = block[0](x)
+    a = torch.tanh(h)
+    want_h, want_a = torch.autograd.grad(model.head(block[2](a)).sum(), (h, a))
+    torch.testing.assert_close(out_grad.get_record_data(), want_h, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(in_grad.get_record_data(), want_a, rtol=1e-6, atol=1e-7)
+    out_grad.release()
+    in_grad.release()
+
+
 def test_gradient_recorders_match_autograd() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
