@@ -22,7 +22,8 @@ RECORDERS: Registry[type[BaseRecorder]] = Registry("recorder")
 def _names_for(cls: type[BaseRecorder], name: str | None) -> list[str]:
     full = name or cls.__name__
     names = [full]
-    short = cls.short_name or full.removesuffix("Recorder")
+    # The class's own short name: one inherited from a registered parent is the parent's.
+    short = cls.__dict__.get("short_name") or full.removesuffix("Recorder")
     if short != full:
         names.append(short)
     return names
@@ -39,8 +40,9 @@ def register_recorder(
 ) -> R | Callable[[R], R]:
     """Register a recorder class so config dicts can name it in ``type``.
 
-    The class is registered under its class name and its ``short_name`` (or the class name
-    without the ``Recorder`` suffix). Use as a decorator, with or without arguments.
+    The class is registered under its class name and its own ``short_name`` (or, when it
+    defines none, the class name without the ``Recorder`` suffix; a parent's is not reused).
+    Use as a decorator, with or without arguments.
 
     Args:
         cls: a :class:`~lightning_recorder.BaseRecorder` subclass.

@@ -97,6 +97,23 @@ def test_register_custom_recorder_type() -> None:
         RECORDERS._types.pop("AbsOutputsRecorder", None)
 
 
+def test_a_subclass_without_a_short_name_does_not_take_its_parents() -> None:
+    """A subclass that defines no short_name of its own is registered under its class name
+    without the Recorder suffix, and the parent's short name still names the parent."""
+
+    class MagnitudeRecorder(ModuleOutputsRecorder):
+        pass
+
+    try:
+        register_recorder(MagnitudeRecorder, replace=True)
+        assert recorder_types()["Magnitude"] is MagnitudeRecorder
+        assert recorder_types()["ModuleOutputs"] is ModuleOutputsRecorder
+    finally:
+        RECORDERS._types.pop("Magnitude", None)
+        RECORDERS._types.pop("MagnitudeRecorder", None)
+        RECORDERS._types["ModuleOutputs"] = ModuleOutputsRecorder
+
+
 @pytest.mark.parametrize(
     ("config", "error", "match"),
     [
