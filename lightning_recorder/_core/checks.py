@@ -84,9 +84,13 @@ def check_keys(given: Iterable[str], allowed: Sequence[str], where: str, what: s
     """
     unknown = [k for k in given if k not in allowed]
     if unknown:
-        hints = " ".join(suggestion(k, allowed, what + "s") for k in unknown)
+        # close matches first; without one, the full list below says it (not a part twice)
+        pool = sorted(set(allowed))
+        hints = "".join(
+            suggestion(k, allowed, what + "s") + " " for k in unknown if closest(k, pool)
+        )
         raise RecorderConfigError(
-            f"Unknown {what}(s) {', '.join(repr(k) for k in unknown)} in {where}. {hints} "
+            f"Unknown {what}(s) {', '.join(repr(k) for k in unknown)} in {where}. {hints}"
             f"Valid {what}s: {', '.join(allowed)}."
         )
 

@@ -114,6 +114,15 @@ def test_a_subclass_without_a_short_name_does_not_take_its_parents() -> None:
         RECORDERS._types["ModuleOutputs"] = ModuleOutputsRecorder
 
 
+def test_an_unknown_option_without_a_close_one_lists_the_valid_options_once() -> None:
+    config = {"type": "ModuleOutputs", "source": "conv1", "persistent": True}
+    with pytest.raises(RecorderConfigError, match=r"Unknown option\(s\) 'persistent'") as err:
+        RecorderManager({"r": config})
+    message = str(err.value)
+    assert message.count("'clone'") + message.count(" clone,") == 1
+    assert "Valid options: source, detach, clone, device, dtype, keep, path." in message
+
+
 @pytest.mark.parametrize(
     ("config", "error", "match"),
     [
