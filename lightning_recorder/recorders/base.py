@@ -288,6 +288,7 @@ class BaseRecorder(abc.ABC):
         self._initialized = False
         self._entered = 0
         self._session = 0
+        self._stops = 0  # stop() calls, so that paused() does not undo one
         self._holder: tuple[int, str] | None = None  # (ident, name) of the recording thread
         self._warned_thread = False
         self._model: torch.nn.Module | None = None
@@ -345,6 +346,7 @@ class BaseRecorder(abc.ABC):
         Safe to call any number of times; :meth:`initialize` may be called again afterwards.
         """
         self._recording = False
+        self._stops += 1
         self._teardown()
         self._initialized = False
         self._model = None
@@ -447,6 +449,7 @@ class BaseRecorder(abc.ABC):
     def stop(self) -> None:
         """Stop recording; records stay readable. Does nothing if not recording."""
         self._recording = False
+        self._stops += 1
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -456,11 +459,14 @@ class BaseRecorder(abc.ABC):
         step (``HealthMonitor`` replays a flagged step this way). Does nothing when not
         recording.
         """
-        was, self._recording = self._recording, False
+        was, session, stops = self._recording, self._session, self._stops
+        self._recording = False
         try:
             yield
         finally:
-            self._recording = was
+            # A stop() or a new start() inside stands: recording resumes only if neither ran.
+            if was and self._session == session and self._stops == stops:
+                self._recording = True
 
     def __enter__(self) -> BaseRecorder:
         with _CONTEXT_LOCK:

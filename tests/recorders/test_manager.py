@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_recorder import (
     DuplicateNameError,
+    FunctionOutputsRecorder,
     ModuleOutputsRecorder,
     NotInitializedError,
     RecorderConfigError,
@@ -258,6 +259,27 @@ def test_a_resumed_hook_runs_after_hooks_added_since() -> None:
         2 * nn.functional.conv2d(x, model.conv1.weight, model.conv1.bias),
     )
     manager.release()
+
+
+def test_a_stop_inside_paused_stands() -> None:
+    """paused() resumes the recording it paused, not one stopped (or restarted) inside it."""
+    original = torch.nn.functional.relu
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    out = ModuleOutputsRecorder("0").initialize(model)
+    fn = FunctionOutputsRecorder("torch.nn.functional.relu").initialize()
+    for recorder in (out, fn):
+        recorder.start()
+        with recorder.paused():
+            recorder.stop()
+        assert not recorder.recording
+    assert torch.nn.functional.relu is original
+    model(torch.ones(1, 2))
+    assert len(out.data_buffer) == 0
+    out.start()
+    with out.paused():
+        out.release()
+    assert not out.recording and not out.initialized
+    fn.release()
 
 
 def test_paused_records_nothing_and_keeps_the_records_so_far() -> None:
