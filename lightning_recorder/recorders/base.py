@@ -70,6 +70,11 @@ def held_elsewhere(recorder: BaseRecorder) -> str | None:
     return None
 
 
+_MODIFIED_CAUSE = (
+    "an in-place operation such as ReLU(inplace=True) after the recorded module is the usual cause."
+)
+
+
 class RecordStream:
     """The records of one source, in call order.
 
@@ -97,11 +102,14 @@ class RecordStream:
         records = self._records
         for idx, versions in enumerate(self._versions):
             if versions is not None and modified(records[idx], versions):
+                try:
+                    cause = self._owner._modified_cause()
+                except ReferenceError:  # the recorder is gone; the stream outlived it
+                    cause = _MODIFIED_CAUSE
                 raise RecordModifiedError(
                     f"Record {idx} of {self._label} (source {self.name!r}) was modified in place "
-                    "after it was recorded, so it no longer holds what the source produced; an "
-                    "in-place operation such as ReLU(inplace=True) after the recorded module is "
-                    "the usual cause. Pass clone=True to record a copy."
+                    f"after it was recorded, so it no longer holds what the source produced; "
+                    f"{cause} Pass clone=True to record a copy."
                 )
 
     @property
@@ -593,6 +601,10 @@ class BaseRecorder(abc.ABC):
 
     def _empty_hint(self) -> str:
         return "The source was never reached inside the context."
+
+    def _modified_cause(self) -> str:
+        """The usual cause of a record changed in place, for :class:`RecordModifiedError`."""
+        return _MODIFIED_CAUSE
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.source!r})"

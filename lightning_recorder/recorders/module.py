@@ -244,6 +244,12 @@ def _single_tensor(value: Any, where: str) -> torch.Tensor | None:
     return tensors[0] if tensors else None
 
 
+_GRAD_MODIFIED_CAUSE = (
+    "a gradient is changed in place when it becomes the `.grad` of a leaf tensor (an input "
+    "that requires grad) and a later backward accumulates into it, or `.grad.zero_()` runs."
+)
+
+
 class _OutputGradHook(RecorderHook):
     __slots__ = ()
 
@@ -330,6 +336,9 @@ class ModuleOutputGradsRecorder(_ModuleRecorder):
             "context as the forward, and make sure the output requires grad."
         )
 
+    def _modified_cause(self) -> str:
+        return _GRAD_MODIFIED_CAUSE
+
 
 @register_recorder
 class ModuleInputGradsRecorder(_ModuleRecorder):
@@ -377,3 +386,6 @@ class ModuleInputGradsRecorder(_ModuleRecorder):
             "context as the forward; an input that does not require grad (such as the data "
             "entering the first layer) has no gradient."
         )
+
+    def _modified_cause(self) -> str:
+        return _GRAD_MODIFIED_CAUSE

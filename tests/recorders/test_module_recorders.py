@@ -432,6 +432,21 @@ def test_gradient_recorders_inside_activation_checkpoint(use_reentrant: bool) ->
     in_grad.release()
 
 
+def test_a_gradient_accumulated_into_afterwards_is_reported_with_its_cause() -> None:
+    """The gradient of a leaf input becomes its `.grad`; a later backward adds to it in place,
+    and the error says so (not an in-place operation of the forward)."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    in_grad = ModuleInputGradsRecorder("0").initialize(model)
+    x = torch.randn(3, 2, requires_grad=True)
+    with in_grad:
+        model(x).sum().backward()
+    model(x).sum().backward()  # accumulates into x.grad
+    with pytest.raises(RecordModifiedError, match=r"later backward accumulates.*clone=True") as err:
+        in_grad.get_record_data()
+    assert "ReLU" not in str(err.value)
+    in_grad.release()
+
+
 def test_gradient_recorders_match_autograd() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
