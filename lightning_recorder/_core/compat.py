@@ -37,15 +37,9 @@ except AttributeError:  # pragma: no cover - very old torch
         return None
 
 
-def _reentrant_backward() -> type | None:
-    try:
-        from torch.utils.checkpoint import CheckpointFunction
-    except ImportError:  # pragma: no cover - torch without reentrant checkpointing
-        return None
-    return getattr(CheckpointFunction, "_backward_cls", None)
-
-
-_REENTRANT_BACKWARD = _reentrant_backward()
+# The name (torch.autograd.graph.Node.name) of the backward node of a reentrant checkpoint,
+# torch.utils.checkpoint.CheckpointFunction.
+_REENTRANT_BACKWARD = "CheckpointFunctionBackward"
 
 
 def reentrant_rerun() -> bool:
@@ -53,7 +47,7 @@ def reentrant_rerun() -> bool:
     (``checkpoint(..., use_reentrant=True)``): its first run has no autograd graph, so the
     gradients of the tensors made inside reach only the tensors of this re-run."""
     node = current_autograd_node()
-    return node is not None and type(node) is _REENTRANT_BACKWARD
+    return node is not None and node.name() == _REENTRANT_BACKWARD
 
 
 def _optimized_module() -> type | None:
