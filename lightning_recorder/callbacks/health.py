@@ -368,7 +368,9 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         if self._trace is not None:
             timelines = [*timelines, self._trace.finish()]
         window, step, log_step = self._window, trainer.global_step, step_axis(trainer)
-        self._window, self._timelines = [], []
+        # manual optimization may step again in this batch: its next steps are of this batch too
+        self._window = [] if pl_module.automatic_optimization else window[-1:]
+        self._timelines = []
         self._sentinel.reset()
         if self._trace is not None:  # manual optimization may go on in this batch
             self._trace.begin()

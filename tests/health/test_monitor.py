@@ -371,6 +371,41 @@ def test_manual_optimization_cannot_replay_but_always_localises() -> None:
     assert [(e.module, e.direction) for e in monitor.events] == [("body.2", "forward")]
 
 
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers stepped in each batch, GAN-style; the second
+    step of batch 1 is non-finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.first, self.second = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        layers = (self.first, self.second)
+        for k, (layer, opt) in enumerate(zip(layers, self.optimizers(), strict=True)):
+            bad = k == 1 and batch_idx == 1
+            opt.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(F.cross_entropy(layer(x * math.nan if bad else x), y))
+            opt.step()  # type: ignore[union-attr]
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(layer.parameters(), lr=0.1) for layer in (self.first, self.second)]
+
+
+@pytest.mark.parametrize("localize", ["always", False])
+def test_a_later_optimizer_step_of_a_manual_batch_names_that_batch(
+    localize: Any, tmp_path: Path
+) -> None:
+    monitor = HealthMonitor("skip", localize=localize, rules=(), evidence_dir=tmp_path)
+    fit(TwoOptimizers(), [monitor], steps=6, loader=classes())
+    [event] = monitor.events
+    assert (event.step, event.batch_idx) == (3, 1)  # two optimizer steps per batch
+    assert "at step 3, batch 1, rank 0" in event.message
+    tensors = load_file(Path(event.evidence) / "tensors.safetensors")
+    assert torch.equal(tensors["batch.0"], classes().dataset[8:16][0])  # the batch of index 1
+
+
 # ---------------------------------------------------------------------------- reporting
 def test_loggers_get_a_text_entry_and_the_counters(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
