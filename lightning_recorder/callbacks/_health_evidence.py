@@ -122,6 +122,14 @@ class Evidence:
         assert self.root is not None
         return self.root / f"step{step:08d}-rank{rank}"
 
+    def free(self, path: Path) -> Path:
+        """``path``, or a name beside it that no bundle has (a resumed run reaching the same
+        step again, a second run into the same ``evidence_dir``)."""
+        final = path
+        while final.exists():
+            final = final.with_name(f"{path.name}-{uuid.uuid4().hex[:6]}")
+        return final
+
     def write(
         self, path: Path, tensors: Mapping[str, tuple[str, torch.Tensor]], meta: dict[str, Any]
     ) -> Path | None:
@@ -158,9 +166,7 @@ class Evidence:
             else:
                 omitted[key] = {**info, "bytes": size, "why": "over the evidence budget"}
         meta = {**meta, "tensors": index, "omitted": omitted}
-        final = path
-        while final.exists():  # e.g. a resumed run reaching the same step again
-            final = final.with_name(f"{path.name}-{uuid.uuid4().hex[:6]}")
+        final = self.free(path)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         try:
             tmp.mkdir(parents=True, exist_ok=False)

@@ -169,9 +169,12 @@ class Decisions:
     ) -> None:
         """Write the evidence (the first step of a run of "warn" steps, every loud one) and
         report."""
-        at = self._evidence.path(event.step, event.rank) if loud else None
-        finish_event(event, action, str(at) if at is not None else None)
         mine = self._evidence.path(event.step, trainer.global_rank) if loud else None
+        if mine is not None:  # the event names the bundle written now, not an earlier run's
+            mine = self._evidence.free(mine)
+        at = self._evidence.path(event.step, event.rank) if loud else None
+        at = mine if event.rank == trainer.global_rank else at
+        finish_event(event, action, str(at) if at is not None else None)
         written = write_evidence(self._evidence, mine, event, micro, finding, check, extra)
         if written is None and event.rank == trainer.global_rank and at is not None:
             finish_event(event, action, None)  # nothing could be written here after all

@@ -236,3 +236,23 @@ def test_a_quantized_batch_tensor_is_stored_dequantized(tmp_path: Path) -> None:
     assert tensors["batch.0"].dtype == torch.float32
     assert torch.equal(tensors["batch.0"], batch(BAD_STEP)[0].dequantize())
     assert meta["tensors"]["batch.1"]["nan"] == 1
+
+
+def test_a_second_run_into_the_same_directory_names_its_own_bundle(tmp_path: Path) -> None:
+    """Two runs flag the same step with different values (a NaN, then an infinity): each event
+    names the bundle of its own run, and the first run's bundle is left as it was."""
+    events = []
+    for bad in (math.nan, math.inf):
+        monitor = HealthMonitor("skip", evidence_dir=tmp_path, rules=())
+        _fit(monitor, [(torch.cat(_parts(s, bad)), _target(s)) for s in range(STEPS)])
+        events.extend(monitor.events)
+    first, second = events
+    assert first.evidence != second.evidence
+    for event in events:
+        meta = json.loads((Path(event.evidence) / "event.json").read_text())
+        assert meta["event"]["counts"] == event.counts
+        assert meta["event"]["evidence"] == event.evidence
+        assert event.evidence in event.message
+    assert first.counts["nan"] == 1 and second.counts["posinf"] == 1
+    assert Path(first.evidence) == tmp_path / f"step{BAD_STEP:08d}-rank0"
+    assert Path(second.evidence).name.startswith(f"step{BAD_STEP:08d}-rank0-")
