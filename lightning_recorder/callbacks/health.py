@@ -9,7 +9,7 @@ The classes a user meets are re-exported here: :class:`HealthEvent` (a finding),
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +57,13 @@ Policy = Literal["warn", "skip", "raise"]
 Localize = Literal["replay", "always", False]
 _MiB = 1 << 20
 _NO_RNG = torch.empty(0, dtype=torch.uint8)
+
+
+def _names(value: object) -> bool:
+    """Whether ``value`` is a collection of strings (a list, a tuple; a string itself is not)."""
+    if isinstance(value, str) or not isinstance(value, Collection):
+        return False
+    return all(isinstance(item, str) for item in value)
 
 
 class HealthMonitor(Decisions, Diagnosis, Callback):
@@ -215,12 +222,12 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         check_int(view_every, "view_every", owner)
         check_int(heatmap_steps, "heatmap_steps", owner)
         known = (*STAT_NAMES, *PARAMETER_STATS)
-        if isinstance(heatmap_stats, str) or not all(s in known for s in heatmap_stats):
+        if not _names(heatmap_stats) or not all(s in known for s in heatmap_stats):
             raise RecorderConfigError(
                 f"Expected `heatmap_stats` of {owner} to be a list of names among "
                 f"{', '.join(map(repr, known))} but got {heatmap_stats!r}."
             )
-        if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude):
+        if not _names(exclude):
             raise RecorderConfigError(
                 f"Expected `exclude` of {owner} to be a list of glob patterns such as "
                 f"['*.input.attn_mask'] but got {exclude!r}."
