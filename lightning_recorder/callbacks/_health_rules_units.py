@@ -37,6 +37,10 @@ _BOUNDS: dict[type[nn.Module], tuple[float, float] | None] = {
 }
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_types(types: object, owner: str) -> tuple[type[nn.Module], ...]:
     items = (types,) if isinstance(types, type) else types
     if (
@@ -253,12 +257,13 @@ class SaturationRule(_UnitRule):
         for cls, pair in chosen.items():
             good = isinstance(cls, type) and issubclass(cls, nn.Module)
             if pair is not None:
-                good = good and isinstance(pair, tuple) and len(pair) == 2 and pair[0] < pair[1]
+                good = good and isinstance(pair, tuple) and len(pair) == 2
+                good = good and all(_is_number(b) for b in pair) and pair[0] < pair[1]
             if not good:
                 raise RecorderConfigError(
-                    f"Expected `bounds` of {owner} to map module classes to (low, high) with low "
-                    f"< high, or None, e.g. {{torch.nn.Tanh: (-0.99, 0.99)}}, but got "
-                    f"{cls!r}: {pair!r}."
+                    f"Expected `bounds` of {owner} to map module classes to (low, high) of two "
+                    "numbers with low < high, or None, e.g. {torch.nn.Tanh: (-0.99, 0.99)}, but "
+                    f"got {cls!r}: {pair!r}."
                 )
         self.bounds = chosen
 

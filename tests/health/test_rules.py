@@ -300,6 +300,8 @@ def test_saturation_bounds_are_configurable() -> None:
         ({"bounds": {"tanh": (-0.9, 0.9)}}, r"`bounds` of SaturationRule .* got 'tanh'"),
         ({"bounds": {nn.Tanh: [-0.9, 0.9]}}, r"`bounds` .* \(low, high\) .* \[-0.9, 0.9\]"),
         ({"bounds": [(-0.9, 0.9)]}, r"`bounds` of SaturationRule to be a mapping of module"),
+        ({"bounds": {nn.Tanh: (-0.9, None)}}, r"`bounds` .* two numbers .* \(-0.9, None\)"),
+        ({"bounds": {nn.Tanh: ("-0.9", "0.9")}}, r"`bounds` .* two numbers .* \('-0.9', '0.9'\)"),
     ],
 )
 def test_saturation_refuses_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
