@@ -249,6 +249,11 @@ class UpdateRatioRule(_Patient):
             high = check_number(high, "high", owner, positive=True, allow_zero=False)
         if low is not None:
             low = check_number(low, "low", owner, positive=True)
+        if high is None and low is None:
+            raise RecorderConfigError(
+                f"Expected `high` or `low` of {owner} to be a number but both are None: the rule "
+                "would judge nothing. Leave it out of `rules=` to judge no update ratio."
+            )
         if high is not None and low is not None and not low < high:
             raise RecorderConfigError(
                 f"Expected `low` < `high` of {owner} but got low={low!r}, high={high!r}."

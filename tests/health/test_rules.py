@@ -470,6 +470,7 @@ def test_update_ratio_counts_each_side_apart() -> None:
         ({"low": -1e-6}, r"`low` of UpdateRatioRule to be a finite non-negative number"),
         ({"low": 0.5, "high": 0.1}, r"`low` < `high` of UpdateRatioRule but got low=0.5, high=0.1"),
         ({"patience": 0}, r"`patience` of UpdateRatioRule to be a positive int but got 0"),
+        ({"high": None, "low": None}, r"`high` or `low` of UpdateRatioRule to be a number but"),
     ],
 )
 def test_update_ratio_refuses_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
