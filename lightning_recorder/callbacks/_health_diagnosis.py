@@ -79,6 +79,11 @@ def check_rules(rules: object, owner: str) -> tuple[HealthRule, ...]:
                 f"Expected every item of `rules` of {owner} to be a HealthRule (a subclass "
                 f"with a `name` and a `check` method) but got {type(rule).__name__} {rule!r}."
             )
+        if not isinstance(rule.name, str) or not rule.name:
+            raise RecorderConfigError(
+                f"Expected the `name` of every rule of {owner} to be a non-empty string (the "
+                f"`kind` of its events) but {type(rule).__name__} has {rule.name!r}."
+            )
         if rule.name in names or rule.name in ("nonfinite", "amp_skipped"):
             raise RecorderConfigError(
                 f"Expected the rules of {owner} to have unique names other than 'nonfinite' "

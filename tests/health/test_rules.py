@@ -631,6 +631,14 @@ def test_monitor_refuses_bad_rules(rules: Any, match: str) -> None:
         HealthMonitor(rules=rules)
 
 
+@pytest.mark.parametrize("name", [5, "", None])
+def test_a_rule_name_must_be_a_non_empty_string(name: Any) -> None:
+    rule = MeanAbove(1.0)
+    rule.name = name
+    with pytest.raises(RecorderConfigError, match=rf"`name` of every rule .* has {name!r}"):
+        HealthMonitor(rules=[rule])
+
+
 @pytest.mark.parametrize("taken", ["nonfinite", "amp_skipped"])
 def test_rule_names_of_the_non_finite_check_are_taken(taken: str) -> None:
     rule = MeanAbove(1.0)
