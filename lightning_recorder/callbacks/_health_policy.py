@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 
+from .._core.names import named_parameters
 from ..errors import NonFiniteError
 from ._health_event import HealthEvent
 from ._health_evidence import Evidence
 from ._health_replay import MicroBatch, replay
 from ._health_report import Reporter
-from ._health_sentinel import Reading
+from ._health_sentinel import Reading, nonfinite_parameters
 from ._health_step import (
     Check,
     all_reduce_max,
@@ -121,7 +122,11 @@ class Decisions:
         replayed = self._replays and (self.on_nonfinite != "warn" or self._streak == 1)
         finding: Finding | None = None
         micro = window[-1] if window else None
-        if replayed:
+        if replayed or timelines:  # a weight that was non-finite already: no module made it
+            finding = _poisoned(list(named_parameters(pl_module).items()))
+        if finding is not None:
+            replayed = False
+        elif replayed:
             summarize = self._evidence.enabled
             finding, micro = replay(trainer, pl_module, window, self.exclude, scaler, summarize)
         elif timelines:
@@ -289,6 +294,19 @@ def _scaler(trainer: pl.Trainer) -> Any:
     """The AMP grad scaler of the run (``precision="16-mixed"``), or ``None``."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def _poisoned(named: Sequence[tuple[str, torch.Tensor]]) -> Finding | None:
+    """The first parameter that holds non-finite values itself (before the optimizer step:
+    as the forward saw it; a frozen one too), or ``None``."""
+    found = nonfinite_parameters(named)
+    if not found:
+        return None
+    name, param, counts = found[0]
+    module, local = _split(name)
+    dtype, shape = str(param.dtype), tuple(param.shape)
+    tensors = [(local, param.detach())]
+    return Finding(True, module, "parameter", local, counts, dtype, shape, tensors=tensors)
 
 
 def _first(

@@ -371,6 +371,36 @@ def test_manual_optimization_cannot_replay_but_always_localises() -> None:
     assert [(e.module, e.direction) for e in monitor.events] == [("body.2", "forward")]
 
 
+class Poison(pl.Callback):
+    """Sets one entry of ``l2.weight`` to NaN before batch 1, as a bad checkpoint or an
+    in-place edit outside the optimizer would."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == 1:
+            with torch.no_grad():
+                pl_module.l2.weight[0, 0] = math.nan
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("localize", ["replay", "always"])
+def test_a_parameter_that_was_non_finite_before_the_step_is_named(
+    localize: Any, frozen: bool, tmp_path: Path
+) -> None:
+    model = TwoLinear(bad=-1)
+    if frozen:  # l2 in no optimizer: the NaN reaches l1's gradients through it
+        model.l2.requires_grad_(False)
+        model.configure_optimizers = lambda: torch.optim.SGD(model.l1.parameters(), lr=0.1)  # type: ignore[method-assign]
+    monitor = HealthMonitor("skip", localize=localize, rules=(), evidence_dir=tmp_path)
+    fit(model, [Poison(), monitor], steps=2, loader=classes())
+    [event] = monitor.events
+    where = (event.step, event.module, event.direction, event.path)
+    assert where == (1, "l2", "parameter", "weight")
+    assert event.counts == {"nan": 1, "posinf": 0, "neginf": 0} and event.producer is None
+    assert event.message.startswith("The parameter `l2.weight` was already non-finite")
+    tensors = load_file(Path(event.evidence) / "tensors.safetensors")
+    assert tensors["l2.weight"].isnan().sum() == 1
+
+
 class TwoOptimizers(pl.LightningModule):
     """Manual optimization with two optimizers stepped in each batch, GAN-style; the second
     step of batch 1 is non-finite."""
