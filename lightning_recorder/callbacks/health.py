@@ -8,7 +8,9 @@ The classes a user meets are re-exported here: :class:`HealthEvent` (a finding),
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -19,9 +21,16 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from .._core.checks import check_bool, check_callable, check_int, check_number, check_option
-from .._core.names import named_parameters
-from ..errors import RecorderConfigError
+from .._core.checks import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_number,
+    check_option,
+    suggestion,
+)
+from .._core.names import named_modules, named_parameters
+from ..errors import RecorderConfigError, UnknownSourceError
 from ..stats import STAT_NAMES
 from ._health_diagnosis import Diagnosis, check_rules
 from ._health_diagnosis import default_rules as _default_rules
@@ -57,6 +66,25 @@ Policy = Literal["warn", "skip", "raise"]
 Localize = Literal["replay", "always", False]
 _MiB = 1 << 20
 _NO_RNG = torch.empty(0, dtype=torch.uint8)
+
+
+def _check_exclude(patterns: Sequence[str], modules: Collection[str]) -> None:
+    """Refuse a pattern of ``exclude`` whose module part (before ``.input`` or ``.output``)
+    matches no module of the model: it could never leave anything out."""
+    names = [name for name in modules if name]
+    for pattern in patterns:
+        if pattern.startswith("batch"):
+            continue
+        parts = [m.start() for m in re.finditer(r"\.(input|output)(?=\.|$)", pattern)]
+        if not parts or any(fnmatch.fnmatchcase(n, pattern[:at]) for at in parts for n in names):
+            continue
+        module = pattern[: parts[0]]
+        raise UnknownSourceError(
+            f"Expected every pattern of `exclude` of HealthMonitor to name tensors of the "
+            f"model's modules ('<module>.input.<argument>', '<module>.output[.<path>]') or of "
+            f"the batch ('batch.<path>') but {pattern!r} names the module {module!r}, which the "
+            f"model does not have. {suggestion(module, names, 'module names')}"
+        )
 
 
 def _names(value: object) -> bool:
@@ -144,7 +172,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             before the next one raises.
         exclude: glob patterns of tensors that may hold non-finite values on purpose, e.g.
             ``["*.input.attn_mask"]``: names are ``"<module>.output[.<path>]"``,
-            ``"<module>.input.<argument>"`` and ``"batch.<path>"``.
+            ``"<module>.input.<argument>"`` and ``"batch.<path>"``; a pattern whose module part
+            matches no module of the model is refused when ``fit`` starts.
         evidence_max_bytes: the bytes all bundles of a run may take; 0 writes none.
         evidence_checkpoint: also save a Trainer checkpoint before the first bad update (when
             the model and optimizer state fit in ``evidence_max_bytes``).
@@ -159,6 +188,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
 
     Raises:
         RecorderConfigError: an argument is invalid.
+        UnknownSourceError: when ``fit`` starts, a pattern of ``exclude`` names a module the
+            model does not have.
         NonFiniteError: during ``fit``, as the policy says.
 
     Examples:
@@ -296,6 +327,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         if root is None:  # every rank asks: log_dir is broadcast from rank 0
             root = Path(trainer.log_dir or trainer.default_root_dir) / "health"
         self._evidence.root = Path(root)
+        _check_exclude(self.exclude, named_modules(pl_module))
         self._attach_rules(trainer)
 
     @override

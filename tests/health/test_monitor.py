@@ -28,6 +28,7 @@ from lightning_recorder import (
     NonFiniteError,
     RecorderConfigError,
     RecorderError,
+    UnknownSourceError,
 )
 from lightning_recorder.callbacks._health_event import describe
 from lightning_recorder.callbacks._health_sentinel import Sentinel
@@ -560,6 +561,19 @@ def test_state_dict_round_trip() -> None:
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(RecorderConfigError, match=match):
         HealthMonitor(**kwargs)
+
+
+def test_an_exclude_pattern_of_a_module_the_model_lacks_is_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    model = TwoLinear(bad=-1)
+    monitor = HealthMonitor(exclude=["l3.input.input"], rules=())
+    with pytest.raises(UnknownSourceError, match=r"'l3.input.input' names the module 'l3'"):
+        fit(model, [monitor], steps=2, loader=classes(), default_root_dir=tmp_path)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not list(tmp_path.iterdir()) and model.global_step == 0
+    for patterns in (["l2.input.input", "batch.0"], ["l*.output"], ["*mask*"], ["l1.output.x"]):
+        fit(TwoLinear(bad=-1), [HealthMonitor(exclude=patterns, rules=())], 1, classes())
 
 
 def test_messages_read_as_one_sentence() -> None:
