@@ -216,6 +216,8 @@ class Decisions:
             return None
         assert self._evidence.root is not None
         path = self._evidence.root / f"step{step:08d}-before-update.ckpt"
+        # not over the checkpoint of an earlier run; rank zero's choice, which writes it
+        path = trainer.strategy.broadcast(self._evidence.free(path))
         trainer.save_checkpoint(path)
         self._evidence.used += size
         return str(path)

@@ -501,6 +501,23 @@ def test_checkpoint_before_the_bad_update(tmp_path: Path) -> None:
     assert meta["checkpoint"].endswith("step00000001-before-update.ckpt")
 
 
+def test_a_second_run_into_the_same_directory_keeps_the_first_checkpoint(tmp_path: Path) -> None:
+    paths, params = [], []
+    for seed in (0, 1):
+        torch.manual_seed(seed)  # two models with different weights
+        shots = Snapshots()
+        monitor = HealthMonitor("skip", evidence_dir=tmp_path, evidence_checkpoint=True)
+        faults = Injector({1: Fault("body.2", "forward", "nan", 1)})
+        fit(Net("mlp"), [faults, monitor, shots], steps=2)
+        meta = json.loads((Path(monitor.events[0].evidence) / "event.json").read_text())
+        paths.append(meta["checkpoint"])
+        params.append(shots.states[0]["params"])
+    assert paths[0] != paths[1]
+    for path, before in zip(paths, params, strict=True):
+        state = torch.load(path, weights_only=False)["state_dict"]
+        assert all(torch.equal(state[n], p) for n, p in before.items())
+
+
 # ---------------------------------------------------------------------------- AMP, rules, state
 def test_steps_the_grad_scaler_skips_are_not_alarms() -> None:
     from lightning.pytorch.plugins import MixedPrecision
