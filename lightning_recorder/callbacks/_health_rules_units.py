@@ -248,10 +248,10 @@ class SaturationRule(_UnitRule):
     ) -> None:
         super().__init__(window, min_fraction)
         owner = type(self).__name__
-        if bounds is not None and not isinstance(bounds, Mapping):
+        if bounds is not None and (not isinstance(bounds, Mapping) or not bounds):
             raise RecorderConfigError(
-                f"Expected `bounds` of {owner} to be a mapping of module classes to (low, high), "
-                f"e.g. {{torch.nn.Tanh: (-0.99, 0.99)}}, or None but got {bounds!r}."
+                f"Expected `bounds` of {owner} to be a non-empty mapping of module classes to "
+                f"(low, high), e.g. {{torch.nn.Tanh: (-0.99, 0.99)}}, or None but got {bounds!r}."
             )
         chosen = dict(_BOUNDS if bounds is None else bounds)
         for cls, pair in chosen.items():
