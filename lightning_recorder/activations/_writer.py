@@ -520,6 +520,19 @@ class ShardWriter:
                     self._cond.notify_all()
                 thread.join()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # `ddp_spawn` pickles the callbacks, and with them a writer that has not written yet:
+        # the lock and the thread do not travel, each copy makes its own.
+        if self._thread is not None and self._thread.is_alive():
+            raise RecorderStateError(
+                f"Expected {self!r} to be closed before it is copied or pickled but its thread "
+                "is still writing; call close() first."
+            )
+        return {k: v for k, v in self.__dict__.items() if k not in ("_cond", "_thread")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _cond=threading.Condition(), _thread=None)
+
     def __enter__(self) -> ShardWriter:
         return self
 

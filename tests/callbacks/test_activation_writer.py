@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import struct
 from collections import Counter
 from pathlib import Path
@@ -15,8 +16,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_recorder import RecorderConfigError, RecordModifiedError, UnknownSourceError
-from lightning_recorder.activations import ActivationDataset, concat_activations
+from lightning_recorder import (
+    RecorderConfigError,
+    RecorderStateError,
+    RecordModifiedError,
+    UnknownSourceError,
+)
+from lightning_recorder.activations import ActivationDataset, ShardWriter, concat_activations
 from lightning_recorder.callbacks.activation_writer import ActivationWriter
 
 QUIET: dict[str, Any] = {
@@ -298,3 +304,24 @@ def test_in_place_change_after_the_recorded_module_is_caught_or_cloned(tmp_path:
     with torch.no_grad():
         expected = InPlace().conv(x)
     assert torch.equal(concat_activations(tmp_path / "b", "conv"), expected)
+
+
+def test_writer_pickles_for_ddp_spawn_and_the_copy_writes(tmp_path: Path) -> None:
+    # `ddp_spawn` pickles the callbacks into its processes before any of them writes.
+    writer = ActivationWriter("head", tmp_path, run="spawned")
+    copy = pickle.loads(pickle.dumps(writer))
+    x = images(6)
+    pl.Trainer(**QUIET, callbacks=[copy]).predict(Net(), DataLoader(TensorDataset(x), 4))
+    assert copy.writer._thread is not None and not copy.writer._thread.is_alive()
+    assert concat_activations(tmp_path, "head").shape == (6, 4)
+    assert writer.writer._thread is None  # the original wrote nothing
+    pickle.loads(pickle.dumps(copy))  # closed after the run: copies again
+
+
+def test_shard_writer_refuses_to_pickle_while_writing(tmp_path: Path) -> None:
+    shard_writer = ShardWriter(tmp_path, run="busy")
+    shard_writer.write("f", "m", torch.ones(2, 3), stage="predict")
+    with pytest.raises(RecorderStateError, match=r"closed before it is copied or pickled"):
+        pickle.dumps(shard_writer)
+    shard_writer.close()
+    assert len(ActivationDataset(tmp_path)) == 2
