@@ -8,10 +8,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from ..activations import ShardWriter
+from ..activations._format import INDEX_SUFFIX, parse_stem
 from ..errors import RecorderConfigError, RecorderError
 from ._lightning import Stage, predict_batch_indices, step_axis
 from .recorder import RecorderCallback
@@ -96,7 +98,9 @@ class ActivationWriter(RecorderCallback):
     renamed, so after a crash the index files list exactly the complete shards. Saving a
     checkpoint writes everything queued first; a run resumed from that checkpoint keeps the run
     id and removes what was written after it (those steps run again), so no row is written
-    twice.
+    twice. A run that is not resumed adds its rows to the shards its run id already has in
+    ``directory`` (the same ``run`` given again, or this writer used for another loop), with
+    a warning.
 
     Args:
         sources: module names from ``named_modules()``, glob patterns (``"features.*"``) or module
@@ -248,6 +252,22 @@ class ActivationWriter(RecorderCallback):
             self.run, generation = restored
             self.writer.run = self.run
             self.writer.discard_from(generation)
+            return
+        writer = self.writer
+        mine = (writer.run, writer.rank)
+        shards = sum(
+            name.endswith(INDEX_SUFFIX) and (parse_stem(name) or ())[:2] == mine
+            for name in writer.storage.names()
+        )
+        if shards:  # not a resume: the rows of this run go beside those already written
+            rank_zero_warn(
+                f"{type(self).__name__}: {writer.storage.url!r} already holds {shards} shard(s) "
+                f"of run {writer.run!r}, written before this fit or loop started; its rows "
+                "are added to them, and ActivationDataset reads both (the same steps and "
+                "samples twice if they are written again). Pass another `run` (or none, for a "
+                "fresh id) to keep them apart, or resume with `ckpt_path=` to replace what was "
+                "written after the checkpoint."
+            )
 
     def _on_detach(self) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -325,3 +326,23 @@ def test_shard_writer_refuses_to_pickle_while_writing(tmp_path: Path) -> None:
         pickle.dumps(shard_writer)
     shard_writer.close()
     assert len(ActivationDataset(tmp_path)) == 2
+
+
+def test_a_run_id_with_shards_already_written_warns_that_rows_are_added(tmp_path: Path) -> None:
+    loader = DataLoader(TensorDataset(images(6)), batch_size=4)
+    writer = ActivationWriter("head", tmp_path, run="fixed")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(**QUIET, callbacks=[writer]).predict(Net(), loader)
+    assert not [w for w in caught if "already holds" in str(w.message)]  # a fresh directory
+    again = ActivationWriter("head", tmp_path, run="fixed")
+    with pytest.warns(UserWarning, match=r"holds 1 shard\(s\) of run 'fixed'.*another `run`"):
+        pl.Trainer(**QUIET, callbacks=[again]).predict(Net(), loader)
+    with pytest.warns(UserWarning, match=r"already holds 2 shard\(s\)"):  # the same writer again
+        pl.Trainer(**QUIET, callbacks=[again]).predict(Net(), loader)
+    assert len(ActivationDataset(tmp_path)) == 3 * 6  # added, as the warning says
+    fresh = ActivationWriter("head", tmp_path)  # another run id: nothing to warn about
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(**QUIET, callbacks=[fresh]).predict(Net(), loader)
+    assert not [w for w in caught if "already holds" in str(w.message)]
