@@ -226,6 +226,7 @@ class ActivationWriter(RecorderCallback):
         self.run: str | None = run
         self._restored: tuple[str, int] | None = None  # (run, generation) from a checkpoint
         self._failing = False
+        self._train_batch: tuple[Any, int] | None = None  # the recorded training batch
 
     def _make_state_key(self) -> str:
         if self.name is not None:
@@ -270,6 +271,7 @@ class ActivationWriter(RecorderCallback):
             )
 
     def _on_detach(self) -> None:
+        self._train_batch = None
         try:
             self.writer.close()
         except RecorderError:
@@ -284,6 +286,37 @@ class ActivationWriter(RecorderCallback):
         super().on_exception(trainer, pl_module, exception)
 
     # ------------------------------------------------------------------ per batch
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self._train_batch = (batch, batch_idx) if self._active == "train" else None
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._train_batch = None
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _write_done_batch(self) -> None:
+        """Write the training batch now if a checkpoint is saved in its ``on_train_batch_end``
+        before this callback's: the checkpoint holds that batch as done (a resume does not run
+        it again), so its rows belong before the checkpoint."""
+        pending, module = self._train_batch, self._module
+        if pending is None or module is None or self._active != "train":
+            return
+        # ready, started, processed and completed batches, over the whole fit
+        total: Any = module.trainer.fit_loop.epoch_loop.batch_progress.total
+        if total.processed > total.completed:  # between the optimizer step and the batch's end
+            self.on_train_batch_end(module.trainer, module, None, *pending)
+
     def _indices(self, trainer: pl.Trainer, stage: Stage) -> Any:
         batch, batch_idx, dataloader_idx = self._batch
         how = self.sample_index
@@ -318,6 +351,7 @@ class ActivationWriter(RecorderCallback):
     def state_dict(self) -> dict[str, Any]:
         # Every rank saves a checkpoint's state: each writes what it has queued, and the
         # shards written after this point get the next generation number.
+        self._write_done_batch()
         generation = self.writer.checkpoint()
         return {**super().state_dict(), "run": self.run, "generation": generation}
 

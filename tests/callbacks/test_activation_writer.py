@@ -248,6 +248,31 @@ def test_resume_from_checkpoint_without_duplicates(tmp_path: Path) -> None:
     check_index_is_exact(acts)
 
 
+def test_resume_from_a_checkpoint_saved_by_an_earlier_callback_at_batch_end(
+    tmp_path: Path,
+) -> None:
+    # A callback listed before the writer saves in on_train_batch_end: the checkpoint holds that
+    # batch as done (a resume does not run it again), so its rows must be kept.
+    class SaveAtStep3(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                trainer.save_checkpoint(tmp_path / "step3.ckpt")
+
+    x, acts = images(32), tmp_path / "acts"
+    loader = DataLoader(Indexed(x), batch_size=4)
+    first = ActivationWriter("pool", acts, stages="train", sample_index=1)
+    pl.Trainer(**QUIET, callbacks=[SaveAtStep3(), first], max_steps=5).fit(Net(), loader)
+    resumed = ActivationWriter("pool", acts, stages="train", sample_index=1)
+    trainer = pl.Trainer(**QUIET, callbacks=[resumed], max_steps=6)
+    trainer.fit(Net(), loader, ckpt_path=tmp_path / "step3.ckpt")
+    keys = Counter(
+        (r["global_step"], r["sample_index"]) for r in ActivationDataset(acts).provenance()
+    )
+    assert max(keys.values()) == 1
+    assert sorted(Counter(step for step, _ in keys).items()) == [(step, 4) for step in range(6)]
+    assert first.recorded_steps == 5 and resumed.recorded_steps == 6
+
+
 def test_crash_mid_predict_leaves_complete_shards_and_exact_index(tmp_path: Path) -> None:
     x = images(40)
     writer = ActivationWriter(["conv", "head"], tmp_path, max_shard_bytes=3000)
