@@ -211,7 +211,8 @@ class FeatureStatsMonitor(RecorderCallback):
             ``logger_stats`` names no logger of it, or ``histogram_every_n_steps`` is not a
             multiple of the Trainer's ``log_every_n_steps`` (at setup); a source matches no
             module, or a ``parameters`` pattern no parameter of the monitored modules (at the
-            start of the run, naming the closest names).
+            start of the run, naming the closest names), or another monitor of the Trainer
+            writes the same tags (the same ``prefix``, stage and module; at the start of the run).
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -528,6 +529,7 @@ class FeatureStatsMonitor(RecorderCallback):
         for recorder_name, stream in self.manager.streams():
             path = self._paths.get(recorder_name)
             streams.setdefault(stream.name if path is None else f"{stream.name}/{path}", stream)
+        self._check_tags_are_its_own(trainer, streams)
         self._streams = streams
         self._tag_cache.clear()  # the cached tags of every module follow these streams
         self._index = {id(stream): i for i, stream in enumerate(streams.values())}
@@ -567,6 +569,22 @@ class FeatureStatsMonitor(RecorderCallback):
         if self.parameters is not False and "train" in self.stages:
             params = self._chosen_parameters(pl_module, streams)
             self._params = ParameterStats(params, any_sharded(params.values()))
+
+    def _check_tags_are_its_own(self, trainer: pl.Trainer, streams: Mapping[str, Any]) -> None:
+        """Refuse a monitor that would write the same tags as another one of the Trainer (the
+        same prefix, stage and module): each would log its points into the other's series."""
+        for other in trainer.callbacks:  # type: ignore[attr-defined]
+            if other is self or not isinstance(other, FeatureStatsMonitor):
+                continue
+            stages = [stage for stage in self.stages if stage in other.stages]
+            shared = [name for name in streams if name in other._streams]
+            if other.prefix == self.prefix and stages and shared:
+                raise RecorderConfigError(
+                    f"Expected {self!r} and {other!r} to write different tags but both write "
+                    f"{self.tag(stages[0], shared[0], '...')!r} (stages {stages}, modules "
+                    f"{shared[:5]}): each would log into the other's series. Give one of them "
+                    "another `prefix`, or other `sources` or `stages`."
+                )
 
     def _chosen_parameters(
         self, pl_module: pl.LightningModule, streams: dict[str, RecordStream]

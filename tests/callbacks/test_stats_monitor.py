@@ -416,6 +416,34 @@ def test_two_monitors_coexist(tmp_path: Path) -> None:
     assert not events(logger.log_dir).Tags()["histograms"]
 
 
+def test_two_monitors_writing_the_same_tags_are_refused(tmp_path: Path) -> None:
+    # Same prefix, stage and module: each would log its points into the other's series.
+    a = FeatureStatsMonitor("probe", every_n_steps=2, name="a")
+    b = FeatureStatsMonitor(["probe", "body.0"], every_n_steps=3, name="b")
+    logger = TensorBoardLogger(tmp_path, name="same")
+    model = ProbeNet()
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[a, b])
+    with pytest.raises(
+        RecorderConfigError, match=r"both write 'stats/train/probe/\.\.\.'.*`prefix`"
+    ):
+        trainer.fit(model, loader(features(8)))
+    assert live_hooks() == [] and a._manager is None and b._manager is None
+    # Other modules, or other stages, under one prefix: no tag in common, both run.
+    a = FeatureStatsMonitor("probe", every_n_steps=2, stages=["train"], name="a")
+    c = FeatureStatsMonitor("body.0", every_n_steps=1, stages=["train"])
+    d = FeatureStatsMonitor("probe", every_n_steps=1, stages=["val"], name="d")
+    e = FeatureStatsMonitor("body.0", every_n_steps=1, stages=["val"], name="e")
+    logger = TensorBoardLogger(tmp_path, name="apart")
+    pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[a, c, d, e]).fit(
+        ProbeNet(), loader(features(8)), loader(features(4))
+    )
+    got = scalars(logger.log_dir)
+    assert sorted(got["stats/train/probe/mean"]) == [1] and sorted(
+        got["stats/train/body.0/mean"]
+    ) == [0, 1]
+    assert "stats/val/probe/mean" in got and "stats/val/body.0/mean" in got
+
+
 class InPlace(ProbeNet):
     def __init__(self) -> None:
         super().__init__()
