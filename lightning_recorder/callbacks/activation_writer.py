@@ -113,7 +113,8 @@ class ActivationWriter(RecorderCallback):
         every_n_steps: write training batches every N optimizer steps.
         dtype: cast every source without its own ``dtype`` (e.g. ``"float16"``).
         sample_index: where the sample indices are (see above).
-        run: the run id in file names and index (default: a random id, kept across resume).
+        run: the run id in file names and index (default: a random id). A resumed fit keeps
+            the checkpoint's run id (warning if another ``run`` is given).
         max_shard_bytes: roll over to a new shard at this size.
         max_queue_bytes: the most bytes waiting to be written.
         queue_full: when the queue is full, ``"wait"`` for room, ``"drop"`` the batch (counted
@@ -224,6 +225,7 @@ class ActivationWriter(RecorderCallback):
         # batch is written, and this one is replaced (by rank) in `setup`.
         self.writer: ShardWriter = ShardWriter(directory, run=run, **self._writer_options)
         self.run: str | None = run
+        self._given_run = run
         self._restored: tuple[str, int] | None = None  # (run, generation) from a checkpoint
         self._failing = False
         self._train_batch: tuple[Any, int] | None = None  # the recorded training batch
@@ -250,6 +252,13 @@ class ActivationWriter(RecorderCallback):
     def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
         if restored is not None:  # resumed: this run's shards after the checkpoint are stale
+            if self._given_run not in (None, restored[0]):
+                rank_zero_warn(
+                    f"{type(self).__name__}: resumed from a checkpoint of run {restored[0]!r}, "
+                    f"so it continues that run (replacing what it wrote after the checkpoint) "
+                    f"and not `run={self._given_run!r}`. To write a new run instead, resume "
+                    "without this writer's state (another `name`) or start a new fit."
+                )
             self.run, generation = restored
             self.writer.run = self.run
             self.writer.discard_from(generation)

@@ -273,6 +273,23 @@ def test_resume_from_a_checkpoint_saved_by_an_earlier_callback_at_batch_end(
     assert first.recorded_steps == 5 and resumed.recorded_steps == 6
 
 
+def test_resume_with_another_run_id_warns_that_it_continues_the_checkpoints(
+    tmp_path: Path,
+) -> None:
+    loader, acts = DataLoader(Indexed(images(16)), batch_size=4), tmp_path / "acts"
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    first = ActivationWriter("pool", acts, stages="train", sample_index=1, run="first")
+    quiet = {**QUIET, "enable_checkpointing": True}
+    pl.Trainer(**quiet, callbacks=[first, checkpoints], max_steps=4).fit(Net(), loader)
+    resumed = ActivationWriter("pool", acts, stages="train", sample_index=1, run="second")
+    trainer = pl.Trainer(**QUIET, callbacks=[resumed], max_steps=4)
+    with pytest.warns(UserWarning, match=r"checkpoint of run 'first'.*not `run='second'`"):
+        trainer.fit(Net(), loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    rows = ActivationDataset(acts).provenance()
+    assert resumed.run == "first" and {r["run"] for r in rows} == {"first"}
+    assert max(Counter((r["global_step"], r["sample_index"]) for r in rows).values()) == 1
+
+
 def test_crash_mid_predict_leaves_complete_shards_and_exact_index(tmp_path: Path) -> None:
     x = images(40)
     writer = ActivationWriter(["conv", "head"], tmp_path, max_shard_bytes=3000)
