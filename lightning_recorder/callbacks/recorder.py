@@ -75,7 +75,8 @@ class RecorderCallback(Callback):
             ``clone``, ``keep`` …).
         stages: the loops that record: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         every_n_steps: record every N optimizer steps of training; ``None`` follows the
-            Trainer's ``log_every_n_steps``.
+            Trainer's ``log_every_n_steps`` (0, no training step logged, is an error at setup
+            when ``stages`` has ``"train"``).
         name: distinguishes two callbacks with the same configuration (checkpoint state key,
             :meth:`of`).
         keep_hooks: keep the hooks installed between recorded steps (``True``), or suspend them
@@ -278,6 +279,12 @@ class RecorderCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         every = self.every_n_steps or getattr(trainer, "log_every_n_steps", None)
+        if every == 0 and "train" in self.stages:  # Lightning then logs no training step
+            raise RecorderConfigError(
+                f"Expected the Trainer's `log_every_n_steps`, which {self!r} follows for "
+                "training steps (every_n_steps=None), to be positive but got 0 (Lightning logs "
+                "no training step then). Pass every_n_steps=N, or leave 'train' out of `stages`."
+            )
         self._every = every if isinstance(every, int) and every > 0 else 1
 
     @override

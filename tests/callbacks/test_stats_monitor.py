@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.tensorboard import SummaryWriter
 
 import lightning_recorder.callbacks.stats_monitor as monitor_module
-from lightning_recorder import FeatureStatsMonitor
+from lightning_recorder import FeatureStatsMonitor, RecorderCallback
 from lightning_recorder import TensorBoardLogger as RecorderTensorBoardLogger
 from lightning_recorder._core.hooks import live_hooks
 from lightning_recorder.errors import RecorderConfigError, RecordModifiedError, UnknownSourceError
@@ -325,6 +325,35 @@ def test_histogram_every_n_steps_must_be_a_multiple_of_the_trainer_cadence(
         trainer.fit(ProbeNet(), loader(features(16)))
     assert live_hooks() == []
     assert monitor.logged_steps == 0
+
+
+def test_a_trainer_that_logs_no_training_step_is_not_followed_to_every_step(
+    tmp_path: Path,
+) -> None:
+    # log_every_n_steps=0: Lightning logs no training step, so there is no cadence to follow.
+    logger = TensorBoardLogger(tmp_path, name="zero")
+    for callback in (
+        FeatureStatsMonitor("probe"),
+        RecorderCallback({"p": {"type": "ModuleOutputs", "source": "probe"}}, every_n_steps=None),
+    ):
+        trainer = pl.Trainer(
+            **QUIET, logger=logger, max_steps=2, log_every_n_steps=0, callbacks=[callback]
+        )
+        with pytest.raises(
+            RecorderConfigError, match=r"`log_every_n_steps`.* but got 0.*every_n_steps=N"
+        ):
+            trainer.fit(ProbeNet(), loader(features(8)))
+        assert live_hooks() == [] and callback.recorded_steps == 0
+    # Validation only, or a cadence of its own: nothing to follow, both run.
+    validation_only = FeatureStatsMonitor("probe", stages=["val"])
+    own = FeatureStatsMonitor("body.0", every_n_steps=1, stages=["train"])
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_steps=2, log_every_n_steps=0, callbacks=[validation_only, own]
+    )
+    trainer.fit(ProbeNet(), loader(features(8)), loader(features(4)))
+    assert own.logged_steps == 2 and validation_only.logged_steps == 0
+    got = scalars(logger.log_dir)
+    assert sorted(got["stats/train/body.0/mean"]) == [0, 1] and "stats/val/probe/mean" in got
 
 
 def test_other_loggers_get_scalars_and_a_single_warning(tmp_path: Path) -> None:
