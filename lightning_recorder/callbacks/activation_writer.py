@@ -262,6 +262,18 @@ class ActivationWriter(RecorderCallback):
             self.run, generation = restored
             self.writer.run = self.run
             self.writer.discard_from(generation)
+            if trainer.global_rank == 0:  # resumed on fewer processes: theirs are stale too
+                gone = {
+                    parsed[1]
+                    for parsed in map(parse_stem, self.writer.storage.names())
+                    if parsed is not None
+                    and parsed[0] == self.run
+                    and parsed[1] >= trainer.world_size
+                }
+                for rank in sorted(gone):
+                    ShardWriter(
+                        self.directory, run=self.run, rank=rank, **self._writer_options
+                    ).discard_from(generation)
             return
         writer = self.writer
         mine = (writer.run, writer.rank)

@@ -290,6 +290,33 @@ def test_resume_with_another_run_id_warns_that_it_continues_the_checkpoints(
     assert max(Counter((r["global_step"], r["sample_index"]) for r in rows).values()) == 1
 
 
+def test_resume_on_fewer_processes_removes_the_stale_shards_of_the_ranks_gone(
+    tmp_path: Path,
+) -> None:
+    loader, acts = DataLoader(Indexed(images(16)), batch_size=4), tmp_path / "acts"
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    first = ActivationWriter("pool", acts, stages="train", sample_index=1)
+    quiet = {**QUIET, "enable_checkpointing": True}
+    pl.Trainer(**quiet, callbacks=[first, checkpoints], max_steps=4).fit(Net(), loader)
+    # What a second process of that run wrote before (generation 0) and after (1, 2) the
+    # checkpoint of step 2, which stored generation 1.
+    for generation, step in ((0, 0), (1, 2), (2, 3)):
+        with ShardWriter(acts, run=first.run, rank=1, generation=generation) as other:
+            other.write("pool", "pool", torch.ones(2, 3, 2, 2), stage="train", global_step=step)
+    resumed = ActivationWriter("pool", acts, stages="train", sample_index=1)
+    trainer = pl.Trainer(**QUIET, callbacks=[resumed], max_steps=4)
+    trainer.fit(Net(), loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    rows = ActivationDataset(acts).provenance()
+    assert sorted(Counter((r["rank"], r["global_step"]) for r in rows).items()) == [
+        ((0, 0), 4),
+        ((0, 1), 4),
+        ((0, 2), 4),
+        ((0, 3), 4),
+        ((1, 0), 2),
+    ]
+    check_index_is_exact(acts)
+
+
 def test_crash_mid_predict_leaves_complete_shards_and_exact_index(tmp_path: Path) -> None:
     x = images(40)
     writer = ActivationWriter(["conv", "head"], tmp_path, max_shard_bytes=3000)
