@@ -64,6 +64,7 @@ class Pending:
     step: int
     log_step: int
     window: list[MicroBatch]
+    optimizer: int = 0  # its index in trainer.optimizers: each optimizer's run of bad steps
     timelines: list[Timeline] = field(default_factory=list)
     packed: list[torch.Tensor | None] = field(default_factory=list)
 
@@ -82,7 +83,7 @@ class Decisions:
     _evidence: Evidence
     _pending: list[Pending]
     _replays: bool
-    _streak: int
+    _streaks: dict[int, int]  # per optimizer (its index): its non-finite steps in a row
     _checkpointed: bool
 
     # ------------------------------------------------------------------ decisions
@@ -98,16 +99,20 @@ class Decisions:
         reading: Reading,
         window: list[MicroBatch],
         timelines: list[Timeline],
+        optimizer: int = 0,
     ) -> None:
+        """Decide on the step of ``optimizer`` (its index in ``trainer.optimizers``): a run of
+        non-finite steps is counted per optimizer, so that a clean step of another one (a GAN's
+        discriminator) does not end the generator's."""
         flag = all_reduce_max(reading.flag().float().reshape(1))
         if not bool(flag):  # the one synchronisation of a clean step
-            self._streak = 0
+            self._streaks[optimizer] = 0
             return
         (total, loss, grads), _ = reading.counts()
         mine = [float(any(total.values())), float(any(loss.values()))]
         any_bad, loss_bad = all_reduce_max(torch.tensor(mine, device=flag.device)).tolist()
         if not any_bad:  # a norm overflowed float32, no value was NaN or infinite
-            self._streak = 0
+            self._streaks[optimizer] = 0
             return
         check = Check(total, loss, [name for name, _ in grads])
         if timelines:  # "always": the gradients counted here are the parameters' part
@@ -117,9 +122,9 @@ class Decisions:
         if scaler is not None and not loss_bad and scaler.get_scale() > 1.0:
             self._amp_skipped(trainer, step, log_step, window, check)
             return
-        self._streak += 1
+        streak = self._streaks[optimizer] = self._streaks.get(optimizer, 0) + 1
         self.counters["nonfinite_steps"] += 1
-        replayed = self._replays and (self.on_nonfinite != "warn" or self._streak == 1)
+        replayed = self._replays and (self.on_nonfinite != "warn" or streak == 1)
         finding: Finding | None = None
         micro = window[-1] if window else None
         if replayed or timelines:  # a weight that was non-finite already: no module made it
@@ -139,9 +144,9 @@ class Decisions:
             found = findings[rank]
         event = make_event(step, micro, rank, check, found, replayed)
         action = {"warn": "warned", "skip": "skipped", "raise": "raised"}[self.on_nonfinite]
-        too_many = action == "skipped" and self._streak > self.max_consecutive_skips
+        too_many = action == "skipped" and streak > self.max_consecutive_skips
         action = "raised" if too_many else action
-        loud = self.on_nonfinite != "warn" or self._streak == 1
+        loud = self.on_nonfinite != "warn" or streak == 1
         extra: dict[str, Any] = {"rank": trainer.global_rank, "world_size": trainer.world_size}
         if loud and self.evidence_checkpoint and not self._checkpointed:
             extra["checkpoint"] = self._checkpoint(trainer, pl_module, step)
@@ -239,17 +244,18 @@ class Decisions:
             self._lazy(trainer, pending)
 
     def _lazy(self, trainer: pl.Trainer, pending: Pending) -> None:
+        key = pending.optimizer
         if not pending.reading.host_bad():
-            self._streak = 0
+            self._streaks[key] = 0
             return
         (total, loss, grads), missed = pending.reading.counts()
         if not any(total.values()):  # a norm overflowed float32, no value was NaN or infinite
-            self._streak = 0
+            self._streaks[key] = 0
             return
         check = Check(total, loss, [name for name, _ in grads])
         if pending.timelines:
             pending.timelines[-1].params = _parameter_rows(pending.reading, grads)
-        self._streak += 1
+        streak = self._streaks[key] = self._streaks.get(key, 0) + 1
         self.counters["nonfinite_steps"] += 1
         finding: Finding | None = None
         micro = pending.window[-1] if pending.window else None
@@ -266,7 +272,7 @@ class Decisions:
         if missed and not (found and found.get("reproduced")):  # the check's counts
             event.details["counted_at_least"] = missed
             extra["counted_at_least"] = missed
-        loud = self._streak == 1
+        loud = streak == 1
         self._finish(trainer, event, "warned", micro, finding, check, extra, loud, pending.log_step)
 
 

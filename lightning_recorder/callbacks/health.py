@@ -169,7 +169,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         alert: called with each event worth an alert (the first of a run of non-finite steps,
             rule findings), at most once per ``alert_interval_s``.
         max_consecutive_skips: with ``"skip"``, how many non-finite steps in a row are skipped
-            before the next one raises.
+            before the next one raises (counted per optimizer).
         exclude: glob patterns of tensors that may hold non-finite values on purpose, e.g.
             ``["*.input.attn_mask"]``: names are ``"<module>.output[.<path>]"``,
             ``"<module>.input.<argument>"`` and ``"batch.<path>"``; a pattern whose module part
@@ -289,7 +289,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._pending: list[Pending] = []
         self._names: dict[int, str] = {}
         self._replays = False
-        self._streak = 0
+        self._streaks: dict[int, int] = {}
         self._checkpointed = False
         self._view = HealthView(heatmap_stats, view_every, heatmap_steps) if view else None
         self._init_diagnosis()
@@ -413,10 +413,11 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._sentinel.reset()
         if self._trace is not None:  # manual optimization may go on in this batch
             self._trace.begin()
+        index = next((k for k, o in enumerate(trainer.optimizers) if o is optimizer), 0)
         if self._decides_now(trainer):
-            self._decide(trainer, pl_module, named, reading, window, timelines)
+            self._decide(trainer, pl_module, named, reading, window, timelines, index)
             return
-        pending = Pending(reading, step, log_step, window, timelines)
+        pending = Pending(reading, step, log_step, window, index, timelines)
         packed = [line.pack() for line in timelines]
         pending.packed = [to_host_later(p) if p is not None else None for p in packed]
         reading.later()  # its event is recorded after the copies above
@@ -437,9 +438,10 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters), "streak": self._streak}
+        return {"counters": dict(self.counters), "streaks": dict(self._streaks)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.counters.update(state_dict.get("counters", {}))
-        self._streak = int(state_dict.get("streak", 0))
+        streaks = state_dict.get("streaks", {0: state_dict.get("streak", 0)})  # one optimizer
+        self._streaks = {int(k): int(v) for k, v in streaks.items()}

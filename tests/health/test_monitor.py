@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import pickle
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -404,10 +405,11 @@ def test_a_parameter_that_was_non_finite_before_the_step_is_named(
 
 class TwoOptimizers(pl.LightningModule):
     """Manual optimization with two optimizers stepped in each batch, GAN-style; the second
-    step of batch 1 is non-finite."""
+    step of the batches ``bad`` (batch 1) is non-finite."""
 
-    def __init__(self) -> None:
+    def __init__(self, bad: Collection[int] = (1,)) -> None:
         super().__init__()
+        self.bad = bad
         self.automatic_optimization = False
         self.first, self.second = nn.Linear(16, 4), nn.Linear(16, 4)
 
@@ -415,7 +417,7 @@ class TwoOptimizers(pl.LightningModule):
         x, y = batch
         layers = (self.first, self.second)
         for k, (layer, opt) in enumerate(zip(layers, self.optimizers(), strict=True)):
-            bad = k == 1 and batch_idx == 1
+            bad = k == 1 and batch_idx in self.bad
             opt.zero_grad()  # type: ignore[union-attr]
             self.manual_backward(F.cross_entropy(layer(x * math.nan if bad else x), y))
             opt.step()  # type: ignore[union-attr]
@@ -435,6 +437,23 @@ def test_a_later_optimizer_step_of_a_manual_batch_names_that_batch(
     assert "at step 3, batch 1, rank 0" in event.message
     tensors = load_file(Path(event.evidence) / "tensors.safetensors")
     assert torch.equal(tensors["batch.0"], classes().dataset[8:16][0])  # the batch of index 1
+
+
+def test_a_run_of_skipped_steps_is_counted_per_optimizer() -> None:
+    """The second optimizer's step is non-finite in every batch, the first's never: its run of
+    skipped steps is not ended by the clean steps of the other, and reaches the limit."""
+    monitor = HealthMonitor("skip", max_consecutive_skips=2, rules=(), evidence_max_bytes=0)
+    with pytest.raises(NonFiniteError, match=r"2 non-finite steps in a row were skipped"):
+        fit(TwoOptimizers(bad=range(3)), [monitor], steps=12, loader=classes())
+    assert [(e.step, e.action) for e in monitor.events] == [
+        (1, "skipped"),
+        (3, "skipped"),
+        (5, "raised"),
+    ]
+    assert monitor.state_dict()["streaks"] == {0: 0, 1: 3}
+    restored = HealthMonitor("skip")
+    restored.load_state_dict({"counters": {}, "streak": 2})  # a checkpoint of one optimizer
+    assert restored.state_dict()["streaks"] == {0: 2}
 
 
 # ---------------------------------------------------------------------------- reporting
