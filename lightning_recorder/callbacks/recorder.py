@@ -75,7 +75,7 @@ class RecorderCallback(Callback):
             ``clone``, ``keep`` …).
         stages: the loops that record: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         every_n_steps: record every N optimizer steps of training; ``None`` follows the
-            Trainer's ``log_every_n_steps`` (0, no training step logged, is an error at setup
+            Trainer's ``log_every_n_steps`` (0, no training step logged, is an error in ``fit``
             when ``stages`` has ``"train"``).
         name: distinguishes two callbacks with the same configuration (checkpoint state key,
             :meth:`of`).
@@ -279,7 +279,8 @@ class RecorderCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         every = self.every_n_steps or getattr(trainer, "log_every_n_steps", None)
-        if every == 0 and "train" in self.stages:  # Lightning then logs no training step
+        # Lightning then logs no training step (a loop without training has nothing to follow)
+        if every == 0 and "train" in self.stages and stage == "fit":
             raise RecorderConfigError(
                 f"Expected the Trainer's `log_every_n_steps`, which {self!r} follows for "
                 "training steps (every_n_steps=None), to be positive but got 0 (Lightning logs "

@@ -162,7 +162,7 @@ class FeatureStatsMonitor(RecorderCallback):
             or a dotted chain of them (``"hidden_states.2"``), as the ``path`` of
             :class:`~lightning_recorder.RecorderCallback`.
         every_n_steps: log training statistics every N optimizer steps; ``None`` follows the
-            Trainer's ``log_every_n_steps`` (0, no training step logged, is an error at setup
+            Trainer's ``log_every_n_steps`` (0, no training step logged, is an error in ``fit``
             when ``stages`` has ``"train"``).
         stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         stats: the statistics to log (``"numel"`` too, if wanted).

@@ -354,6 +354,12 @@ def test_a_trainer_that_logs_no_training_step_is_not_followed_to_every_step(
     assert own.logged_steps == 2 and validation_only.logged_steps == 0
     got = scalars(logger.log_dir)
     assert sorted(got["stats/train/body.0/mean"]) == [0, 1] and "stats/val/probe/mean" in got
+    # A loop without training (validate) follows no training cadence: the defaults run.
+    alone = FeatureStatsMonitor("probe")
+    logger = TensorBoardLogger(tmp_path, name="validate")
+    trainer = pl.Trainer(**QUIET, logger=logger, log_every_n_steps=0, callbacks=[alone])
+    trainer.validate(ProbeNet(), loader(features(4)))
+    assert "stats/val/probe/mean" in scalars(logger.log_dir)
 
 
 def test_other_loggers_get_scalars_and_a_single_warning(tmp_path: Path) -> None:
