@@ -852,3 +852,14 @@ def test_a_teacher_transformer_s_nested_outputs_are_refused_with_the_fix(nested:
     else:
         trainer.fit(_EncoderStudent(), data)
         assert trainer.global_step == 2
+
+
+def test_validation_terms_under_mixed_precision() -> None:
+    # The student's validation features come out of autocast in bfloat16 while the connector
+    # stays in float32: the terms are computed in the same autocast context as in training.
+    teacher, student = seeded()
+    distill = FeatureDistillation(teacher, PAIRS, log_validation=True)
+    trainer = fit(student, [distill], max_epochs=1, val=loader(16), precision="bf16-mixed")
+    assert distill.connectors["features.2"].weight.dtype == torch.float32
+    assert torch.isfinite(trainer.callback_metrics["val/distill/total"])
+    assert torch.isfinite(trainer.callback_metrics["val/distill/features.2"])

@@ -337,7 +337,9 @@ class FeatureDistillation(Callback):
             return
         try:
             runner.end_capture()
-            with torch.no_grad():
+            # In the precision's context, as in training: under mixed precision the student's
+            # features come out of autocast in half precision, the connectors stay in float32.
+            with torch.no_grad(), trainer.precision_plugin.forward_context():
                 runner.log(runner.terms(), f"val/{self.log_prefix}", on_step=False)
         finally:
             runner.finish()
