@@ -30,7 +30,12 @@ from lightning_recorder import (
 )
 from lightning_recorder._core.hooks import live_hooks
 from lightning_recorder.callbacks.distillation._patch import StepPatch, is_patched
-from lightning_recorder.errors import RecorderConfigError, RecorderStateError, UnknownSourceError
+from lightning_recorder.errors import (
+    RecorderConfigError,
+    RecorderStateError,
+    RecordModifiedError,
+    UnknownSourceError,
+)
 
 PAIRS = {"features.2": "features.2", "head": "head"}
 
@@ -863,3 +868,58 @@ def test_validation_terms_under_mixed_precision() -> None:
     assert distill.connectors["features.2"].weight.dtype == torch.float32
     assert torch.isfinite(trainer.callback_metrics["val/distill/total"])
     assert torch.isfinite(trainer.callback_metrics["val/distill/features.2"])
+
+
+class _InPlaceNet(nn.Module):
+    """A convolution whose output ReLU(inplace=True) then changes (features.0 as recorded)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(inplace=True))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class _InPlaceStudent(Student):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _InPlaceNet(4)
+        self.seen: list[tuple[Tensor, Tensor]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, _ = batch
+        out = self(x)
+        term = distillation_loss(self)
+        self.seen.append((x, term.detach()))
+        return out.sum() * 0 + term
+
+
+def test_clone_records_outputs_that_an_in_place_op_changes_later() -> None:
+    torch.manual_seed(0)
+    teacher, student = _InPlaceNet(8), _InPlaceStudent()
+    pairs = {"net.features.0": "features.0"}
+    with pytest.raises(RecordModifiedError, match="clone=True"):
+        fit(student, [FeatureDistillation(teacher, pairs, add_to_loss=False)], max_steps=1)
+
+    distill = FeatureDistillation(teacher, pairs, add_to_loss=False, clone=True)
+    conv = student.net.features[0]
+    before = copy.deepcopy(conv)
+    connectors: list[nn.Module] = []
+
+    class KeepConnector(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, m: Any, opt: Any) -> None:
+            connectors.append(copy.deepcopy(distill.connectors["net.features.0"]))
+
+    fit(student, [distill, KeepConnector()], max_steps=1)
+    x, term = student.seen[-1]
+    with torch.no_grad():  # the convolutions' outputs, before the ReLU changed them
+        expected = mse_loss(connectors[0](before(x)), teacher.features[0](x))
+    # float32 convolutions and a mean over 512 values, computed twice: about 1e-6 relative
+    assert float(term) == pytest.approx(float(expected), rel=1e-5)
+    assert not torch.equal(conv.weight, before.weight)  # the gradient reached the student
+    assert live_hooks() == []

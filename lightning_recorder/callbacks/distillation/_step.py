@@ -47,6 +47,7 @@ class StepRunner:
         deliveries: the deliveries (possibly empty).
         on_nonfinite: what a non-finite teacher feature or term does: ``"warn"`` (once per
             pair), ``"raise"`` or ``"ignore"``.
+        clone: record copies of the paired outputs (immune to later in-place changes).
     """
 
     def __init__(
@@ -58,8 +59,10 @@ class StepRunner:
         bank: ConnectorBank,
         deliveries: DistillDeliveryManager,
         on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
+        clone: bool = False,
     ) -> None:
         self.teacher = teacher
+        self.clone = clone
         self.on_nonfinite = on_nonfinite
         # Device-side flags, one row per pair: (teacher feature non-finite, term non-finite),
         # or-ed over the steps since the last check; read on the host only by check_nonfinite.
@@ -139,7 +142,12 @@ class StepRunner:
     def _make_recorders(
         self, pl_module: pl.LightningModule, detach: bool
     ) -> tuple[RecorderManager, RecorderManager]:
-        common: dict[str, Any] = {"type": "ModuleOutputs", "keep": "first", "detach": detach}
+        common: dict[str, Any] = {
+            "type": "ModuleOutputs",
+            "keep": "first",
+            "detach": detach,
+            "clone": self.clone,
+        }
         student = RecorderManager({p: {**common, "source": p} for p in self.pairs})
         teacher = RecorderManager(
             {p: {**common, **teacher_config(t), "detach": True} for p, t in self.pairs.items()}

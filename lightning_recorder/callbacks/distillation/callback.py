@@ -78,6 +78,10 @@ class FeatureDistillation(Callback):
             ``"identity"``, a module or a factory; one for all pairs or a mapping per pair (see
             :func:`lightning_recorder.connectors.resolve_connector`).
         resize: let automatic connectors resize student maps to the teacher's ``(H, W)``.
+        clone: record copies of the paired outputs (the student's keep their graph), for a
+            module whose output a later in-place operation changes (a convolution or a
+            ``BatchNorm2d`` followed by ``ReLU(inplace=True)``, a ResNet block's ``out +=
+            identity``); without it such a pair fails with a ``RecordModifiedError``.
         connector_lr: learning rate of the connectors (default: that of the first group).
         optimizer_idx: the optimizer (in ``trainer.optimizers``) that trains the connectors.
         teacher_input: ``batch -> input``; the teacher is called as ``teacher(input)``.
@@ -153,6 +157,7 @@ class FeatureDistillation(Callback):
         loss_options: Mapping[str, Any] | None = None,
         connectors: Mapping[str, ConnectorSpec] | ConnectorSpec = "auto",
         resize: bool = False,
+        clone: bool = False,
         connector_lr: float | None = None,
         optimizer_idx: int = 0,
         teacher_input: Callable[[Any], Any] | None = None,
@@ -168,7 +173,12 @@ class FeatureDistillation(Callback):
         check_arguments(
             teacher,
             pairs,
-            {"resize": resize, "add_to_loss": add_to_loss, "log_validation": log_validation},
+            {
+                "resize": resize,
+                "clone": clone,
+                "add_to_loss": add_to_loss,
+                "log_validation": log_validation,
+            },
             teacher_input,
             optimizer_idx,
             connector_lr,
@@ -208,6 +218,7 @@ class FeatureDistillation(Callback):
             self._bank,
             DistillDeliveryManager(deliveries),
             on_nonfinite,
+            clone,
         )
         if teacher_checkpoint is not None:
             load_teacher(teacher, teacher_checkpoint)
