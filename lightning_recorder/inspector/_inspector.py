@@ -132,8 +132,9 @@ class _EndHook(_LayerHook):
         label = self._labels[number]
         state.seen.add(label)
         if state.record:
-            detached = self._detach and isinstance(output, torch.Tensor)
-            state.found[label] = output.detach() if detached else output
+            # every tensor of a structured output too (an LSTM's tuple, a ModelOutput)
+            detached = map_tensors(output, torch.Tensor.detach) if self._detach else output
+            state.found[label] = detached
         postproc = state.postproc
         if postproc is None and state.queue:
             postproc = state.queue.pop(0)

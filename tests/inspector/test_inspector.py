@@ -340,6 +340,30 @@ def test_detach_option_and_gradients_through_activations() -> None:
         assert detached.activations["1-1"].grad_fn is None
 
 
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.fc(out[:, -1])
+
+
+def test_detach_option_detaches_every_tensor_of_a_structured_output() -> None:
+    net = _Recurrent()
+    with Inspector(net, input_size=(2, 5, 3), detach=True) as rnet:
+        rnet.record("1-1")  # the LSTM: (output, (h, c))
+        x = torch.randn(2, 5, 3)
+        rnet(x)
+        out, (h, c) = rnet.activations["1-1"]
+        assert [t.requires_grad for t in (out, h, c)] == [False, False, False]
+        expected, _ = net.lstm(x)
+        # the same LSTM kernel on the same input, run twice: equal to float32 rounding
+        torch.testing.assert_close(out, expected.detach(), rtol=1e-6, atol=1e-6)
+
+
 def test_activations_and_recorded_modules_are_read_only() -> None:
     with Inspector(toynet(), input_size=(1, 5)) as rnet:
         rnet.record("1-1")
