@@ -507,6 +507,19 @@ def test_spatial_mismatch_fails_naming_both_shapes_or_is_resized() -> None:
     assert distill.connectors["features.2"](torch.zeros(2, 6, 8, 8)).shape == (2, 12, 4, 4)
 
 
+def test_a_connector_built_for_other_shapes_fails_naming_the_pair_and_shapes() -> None:
+    teacher, student = seeded()
+    # features.2 is (N, 6, 8, 8) in the student: a connector made for 5 channels cannot take it
+    distill = FeatureDistillation(teacher, PAIRS, connectors={"features.2": nn.Conv2d(5, 12, 1)})
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"connector of pair 'features.2' -> 'features.2' to take the student feature of "
+        r"shape \(8, 6, 8, 8\) \(to map it to the teacher's \(8, 12, 8, 8\)\) but Conv2d\(5, 12",
+    ):
+        fit(student, [distill], max_steps=1)
+    assert not is_patched(student) and live_hooks() == []
+
+
 def test_teacher_checkpoint(tmp_path: Path) -> None:
     torch.manual_seed(3)
     trained = Teacher()

@@ -295,7 +295,18 @@ class StepRunner:
             s = feature(student.get_recorder(pair).get_record_data(), "student", pair)
             t = feature(teacher.get_recorder(pair).get_record_data(), "teacher", t_name)
             connector = self.bank.get(pair, s, t)
-            terms[pair] = self.losses[pair](connector(s), t) * self.weights[pair]
+            try:
+                mapped = connector(s)
+            except (RecorderError, torch.OutOfMemoryError):
+                raise
+            except Exception as err:  # a connector given for other shapes
+                raise RecorderConfigError(
+                    f"Expected the connector of pair {pair!r} -> {t_name!r} to take the student "
+                    f"feature of shape {shape_of(s)} (to map it to the teacher's {shape_of(t)}) "
+                    f"but {connector!r} raised {type(err).__name__}: {err}. Give a connector "
+                    "built for these shapes, or leave this pair's connector to 'auto'."
+                ) from err
+            terms[pair] = self.losses[pair](mapped, t) * self.weights[pair]
         if self.on_nonfinite != "ignore" and self.phase == "train":
             self._flag_nonfinite(terms)
         return terms
