@@ -12,8 +12,13 @@ from torch import nn
 
 from .._core.checks import check_bool, check_option, suggestion
 from .._core.hooks import HookSet, WeakHook
-from .._core.structures import map_tensors
-from ..errors import RecorderConfigError, RecorderStateError, UnknownSourceError
+from .._core.structures import Versions, map_tensors, modified, snapshot
+from ..errors import (
+    RecorderConfigError,
+    RecorderStateError,
+    RecordModifiedError,
+    UnknownSourceError,
+)
 from ._trace import (
     Label,
     LayerRow,
@@ -36,20 +41,33 @@ output)."""
 
 
 class LabelMap(Mapping[Label, Any]):
-    """A read-only mapping keyed by layer labels; ``m[(1, 3)]`` and ``m["1-3"]`` are the same."""
+    """A read-only mapping keyed by layer labels; ``m[(1, 3)]`` and ``m["1-3"]`` are the same.
 
-    __slots__ = ("_items",)
+    ``versions``: the version counters of recorded outputs, checked on every read.
+    """
 
-    def __init__(self, items: dict[Label, Any]) -> None:
+    __slots__ = ("_items", "_versions")
+
+    def __init__(self, items: dict[Label, Any], versions: dict[Label, Versions] | None = None):
         self._items = items
+        self._versions = versions or {}
 
     def __getitem__(self, key: Any) -> Any:
         label = parse_label(key)
         try:
-            return self._items[label]
+            value = self._items[label]
         except KeyError:
             held = ", ".join(label_text(k) for k in self._items) or "none"
             raise KeyError(f"No entry for layer {label_text(label)}; entries: {held}.") from None
+        if modified(value, self._versions.get(label)):
+            raise RecordModifiedError(
+                f"The activation of layer {label_text(label)} was modified in place after it was "
+                "recorded, so it no longer holds what the layer returned; an in-place operation "
+                "such as ReLU(inplace=True) after the layer is the usual cause. Record the layer "
+                "that makes the change instead, or pass `activation_postproc=torch.clone`: the "
+                "rest of the forward then uses a copy and the record stays intact."
+            )
+        return value
 
     def __iter__(self) -> Iterator[Label]:
         return iter(self._items)
@@ -64,7 +82,7 @@ class LabelMap(Mapping[Label, Any]):
 class _Pass:
     """What one forward through the inspector needs and finds."""
 
-    __slots__ = ("found", "open", "postproc", "queue", "record", "seen", "starts")
+    __slots__ = ("found", "open", "postproc", "queue", "record", "seen", "starts", "versions")
 
     def __init__(
         self,
@@ -79,6 +97,7 @@ class _Pass:
         self.starts: dict[str, int] = {}  # calls started, per module name
         self.open: dict[str, list[int]] = {}  # calls not yet finished, per module name
         self.found = found
+        self.versions: dict[Label, Versions] = {}  # of each record, after its post-processor
         self.seen: set[Label] = set()
 
 
@@ -138,7 +157,10 @@ class _EndHook(_LayerHook):
         postproc = state.postproc
         if postproc is None and state.queue:
             postproc = state.queue.pop(0)
-        return None if postproc is None else postproc(output)
+        replacement = None if postproc is None else postproc(output)
+        if state.record:  # a post-processor's own in-place change is part of the record
+            state.versions[label] = snapshot(state.found[label])
+        return replacement
 
 
 class Inspector(nn.Module):
@@ -236,6 +258,7 @@ class Inspector(nn.Module):
         self._rows = {row.label: row for row in self._layers}
         self._recording: tuple[Label, ...] = ()
         self._activations: dict[Label, Any] = {}
+        self._versions: dict[Label, Versions] = {}
         self._pass: _Pass | None = None
         self._start_hooks()
 
@@ -347,6 +370,7 @@ class Inspector(nn.Module):
         state = _Pass(not dont_record, postproc, queue, found)
         if not dont_record:
             self._activations = found  # seen from inside post-processors as layers finish
+            self._versions = state.versions
         self._pass = state
         try:
             output = self.net(*args, **kwargs)
@@ -402,7 +426,7 @@ class Inspector(nn.Module):
     @property
     def activations(self) -> Mapping[Label, Any]:
         """The outputs of the recorded layers in the latest recording forward (read-only)."""
-        return LabelMap(self._activations)
+        return LabelMap(self._activations, self._versions)
 
     @property
     def recording(self) -> tuple[Label, ...]:
@@ -458,7 +482,7 @@ class Inspector(nn.Module):
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()
-        state.update(_hooks=None, _pass=None, _statistics=None)
+        state.update(_hooks=None, _pass=None, _statistics=None, _versions={})
         # the activations without their autograd graph (``detach=False``), which a copy cannot
         # share: ``copy.deepcopy`` refuses tensors that are not leaves of a graph
         state["_activations"] = {

@@ -16,7 +16,12 @@ from torch.utils.checkpoint import checkpoint
 
 import lightning_recorder.inspector as inspector_module
 from lightning_recorder._core.hooks import live_hooks
-from lightning_recorder.errors import RecorderConfigError, RecorderStateError, UnknownSourceError
+from lightning_recorder.errors import (
+    RecorderConfigError,
+    RecorderStateError,
+    RecordModifiedError,
+    UnknownSourceError,
+)
 from lightning_recorder.inspector import Inspector
 
 
@@ -273,6 +278,24 @@ def test_in_place_postprocessing_changes_the_record() -> None:
         rnet.record("1-1")
         rnet(torch.rand(1, 5), activation_postproc=lambda t: t.zero_())
         assert torch.count_nonzero(rnet.activations["1-1"]) == 0
+
+
+def test_a_record_changed_in_place_later_in_the_forward_is_refused_not_returned() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 4), nn.ReLU(inplace=True), nn.Linear(4, 3))
+    x = torch.randn(8, 5)
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("1-1", "1-3")  # the ReLU changes the output of 1-1 in place
+        rnet(x)
+        assert rnet.activations["1-3"].shape == (8, 3)  # untouched records stay readable
+        with pytest.raises(RecordModifiedError, match=r"layer 1-1 was modified in place"):
+            rnet.activations["1-1"]
+        # the way out the message gives: the rest of the forward uses a copy
+        rnet(x, activation_postproc=torch.clone)
+        expected = net[0](x).detach()
+        # one float32 linear layer computed twice: equal to rounding
+        torch.testing.assert_close(rnet.activations["1-1"], expected, rtol=1e-6, atol=1e-6)
+        assert bool((rnet.activations["1-1"] < 0).any())  # not the ReLU's output
 
 
 def test_postprocessor_errors() -> None:
