@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,14 +21,24 @@ class _Shard:
     """The tensors of one shard: views into a memory map (local) or into its bytes (remote)."""
 
     def __init__(self, storage: Storage, name: str) -> None:
-        if storage.local:
-            with open(storage.join(name), "rb") as handle:
-                # ACCESS_COPY: a private, writable map, so torch.frombuffer warns of nothing and
-                # a write to a returned row changes neither the file nor other readers.
-                buffer: Any = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        else:
-            buffer = bytearray(storage.read(name))
-        start, header = read_header(memoryview(buffer))
+        try:
+            if storage.local:
+                with open(storage.join(name), "rb") as handle:
+                    # ACCESS_COPY: a private, writable map, so torch.frombuffer warns of nothing
+                    # and a write to a returned row changes neither the file nor other readers.
+                    buffer: Any = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            else:
+                buffer = bytearray(storage.read(name))
+            start, header = read_header(memoryview(buffer))
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+            if start + max(ends, default=0) > len(buffer):
+                raise ValueError(f"its data ends after its {len(buffer)} bytes")
+        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as err:
+            raise RecorderConfigError(
+                f"Expected {storage.join(name)} to be a complete activation shard (safetensors) "
+                f"but it cannot be read ({type(err).__name__}: {err}): it is missing, truncated "
+                "or damaged. Restore it, or remove it and its index file to leave it out."
+            ) from None
         self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
         self._start = start
         self._header = header
@@ -145,6 +156,15 @@ class ActivationDataset(Dataset[dict[str, Any]]):
                     chunks.append(chunk)
         #: Every chunk kept: one tensor of a shard (one source in one batch) with its provenance.
         self.chunks = chunks
+        present = set(self.storage.names())
+        missing = sorted({c["shard"] for c in chunks} - present)
+        if missing:
+            raise RecorderConfigError(
+                f"Expected the shards listed by the index files of {self.storage.url!r} to be "
+                f"there but these are missing ({len(missing)}): {', '.join(missing[:3])}"
+                f"{' …' if len(missing) > 3 else ''}. Restore them, or remove their index files "
+                "(same name, .index.json) to leave their rows out."
+            )
         rows = [
             (
                 c["run"],

@@ -112,7 +112,13 @@ def encode_index(entry: Mapping[str, Any]) -> bytes:
 
 
 def decode_index(data: bytes, name: str) -> dict[str, Any]:
-    entry = json.loads(data)
+    try:
+        entry = json.loads(data)
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise RecorderConfigError(
+            f"Expected {name} to be an activation index file (JSON) but it cannot be read: "
+            f"{err}. The file is damaged: restore it, or remove it to leave its shard out."
+        ) from None
     if not isinstance(entry, dict) or entry.get("format") != FORMAT:
         raise RecorderConfigError(f"Expected {name} to be an activation index file but it is not.")
     if entry.get("version", 0) > VERSION:

@@ -408,6 +408,39 @@ def test_dataset_filters_and_errors(tmp_path: Path) -> None:
         concat_activations(tmp_path, "a", step=1)
 
 
+def _four_shards(directory: Path) -> list[str]:
+    """Four shards of one row pair each; their names, in order."""
+    with ShardWriter(directory, run="d", max_shard_bytes=1) as writer:
+        for step in range(4):
+            writer.write("h", "m", torch.full((2, 4), float(step)), stage="predict")
+    return _files(directory, ".safetensors")
+
+
+def test_missing_truncated_or_damaged_files_fail_naming_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    shards = _four_shards(missing)
+    assert len(shards) == 4 and len(ActivationDataset(missing)) == 8
+    os.remove(missing / shards[1])
+    for read in (lambda: ActivationDataset(missing), lambda: concat_activations(missing, "h")):
+        with pytest.raises(RecorderConfigError, match=rf"missing \(1\): {shards[1]}\. Restore"):
+            read()
+
+    truncated = tmp_path / "truncated"
+    shards = _four_shards(truncated)
+    os.truncate(truncated / shards[2], 30)
+    dataset = ActivationDataset(truncated)  # the index files are intact: rows are listed
+    assert torch.equal(dataset[0]["activation"], torch.zeros(4))
+    with pytest.raises(RecorderConfigError, match=rf"{shards[2]} to be a complete activation"):
+        dataset[4]
+
+    damaged = tmp_path / "damaged"
+    _four_shards(damaged)
+    index = _files(damaged, ".index.json")[3]
+    (damaged / index).write_text("{not json")
+    with pytest.raises(RecorderConfigError, match=rf"Expected {index} to be an activation index"):
+        ActivationDataset(damaged)
+
+
 def _mixed_shapes(tmp_path: Path) -> None:
     directory = tmp_path / "mixed"
     with ShardWriter(directory) as writer:
