@@ -259,6 +259,7 @@ class Inspector(nn.Module):
         self._recording: tuple[Label, ...] = ()
         self._activations: dict[Label, Any] = {}
         self._versions: dict[Label, Versions] = {}
+        self._hooked: dict[str, weakref.ref[nn.Module]] = {}  # the modules record() hooked
         self._pass: _Pass | None = None
         self._start_hooks()
 
@@ -289,10 +290,12 @@ class Inspector(nn.Module):
         recording = tuple(sorted(chosen))
         self._hooks.remove_all()
         self._recording = ()
+        self._hooked = {}
         recorded = frozenset(recording)
         try:
             for name in dict.fromkeys(self._rows[label].name for label in recording):
                 module = self.net.get_submodule(name)
+                self._hooked[name] = weakref.ref(module)
                 calls = tuple(row.label for row in self._layers if row.name == name and row.called)
                 self._hooks.add(module.register_forward_pre_hook(_StartHook(self, name, calls)))
                 end = _EndHook(self, name, calls, recorded)
@@ -408,18 +411,36 @@ class Inspector(nn.Module):
 
     def _missing_message(self, missing: list[Label], state: _Pass) -> str:
         details = []
+        replaced = []
         for label in missing:
             row = self._rows[label]
+            try:
+                current: nn.Module | None = self.net.get_submodule(row.name)
+            except AttributeError:
+                current = None
+            hooked = self._hooked.get(row.name)
+            if hooked is None or hooked() is not current:
+                replaced.append(f"{row.text} ({row.type_name} {row.name!r})")
+                continue
             runs = state.starts.get(row.name, 0)
             details.append(
                 f"{row.text} is call {row.call + 1} of {row.type_name} {row.name or '<net>'!r}, "
                 f"which ran {runs} time(s) in this forward"
             )
         seen = ", ".join(label_text(label) for label in self._recording if label in state.seen)
+        if replaced:
+            details.append(
+                f"the module of {', '.join(replaced)} was replaced in the network after "
+                "record() hooked it (call record() again to hook the module there now)"
+            )
+        flow = (
+            " The control flow differs from the traced forward (labels follow the traced calls)."
+            if len(replaced) < len(missing)
+            else ""
+        )
         return (
             f"Expected every recorded layer to run in this forward but {len(missing)} did not: "
-            f"{'; '.join(details)}. Recorded layers that ran: {seen or 'none'}. The control "
-            "flow differs from the traced forward (labels follow the traced calls)."
+            f"{'; '.join(details)}. Recorded layers that ran: {seen or 'none'}.{flow}"
         )
 
     # ------------------------------------------------------------------ reading
@@ -482,7 +503,7 @@ class Inspector(nn.Module):
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()
-        state.update(_hooks=None, _pass=None, _statistics=None, _versions={})
+        state.update(_hooks=None, _pass=None, _statistics=None, _versions={}, _hooked={})
         # the activations without their autograd graph (``detach=False``), which a copy cannot
         # share: ``copy.deepcopy`` refuses tensors that are not leaves of a graph
         state["_activations"] = {

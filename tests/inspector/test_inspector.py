@@ -342,6 +342,23 @@ def test_missing_recorded_layer_raises_and_names_it() -> None:
         rnet(torch.rand(1, 3), dont_record=True)  # nothing asked of that forward: no error
 
 
+def test_a_recorded_module_replaced_in_the_network_is_named_as_replaced() -> None:
+    net = toynet()
+    x = torch.rand(2, 5)
+    with Inspector(net, input_size=(1, 5)) as rnet:
+        rnet.record("1-1", "1-3")
+        rnet(x)
+        net[0] = nn.Linear(5, 4)  # the same place, another module: its forward is not hooked
+        with pytest.raises(RecorderStateError, match=r"1 did not: the module of 1-1") as info:
+            rnet(x)
+        assert "call record() again" in str(info.value)
+        assert "control flow" not in str(info.value)
+        rnet.record("1-1", "1-3")  # what the message says: the new module is recorded
+        rnet(x)
+        # the same float32 linear layer on the same input: equal to rounding
+        torch.testing.assert_close(rnet.activations["1-1"], net[0](x), rtol=1e-6, atol=1e-6)
+
+
 def test_only_forwards_through_the_inspector_record() -> None:
     net = toynet()
     with Inspector(net, input_size=(1, 5)) as rnet:
