@@ -128,8 +128,9 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     @override
     @rank_zero_experiment
     def experiment(self) -> SummaryWriter:
-        """The ``SummaryWriter`` (on rank 0; other ranks get Lightning's stand-in)."""
-        if self._events is not None:
+        """The ``SummaryWriter`` (on rank 0; other ranks get Lightning's stand-in). After
+        :meth:`finalize` closed it, a new one with a file of its own (a ``test`` after ``fit``)."""
+        if self._events is not None and self._events.file_writer is not None:  # open
             return self._events
         checksum = _c_checksum() if self._fast else None
         if checksum is None:

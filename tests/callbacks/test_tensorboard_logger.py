@@ -274,10 +274,10 @@ def test_logger_writes_what_lightnings_logger_writes(tmp_path: Path) -> None:
     for logger in (ours, theirs):  # Lightning writes the hparams plugin's summaries itself
         logger.log_hyperparams({"lr": 1e-3, "depth": 2})
         _fit(logger)
-    assert isinstance(ours.experiment, ChecksummedSummaryWriter)
     assert no_writer_thread()  # finalize closed the file
     (path,) = event_files(ours.log_dir)
     kinds = [Event.FromString(r) for r in records(path)]  # each passes TensorBoard's checks
+    assert kinds[0].source_metadata.writer == "lightning_recorder"  # the package's writer
     assert len(kinds) == 1 + 1 + 3 + 3  # header, hp_metric, hparams (3), the logged steps
     assert set(events(ours.log_dir).PluginTagToContent("hparams")) == {
         "_hparams_/experiment",
@@ -306,6 +306,22 @@ def test_logger_writes_what_lightnings_logger_writes(tmp_path: Path) -> None:
         np.testing.assert_allclose(
             a.histogram_value.bucket_limit, b.histogram_value.bucket_limit, rtol=1e-6
         )
+
+
+def test_logger_writes_a_test_after_fit_through_its_own_writer(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="fit_test")
+    monitor = FeatureStatsMonitor(["probe"], every_n_steps=1, stages=["train", "test"])
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor])
+    model = ProbeNet()
+    trainer.fit(model, loader(features(8)))
+    trainer.test(model, loader(features(8, seed=1)))  # after fit's finalize closed the writer
+    files = event_files(logger.log_dir)
+    assert len(files) == 2  # fit's file, and the test's
+    for path in files:  # each written by the package's writer, and passing TensorBoard's checks
+        header = Event.FromString(records(path)[0])
+        assert header.source_metadata.writer == "lightning_recorder", path.name
+    assert set(scalars(logger.log_dir)["stats/test/probe/mean"]) == {2}
+    assert no_writer_thread()
 
 
 def test_logger_without_the_wheel_is_lightnings_logger(
