@@ -204,7 +204,13 @@ def parse_path(path: PathKey | Sequence[PathKey] | None) -> Path | None:
     if isinstance(path, str):
         if not path:
             raise RecorderConfigError("Expected `path` to be a non-empty string but got ''.")
-        return tuple(int(p) if p.lstrip("-").isdigit() else p for p in path.split("."))
+        parts = path.split(".")
+        if "" in parts:
+            raise RecorderConfigError(
+                f"Expected `path` to be keys or indices joined by single dots, such as "
+                f"'hidden_states.2', but got {path!r}, which has an empty item."
+            )
+        return tuple(int(p) if p.lstrip("-").isdigit() else p for p in parts)
     if isinstance(path, Sequence):
         keys = tuple(path)
         for key in keys:

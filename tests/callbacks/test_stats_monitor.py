@@ -815,6 +815,8 @@ def test_sources_that_must_match(tmp_path: Path, sources: list[Any], match: str)
         ({"prefix": "stats/"}, "`prefix` .* without a trailing '/'"),
         ({"every_n_steps": -1}, "`every_n_steps` of FeatureStatsMonitor"),
         ({"stages": ["training"]}, "`stages` of FeatureStatsMonitor to hold only"),
+        ({"sources": {"source": "probe", "path": "x..y"}}, r"single dots.*'x\.\.y'.*empty item"),
+        ({"sources": {"source": "probe", "path": "0."}}, r"single dots.*'0\.'.*empty item"),
     ],
 )
 def test_argument_errors(kwargs: dict[str, Any], match: str) -> None:
