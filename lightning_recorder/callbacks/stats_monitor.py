@@ -622,6 +622,8 @@ class FeatureStatsMonitor(RecorderCallback):
         state of each real tensor of ``value`` (and a sample of it for a histogram written from
         this batch), taken now, before a later in-place op can change it; nothing else kept."""
         stream.num_calls += 1
+        if self._idle:  # a batch recorded only to keep the hooks' flag on (keep_hooks): no data
+            return
         index = self._index.get(id(stream))
         collector = self._collector
         if index is None or collector is None:

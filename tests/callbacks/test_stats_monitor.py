@@ -267,6 +267,35 @@ def test_gradient_accumulation_covers_every_micro_batch(tmp_path: Path) -> None:
     assert [e.histogram_value.num for e in hist] == [16, 16]  # the last micro-batch
 
 
+def test_keep_hooks_records_nothing_between_logged_steps(tmp_path: Path) -> None:
+    # the hooks stay between logged steps, inactive: neither the steps that are not logged nor
+    # the sanity check enter the statistics of the next logged step or evaluation epoch
+    logger = TensorBoardLogger(tmp_path, name="kept")
+    monitor = FeatureStatsMonitor(
+        "probe", every_n_steps=2, keep_hooks=True, stats=["mean", "numel"], bins=8
+    )
+    trainer = pl.Trainer(
+        **QUIET,
+        logger=logger,
+        max_steps=4,
+        val_check_interval=3,
+        num_sanity_val_steps=1,
+        callbacks=[monitor],
+    )
+    x, val = features(16, seed=3), features(4, offset=100.0, seed=4)
+    trainer.fit(ProbeNet(), loader(x), loader(val))
+    got = scalars(logger.log_dir)
+    assert got["stats/train/probe/numel"] == {1: 16, 3: 16}  # one batch of 4 x 4 each
+    for step in (1, 3):
+        assert got["stats/train/probe/mean"][step] == approx(
+            reference_stats(x[4 * step :][:4])["mean"]
+        )
+    assert got["stats/val/probe/numel"] == {2: 16}
+    assert got["stats/val/probe/mean"][2] == approx(reference_stats(val)["mean"])
+    hist = events(logger.log_dir).Histograms("stats/train/probe/histogram")
+    assert [e.histogram_value.num for e in hist] == [16, 16]
+
+
 def test_histogram_every_n_steps_spaces_out_training_histograms(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="spaced")
     monitor = FeatureStatsMonitor(
