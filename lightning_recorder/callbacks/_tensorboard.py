@@ -33,6 +33,8 @@ from .tensorboard_logger import TensorBoardLogger as RecorderTensorBoardLogger
 PURE_PYTHON_CHECKSUM_MS_PER_KIB = 0.3
 #: A logged step's event of more bytes than this costs that checksum about 10 ms: worth saying.
 SLOW_CHECKSUM_BYTES = 32 * 1024
+#: The most buckets a ``wandb.Histogram`` holds (``wandb.Histogram.MAX_LENGTH``).
+WANDB_MAX_BINS = 512
 
 
 class HistogramTable(Mapping[str, dict[str, Any]]):

@@ -50,6 +50,7 @@ from ._stats_report import StatsReport
 from ._tensorboard import (
     PURE_PYTHON_CHECKSUM_MS_PER_KIB,
     SLOW_CHECKSUM_BYTES,
+    WANDB_MAX_BINS,
     HistogramTable,
     checksummed_in_python,
     histogram_loggers,
@@ -175,7 +176,8 @@ class FeatureStatsMonitor(RecorderCallback):
             logged step's 3 ms on the benchmarks' small CNN). Evaluation histograms are unchanged
             (one per evaluation epoch).
         bins: the number of histogram buckets (30 by default, as TensorBoard's own histogram
-            summary, ``tensorboard.summary.histogram``).
+            summary, ``tensorboard.summary.histogram``); at most 512 when histograms go to a
+            ``WandbLogger`` (a ``wandb.Histogram`` holds no more).
         parameters: also log the norms, gradient norms and update ratios of the parameters
             inside the monitored modules: ``True`` every one of them, a name, glob or ``"re:"``
             pattern (or a list of them, names as in ``named_parameters()`` of the LightningModule)
@@ -209,8 +211,9 @@ class FeatureStatsMonitor(RecorderCallback):
 
     Raises:
         RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger,
-            ``logger_stats`` names no logger of it, or ``histogram_every_n_steps`` is not a
-            multiple of the Trainer's ``log_every_n_steps`` (at setup); a source matches no
+            ``logger_stats`` names no logger of it, ``histogram_every_n_steps`` is not a
+            multiple of the Trainer's ``log_every_n_steps``, or ``bins`` is over 512 for a
+            ``WandbLogger`` (at setup); a source matches no
             module, or a ``parameters`` pattern no parameter of the monitored modules (at the
             start of the run, naming the closest names), or another monitor of the Trainer
             writes the same tags (the same ``prefix``, stage and module; at the start of the run).
@@ -468,6 +471,14 @@ class FeatureStatsMonitor(RecorderCallback):
         able, others = histogram_loggers(loggers)
         wanted = [lg for lg in able if "histogram" in self._logger_filter(lg)]
         self._write_histograms = self.histograms and bool(wanted)
+        wandb = [type(lg).__name__ for lg in wanted if isinstance(lg, WandbLogger)]
+        if self._write_histograms and wandb and self.bins > WANDB_MAX_BINS:
+            raise RecorderConfigError(
+                f"Expected `bins` of {type(self).__name__} to be at most {WANDB_MAX_BINS} with "
+                f"a {wandb[0]}, whose wandb.Histogram holds at most {WANDB_MAX_BINS} buckets, but "
+                f"got {self.bins}; pass bins={WANDB_MAX_BINS} or fewer, or leave 'histogram' out "
+                f"of `logger_stats` for {wandb[0]}."
+            )
         # a logger whose `logger_stats` entry leaves "histogram" out asked for none
         unshown = [lg for lg in others if "histogram" in self._logger_filter(lg)]
         if self.histograms and unshown and not self._warned:

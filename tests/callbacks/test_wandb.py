@@ -55,3 +55,24 @@ def test_wandb_offline_run_gets_scalars_and_real_histograms(
         value = tb_hist.histogram_value
         assert row[f"{tag}/bins"] == pytest.approx(list(value.bucket_limit), rel=1e-12)
         assert row[f"{tag}/values"] == [int(c) for c in list(value.bucket)[1:]]  # same buckets
+
+
+def test_more_buckets_than_a_wandb_histogram_holds_fail_at_setup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lightning_recorder.errors import RecorderConfigError
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    wb = WandbLogger(save_dir=str(tmp_path), offline=True, project="lr-test")
+    monitor = FeatureStatsMonitor("probe", every_n_steps=1, bins=513)
+    trainer = pl.Trainer(max_steps=1, logger=wb, callbacks=[monitor], **QUIET)
+    try:
+        with pytest.raises(RecorderConfigError, match=r"`bins` .* at most 512 .*got 513"):
+            trainer.fit(ProbeNet(), loader(features(8)))
+    finally:
+        wandb.finish()
+    assert monitor.logged_steps == 0  # refused at setup, before the first step
