@@ -199,7 +199,9 @@ class FeatureStatsMonitor(RecorderCallback):
             model only.
         logger_stats: ``{logger class name: statistic names}``: a logger whose class (or a base
             class) is named here gets only those statistics (names from ``stats``, ``"norm"``,
-            ``"grad_norm"``, ``"update_ratio"``, ``"histogram"``); other loggers get all.
+            ``"grad_norm"``, ``"update_ratio"``, ``"histogram"``; not ``"histogram"`` with
+            ``histograms=False``, nor the parameters' with ``parameters=False``); other loggers
+            get all.
             Keeps tabular loggers such as ``CSVLogger`` readable.
         exact_histograms: keep every output until the batch ends and histogram all of its
             elements (see the attribute of that name); by default the histogram is taken over a
@@ -319,7 +321,9 @@ class FeatureStatsMonitor(RecorderCallback):
                 "pass histograms=True, or leave histogram_every_n_steps out."
             )
         patterns = parameter_patterns(parameters, owner)
-        per_logger = logger_stats_option(logger_stats, chosen_stats, owner)
+        per_logger = logger_stats_option(
+            logger_stats, chosen_stats, owner, histograms is True, parameters is not False
+        )
         if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
             raise RecorderConfigError(
                 f"Expected `prefix` of {owner} to be a non-empty str without a trailing '/' but "
@@ -1137,7 +1141,14 @@ def _stat_of(tag: str) -> str:
 
 
 def logger_stats_option(
-    given: Mapping[str, Sequence[str]] | None, stats: tuple[str, ...], owner: str
+    given: Mapping[str, Sequence[str]] | None,
+    stats: tuple[str, ...],
+    owner: str,
+    histograms: bool = True,
+    parameters: bool = True,
 ) -> dict[str, frozenset[str]]:
-    """Validate ``logger_stats`` against the statistics the monitor computes."""
-    return logger_stats(given, (*stats, *PARAM_STATS, "histogram"), owner)
+    """Validate ``logger_stats`` against the statistics the monitor computes (no
+    ``"histogram"`` with ``histograms=False``, no parameter statistics with
+    ``parameters=False``)."""
+    computed = (*stats, *(PARAM_STATS if parameters else ()), *(("histogram",) * histograms))
+    return logger_stats(given, computed, owner)

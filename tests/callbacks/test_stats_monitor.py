@@ -1176,6 +1176,25 @@ def test_logger_stats_errors(logger_stats: Any, match: str) -> None:
         FeatureStatsMonitor("probe", logger_stats=logger_stats)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "wanted"),
+    [
+        ({"histograms": False}, "histogram"),
+        ({"parameters": False}, "norm"),
+    ],
+)
+def test_logger_stats_cannot_ask_for_what_the_monitor_does_not_compute(
+    kwargs: dict[str, Any], wanted: str
+) -> None:
+    # histograms=False writes no histogram, parameters=False no norm: asking a logger for one
+    # is an error, not a wish left unmet without a word
+    with pytest.raises(
+        RecorderConfigError, match=rf"`logger_stats\['TensorBoardLogger'\]`.*but got '{wanted}'"
+    ):
+        FeatureStatsMonitor("probe", logger_stats={"TensorBoardLogger": ["mean", wanted]}, **kwargs)
+    FeatureStatsMonitor("probe", logger_stats={"TensorBoardLogger": ["mean"]}, **kwargs)
+
+
 def test_logger_stats_key_must_name_a_logger_of_the_trainer(tmp_path: Path) -> None:
     monitor = FeatureStatsMonitor("probe", logger_stats={"CSVLoger": ["mean"]})
     trainer = pl.Trainer(**QUIET, logger=CSVLogger(tmp_path), max_steps=1, callbacks=[monitor])
