@@ -258,6 +258,11 @@ class Storage:
                 return sorted(os.listdir(self.path))
             except FileNotFoundError:
                 return []
+            except NotADirectoryError:
+                raise RecorderConfigError(
+                    f"Expected {self.url!r} to be a directory of activation shards but it is a "
+                    "file; pass the directory the activations were written into."
+                ) from None
         if not self.fs.exists(self.path):
             return []
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False))

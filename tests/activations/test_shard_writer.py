@@ -440,6 +440,12 @@ def test_missing_truncated_or_damaged_files_fail_naming_the_file(tmp_path: Path)
     with pytest.raises(RecorderConfigError, match=rf"Expected {index} to be an activation index"):
         ActivationDataset(damaged)
 
+    # a file given for the directory (one of its shards)
+    shard = tmp_path / "given" / _four_shards(tmp_path / "given")[0]
+    for read in (lambda: ActivationDataset(shard), lambda: concat_activations(shard, "h")):
+        with pytest.raises(RecorderConfigError, match=r"to be a directory of .* but it is a file"):
+            read()
+
 
 def _mixed_shapes(tmp_path: Path) -> None:
     directory = tmp_path / "mixed"
