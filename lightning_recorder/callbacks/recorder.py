@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 from typing_extensions import Self, override
 
 from .._core.checks import check_positive_int
 from .._core.names import named_modules
 from .._core.registry import option_names
 from ..errors import NoRecordError, NotInitializedError, RecorderConfigError, RecorderStateError
-from ..recorders import BaseRecorder, RecorderManager, recorder_types
+from ..recorders import BaseRecorder, RecorderManager, RecordStream, recorder_types
 from ._lightning import (
     STATE_KEY,
     Stage,
@@ -425,15 +426,9 @@ class RecorderCallback(Callback):
     def _check_compiled_hooks(self, stage: Stage) -> None:
         """Warn once when the first chosen batch of a compiled model recorded nothing from any
         module the recorders hook: torch then runs code it compiled before the hooks existed."""
-        manager = self._manager
-        if self._compiled_checked or not self._record_idle or manager is None:
+        if self._compiled_checked or not self._record_idle:
             return
-        streams = [
-            stream
-            for recorder in manager.recorders.values()
-            if getattr(recorder, "hooked_modules", None)
-            for stream in recorder.streams.values()
-        ]
+        streams = [stream for _, _, _, stream in self._hooked_streams()]
         if not streams:
             return
         self._compiled_checked = True
@@ -454,43 +449,51 @@ class RecorderCallback(Callback):
         The usual cause is a module replaced in the model after the recorders were installed
         (``model.body[0] = nn.Linear(...)``): the hooks stay on the old object.
         """
-        manager, module = self._manager, self._module
-        if manager is None or module is None:
+        module = self._module
+        if module is None:
             return
         current: dict[str, Any] | None = None
+        for rec_name, hooked, name, stream in self._hooked_streams():
+            key = (rec_name, name)
+            if stream.num_calls:
+                self._called.add(key)
+                continue
+            if key in self._silent:
+                continue
+            if current is None:
+                current = named_modules(module)
+            replaced = name in hooked and current.get(name) is not hooked[name]
+            self._silent.add(key)  # checked once: the walk above is not repeated
+            if not replaced and key not in self._called:
+                continue  # never called so far: a module unused in training is not news
+            if replaced:
+                why = (
+                    f"the module {name!r} was replaced in the model (or removed) after the "
+                    "recorders were installed at the start of the run, and the hooks are on "
+                    "the old module. Replace modules before fit, or in configure_model"
+                )
+            else:
+                why = (
+                    f"the module {name!r} recorded in earlier training steps but was not "
+                    "called in this one (a branch not taken, or a module the forward no "
+                    "longer uses)"
+                )
+            rank_zero_warn(
+                f"{self!r}: recorder {rec_name!r} recorded nothing in training step "
+                f"{self._train_step}: {why}. Reported once."
+            )
+
+    def _hooked_streams(self) -> Iterator[tuple[str, dict[str, nn.Module], str, RecordStream]]:
+        """``(recorder name, its hooked modules, stream name, stream)`` of every stream of the
+        recorders that hook modules (none without a manager)."""
+        manager = self._manager
+        if manager is None:
+            return
         for rec_name, recorder in manager.recorders.items():
             hooked = getattr(recorder, "hooked_modules", None)
-            if not hooked:
-                continue
-            for name, stream in recorder.streams.items():
-                key = (rec_name, name)
-                if stream.num_calls:
-                    self._called.add(key)
-                    continue
-                if key in self._silent:
-                    continue
-                if current is None:
-                    current = named_modules(module)
-                replaced = name in hooked and current.get(name) is not hooked[name]
-                self._silent.add(key)  # checked once: the walk above is not repeated
-                if not replaced and key not in self._called:
-                    continue  # never called so far: a module unused in training is not news
-                if replaced:
-                    why = (
-                        f"the module {name!r} was replaced in the model (or removed) after the "
-                        "recorders were installed at the start of the run, and the hooks are on "
-                        "the old module. Replace modules before fit, or in configure_model"
-                    )
-                else:
-                    why = (
-                        f"the module {name!r} recorded in earlier training steps but was not "
-                        "called in this one (a branch not taken, or a module the forward no "
-                        "longer uses)"
-                    )
-                rank_zero_warn(
-                    f"{self!r}: recorder {rec_name!r} recorded nothing in training step "
-                    f"{self._train_step}: {why}. Reported once."
-                )
+            if hooked:
+                for name, stream in recorder.streams.items():
+                    yield rec_name, hooked, name, stream
 
     def _records_eval(self, trainer: pl.Trainer, stage: Stage) -> bool:
         return stage in self.stages and not trainer.sanity_checking
