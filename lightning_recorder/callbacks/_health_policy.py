@@ -87,6 +87,13 @@ class Decisions:
     _checkpointed: bool
 
     # ------------------------------------------------------------------ decisions
+    def _run_of(self, optimizer: int, bad: bool) -> int:
+        """Count a step of ``optimizer`` in its run of non-finite steps (a clean one ends the
+        run); return the run's length."""
+        run = self._streaks.get(optimizer, 0) + 1 if bad else 0
+        self._streaks[optimizer] = run
+        return run
+
     def _decides_now(self, trainer: pl.Trainer) -> bool:
         """Whether the check is read before the optimizer step (else lazily, at the next)."""
         return self.on_nonfinite != "warn" or self._replays or _scaler(trainer) is not None
@@ -106,13 +113,13 @@ class Decisions:
         discriminator) does not end the generator's."""
         flag = all_reduce_max(reading.flag().float().reshape(1))
         if not bool(flag):  # the one synchronisation of a clean step
-            self._streaks[optimizer] = 0
+            self._run_of(optimizer, bad=False)
             return
         (total, loss, grads), _ = reading.counts()
         mine = [float(any(total.values())), float(any(loss.values()))]
         any_bad, loss_bad = all_reduce_max(torch.tensor(mine, device=flag.device)).tolist()
         if not any_bad:  # a norm overflowed float32, no value was NaN or infinite
-            self._streaks[optimizer] = 0
+            self._run_of(optimizer, bad=False)
             return
         check = Check(total, loss, [name for name, _ in grads])
         if timelines:  # "always": the gradients counted here are the parameters' part
@@ -122,7 +129,7 @@ class Decisions:
         if scaler is not None and not loss_bad and scaler.get_scale() > 1.0:
             self._amp_skipped(trainer, step, log_step, window, check)
             return
-        streak = self._streaks[optimizer] = self._streaks.get(optimizer, 0) + 1
+        streak = self._run_of(optimizer, bad=True)
         self.counters["nonfinite_steps"] += 1
         replayed = self._replays and (self.on_nonfinite != "warn" or streak == 1)
         finding: Finding | None = None
@@ -246,16 +253,16 @@ class Decisions:
     def _lazy(self, trainer: pl.Trainer, pending: Pending) -> None:
         key = pending.optimizer
         if not pending.reading.host_bad():
-            self._streaks[key] = 0
+            self._run_of(key, bad=False)
             return
         (total, loss, grads), missed = pending.reading.counts()
         if not any(total.values()):  # a norm overflowed float32, no value was NaN or infinite
-            self._streaks[key] = 0
+            self._run_of(key, bad=False)
             return
         check = Check(total, loss, [name for name, _ in grads])
         if pending.timelines:
             pending.timelines[-1].params = _parameter_rows(pending.reading, grads)
-        streak = self._streaks[key] = self._streaks.get(key, 0) + 1
+        streak = self._run_of(key, bad=True)
         self.counters["nonfinite_steps"] += 1
         finding: Finding | None = None
         micro = pending.window[-1] if pending.window else None
