@@ -211,7 +211,7 @@ class RecorderHook(WeakHook["BaseRecorder"]):
         which the autograd engine may run in a thread of its own."""
         if not reentrant_rerun():
             return self.recorder()
-        rec = self._ref()
+        rec = self.live_for_grads()
         return rec if rec is not None and rec._recording else None
 
     def on_grad(self, owner: BaseRecorder, grad: torch.Tensor, key: Any) -> None:
