@@ -1150,5 +1150,9 @@ def logger_stats_option(
     """Validate ``logger_stats`` against the statistics the monitor computes (no
     ``"histogram"`` with ``histograms=False``, no parameter statistics with
     ``parameters=False``)."""
-    computed = (*stats, *(PARAM_STATS if parameters else ()), *(("histogram",) * histograms))
+    computed = (
+        *stats,
+        *(PARAM_STATS if parameters else ()),
+        *(("histogram",) if histograms else ()),
+    )
     return logger_stats(given, computed, owner)
