@@ -73,7 +73,7 @@ def _check_exclude(patterns: Sequence[str], modules: Collection[str]) -> None:
     matches no module of the model: it could never leave anything out."""
     names = [name for name in modules if name]
     for pattern in patterns:
-        if pattern.startswith("batch"):
+        if _names_batch(pattern):
             continue
         parts = [m.start() for m in re.finditer(r"\.(input|output)(?=\.|$)", pattern)]
         if not parts or any(fnmatch.fnmatchcase(n, pattern[:at]) for at in parts for n in names):
@@ -85,6 +85,12 @@ def _check_exclude(patterns: Sequence[str], modules: Collection[str]) -> None:
             f"the batch ('batch.<path>') but {pattern!r} names the module {module!r}, which the "
             f"model does not have. {suggestion(module, names, 'module names')}"
         )
+
+
+def _names_batch(pattern: str) -> bool:
+    """Whether an ``exclude`` pattern may name a tensor of the batch (``"batch"``,
+    ``"batch.<path>"``): a module named ``batchnorm`` is a module."""
+    return pattern == "batch" or pattern.startswith(("batch.", "batch*", "batch?", "batch["))
 
 
 def _names(value: object) -> bool:

@@ -612,6 +612,16 @@ def test_an_exclude_pattern_of_a_module_the_model_lacks_is_refused_before_traini
         fit(TwoLinear(bad=-1), [HealthMonitor(exclude=patterns, rules=())], 1, classes())
 
 
+def test_an_exclude_pattern_of_a_module_named_like_the_batch_is_checked(tmp_path: Path) -> None:
+    # "batch..." names the batch's tensors only as "batch" or "batch.<path>": a module pattern
+    # that merely starts with the word is checked against the model like any other
+    monitor = HealthMonitor(exclude=["batchnorm1.output"], rules=())
+    with pytest.raises(UnknownSourceError, match=r"names the module 'batchnorm1'"):
+        fit(TwoLinear(bad=-1), [monitor], steps=2, loader=classes(), default_root_dir=tmp_path)
+    for patterns in (["batch"], ["batch*"], ["batch.1"], ["batch[01]"]):
+        fit(TwoLinear(bad=-1), [HealthMonitor(exclude=patterns, rules=())], 1, classes())
+
+
 def test_messages_read_as_one_sentence() -> None:
     event = HealthEvent(
         "nonfinite", 7, 3, 1, "enc.attn", "backward", {"nan": 2, "posinf": 0, "neginf": 0},
