@@ -66,12 +66,16 @@ def suggestion(name: str, candidates: Iterable[str], what: str) -> str:
     return f"Valid {what} include: {shown}{more}."
 
 
-def check_option(name: str, value: object, allowed: Iterable[object]) -> None:
-    """Raise a uniform message when an option is not one of the allowed values."""
+def check_option(
+    name: str, value: object, allowed: Iterable[object], owner: str | None = None
+) -> None:
+    """Raise a uniform message when an option is not one of the allowed values (naming the
+    class or function ``owner`` it is an option of, where given)."""
     allowed = list(allowed)
     if value not in allowed:
+        of = f" of {owner}" if owner else ""
         raise RecorderConfigError(
-            f"Expected `{name}` to be one of {', '.join(repr(a) for a in allowed)} "
+            f"Expected `{name}`{of} to be one of {', '.join(repr(a) for a in allowed)} "
             f"but got {value!r}."
         )
 

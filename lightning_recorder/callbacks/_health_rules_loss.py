@@ -151,7 +151,7 @@ class LossSpikeRule(HealthRule):
         if atol is not None:
             atol = check_number(atol, "atol", owner, positive=True)
         check_int(warmup, "warmup", owner, minimum=0)
-        check_option("mode", mode, ("min", "max"))
+        check_option("mode", mode, ("min", "max"), owner)
         self.window, self.rtol, self.atol, self.warmup, self.mode = window, rtol, atol, warmup, mode
         self.start()
 

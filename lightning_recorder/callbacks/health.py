@@ -243,7 +243,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     ) -> None:
         super().__init__()
         owner = type(self).__name__
-        check_option("on_nonfinite", on_nonfinite, ("warn", "skip", "raise"))
+        check_option("on_nonfinite", on_nonfinite, ("warn", "skip", "raise"), owner)
         if localize not in ("replay", "always") and localize is not False:
             raise RecorderConfigError(
                 f"Expected `localize` of {owner} to be 'replay', 'always' or False but got "

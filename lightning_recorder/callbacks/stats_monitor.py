@@ -69,6 +69,9 @@ _NORM, _STEPPED, _HISTOGRAM = ("norm",), ("grad_norm", "update_ratio"), ("histog
 _EVERY = "\0every module"
 # A step whose kept records (``exact_histograms``, compiled models) exceed this many bytes warns.
 _RECORDS_WARN_BYTES = 256 * 2**20
+#: the largest ``histogram_sample``: the staging buffer holds eight rows of it (512 MiB of
+#: float32 at this size); histograms of every element are ``exact_histograms``' job
+_MAX_HISTOGRAM_SAMPLE = 2**24
 # Lightning's precision settings and the dtype of the outputs they produce.
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
 
@@ -207,7 +210,7 @@ class FeatureStatsMonitor(RecorderCallback):
             elements (see the attribute of that name); by default the histogram is taken over a
             strided sample, in the hook.
         histogram_sample: the number of elements sampled from each larger output for the
-            histogram (see the attribute of that name).
+            histogram (see the attribute of that name); at most ``2**24``.
         pool_dataloaders: pool the statistics of several evaluation dataloaders into one series
             per stage (default: one series per dataloader, as Lightning logs metrics).
 
@@ -306,6 +309,13 @@ class FeatureStatsMonitor(RecorderCallback):
         check_positive_int(bins, "bins", owner)
         check_bool(exact_histograms, "exact_histograms", owner)
         check_positive_int(histogram_sample, "histogram_sample", owner)
+        if histogram_sample > _MAX_HISTOGRAM_SAMPLE:
+            raise RecorderConfigError(
+                f"Expected `histogram_sample` of {owner} to be at most 2**24 "
+                f"({_MAX_HISTOGRAM_SAMPLE:,}) but got {histogram_sample:,}: the monitor holds "
+                "samples of that size for several outputs at once. For histograms of every "
+                "element, pass exact_histograms=True."
+            )
         check_bool(pool_dataloaders, "pool_dataloaders", owner)
         if not isinstance(histograms, bool):
             raise RecorderConfigError(
@@ -324,10 +334,11 @@ class FeatureStatsMonitor(RecorderCallback):
         per_logger = logger_stats_option(
             logger_stats, chosen_stats, owner, histograms is True, parameters is not False
         )
-        if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
+        if not isinstance(prefix, str) or "" in prefix.split("/"):
             raise RecorderConfigError(
-                f"Expected `prefix` of {owner} to be a non-empty str without a trailing '/' but "
-                f"got {prefix!r}."
+                f"Expected `prefix` of {owner} to be a non-empty str without a leading, trailing "
+                f"or doubled '/' (tag components such as 'stats' or 'probe/stats') but got "
+                f"{prefix!r}."
             )
         super().__init__(
             configs, stages=stages, every_n_steps=every_n_steps, name=name, keep_hooks=keep_hooks

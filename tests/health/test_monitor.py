@@ -578,7 +578,7 @@ def test_state_dict_round_trip() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"on_nonfinite": "ignore"}, r"`on_nonfinite` to be one of 'warn', 'skip', 'raise'"),
+        ({"on_nonfinite": "ignore"}, r"`on_nonfinite` of HealthMonitor to be one of 'warn'"),
         ({"localize": True}, r"`localize` of HealthMonitor to be 'replay', 'always' or False"),
         ({"rules": [object()]}, r"every item of `rules` .* to be a HealthRule"),
         ({"rules": [EveryOther(), EveryOther()]}, r"unique names .* 'every_other' is taken"),

@@ -556,7 +556,7 @@ def test_loss_spike_atol_keeps_small_losses_out() -> None:
         ({"rtol": -2.0}, r"`rtol` of LossSpikeRule to be a finite non-negative number"),
         ({"atol": math.inf}, r"`atol` of LossSpikeRule to be a finite non-negative number"),
         ({"warmup": -1}, r"`warmup` of LossSpikeRule to be a non-negative int but got -1"),
-        ({"mode": "up"}, r"`mode` to be one of 'min', 'max' but got 'up'"),
+        ({"mode": "up"}, r"`mode` of LossSpikeRule to be one of 'min', 'max' but got 'up'"),
     ],
 )
 def test_loss_spike_refuses_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
