@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import operator
 import os
 import sys
 import threading
@@ -336,8 +337,25 @@ class ShardWriter:
         if sample_index is None:
             return None
         if isinstance(sample_index, torch.Tensor):
+            if sample_index.is_floating_point() or sample_index.is_complex():
+                raise RecorderConfigError(
+                    "Expected the sample indices (`sample_index`) to be integer dataset "
+                    f"indices but got a tensor of {sample_index.dtype}; pass the indices "
+                    "themselves (an integer tensor or a sequence of ints), not values of the "
+                    "batch such as its inputs or targets."
+                )
             return [int(i) for i in sample_index.reshape(-1).tolist()]
-        return [int(i) for i in sample_index]
+        index: list[int] = []
+        for item in sample_index:
+            try:
+                index.append(operator.index(item))
+            except TypeError:
+                raise RecorderConfigError(
+                    "Expected the sample indices (`sample_index`) to be integer dataset "
+                    f"indices but got {item!r} ({type(item).__name__}); pass the indices "
+                    "themselves (an integer tensor or a sequence of ints)."
+                ) from None
+        return index
 
     def _chunk(
         self,

@@ -356,6 +356,26 @@ def test_bad_inputs(tmp_path: Path) -> None:
     assert not list((tmp_path / "unknown").iterdir())
 
 
+def test_sample_indices_that_are_not_integers_are_refused(tmp_path: Path) -> None:
+    """A `sample_index` giving floats (the batch's inputs, a float target) is an error, not
+    indices truncated to ints without a word."""
+    x = images(8)
+    writer = ActivationWriter(
+        "conv", tmp_path / "acts", stages="train", sample_index=lambda batch, i: batch[1]
+    )
+    trainer = pl.Trainer(**QUIET, max_steps=2, callbacks=[writer])
+    data = TensorDataset(x, torch.linspace(0.5, 7.5, 8))  # float targets, not indices
+    with pytest.raises(RecorderConfigError, match=r"integer dataset indices .* torch\.float32"):
+        trainer.fit(Net(), DataLoader(data, batch_size=4))
+    assert not list((tmp_path / "acts").glob("*.index.json"))  # no row written
+    with ShardWriter(tmp_path / "plain") as plain:
+        with pytest.raises(RecorderConfigError, match=r"integer dataset indices .* 1\.5 \(float\)"):
+            plain.write("s", "m", torch.zeros(2, 3), sample_index=[0, 1.5])
+        plain.write("s", "m", torch.zeros(2, 3), sample_index=torch.tensor([4, 5]))
+    assert concat_activations(tmp_path / "plain", "s").shape == (2, 3)
+    assert [row["sample_index"] for row in ActivationDataset(tmp_path / "plain")] == [4, 5]
+
+
 def test_in_place_change_after_the_recorded_module_is_caught_or_cloned(tmp_path: Path) -> None:
     class InPlace(Net):
         def __init__(self) -> None:
