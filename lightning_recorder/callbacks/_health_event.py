@@ -193,6 +193,9 @@ def _unlocalised(event: HealthEvent) -> str:
     what = " and ".join(parts) or "the loss or the gradients"
     sentence = f"{what[0].upper()}{what[1:]} were non-finite"
     if event.reproduced is False:
+        error = event.details.get("replay_error")
+        if error:  # the replay stopped with an exception: it could not have reproduced it
+            return sentence + f" and the replay that looks for the module failed ({error})"
         return sentence + " but the replay did not reproduce it"
     return sentence + " (not localised)"
 

@@ -229,6 +229,39 @@ def test_replay_draws_the_same_dropout_masks() -> None:
     assert all(e.module == "body.2" and e.reproduced for e in monitor.events)
 
 
+class FailsOnReplay(Net):
+    """A non-finite loss on step 1, and a training step that raises when that step runs again."""
+
+    def __init__(self) -> None:
+        super().__init__("mlp")
+        self.calls_at_step_1 = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 1:
+            self.calls_at_step_1 += 1
+            if self.calls_at_step_1 > 1:
+                raise RuntimeError("the data iterator is exhausted")
+            return super().training_step(batch, batch_idx) * math.nan
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_replay_that_fails_says_so_and_why() -> None:
+    """The message of a step whose replay raised names the error, instead of saying that the
+    replay did not reproduce the values (which reads as a non-deterministic NaN)."""
+    monitor = HealthMonitor("skip", evidence_max_bytes=0, rules=())
+    model = FailsOnReplay()
+    fit(model, [monitor], steps=3)
+    (event,) = monitor.events
+    assert (event.step, event.module, event.reproduced, event.action) == (1, None, False, "skipped")
+    assert event.details["replay_error"] == "RuntimeError: the data iterator is exhausted"
+    assert "did not reproduce" not in event.message
+    assert (
+        "the replay that looks for the module failed (RuntimeError: the data iterator is "
+        "exhausted)" in event.message
+    )
+    assert model.global_step == 3  # training went on
+
+
 def test_gradient_accumulation_finds_the_micro_batch(tmp_path: Path) -> None:
     monitor = HealthMonitor("skip", evidence_max_bytes=0)
     loader = data("trapped", 24, marked=(2,))  # batches 2 and 3 make optimizer step 1
