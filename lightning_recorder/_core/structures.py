@@ -265,10 +265,18 @@ def follow_path(value: Any, path: Path, where: str) -> Any:
             else:
                 raise LookupError(key)
         except (LookupError, AttributeError):
-            walked = ".".join(str(k) for k in path[:depth]) or "<value>"
+            walked = ".".join(str(k) for k in path[:depth])
+            walked = f"`{walked}`" if walked else "the recorded value"
+            hint = ""
+            if isinstance(current, torch.Tensor):  # nothing to choose inside a tensor
+                hint = (
+                    "; a tensor has no items: end `path` before it"
+                    if depth
+                    else "; a tensor has no items: leave `path` out to take the whole output"
+                )
             raise RecorderConfigError(
                 f"{where}: `path` item {key!r} does not exist in {walked}, which is a "
-                f"{_describe(current)}."
+                f"{_describe(current)}{hint}."
             ) from None
     return current
 

@@ -354,3 +354,22 @@ def test_listeners_get_every_statistic_and_the_tracked_channels(tmp_path: Path) 
         monitor.subscribe(3)  # type: ignore[arg-type]
     monitor.unsubscribe(reports.append)
     assert monitor._listeners == []
+
+
+def test_a_path_into_a_tensor_output_says_to_leave_the_path_out(tmp_path: Path) -> None:
+    """A `path` given for a module that returns a plain tensor (an HF layer that no longer
+    returns a tuple) fails naming the recorded value and what would work, and leaves no hook."""
+    from helpers.models import ProbeNet, features
+
+    from lightning_recorder import RecorderConfigError
+
+    model = ProbeNet()
+    monitor = FeatureStatsMonitor([{"source": "body.0", "path": 0}], every_n_steps=1)
+    logger = TensorBoardLogger(tmp_path, name="path", version=0)
+    trainer = pl.Trainer(**QUIET, max_steps=1, logger=logger, callbacks=[monitor])
+    with pytest.raises(RecorderConfigError) as caught:
+        trainer.fit(model, loader(features(8)))
+    message = str(caught.value)
+    assert "`path` item 0 does not exist in the recorded value, which is a Tensor" in message
+    assert "leave `path` out to take the whole output" in message
+    assert not any(m._forward_hooks for m in model.modules())
