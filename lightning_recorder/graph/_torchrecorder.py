@@ -219,6 +219,15 @@ def _nodes(rec: Recording, graph: ExecutionGraph) -> dict[str, BaseNode]:
     return nodes
 
 
+def _dot_name(node_id: str) -> str:
+    """``node_id`` as a Graphviz node name: without ``:``, which an edge end reads as a port.
+
+    ``graphviz.Digraph.edge`` splits ``"tensor:0"`` into node ``tensor`` and port ``0``; escaping
+    ``%`` and ``:`` keeps distinct ids distinct.
+    """
+    return node_id.replace("%", "%25").replace(":", "%3A")
+
+
 def _graphviz() -> Any:
     try:
         import graphviz
@@ -287,7 +296,7 @@ def make_dot(
             target.subgraph(sub)
         else:
             style = {k: str(v) for k, v in styler.style_node(node).items()}
-            target.node(node.node.id, **style)
+            target.node(_dot_name(node.node.id), **style)
 
     def anchor(node: BaseNode) -> BaseNode:
         while is_cluster(node):
@@ -305,7 +314,7 @@ def make_dot(
             style.setdefault("ltail", "cluster_" + fnode.node.id)
         if is_cluster(tnode):
             style.setdefault("lhead", "cluster_" + tnode.node.id)
-        digraph.edge(anchor(fnode).node.id, anchor(tnode).node.id, **style)
+        digraph.edge(_dot_name(anchor(fnode).node.id), _dot_name(anchor(tnode).node.id), **style)
     return digraph
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -83,3 +85,27 @@ def test_several_inputs_and_errors() -> None:
         make_dot(rec, render_depth=-1)
     with pytest.raises(RecorderConfigError, match=r"`rec` to be what record\(\) returns"):
         make_dot(rec.graph)  # type: ignore[arg-type]
+
+
+def _drawn(source: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The drawn nodes of DOT ``source`` (name -> first line of the label) and its edges."""
+    nodes = dict(re.findall(r'^\s*("[^"]+"|\S+) \[label="?([^"\n ]+)', source, flags=re.M))
+    edges = re.findall(r"^\s*(\S+) -> (\S+?)(?: \[|$)", source, flags=re.M)
+    return nodes, edges
+
+
+def test_make_dot_edges_join_the_drawn_nodes() -> None:
+    # Node ids hold a colon ("tensor:0"), which graphviz reads in an edge end as node:port; every
+    # edge must join two of the nodes drawn, not new nodes named "tensor" or "module".
+    rec = record(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), "S", input_shapes=(1, 3))
+    for depth in (0, 1, 256):
+        nodes, edges = _drawn(make_dot(rec, render_depth=depth).source)
+        assert edges
+        assert {end for edge in edges for end in edge} <= set(nodes), (nodes, edges)
+    nodes, edges = _drawn(make_dot(rec, render_depth=1).source)
+    assert [(nodes[src], nodes[dst]) for src, dst in edges] == [
+        ("input", "0"),
+        ("0", "0:out"),
+        ("0:out", "1"),
+        ("1", "output"),
+    ]
