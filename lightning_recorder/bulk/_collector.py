@@ -317,8 +317,13 @@ class _Collector:
         Raises:
             RecorderConfigError: ``directory`` is not a path, is a file, or (``mkdir=False``)
                 does not exist, or ``mkdir=True`` could not create it.
+            RecordModifiedError: a sample was changed in place after it was recorded (nothing
+                is written).
         """
         root = _as_path(directory, "a folder to save into")
+        # Read every subrecorder first: a sample changed in place raises before anything is
+        # created or written, instead of leaving the files of the subrecorders before it.
+        data = [self._read(number) for number in range(len(self._slots))]
         if mkdir is not None and not isinstance(mkdir, bool):
             raise RecorderConfigError(
                 f"Expected `mkdir` to be a bool or None but got {type(mkdir).__name__} {mkdir!r}."
@@ -345,8 +350,8 @@ class _Collector:
                 "pass mkdir=True or leave mkdir=None to create it."
             )
         records = []
-        for number, slot in enumerate(self._slots):
-            torch.save(self._read(number), root / f"{number}.pt")
+        for number, (slot, value) in enumerate(zip(self._slots, data, strict=True)):
+            torch.save(value, root / f"{number}.pt")
             records.append(
                 {
                     "file": f"{number}.pt",

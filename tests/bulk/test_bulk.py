@@ -558,6 +558,23 @@ def test_save_writes_an_index_and_load_reads_every_kind_of_data(tmp_path: Path) 
     assert load_collected(tmp_path / "empty")[0].data is None
 
 
+def test_save_of_a_sample_changed_in_place_writes_nothing(tmp_path: Path) -> None:
+    # The second Linear's output is changed in place by the ReLU after it; the first is not.
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.ReLU(inplace=True))
+    with ForwardOutputsCollector().children(model, types=nn.Linear) as outputs:
+        model(torch.randn(2, 3))
+    for mkdir in (None, True):
+        folder = tmp_path / f"mkdir_{mkdir}"
+        with pytest.raises(RecordModifiedError, match=r"subrecorder 1 \('1'\)"):
+            outputs.save(folder, mkdir)
+        assert not folder.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(RecordModifiedError):
+        outputs.save(kept, False)
+    assert list(kept.iterdir()) == []
+
+
 def test_load_errors_say_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(RecorderConfigError, match=r"saved with `save\(\)`.*no index and no 0.pt"):
         load_collected(tmp_path)
