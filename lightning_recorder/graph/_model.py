@@ -81,7 +81,7 @@ class ExecutionGraph:
 
     Raises:
         RecorderConfigError: duplicate ids, edges or parents naming unknown nodes, a depth that
-            does not match the parent's.
+            is not a non-negative int or does not match the parent's.
 
     Examples:
         >>> import torch
@@ -98,6 +98,11 @@ class ExecutionGraph:
         for node in self._nodes:
             if node.id in self._by_id:
                 raise RecorderConfigError(f"Expected unique node ids but got {node.id!r} twice.")
+            if not isinstance(node.depth, int) or isinstance(node.depth, bool) or node.depth < 0:
+                raise RecorderConfigError(
+                    f"Expected node depth to be a non-negative int but got "
+                    f"{type(node.depth).__name__} {node.depth!r} (node {node.id!r})."
+                )
             if node.kind not in _KINDS:
                 raise RecorderConfigError(
                     f"Expected node kind to be one of {', '.join(map(repr, _KINDS))} but got "
@@ -246,7 +251,8 @@ class ExecutionGraph:
         """Rebuild a graph from :meth:`to_dict` output (e.g. after ``json.loads``).
 
         Raises:
-            RecorderConfigError: the data lacks ``nodes`` or ``edges``, or a node lacks a field.
+            RecorderConfigError: the data lacks ``nodes`` or ``edges``, they are not lists, a
+                node is not a mapping or lacks a field, or an edge is not a pair.
         """
         if not isinstance(data, Mapping):
             raise RecorderConfigError(
@@ -258,8 +264,21 @@ class ExecutionGraph:
             raise RecorderConfigError(
                 f"Expected a mapping with 'nodes' and 'edges' but got keys {sorted(data)}."
             )
+        items, pairs = data["nodes"], data["edges"]
+        for key, value in (("nodes", items), ("edges", pairs)):
+            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+                raise RecorderConfigError(
+                    f"Expected {key!r} to be a list (the output of to_dict()) but got "
+                    f"{type(value).__name__} {value!r:.80}."
+                )
         nodes = []
-        for item in data["nodes"]:
+        for number, item in enumerate(items):
+            if not isinstance(item, Mapping):
+                raise RecorderConfigError(
+                    f"Expected node {number} to be a mapping of its fields "
+                    f"{list(GraphNode.__dataclass_fields__)} but got {type(item).__name__} "
+                    f"{item!r:.80}."
+                )
             fields = dict(item)
             if fields.get("shape") is not None:
                 fields["shape"] = tuple(fields["shape"])
@@ -270,7 +289,17 @@ class ExecutionGraph:
                     f"Expected node fields {list(GraphNode.__dataclass_fields__)} but got "
                     f"{sorted(fields)}."
                 ) from err
-        return cls(nodes, [(str(s), str(d)) for s, d in data["edges"]])
+        edges = []
+        for number, pair in enumerate(pairs):
+            is_sequence = isinstance(pair, Iterable) and not isinstance(pair, (str, bytes))
+            ends = list(pair) if is_sequence else []
+            if len(ends) != 2:
+                raise RecorderConfigError(
+                    f"Expected edge {number} to be a [src, dst] pair of node ids but got "
+                    f"{pair!r:.80}."
+                )
+            edges.append((str(ends[0]), str(ends[1])))
+        return cls(nodes, edges)
 
     def to_json(self, indent: int | None = 2) -> str:
         """:meth:`to_dict` as a JSON string."""

@@ -551,6 +551,18 @@ def test_bad_lookups_and_bad_graph_data(graph: ExecutionGraph) -> None:
         ExecutionGraph.from_dict({"nodes": []})
     with pytest.raises(RecorderConfigError, match=r"Expected node fields \['id', 'kind'"):
         ExecutionGraph.from_dict({"nodes": [{"id": "a"}], "edges": []})
+    for bad, message in (
+        ({"nodes": [1], "edges": []}, r"Expected node 0 to be a mapping of its fields \['id'"),
+        ({"nodes": "abc", "edges": []}, r"Expected 'nodes' to be a list .* but got str 'abc'"),
+        ({"nodes": [], "edges": 5}, r"Expected 'edges' to be a list .* but got int 5"),
+        ({"nodes": [], "edges": [["a", "b", "c"]]}, r"edge 0 to be a \[src, dst\] pair"),
+        ({"nodes": [], "edges": ["ab"]}, r"edge 0 to be a \[src, dst\] pair .* got 'ab'"),
+    ):
+        with pytest.raises(RecorderConfigError, match=message):
+            ExecutionGraph.from_dict(bad)
+    node = graph.to_dict()["nodes"][0]
+    with pytest.raises(RecorderConfigError, match=r"depth to be a non-negative int but got str"):
+        ExecutionGraph.from_dict({"nodes": [{**node, "depth": "0"}], "edges": []})
     a = GraphNode("a", "module", "a", "a", 0)
     with pytest.raises(RecorderConfigError, match="Expected unique node ids but got 'a' twice"):
         ExecutionGraph([a, a], [])
