@@ -209,6 +209,11 @@ def choose(
 ) -> list[tuple[str, nn.Module]]:
     """The entries kept by ``types`` and ``indices`` (both must hold when both are given)."""
     wanted = as_types(types)
+    if not entries:  # only children() can yield nothing: modules() yields the model itself
+        raise UnknownSourceError(
+            f"Expected model.{how}() to yield modules to choose from but it yields none: the "
+            "model has no child modules. Use modules() to record the model itself."
+        )
     positions: set[int] | None = None
     if indices is not None:
         if isinstance(indices, bool) or not isinstance(indices, (int, Iterable)):

@@ -461,6 +461,13 @@ def test_selection_errors_list_what_the_model_yields() -> None:
         collector.children(model, types="Linearr")
     with pytest.raises(RecorderConfigError, match=r"Expected `model` to be an nn.Module but got"):
         collector.children([model])  # type: ignore[arg-type]
+    for options in ({}, {"types": nn.Linear}, {"indices": [0]}):
+        with pytest.raises(
+            UnknownSourceError,
+            match=r"model.children\(\) to yield modules .* yields none: the model has no child "
+            r"modules. Use modules\(\)",
+        ):
+            collector.children(nn.Linear(2, 2), **options)  # type: ignore[arg-type]
     assert len(collector) == 0 and live_hooks() == []  # nothing half-registered
 
 
