@@ -203,6 +203,11 @@ class _Collector:
 
     def _position(self, index: int) -> int:
         count = len(self._slots)
+        if not count:
+            raise NoRecordError(
+                f"Expected a subrecorder index but got {index!r} on {self!r}, which has no "
+                "subrecorder: register modules with children() or modules() first."
+            )
         if isinstance(index, bool) or not isinstance(index, int) or not -count <= index < count:
             raise NoRecordError(
                 f"Expected a subrecorder index in [-{count}, {count - 1}] but got {index!r}: "

@@ -471,6 +471,18 @@ def test_selection_errors_list_what_the_model_yields() -> None:
     assert len(collector) == 0 and live_hooks() == []  # nothing half-registered
 
 
+def test_an_empty_collector_says_it_has_no_subrecorder() -> None:
+    empty = ForwardOutputsCollector()
+    for read in (lambda: empty[0], lambda: empty.samples(-1), lambda: empty.remove(0)):
+        with pytest.raises(
+            NoRecordError,
+            match=r"got -?\d+ on ForwardOutputsCollector\(\[\]\), which has no subrecorder: "
+            r"register modules with children\(\) or modules\(\) first",
+        ):
+            read()
+    assert empty.data == [] and list(empty.iter_samples()) == []
+
+
 # --- cleanup, copies, checkpointing ------------------------------------------------------------
 
 
