@@ -8,12 +8,14 @@ the autograd operation's name), ``name``, ``depth``, ``parent`` and, for layers,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._core.checks import suggestion
 from ..errors import RecorderConfigError, RecorderStateError
 from ._model import ExecutionGraph, GraphNode, record_graph
 
@@ -339,10 +341,28 @@ def render_network(
         The path of the written file.
 
     Raises:
+        RecorderConfigError: an unknown ``fmt``, a ``directory`` that is not a path, or a bad
+            ``render_depth``, ``name`` or input (raised before the network runs).
         RecorderStateError: Graphviz (the ``dot`` program or the ``graphviz`` package) is
             missing or failed.
     """
     graphviz = _graphviz()
+    # Checked before the network runs, not after (graphviz would raise its own ValueError).
+    if not isinstance(fmt, str) or fmt not in graphviz.FORMATS:
+        near = suggestion(fmt, graphviz.FORMATS, "formats") if isinstance(fmt, str) else ""
+        raise RecorderConfigError(
+            f"Expected `fmt` to be a Graphviz output format such as 'svg', 'png' or 'pdf' but "
+            f"got {fmt!r}. {near}".rstrip()
+        )
+    if not isinstance(directory, (str, os.PathLike)):
+        raise RecorderConfigError(
+            "Expected `directory` to be a path (str or os.PathLike) to write into but got "
+            f"{type(directory).__name__} {directory!r}."
+        )
+    if isinstance(render_depth, bool) or not isinstance(render_depth, int) or render_depth < 0:
+        raise RecorderConfigError(
+            f"Expected `render_depth` to be a non-negative int but got {render_depth!r}."
+        )
     rec = record(net, name, input_shapes, input_data)
     digraph = make_dot(rec, render_depth, None, **styler_args)
     digraph.format = fmt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from lightning_recorder.graph import (
     TensorNode,
     make_dot,
     record,
+    render_network,
 )
 
 pytest.importorskip("graphviz")
@@ -109,3 +111,19 @@ def test_make_dot_edges_join_the_drawn_nodes() -> None:
         ("0:out", "1"),
         ("1", "output"),
     ]
+
+
+def test_render_network_checks_its_arguments_before_running_the_network(tmp_path: Path) -> None:
+    calls: list[int] = []
+    net = nn.Linear(3, 1)
+    net.register_forward_hook(lambda *_: calls.append(1))
+    for bad, message in (
+        ({"fmt": "jpgx"}, r"`fmt` to be a Graphviz output format .* got 'jpgx'. Closest .*'jpg'"),
+        ({"fmt": None}, r"`fmt` to be a Graphviz output format .* got None"),
+        ({"directory": 5}, r"`directory` to be a path \(str or os.PathLike\) .* got int 5"),
+        ({"render_depth": -1}, r"`render_depth` to be a non-negative int but got -1"),
+    ):
+        arguments = {"directory": str(tmp_path), **bad}
+        with pytest.raises(RecorderConfigError, match=message):
+            render_network(net, "n", (1, 3), **arguments)
+    assert calls == [] and list(tmp_path.iterdir()) == []
