@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._core.checks import suggestion
+from .._core.names import canonical_name, named_modules
 from ..errors import RecorderConfigError, RecorderStateError
 from ._model import ExecutionGraph, GraphNode, record_graph
 
@@ -198,16 +199,27 @@ def record(
 
 
 def _nodes(rec: Recording, graph: ExecutionGraph) -> dict[str, BaseNode]:
+    # The graph names modules and parameters without wrapper prefixes (``module.`` of
+    # DataParallel/DDP, ``_orig_mod.``), so look them up by those names, not on the wrapper.
+    modules = named_modules(rec.net)
+    params: dict[str, nn.Parameter] = {}
+    for mname, module in modules.items():
+        for pname, param in module.named_parameters(recurse=False):
+            params.setdefault(canonical_name(f"{mname}.{pname}" if mname else pname), param)
     nodes: dict[str, BaseNode] = {}
     for node in graph.nodes:
         fn: Any
         name = node.name
         if node.kind == "module":
-            fn = rec.net.get_submodule(node.name)
+            fn = modules.get(node.name)
+            if fn is None:
+                fn = rec.net.get_submodule(node.name)
             if node.parent is None:
                 name = rec.name
         elif node.kind == "parameter":
-            fn = rec.net.get_parameter(node.name)
+            fn = params.get(node.name)
+            if fn is None:
+                fn = rec.net.get_parameter(node.name)
         elif node.kind == "tensor":
             dtype = getattr(torch, node.dtype or "float32", torch.float32)
             fn = torch.empty(node.shape or (), dtype=dtype, device="meta")

@@ -127,3 +127,23 @@ def test_render_network_checks_its_arguments_before_running_the_network(tmp_path
         with pytest.raises(RecorderConfigError, match=message):
             render_network(net, "n", (1, 3), **arguments)
     assert calls == [] and list(tmp_path.iterdir()) == []
+
+
+def test_record_and_make_dot_look_through_a_data_parallel_wrapper() -> None:
+    net = Block()
+    wrapped = nn.DataParallel(net)  # on a CPU-only machine it calls the module it wraps
+    seen: list[object] = []
+
+    class Spy(GraphvizStyler):
+        def style_node(self, node):  # type: ignore[no-untyped-def]
+            seen.append(node)
+            return super().style_node(node)
+
+    rec = record(wrapped, "Wrapped", input_shapes=(2, 2))
+    source = make_dot(rec, styler_cls=Spy).source
+    layers = {n.name: n.fn for n in seen if isinstance(n, LayerNode)}
+    assert layers["Wrapped"] is net and layers["inner.0"] is net.inner[0]
+    assert layers["head"] is net.head
+    params = {n.name: n.fn for n in seen if isinstance(n, ParamNode)}
+    assert params["head.weight"] is net.head.weight and "module.head.weight" not in params
+    assert "->" in source
