@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from os import PathLike
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -331,11 +332,16 @@ class ExecutionGraph:
             The path written.
 
         Raises:
-            RecorderConfigError: unknown ``format``, a suffix that contradicts it, or a bad
-                ``depth``.
+            RecorderConfigError: ``path`` is not a path, an unknown ``format``, a suffix that
+                contradicts it, or a bad ``depth``.
             RecorderStateError: the ``dot`` program (or the ``graphviz`` Python package) is
                 missing; the message says how to install it.
         """
+        if not isinstance(path, (str, PathLike)):
+            raise RecorderConfigError(
+                "Expected `path` to be the output file, a str or os.PathLike such as "
+                f"'graph.svg', but got {type(path).__name__} {path!r}."
+            )
         target = Path(path)
         from_suffix = target.suffix[1:].lower() if target.suffix[1:].lower() in _FORMATS else None
         if format is None:

@@ -519,6 +519,9 @@ def test_bad_format_and_path(graph: ExecutionGraph, tmp_path: Path) -> None:
         graph.render(tmp_path / "g.png", format="svg")
     with pytest.raises(RecorderConfigError, match=r"Expected `depth`"):
         graph.render(tmp_path / "g.svg", depth=-2)
+    for path in (5, None, b"g.svg"):
+        with pytest.raises(RecorderConfigError, match=r"Expected `path` to be the output file"):
+            graph.render(path)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
 
 
