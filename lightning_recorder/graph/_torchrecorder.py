@@ -272,6 +272,11 @@ def make_dot(
 
     Returns:
         A ``graphviz.Digraph``.
+
+    Raises:
+        RecorderConfigError: ``rec`` is not a recording, a bad ``render_depth``, or a
+            ``styler_cls`` that is not a styler class.
+        RecorderStateError: the ``graphviz`` package is missing.
     """
     graphviz = _graphviz()
     if not isinstance(rec, Recording):
@@ -281,6 +286,15 @@ def make_dot(
     if isinstance(render_depth, bool) or not isinstance(render_depth, int) or render_depth < 0:
         raise RecorderConfigError(
             f"Expected `render_depth` to be a non-negative int but got {render_depth!r}."
+        )
+    if styler_cls is not None and not (
+        isinstance(styler_cls, type)
+        and callable(getattr(styler_cls, "style_node", None))
+        and callable(getattr(styler_cls, "style_edge", None))
+    ):
+        raise RecorderConfigError(
+            "Expected `styler_cls` to be GraphvizStyler or a subclass (a class with style_node "
+            f"and style_edge methods), or None, but got {styler_cls!r}."
         )
     styler = (GraphvizStyler if styler_cls is None else styler_cls)(**styler_args)
     graph_attr = {"compound": "true", "ranksep": "0.5", "fontsize": "24"}

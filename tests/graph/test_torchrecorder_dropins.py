@@ -87,6 +87,11 @@ def test_several_inputs_and_errors() -> None:
         make_dot(rec, render_depth=-1)
     with pytest.raises(RecorderConfigError, match=r"`rec` to be what record\(\) returns"):
         make_dot(rec.graph)  # type: ignore[arg-type]
+    for styler_cls in (int, GraphvizStyler(), "GraphvizStyler"):
+        with pytest.raises(
+            RecorderConfigError, match=r"`styler_cls` to be GraphvizStyler or a subclass"
+        ):
+            make_dot(rec, styler_cls=styler_cls)  # type: ignore[arg-type]
 
 
 def _drawn(source: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
