@@ -206,6 +206,37 @@ def test_forward_inputs_record_the_first_positional_argument_or_a_path() -> None
     assert named[0][0] is s and named[0][1] is s and named[0][2] is None
 
 
+def test_an_input_path_naming_no_argument_fails_at_registration() -> None:
+    class TwoInputs(nn.Module):
+        def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+            return x if scale is None else x * scale
+
+    class AnyKeyword(nn.Module):
+        def forward(self, x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+            return x
+
+    model = nn.Sequential(TwoInputs(), nn.Sequential(TwoInputs()))
+    for path, message in (
+        (
+            "scael",
+            r"an argument of TwoInputs.forward\(x, scale\) of module '0' but got 'scael'. "
+            r"Closest argument names: 'scale'",
+        ),
+        ("scael.0", r"but got 'scael'"),
+        (2, r"a position in \[-2, 2\) \(the arguments of TwoInputs.forward\(x, scale\)"),
+    ):
+        collector = ForwardInputsCollector(path=path)
+        with pytest.raises(RecorderConfigError, match=message):
+            collector.modules(model, types=TwoInputs)
+        assert len(collector) == 0 and live_hooks() == []  # nothing registered
+    with ForwardInputsCollector(path="scale").modules(model, types=TwoInputs) as named:
+        model(torch.ones(2))
+    assert named.samples(0) == 1 and named[0] == [None]
+    # With **extra any name may come, so the name can only be checked when the call comes.
+    with ForwardInputsCollector(path="mask").modules(AnyKeyword()) as free:
+        assert free.names == ("",)
+
+
 def test_forward_outputs_of_structured_values_record_the_first_tensor_or_a_path() -> None:
     torch.manual_seed(0)
     lstm = nn.Sequential(nn.LSTM(3, 4, batch_first=True))
