@@ -185,9 +185,18 @@ class ExecutionGraph:
         return self._by_id[node_id]
 
     def find(self, kind: NodeKind | None = None, name: str | None = None) -> list[GraphNode]:
-        """Nodes of a kind and/or with a name, in graph order."""
+        """Nodes of a kind and/or with a name, in graph order.
+
+        Raises:
+            RecorderConfigError: an unknown ``kind``, or a ``name`` that is not a str.
+        """
         if kind is not None:
             check_option("kind", kind, _KINDS)
+        if name is not None and not isinstance(name, str):
+            raise RecorderConfigError(
+                f"Expected `name` to be a node name (a str such as 'features.0', '' for the model) "
+                f"or None but got {type(name).__name__} {name!r}."
+            )
         return [
             n
             for n in self._nodes

@@ -548,6 +548,10 @@ def test_bad_lookups_and_bad_graph_data(graph: ExecutionGraph) -> None:
         graph.node("module:feature.0")
     with pytest.raises(RecorderConfigError, match=r"Expected `kind` to be one of 'module'"):
         graph.find(kind="ops")  # type: ignore[arg-type]
+    for name in (0, ("features", 0), graph.node("module:features")):
+        with pytest.raises(RecorderConfigError, match=r"Expected `name` to be a node name \(a str"):
+            graph.find(name=name)  # type: ignore[arg-type]
+    assert [n.id for n in graph.find(name="features")] == ["module:features"]
     with pytest.raises(
         RecorderConfigError, match=r"with 'nodes' and 'edges' but got keys \['nodes'\]"
     ):
