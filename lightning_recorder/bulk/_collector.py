@@ -18,7 +18,7 @@ from typing_extensions import Self
 from .._core.checks import check_callable, parse_device, parse_dtype, suggestion
 from .._core.names import canonical_name
 from .._core.structures import Binder, PathKey, make_transform, modified, parse_path
-from ..errors import NoRecordError, RecorderConfigError, RecordModifiedError
+from ..errors import NoRecordError, RecorderConfigError, RecorderStateError, RecordModifiedError
 from ._subrecorders import (
     NOTHING,
     Condition,
@@ -289,6 +289,14 @@ class _Collector:
         release_all(self._slots)
 
     def __enter__(self) -> Self:
+        if self._slots and not any(slot.active for slot in self._slots):
+            # A second `with` would look like it records again, yet no hook is left.
+            raise RecorderStateError(
+                f"Expected a collector with registered hooks on entering `with` but {self!r} was "
+                "released (by release() or the end of an earlier `with` block), so nothing "
+                "would be recorded; register modules again with children() or modules(), or "
+                "use a new collector."
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -533,6 +533,23 @@ def test_release_and_context_remove_every_hook_and_keep_the_data() -> None:
     assert live_hooks() == []
 
 
+def test_entering_a_released_collector_again_raises_instead_of_recording_nothing() -> None:
+    model = nn.Sequential(nn.Linear(3, 3))
+    collector = ForwardOutputsCollector().children(model)
+    with collector:
+        model(torch.randn(1, 3))
+    with pytest.raises(RecorderStateError, match=r"was released .* nothing would be recorded"):
+        collector.__enter__()  # a second `with collector:`
+    assert collector.samples(0) == 1 and live_hooks() == []
+    with collector.children(model):  # registered again: records until the block ends
+        model(torch.randn(1, 3))
+    assert list(collector.iter_samples()) == [1, 1] and live_hooks() == []
+    with ForwardOutputsCollector() as empty:  # registering inside the block is fine
+        empty.children(model)
+        model(torch.randn(1, 3))
+    assert empty.samples(0) == 1
+
+
 def test_a_dropped_collector_removes_its_hooks() -> None:
     model = Nested()
     ForwardOutputsCollector().modules(model)
