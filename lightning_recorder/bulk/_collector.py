@@ -531,8 +531,8 @@ def load_collected(
         One :class:`CollectedRecord` per subrecorder.
 
     Raises:
-        RecorderConfigError: the directory holds no index written by ``save``, or a file is
-            missing.
+        RecorderConfigError: the directory holds no index written by ``save`` (nor ``0.pt``),
+            the index is damaged, or a file is missing.
 
     Examples:
         >>> import tempfile, torch
@@ -564,9 +564,29 @@ def load_collected(
             f"Expected `directory` to hold a collector saved with `save()` but {index_path.name!r} "
             f"in {str(root)!r} is not its index (format {_FORMAT!r}): {str(index_doc)[:80]!r}."
         )
+    records = index_doc.get("records")
+    if not isinstance(records, list):
+        raise RecorderConfigError(
+            f"Expected {index_path.name!r} in {str(root)!r} to list its subrecorders under "
+            f"'records' but got {type(records).__name__} {records!r:.80}; the index is damaged."
+        )
     loaded = []
-    for number, entry in enumerate(index_doc["records"]):
-        path = root / entry["file"]
+    for number, entry in enumerate(records):
+        fields = ("file", "name", "type", "samples")
+        if not isinstance(entry, dict) or not all(key in entry for key in fields):
+            raise RecorderConfigError(
+                f"Expected record {number} of {index_path.name!r} in {str(root)!r} to be an "
+                f"object with {', '.join(map(repr, fields))} but got {entry!r:.80}; the index "
+                "is damaged."
+            )
+        file = entry["file"]
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+            raise RecorderConfigError(
+                f"Expected record {number} of {index_path.name!r} in {str(root)!r} to name a file "
+                f"inside that folder (such as '{number}.pt') but got {file!r}; the index is "
+                "damaged."
+            )
+        path = root / file
         if not path.is_file():
             raise RecorderConfigError(
                 f"Expected {entry['file']!r} (subrecorder {number}, module {entry['name']!r}) in "

@@ -659,6 +659,27 @@ def test_load_errors_say_what_is_missing(tmp_path: Path) -> None:
         load_collected(tmp_path)
 
 
+def test_load_of_a_damaged_index_says_so(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Identity())
+    with ForwardOutputsCollector().children(model) as c:
+        model(torch.ones(1))
+    index_path = c.save(tmp_path / "saved") / ".index.json"
+    good = json.loads(index_path.read_text())
+    (tmp_path / "elsewhere.pt").write_bytes((tmp_path / "saved" / "0.pt").read_bytes())
+    entry = good["records"][0]
+    for records, message in (
+        (None, r"to list its subrecorders under 'records' but got NoneType None; .* damaged"),
+        (5, r"under 'records' but got int 5"),
+        (["0.pt"], r"record 0 of '.index.json' .* to be an object with 'file', 'name'"),
+        ([{k: v for k, v in entry.items() if k != "file"}], r"an object with 'file', 'name'"),
+        ([{**entry, "file": "../elsewhere.pt"}], r"a file inside that folder .* '../elsewhere.pt'"),
+        ([{**entry, "file": 0}], r"a file inside that folder \(such as '0.pt'\) but got 0"),
+    ):
+        index_path.write_text(json.dumps({**good, "records": records}))
+        with pytest.raises(RecorderConfigError, match=message):
+            load_collected(tmp_path / "saved")
+
+
 # --- documentation ----------------------------------------------------------------------------
 
 
