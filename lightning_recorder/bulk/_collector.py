@@ -331,7 +331,7 @@ class _Collector:
 
         Raises:
             RecorderConfigError: ``directory`` is not a path, is a file, or (``mkdir=False``)
-                does not exist, or ``mkdir=True`` could not create it.
+                does not exist, or could not be created (a parent is a file).
             RecordModifiedError: a sample was changed in place after it was recorded (nothing
                 is written).
         """
@@ -358,7 +358,13 @@ class _Collector:
                     "mkdir=None to create it only if missing."
                 ) from err
         elif mkdir is None:
-            root.mkdir(parents=True, exist_ok=True)
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as err:  # a parent is a file, no permission …
+                raise RecorderConfigError(
+                    f"Expected `directory` {str(root)!r} to be a folder that can be created "
+                    f"(mkdir=None creates it and its parents) but it could not be: {err}."
+                ) from err
         elif not root.is_dir():
             raise RecorderConfigError(
                 f"Expected `directory` {str(root)!r} to exist (mkdir=False) but it does not; "

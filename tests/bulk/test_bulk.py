@@ -729,6 +729,10 @@ def test_save_mkdir_modes(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(RecorderConfigError, match=r"`directory` to be a directory.*is a file"):
         outputs.save(tmp_path / "file")
+    with pytest.raises(
+        RecorderConfigError, match=r"`directory` .*sub' to be a folder that can be created"
+    ):
+        outputs.save(tmp_path / "file" / "sub")  # a parent is a file
     with pytest.raises(RecorderConfigError, match=r"`mkdir` to be a bool or None"):
         outputs.save(tmp_path / "c", mkdir="yes")  # type: ignore[arg-type]
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
