@@ -151,6 +151,44 @@ class Binder:
         """The callable's (first) signature, or ``None`` when it has none."""
         return self._sigs[0] if self._sigs else None
 
+    def check_key(self, key: PathKey, owner: str, where: str, *, items: bool = True) -> None:
+        """Raise unless some call can give a record that ``key`` (a ``path``'s first item) indexes.
+
+        ``items``: whether ``*args`` items count by their record names (``"args[0]"``).
+
+        Raises:
+            RecorderConfigError: no signature has such an argument name or position; the
+                message names ``owner`` (the recorder) and ``where`` (the callable).
+        """
+        if not self._sigs:
+            return  # recorded as the call was made: any key may exist
+        names: list[str] = []
+        positions = 0
+        for sig in self._sigs:
+            params = list(sig.parameters.values())
+            kinds = {p.kind for p in params}
+            named = [p.name for p in params if p.kind not in (_VAR_POS, _VAR_KW)]
+            var_pos = next((p.name for p in params if p.kind is _VAR_POS), None)
+            if isinstance(key, int) and (kinds & {_VAR_POS, _VAR_KW} or key < len(named)):
+                return
+            if isinstance(key, str) and (
+                key in named
+                or _VAR_KW in kinds
+                or (items and var_pos is not None and _is_item(key, var_pos))
+            ):
+                return
+            names += named + ([f"{var_pos}[0]"] if items and var_pos is not None else [])
+            positions = max(positions, len(named))
+        if isinstance(key, int):
+            raise RecorderConfigError(
+                f"Expected `path` of {owner} to start with a position below {positions} (the "
+                f"arguments of {where}) but got {key!r}."
+            )
+        raise RecorderConfigError(
+            f"Expected `path` of {owner} to start with an argument of {where} but got {key!r}. "
+            f"{suggestion(key, dict.fromkeys(names), 'argument names')}"
+        )
+
     def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Arguments:
         fast = self._fast_names
         if fast is not None and not kwargs and len(args) == len(fast):
@@ -238,6 +276,12 @@ def _describe(obj: Any) -> str:
     if isinstance(obj, torch.Tensor):
         return f"Tensor of shape {shape_of(obj)}"
     return type(obj).__name__
+
+
+def _is_item(key: str, var_pos: str) -> bool:
+    """Whether ``key`` names an item of ``*var_pos`` as records do (``"args[0]"``)."""
+    index = key.removeprefix(f"{var_pos}[").removesuffix("]")
+    return key == f"{var_pos}[{index}]" and index.isdigit()
 
 
 def follow_path(value: Any, path: Path, where: str) -> Any:

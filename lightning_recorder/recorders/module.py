@@ -8,14 +8,12 @@ stream per matched module, named after it.
 
 from __future__ import annotations
 
-import inspect
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._core.checks import suggestion
 from .._core.hooks import GradSink
 from .._core.names import (
     as_module_type,
@@ -29,9 +27,6 @@ from .._core.structures import Binder, iter_tensors
 from ..errors import RecorderConfigError, UnknownSourceError
 from ._registry import register_recorder
 from .base import BaseRecorder, RecorderHook, RecordStream
-
-_VAR_POS = inspect.Parameter.VAR_POSITIONAL
-_VAR_KW = inspect.Parameter.VAR_KEYWORD
 
 __all__ = [
     "ModuleInputGradsRecorder",
@@ -114,26 +109,15 @@ class _ModuleRecorder(BaseRecorder):
     def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
         raise NotImplementedError
 
-    def _check_argument(self, module: nn.Module, binder: Binder) -> None:
-        """Raise unless the first ``path`` item names an argument of ``module.forward``."""
+    def _check_argument(self, module: nn.Module, binder: Binder, *, items: bool = True) -> None:
+        """Raise unless the first ``path`` item names an argument of ``module.forward``
+        (``items``: an item of its ``*args`` by its record name, ``"args[0]"``)."""
         key = self.path[0] if self.path else None
         sig = binder.signature
         if key is None or sig is None:
             return
-        params = list(sig.parameters.values())
-        kinds = {p.kind for p in params}
-        names = [p.name for p in params if p.kind not in (_VAR_POS, _VAR_KW)]
         where = f"{type(module).__name__}.forward({', '.join(sig.parameters)})"
-        if isinstance(key, str) and key not in names and _VAR_KW not in kinds:
-            raise RecorderConfigError(
-                f"Expected `path` of {type(self).__name__} to start with an argument of {where} "
-                f"but got {key!r}. {suggestion(key, names, 'argument names')}"
-            )
-        if isinstance(key, int) and not kinds & {_VAR_POS, _VAR_KW} and key >= len(names):
-            raise RecorderConfigError(
-                f"Expected `path` of {type(self).__name__} to start with a position below "
-                f"{len(names)} (the arguments of {where}) but got {key!r}."
-            )
+        binder.check_key(key, type(self).__name__, where, items=items)
 
     def _empty_hint(self) -> str:
         return (
@@ -374,7 +358,8 @@ class ModuleInputGradsRecorder(_ModuleRecorder):
 
     def _install(self, name: str, module: nn.Module, stream: RecordStream) -> None:
         binder = Binder(module.forward)
-        self._check_argument(module, binder)
+        # The hook finds an input by position or parameter name, not by a `*args` item's name.
+        self._check_argument(module, binder, items=False)
         binder_names = list(binder._kinds)
         hook = _InputGradHook(self, stream, binder_names)
         self.hooks.install(partial(module.register_forward_pre_hook, hook, with_kwargs=True))

@@ -276,6 +276,28 @@ def test_inputs_with_kwargs_and_argument_path() -> None:
     mask.release()
 
 
+class Concat(nn.Module):
+    def forward(self, *parts: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return torch.cat(parts, dim)
+
+
+def test_inputs_path_names_an_item_of_var_positional_arguments() -> None:
+    # A `*parts` item's record name ("parts[1]") is a valid `path`, as the record shows it.
+    model = nn.Sequential(Concat())
+    second = ModuleInputsRecorder("0", path="parts[1]").initialize(model)
+    a, b = torch.ones(2), torch.zeros(3)
+    with second:
+        model[0](a, b)
+    assert second.get_record_data() is b
+    second.release()
+    with pytest.raises(RecorderConfigError, match=r"got 'part\[1\]'.*'parts\[0\]'"):
+        ModuleInputsRecorder("0", path="part[1]").initialize(model)
+    # The gradient recorder finds an input by position or parameter name only.
+    with pytest.raises(RecorderConfigError, match=r"got 'parts\[1\]'"):
+        ModuleInputGradsRecorder("0", path="parts[1]").initialize(model)
+    assert not model[0]._forward_pre_hooks
+
+
 def test_hugging_face_model_output_fields() -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_outputs import BaseModelOutput
