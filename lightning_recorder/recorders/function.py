@@ -20,6 +20,7 @@ uninitialized when persistent (call :meth:`initialize` on the copy to install it
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 from typing import Any, Literal
@@ -72,6 +73,8 @@ class _CallableRecorder(BaseRecorder):
         if self._record == "inputs":
             self._binder = Binder(target.func, drop_first=drops_first)
             binder = self._binder
+            if self.path:  # a typo fails here, not inside the model's call
+                self._check_argument(target.func, binder)
 
             def before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 rec = ref()
@@ -107,6 +110,22 @@ class _CallableRecorder(BaseRecorder):
         self._target, self._sink = target, sink
         if self.persistent:
             self._patch()
+
+    def _check_argument(self, func: Any, binder: Binder) -> None:
+        """Raise unless the first ``path`` item names an argument of ``func``.
+
+        Only for a Python signature: a call that does not bind to it fails anyway, while a torch
+        C function's schema does not cover every spelling its Python binding accepts (such a call
+        is recorded as it was made, ``args[0]`` …).
+        """
+        try:
+            inspect.signature(func)
+        except (TypeError, ValueError):
+            return
+        sig = binder.signature
+        if self.path and sig is not None:
+            where = f"{self.source}({', '.join(sig.parameters)})"
+            binder.check_key(self.path[0], type(self).__name__, where)
 
     def _patch(self) -> None:
         if not self._patched and self._target is not None and self._sink is not None:

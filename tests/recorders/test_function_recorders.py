@@ -17,6 +17,7 @@ from lightning_recorder import (
     MethodOutputsRecorder,
     NoRecordError,
     NotInitializedError,
+    RecorderConfigError,
 )
 from lightning_recorder._core.patching import active_patches
 
@@ -223,6 +224,29 @@ def test_invalid_sources(cls: type, source: str, match: str) -> None:
         rec.initialize()
     assert active_patches() == []
     assert not rec.initialized
+
+
+def test_inputs_path_is_checked_by_initialize() -> None:
+    # A path that names no argument fails at initialize, as for module inputs, not in the call.
+    cases = [
+        (FunctionInputsRecorder, "helpers.toy.double", "y", r"double\(x\) but got 'y'.*'x'"),
+        (MethodInputsRecorder, "helpers.toy.Toy.scale", "factr", r"'factr'.*'factor'"),
+        (MethodInputsRecorder, "helpers.toy.Toy.scale", 2, r"position below 2"),
+        (MethodInputsRecorder, "helpers.toy.Toy.static", "self", r"static\(x\)"),
+    ]
+    for cls, source, path, match in cases:
+        rec = cls(source, path=path)
+        with pytest.raises(RecorderConfigError, match=match):
+            rec.initialize()
+        assert not rec.initialized and active_patches() == []
+    # Names and positions a record can have pass: `*rest` items, `**extra` keys.
+    for path in ("scale", "rest[1]", 4, "anything"):
+        FunctionInputsRecorder("helpers.toy.add", path=path).initialize().release()
+    factor = MethodInputsRecorder("helpers.toy.Toy.scale", path="factor").initialize()
+    with factor:
+        toy_module.Toy().scale(1.0, 3.0)
+    assert factor.data_buffer == [3.0]
+    factor.release()
 
 
 def test_reading_before_initialize() -> None:
