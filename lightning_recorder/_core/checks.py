@@ -60,7 +60,7 @@ def suggestion(name: str, candidates: Iterable[str], what: str) -> str:
     if near:
         return "Closest " + what + ": " + ", ".join(repr(c) for c in near) + "."
     if not pool:
-        return f"The model has no {what}."
+        return f"There are no {what}."
     shown = ", ".join(repr(c) for c in pool[:8])
     more = f" (and {len(pool) - 8} more)" if len(pool) > 8 else ""
     return f"Valid {what} include: {shown}{more}."

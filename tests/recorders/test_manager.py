@@ -161,6 +161,13 @@ def test_duplicate_names_and_unknown_recorder_name() -> None:
     assert "conv1_rec" in manager and len(manager) == 1
 
 
+def test_an_empty_manager_says_it_has_no_recorders() -> None:
+    # The manager has no recorders; the message must not blame the model.
+    with pytest.raises(RecorderConfigError, match=r"^No recorder named 'x'\. There are no ") as err:
+        RecorderManager().get_recorder("x")
+    assert "model" not in str(err.value)
+
+
 def test_a_recorder_that_cannot_start_leaves_no_function_patched() -> None:
     """When one recorder of a manager cannot start, those started before it are stopped with
     their own ``stop``: a function recorder puts the original function back."""
