@@ -120,9 +120,11 @@ def resolve(path: Any, want: Literal["function", "method"]) -> Target:
     module, rest = _import_prefix(path)
     if want == "function":
         if len(rest) != 1:
+            # A misspelt module ('torch.nn.functionall.relu') is missing here: say so.
+            first = _get(module, rest[0], path, "module or attribute")
             hint = (
                 " To record a method use MethodOutputsRecorder / MethodInputsRecorder."
-                if len(rest) == 2
+                if len(rest) == 2 and isinstance(first, type)
                 else ""
             )
             raise InvalidSourceError(
@@ -146,10 +148,10 @@ def resolve(path: Any, want: Literal["function", "method"]) -> Target:
             "to record a function use FunctionOutputsRecorder / FunctionInputsRecorder."
         )
     owner: Any = module
-    for attr in rest[:-1]:
-        owner = getattr(owner, attr, _MISSING)
+    for depth, attr in enumerate(rest[:-1]):
+        parent, owner = owner, getattr(owner, attr, _MISSING)
         if owner is _MISSING:
-            _get(module, attr, path, "class")
+            _get(parent, attr, path, "class" if depth == len(rest) - 2 else "module or class")
     if not isinstance(owner, type):
         raise InvalidSourceError(
             f"Expected {'.'.join([module.__name__, *rest[:-1]])!r} to be a class but it is a "

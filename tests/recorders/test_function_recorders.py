@@ -208,6 +208,18 @@ def test_release_is_idempotent_and_reinitialize_works() -> None:
         ),
         (FunctionOutputsRecorder, "helpers.toy.Toy", r"it is a type.*'MethodOutputs'"),
         (FunctionOutputsRecorder, "helpers.toy.Toy.scale", r"MethodOutputsRecorder"),
+        # A misspelt module is named as such, not taken for a class holding a method.
+        (
+            FunctionOutputsRecorder,
+            "helpers.tyo.toy_func",
+            r"^Source 'helpers.tyo.toy_func': helpers has no module or attribute 'tyo'.*'toy'",
+        ),
+        (FunctionOutputsRecorder, "helpers.toy.double.x", r"inside module 'helpers.toy'[^M]*$"),
+        (
+            MethodOutputsRecorder,
+            "helpers.tyo.Toy.scale",
+            r"helpers has no module or class 'tyo'.*'toy'",
+        ),
         (MethodOutputsRecorder, "helpers.toy.toy_func", r"name a method of a class"),
         (MethodOutputsRecorder, "helpers.toy.Toy.scal", r"no method 'scal'.*'scale'"),
         (
