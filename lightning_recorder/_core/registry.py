@@ -124,6 +124,7 @@ def build_from_config(
     *,
     required: Sequence[str] = ("source",),
     renames: Mapping[str, str] | None = None,
+    name_errors: bool = False,
 ) -> Any:
     """Build ``registry``'s type named by ``config["type"]`` with the other keys as options.
 
@@ -133,6 +134,9 @@ def build_from_config(
         where: how messages name the config (``"recorder 'conv'"``).
         required: keys that must be present.
         renames: other spellings of option names (``{"func_path": "source"}``).
+        name_errors: start the message of a :class:`RecorderConfigError` that the type's
+            constructor raises (an invalid option value) with ``where``, so that the config at
+            fault is named among several.
 
     Raises:
         UnknownRecorderTypeError: ``type`` is missing or unknown.
@@ -152,7 +156,12 @@ def build_from_config(
     for key in required:
         if key not in options:
             raise RecorderConfigError(f"Expected {where} to have a {key!r} key.")
-    return cls(**options)
+    if not name_errors:
+        return cls(**options)
+    try:
+        return cls(**options)
+    except RecorderConfigError as err:
+        raise type(err)(f"In {where}: {err}") from None
 
 
 def named_items(items: Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> Iterable[Any]:

@@ -93,4 +93,4 @@ def build_recorder(config: Mapping[str, Any] | BaseRecorder, name: str = "") -> 
             f"Expected {where} to be a mapping such as {{'type': 'ModuleOutputs', 'source': "
             f"'conv1'}} or a recorder instance but got {type(config).__name__}."
         )
-    return build_from_config(RECORDERS, config, where)
+    return build_from_config(RECORDERS, config, where, name_errors=bool(name))

@@ -140,6 +140,17 @@ def test_an_unknown_option_without_a_close_one_lists_the_valid_options_once() ->
             r"Unknown option\(s\) 'clone_'.*Closest options: 'clone'",
         ),
         ("conv1", RecorderConfigError, r"to be a mapping such as"),
+        # An invalid option value names the recorder at fault.
+        (
+            {"type": "ModuleOutputs", "source": "x", "keep": 0},
+            RecorderConfigError,
+            r"^In recorder 'r': Expected `keep` to be 'all'.*got 0\.$",
+        ),
+        (
+            {"type": "FunctionOutputs", "source": "a.b", "persistent": 1},
+            RecorderConfigError,
+            r"^In recorder 'r': Expected `persistent` to be a bool",
+        ),
     ],
 )
 def test_bad_configs(config: object, error: type[Exception], match: str) -> None:
