@@ -201,8 +201,14 @@ class RecorderCallback(Callback):
             name: the ``name`` given to the callback, when several of this class are attached.
 
         Raises:
+            RecorderConfigError: ``where`` is neither a Trainer nor a LightningModule.
             RecorderStateError: none, or more than one, matches.
         """
+        if not isinstance(where, (pl.Trainer, pl.LightningModule)):
+            raise RecorderConfigError(
+                f"Expected `where` of {cls.__name__}.of to be a Trainer or a LightningModule "
+                f"(`self` inside `training_step`) but got {type(where).__name__}."
+            )
         trainer = where if isinstance(where, pl.Trainer) else where.trainer
         found = [cb for cb in trainer.callbacks if isinstance(cb, cls)]  # type: ignore[attr-defined]
         if name is not None:

@@ -464,6 +464,9 @@ def test_of_errors() -> None:
         RecorderCallback.of(t, name="c")
     with pytest.raises(RecorderStateError, match="found none"):
         RecorderCallback.of(trainer())
+    # A plain nn.Module (`self.net` instead of `self`) is told apart from a LightningModule.
+    with pytest.raises(RecorderConfigError, match=r"Trainer or a LightningModule .* got Linear"):
+        RecorderCallback.of(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
