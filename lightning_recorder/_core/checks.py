@@ -175,13 +175,20 @@ def check_callable(value: object, name: str, what: str) -> None:
 
 
 def parse_dtype(dtype: torch.dtype | str | None, name: str = "dtype") -> torch.dtype | None:
-    """A ``torch.dtype`` from a dtype or its name (``"float16"``, ``"torch.bfloat16"``)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
+    """A floating-point ``torch.dtype`` from a dtype or its name (``"float16"``,
+    ``"torch.bfloat16"``): the dtype recorded floating-point tensors are cast to."""
+    value: object = dtype
     if isinstance(dtype, str):
         value = getattr(torch, dtype.removeprefix("torch."), None)
-        if isinstance(value, torch.dtype):
+    if dtype is None:
+        return None
+    if isinstance(value, torch.dtype):
+        if value.is_floating_point:
             return value
+        raise RecorderConfigError(
+            f"Expected `{name}` to be a floating-point dtype such as 'float16' or 'bfloat16' "
+            f"(recorded floating-point tensors are cast to it) but got {value}."
+        )
     raise RecorderConfigError(
         f"Expected `{name}` to be a torch.dtype or its name (e.g. 'float16') but got {dtype!r}."
     )

@@ -253,7 +253,8 @@ class BaseRecorder(abc.ABC):
             Default ``False``: records stay attached so a loss can back-propagate through them.
         clone: record a copy, immune to later in-place changes of the original.
         device: move recorded tensors to this device (e.g. ``"cpu"``).
-        dtype: cast recorded floating-point tensors to this dtype (e.g. ``"float16"``).
+        dtype: cast recorded floating-point tensors to this floating-point dtype (e.g.
+            ``"float16"``); other tensors keep theirs.
         keep: ``"all"`` calls (default), only the ``"first"``, only the ``"last"``, or at most
             ``N`` calls (the first N; later calls are counted in ``num_calls`` but not kept).
         path: a path into a structured value: a tuple index, a dict key, a dataclass or

@@ -599,6 +599,9 @@ def test_a_second_name_of_a_shared_object_names_the_one_to_record(
         ({"source": ""}, r"root module itself cannot be recorded"),
         ({"source": "conv1", "keep": 0}, r"Expected `keep` to be 'all', 'first', 'last'"),
         ({"source": "conv1", "dtype": "float17"}, r"Expected `dtype` to be a torch.dtype"),
+        # Casting a float record to an integer or bool dtype would truncate it.
+        ({"source": "conv1", "dtype": torch.int8}, r"floating-point dtype .* got torch.int8"),
+        ({"source": "conv1", "dtype": "bool"}, r"floating-point dtype .* got torch.bool"),
         ({"source": "conv1", "device": "gpu9"}, r"Expected `device` to be a torch.device"),
         ({"source": "conv1", "clone": "yes"}, r"Expected `clone` to be a bool"),
         ({"source": "conv1", "path": 1.5}, r"Expected `path` to be an int, a str"),
