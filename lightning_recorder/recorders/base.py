@@ -319,13 +319,15 @@ class BaseRecorder(abc.ABC):
         self._streams = {}
         try:
             self.prepare_from_model(model)
+            self._model = model
+            self._initialized = True
+            self._after_initialize()  # ParameterRecorder's first records (its `path` applied)
         except BaseException:
             self._teardown()
             self._streams = {}
+            self._initialized = False
+            self._model = None
             raise
-        self._model = model
-        self._initialized = True
-        self._after_initialize()
         return self
 
     @abc.abstractmethod

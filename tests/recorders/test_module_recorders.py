@@ -75,6 +75,28 @@ def test_mmrazor_parameter_example() -> None:
     snap.release()
 
 
+def test_a_parameter_recorder_whose_first_record_fails_is_not_left_initialized() -> None:
+    # ParameterRecorder records at initialize; a `path` the parameter lacks fails there, and
+    # the recorder must not claim to be initialized, nor stay so inside a manager.
+    model = nn.Sequential(nn.Linear(2, 2))
+    rec = ParameterRecorder("0.weight", path="x")
+    with pytest.raises(RecorderConfigError, match="`path` item 'x' does not exist"):
+        rec.initialize(model)
+    assert not rec.initialized
+    with pytest.raises(NotInitializedError):
+        rec.start()
+    manager = RecorderManager(
+        {
+            "out": {"type": "ModuleOutputs", "source": "0"},
+            "param": {"type": "Parameter", "source": "0.weight", "path": "x"},
+        }
+    )
+    with pytest.raises(RecorderConfigError, match="`path` item 'x'"):
+        manager.initialize(model)
+    assert not any(r.initialized for r in manager.recorders.values())
+    assert live_hooks() == []
+
+
 def test_mmrazor_manager_example() -> None:
     from helpers import toy as toy_module
 
