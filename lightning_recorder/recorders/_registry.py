@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
+from .._core.checks import check_bool
 from .._core.registry import Registry, build_from_config
 from ..errors import RecorderConfigError
 from .base import BaseRecorder
@@ -51,7 +52,8 @@ def register_recorder(
 
     Raises:
         DuplicateNameError: the name is taken and ``replace`` is false.
-        RecorderConfigError: ``cls`` is not a BaseRecorder subclass.
+        RecorderConfigError: ``cls`` is not a BaseRecorder subclass, ``name`` is not a non-empty
+            str, or ``replace`` is not a bool.
 
     Examples:
         >>> from lightning_recorder import ModuleOutputsRecorder, register_recorder
@@ -61,6 +63,13 @@ def register_recorder(
         >>> "Sign" in recorder_types()
         True
     """
+
+    if name is not None and (not isinstance(name, str) or not name):
+        raise RecorderConfigError(
+            f"Expected `name` of register_recorder to be a non-empty str (the type name configs "
+            f"use) or None (the class name) but got {name!r}."
+        )
+    check_bool(replace, "replace", "register_recorder")
 
     def apply(klass: R) -> R:
         if not (isinstance(klass, type) and issubclass(klass, BaseRecorder)):

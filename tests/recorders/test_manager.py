@@ -217,6 +217,23 @@ def test_register_rejects_non_recorders() -> None:
         register_recorder(dict)  # type: ignore[type-var]
 
 
+def test_register_rejects_a_name_or_replace_of_the_wrong_type() -> None:
+    # A non-str name used to enter the registry and break every later listing of its types.
+    class Odd(ModuleOutputsRecorder):
+        short_name = "OddOne"
+
+    before = dict(recorder_types())
+    with pytest.raises(RecorderConfigError, match=r"`name` of register_recorder .* got 5"):
+        register_recorder(Odd, name=5)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"`name` of register_recorder .* got ''"):
+        register_recorder(Odd, name="")
+    with pytest.raises(RecorderConfigError, match=r"`replace` of register_recorder to be a bool"):
+        register_recorder(Odd, replace="yes")  # type: ignore[arg-type]
+    assert dict(recorder_types()) == before
+    with pytest.raises(UnknownRecorderTypeError, match="Valid recorder types"):
+        RecorderManager({"r": {"type": "Nope", "source": "x"}})
+
+
 def test_suspend_removes_hooks_until_start() -> None:
     configs = {
         "out": {"type": "ModuleOutputs", "source": "conv1"},
