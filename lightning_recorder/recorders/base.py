@@ -551,6 +551,12 @@ class BaseRecorder(abc.ABC):
 
     def _single_stream(self, source: str | None = None) -> RecordStream:
         self._require_initialized_once()
+        if source is not None and not isinstance(source, str):
+            names = ", ".join(repr(n) for n in self._streams)
+            raise RecorderConfigError(
+                f"Expected `source` to be the name of a stream of {self!r} (a str: {names}) but "
+                f"got {type(source).__name__} {source!r}."
+            )
         if source is not None:
             try:
                 return self._streams[source]

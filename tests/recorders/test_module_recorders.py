@@ -405,6 +405,10 @@ def test_pattern_and_type_selection_give_named_streams() -> None:
         _ = by_glob.data_buffer
     with pytest.raises(RecorderConfigError, match=r"no stream 'features.3'.*'features.0'"):
         by_glob.get_record_data(source="features.3")
+    # A stream is named by a str: an int or a list is told so (a list raised a TypeError).
+    for wrong in (0, ["features.0"]):
+        with pytest.raises(RecorderConfigError, match=r"stream .*a str: 'features.0'.* but got"):
+            by_glob.get_record_data(source=wrong)  # type: ignore[arg-type]
     for rec in (by_glob, by_type, by_name, by_types):
         rec.release()
 
