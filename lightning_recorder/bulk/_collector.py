@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import weakref
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from .._core.checks import check_callable, parse_device, parse_dtype, suggestion
+from .._core.checks import check_callable, parse_device, parse_dtype
 from .._core.names import canonical_name
 from .._core.structures import Binder, PathKey, make_transform, modified, parse_path
 from ..errors import NoRecordError, RecorderConfigError, RecorderStateError, RecordModifiedError
@@ -429,32 +428,16 @@ class ForwardInputsCollector(_Collector):
 
     def _check_argument(self, slot: SubRecorder, module: nn.Module, binder: Binder) -> None:
         """Raise at registration unless ``path`` starts with an argument of ``module.forward``
-        (a name it has, or a position below its count), instead of in the middle of a forward."""
-        key = self.path[0] if self.path else None
+        (a name it has, an item of its ``*args`` by its record name, or a position below its
+        count), instead of in the middle of a forward."""
         sig = binder.signature
-        if key is None or sig is None:
+        if not self.path or sig is None:
             return
-        kinds = {p.kind for p in sig.parameters.values()}
-        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        names = [p.name for p in sig.parameters.values() if p.kind not in variadic]
         where = (
             f"{type(module).__name__}.forward({', '.join(sig.parameters)}) of module "
             f"{slot.name or '<root>'!r}"
         )
-        if isinstance(key, str) and key not in names and variadic[1] not in kinds:
-            raise RecorderConfigError(
-                f"Expected `path` of {type(self).__name__} to start with an argument of {where} "
-                f"but got {key!r}. {suggestion(key, names, 'argument names')}"
-            )
-        if (
-            isinstance(key, int)
-            and not kinds & set(variadic)
-            and not -len(names) <= key < len(names)
-        ):
-            raise RecorderConfigError(
-                f"Expected `path` of {type(self).__name__} to start with a position in "
-                f"[{-len(names)}, {len(names)}) (the arguments of {where}) but got {key!r}."
-            )
+        binder.check_key(self.path[0], type(self).__name__, where)
 
 
 class ForwardOutputsCollector(_Collector):
