@@ -263,19 +263,21 @@ def parse_path(path: PathKey | Sequence[PathKey] | None) -> Path | None:
 
 
 def _describe(obj: Any) -> str:
+    """What ``obj`` is, with its article, for messages ("a tuple of length 2")."""
     if isinstance(obj, Arguments):
-        return f"arguments ({', '.join(obj.names)})"
+        return f"the call's arguments ({', '.join(obj.names)})"
     if isinstance(obj, Mapping):
-        return f"{type(obj).__name__} with keys {', '.join(repr(k) for k in obj)}"
-    if isinstance(obj, (tuple, list)):
-        return f"{type(obj).__name__} of length {len(obj)}"
-    if dataclasses.is_dataclass(obj):
-        return (
-            f"{type(obj).__name__} with fields {', '.join(f.name for f in dataclasses.fields(obj))}"
-        )
-    if isinstance(obj, torch.Tensor):
-        return f"Tensor of shape {shape_of(obj)}"
-    return type(obj).__name__
+        what = f"{type(obj).__name__} with keys {', '.join(repr(k) for k in obj)}"
+    elif isinstance(obj, (tuple, list)):
+        what = f"{type(obj).__name__} of length {len(obj)}"
+    elif dataclasses.is_dataclass(obj):
+        fields = ", ".join(f.name for f in dataclasses.fields(obj))
+        what = f"{type(obj).__name__} with fields {fields}"
+    elif isinstance(obj, torch.Tensor):
+        what = f"Tensor of shape {shape_of(obj)}"
+    else:
+        what = type(obj).__name__
+    return ("an " if what[0].lower() in "aeiou" else "a ") + what
 
 
 def _is_item(key: str, var_pos: str) -> bool:
@@ -319,7 +321,7 @@ def follow_path(value: Any, path: Path, where: str) -> Any:
                     else "; a tensor has no items: leave `path` out to take the whole output"
                 )
             raise RecorderConfigError(
-                f"{where}: `path` item {key!r} does not exist in {walked}, which is a "
+                f"{where}: `path` item {key!r} does not exist in {walked}, which is "
                 f"{_describe(current)}{hint}."
             ) from None
     return current

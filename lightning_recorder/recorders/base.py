@@ -568,8 +568,9 @@ class BaseRecorder(abc.ABC):
         if len(self._streams) == 1 and not self.is_group:
             return next(iter(self._streams.values()))
         names = ", ".join(repr(n) for n in self._streams)
+        count = len(self._streams)
         raise RecorderStateError(
-            f"{self!r} records {len(self._streams)} sources ({names}); read one with "
+            f"{self!r} records {count} source{'' if count == 1 else 's'} ({names}); read one with "
             "`recorder.streams[name]` or `get_record_data(..., source=name)`."
         )
 

@@ -702,3 +702,25 @@ def test_records_free_with_the_buffer() -> None:
     rec.reset_data_buffer()
     assert ref() is None
     rec.release()
+
+
+def test_messages_about_a_value_or_a_group_read_as_english() -> None:
+    # "which is a int", "which is a arguments (...)" and "records 1 sources" before
+    model = nn.Sequential(nn.Linear(2, 2))
+    group = ModuleOutputsRecorder(nn.Linear).initialize(model)
+    with pytest.raises(RecorderStateError, match=r"records 1 source \('0'\); read one"):
+        _ = group.data_buffer
+    inputs = ModuleInputsRecorder("0", path="input.0").initialize(model)
+    with inputs, pytest.raises(RecorderConfigError, match=r"in `input`, which is a Tensor of"):
+        model(torch.ones(1, 2))
+    counting = nn.Sequential(_Count())
+    counted = ModuleOutputsRecorder("0", path="x").initialize(counting)
+    with counted, pytest.raises(RecorderConfigError, match=r"recorded value, which is an int\."):
+        counting(torch.ones(1))
+    for recorder in (group, inputs, counted):
+        recorder.release()
+
+
+class _Count(nn.Module):
+    def forward(self, x: torch.Tensor) -> int:
+        return int(x.numel())
