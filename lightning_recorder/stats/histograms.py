@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .._core.checks import check_int, check_tensor
+from .._core.checks import check_bool, check_int, check_tensor
 from .._core.compat import distributed_active
 from ._engine import CHUNK, flat_view, row_counts, stored_parts, tensor_state
 from ._histogram import ranges, stream_table
@@ -85,7 +85,8 @@ def histogram(
         ``(counts, edges)``: ``float64`` tensors of ``bins`` and ``bins + 1`` elements.
 
     Raises:
-        RecorderConfigError: if ``x`` is not a real tensor or ``bins`` is not a positive integer.
+        RecorderConfigError: if ``x`` is not a real tensor, ``bins`` is not a positive integer
+            or ``sync`` is not a bool.
 
     Examples:
         >>> counts, edges = histogram(torch.tensor([0.0, 1.0, 1.0, 4.0, float("nan")]), bins=4)
@@ -93,6 +94,7 @@ def histogram(
         ([1.0, 2.0, 0.0, 1.0], [0.0, 1.0, 2.0, 3.0, 4.0])
     """
     bins = _check_bins(bins)
+    check_bool(sync, "sync")
     table = _table(check_tensor(x, "x", real=True), bins, sync, process_group)
     return table[6 + bins :], table[5 : 6 + bins]
 
@@ -119,7 +121,8 @@ def histogram_raw_kwargs(
         finite value (TensorBoard cannot show an empty histogram).
 
     Raises:
-        RecorderConfigError: if ``x`` is not a real tensor or ``bins`` is not a positive integer.
+        RecorderConfigError: if ``x`` is not a real tensor, ``bins`` is not a positive integer
+            or ``sync`` is not a bool.
 
     Examples:
         >>> kw = histogram_raw_kwargs(torch.tensor([0.0, 1.0, 1.0, 4.0]), bins=2)
@@ -129,6 +132,7 @@ def histogram_raw_kwargs(
         ([0.0, 2.0, 4.0], [0.0, 3.0, 1.0])
     """
     bins = _check_bins(bins)
+    check_bool(sync, "sync")
     table = _table(check_tensor(x, "x", real=True), bins, sync, process_group)
     return HistogramRow.from_flat(table.tolist(), bins).raw_kwargs()
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -308,6 +309,14 @@ def test_errors() -> None:
         histogram_raw_kwargs(None, 4)  # type: ignore[arg-type]
     with pytest.raises(RecorderConfigError, match=r"Unexpected keyword arguments: `bogus`"):
         FeatureStats(bogus=1)
+
+
+@pytest.mark.parametrize("make", [histogram, histogram_raw_kwargs])
+@pytest.mark.parametrize("bad", ["no", None, 0, 1])
+def test_histogram_sync_must_be_a_bool(make: Any, bad: object) -> None:
+    # "no" is truthy: taken as it was, it combined every rank's data under DDP
+    with pytest.raises(RecorderConfigError, match=r"Expected `sync` to be a bool but got"):
+        make(torch.ones(3), 4, sync=bad)
 
 
 # --- histograms -----------------------------------------------------------------------------
