@@ -235,9 +235,7 @@ class _Compiler:
             with self._lock:
                 self._native_pending = False
             if threading.main_thread().is_alive():
-                self._native_failed = (
-                    f"{type(err).__name__}: " + (str(err).strip().splitlines() or [""])[0][:300]
-                )
+                self._native_failed = _reason(err)
                 warnings.warn(
                     "lightning_recorder could not build its CPU statistics kernel "
                     f"({self._native_failed}); statistics on the CPU run through torch.compile "
@@ -279,7 +277,7 @@ class _Compiler:
         with self._lock:
             if self._failed is not None:
                 return
-            self._failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+            self._failed = _reason(err)
             self._ready.clear()
         warnings.warn(
             "lightning_recorder computes feature statistics eagerly: torch.compile failed "
@@ -300,6 +298,14 @@ class _Compiler:
             self._threads = []
             self._native_failed = None
             self._native_pending = False
+
+
+def _reason(err: BaseException) -> str:
+    """What a warning and :func:`compile_status` quote of an error: its type and the first line
+    of its message (an error without a message, such as a bare ``assert`` of the compiler's,
+    by its type alone)."""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 def _replaced_by_native(key: Key) -> bool:

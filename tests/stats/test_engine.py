@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -595,6 +596,40 @@ def test_a_failed_compile_warns_once_and_stays_eager(monkeypatch: pytest.MonkeyP
     finally:
         monkeypatch.undo()
         engine.reset_compiled()
+
+
+def test_a_compiler_error_without_a_message_is_reported_by_its_type(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bare ``assert`` of the compiler has an empty message: the background compile crashed
+    on it (no warning, the status stuck at compiling), and a graph failing so at run time
+    raised an IndexError out of the statistics."""
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "1")
+    monkeypatch.setattr(engine, "_COMPILER", engine._Compiler())
+    crashed: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", crashed.append)
+
+    def broken(self: object, key: object) -> object:
+        raise AssertionError()
+
+    monkeypatch.setattr(engine._Compiler, "function", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.warm_up("cpu", [torch.float16], wait=True, native=False)
+    assert not crashed
+    ours = [
+        str(w.message) for w in caught if "computes feature statistics eagerly" in str(w.message)
+    ]
+    assert len(ours) == 1 and "torch.compile failed (AssertionError)" in ours[0]
+    assert engine.compile_status().startswith("failed: AssertionError")
+
+    # at run time: a graph that is ready fails with no message (a fresh engine state)
+    monkeypatch.setattr(engine, "_COMPILER", engine._Compiler())
+    x = data("gaussian", torch.float16, 1000)
+    engine._COMPILER._ready.add(("state", "cpu", torch.float16, False, False, False))
+    with pytest.warns(UserWarning, match=r"torch.compile failed \(AssertionError\)"):
+        state = engine.tensor_state(x)
+    assert_matches(state, x)
 
 
 def test_a_compile_cut_short_by_the_process_exiting_says_nothing(tmp_path: Path) -> None:
