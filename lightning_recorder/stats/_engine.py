@@ -40,6 +40,7 @@ synchronise.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import types
 import warnings
@@ -300,11 +301,32 @@ class _Compiler:
             self._native_pending = False
 
 
+# A line of a failed build's output that says why it failed (the compiler's or the shell's).
+_SAYS_WHY = re.compile(r"error|not found|no such file|permission denied|cannot", re.IGNORECASE)
+
+
 def _reason(err: BaseException) -> str:
     """What a warning and :func:`compile_status` quote of an error: its type and the first line
     of its message (an error without a message, such as a bare ``assert`` of the compiler's,
-    by its type alone)."""
-    first = (str(err).strip().splitlines() or [""])[0][:300]
+    by its type alone). A failed build of torch's extension builder starts with the compile
+    command, and the line that says why comes later (``c++: not found``, the compiler's
+    ``error:``): that line is quoted after the builder's own words instead."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    if first.startswith("Error building extension"):
+        why = next(
+            (
+                line
+                for line in lines[1:]
+                if _SAYS_WHY.search(line)
+                and not line.startswith(("[", "FAILED:"))
+                and "-DTORCH_EXTENSION_NAME" not in line  # the compile command, echoed
+            ),
+            None,
+        )
+        if why is not None:
+            first = f"{first.split(':', 1)[0]}: {why}"
+    first = first[:300]
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 

@@ -247,6 +247,40 @@ def test_a_failed_build_warns_once_and_the_statistics_stay_right(
     assert_matches(engine.tensor_state(x), x)
 
 
+BUILD_OUTPUT = (
+    "Error building extension 'lightning_recorder_cpu_state_0123': [1/2] c++ -MMD -MF "
+    "_cpu_state.o.d -DTORCH_EXTENSION_NAME=lightning_recorder_cpu_state_0123 "
+    "-DTORCH_API_INCLUDE_EXTENSION_H " + "-isystem /site-packages/torch/include " * 8 + "-fPIC "
+    "-std=c++20 -O3 -c /pkg/_cpu_state.cpp -o _cpu_state.o \nFAILED: _cpu_state.o \nc++ -MMD -MF "
+    "_cpu_state.o.d -DTORCH_EXTENSION_NAME=lightning_recorder_cpu_state_0123 "
+    "-DTORCH_API_INCLUDE_EXTENSION_H -c /pkg/_cpu_state.cpp -o _cpu_state.o \n"
+    "/bin/sh: 1: c++: not found\nninja: build stopped: subcommand failed.\n"
+)
+
+
+def test_a_failed_build_is_reported_by_the_line_that_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's extension builder puts the compile command first and the reason (here: no C++
+    compiler) lines later: the warning quoted the first 300 characters of the command."""
+    monkeypatch.setattr(engine, "_COMPILER", engine._Compiler())
+    monkeypatch.setattr(_cpu_kernel, "_loaded", False)
+
+    def broken() -> None:
+        raise RuntimeError(BUILD_OUTPUT)
+
+    monkeypatch.setattr(_cpu_kernel, "build", broken)
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "0")
+    with pytest.warns(UserWarning, match="could not build its CPU statistics kernel") as caught:
+        engine.warm_up("cpu", [torch.float32], wait=True)
+    quoted = (
+        "RuntimeError: Error building extension 'lightning_recorder_cpu_state_0123': "
+        "/bin/sh: 1: c++: not found"
+    )
+    assert any(f"({quoted})" in str(w.message) for w in caught)
+    assert engine.compile_status().endswith(f"; CPU kernel not built: {quoted}")
+
+
 def test_the_kernel_can_be_turned_off() -> None:
     script = textwrap.dedent(
         """
