@@ -40,6 +40,7 @@ synchronise.
 from __future__ import annotations
 
 import contextlib
+import errno
 import re
 import threading
 import types
@@ -241,9 +242,8 @@ class _Compiler:
                     "lightning_recorder could not build its CPU statistics kernel "
                     f"({self._native_failed}); statistics on the CPU run through torch.compile "
                     "or eagerly. The values are the same; a logged step costs more (about a "
-                    "hundred microseconds per monitored output). It needs a C++ compiler and "
-                    "ninja on PATH (pip install ninja); set LIGHTNING_RECORDER_NATIVE=0 to "
-                    "skip it and this warning.",
+                    f"hundred microseconds per monitored output). {_native_needs(err)}; set "
+                    "LIGHTNING_RECORDER_NATIVE=0 to skip it and this warning.",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -280,11 +280,17 @@ class _Compiler:
                 return
             self._failed = _reason(err)
             self._ready.clear()
+        way_out = (
+            "Inductor needs a writable cache directory: set TORCHINDUCTOR_CACHE_DIR to one, or "
+            f"set {_ENV}=0"
+            if _unwritable(err)
+            else f"Set {_ENV}=0"
+        )
         warnings.warn(
             "lightning_recorder computes feature statistics eagerly: torch.compile failed "
             f"({self._failed}). The values are the same; a logged step costs more (several "
-            "passes over each monitored output instead of one). Set "
-            f"{_ENV}=0 to skip compiling and this warning.",
+            f"passes over each monitored output instead of one). {way_out} to skip compiling "
+            "and this warning.",
             UserWarning,
             stacklevel=2,
         )
@@ -299,6 +305,24 @@ class _Compiler:
             self._threads = []
             self._native_failed = None
             self._native_pending = False
+
+
+def _unwritable(err: BaseException) -> bool:
+    """Whether ``err`` says that a directory cannot be written (a cache directory that is
+    read-only, a file, or not the user's), not that a program is missing."""
+    return isinstance(err, (PermissionError, NotADirectoryError, IsADirectoryError)) or (
+        isinstance(err, OSError) and err.errno == errno.EROFS
+    )
+
+
+def _native_needs(err: BaseException) -> str:
+    """What building the CPU kernel needs, for the warning of its failure ``err``."""
+    if _unwritable(err):
+        return (
+            "It needs a writable directory for torch's extension cache: set "
+            "TORCH_EXTENSIONS_DIR to one"
+        )
+    return "It needs a C++ compiler and ninja on PATH (pip install ninja)"
 
 
 # A line of a failed build's output that says why it failed (the compiler's or the shell's).

@@ -281,6 +281,31 @@ def test_a_failed_build_is_reported_by_the_line_that_says_why(
     assert engine.compile_status().endswith(f"; CPU kernel not built: {quoted}")
 
 
+def test_an_unwritable_cache_is_named_in_both_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only cache directory is not a missing compiler: the warnings said to install a
+    C++ compiler and ninja; they name the variable that moves the cache."""
+    monkeypatch.setattr(engine, "_COMPILER", engine._Compiler())
+    monkeypatch.setattr(_cpu_kernel, "_loaded", False)
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "1")
+
+    def read_only(*args: object) -> None:
+        raise PermissionError(13, "Permission denied", "/read-only/cache")
+
+    monkeypatch.setattr(_cpu_kernel, "build", read_only)
+    monkeypatch.setattr(engine._Compiler, "function", read_only)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.warm_up("cpu", [torch.float16], wait=True)
+    messages = [str(w.message) for w in caught if "lightning_recorder" in str(w.message)]
+    native = [m for m in messages if "could not build its CPU statistics kernel" in m]
+    compiled = [m for m in messages if "torch.compile failed" in m]
+    assert len(native) == 1 and len(compiled) == 1, messages
+    assert "set TORCH_EXTENSIONS_DIR to one" in native[0]
+    assert "C++ compiler" not in native[0]
+    assert "set TORCHINDUCTOR_CACHE_DIR to one" in compiled[0]
+    assert "LIGHTNING_RECORDER_COMPILE=0" in compiled[0]
+
+
 def test_the_kernel_can_be_turned_off() -> None:
     script = textwrap.dedent(
         """
