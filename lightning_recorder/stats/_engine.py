@@ -192,8 +192,8 @@ class _Compiler:
             return f"off ({_ENV}=0){native}"
         if self._failed is not None:
             return f"failed: {self._failed}{native}"
-        if not self._ready and not self._pending:
-            return f"not compiled yet{native}"
+        if not self._ready:
+            return f"{'compiling, none ready yet' if self._pending else 'not compiled yet'}{native}"
         done = ", ".join(sorted(_describe(k) for k in self._ready)) or "none"
         return f"compiled for {done}" + (" (more compiling)" if self._pending else "") + native
 
@@ -453,14 +453,15 @@ def compile_status() -> str:
 
     Returns:
         ``"off (LIGHTNING_RECORDER_COMPILE=0)"``, ``"failed: <the compiler's error>"``, ``"not
-        compiled yet"``, or ``"compiled for <kernel device dtype ...>, ..."`` (with ``" (more
+        compiled yet"``, ``"compiling, none ready yet"`` (a background compile runs, no graph is
+        ready), or ``"compiled for <kernel device dtype ...>, ..."`` (with ``" (more
         compiling)"`` while a background compile runs); then, for the CPU kernel,
         ``"; CPU kernel loaded"``, ``"; CPU kernel not built: <the builder's error>"``,
         ``"; CPU kernel off (LIGHTNING_RECORDER_NATIVE=0)"``, or nothing (not built yet).
 
     Examples:
         >>> from lightning_recorder.stats import compile_status
-        >>> compile_status().startswith(("off", "failed", "not compiled", "compiled"))
+        >>> compile_status().startswith(("off", "failed", "not compiled", "compil"))
         True
     """
     return _COMPILER.status()

@@ -662,6 +662,29 @@ def test_a_compile_cut_short_by_the_process_exiting_says_nothing(tmp_path: Path)
     assert "computes feature statistics eagerly" not in done.stderr, done.stderr
 
 
+def test_the_status_while_the_first_graphs_compile_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It said "compiled for none (more compiling)": as if compiling had given nothing."""
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "1")
+    monkeypatch.setattr(engine, "_COMPILER", engine._Compiler())
+    release = threading.Event()
+
+    def slow(self: object, key: object) -> object:
+        release.wait()
+        return lambda *args: None
+
+    monkeypatch.setattr(engine._Compiler, "function", slow)
+    engine.warm_up("cpu", [torch.float16], native=False)
+    try:
+        assert engine.compile_status().startswith("compiling, none ready yet")
+    finally:
+        release.set()
+        engine.warm_up("cpu", [], wait=True, native=False)
+    assert engine.compile_status().startswith("compiled for ")
+    assert "(more compiling)" not in engine.compile_status()
+
+
 def test_compiling_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "0")
     engine.reset_compiled()
