@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -304,6 +305,23 @@ def test_an_unwritable_cache_is_named_in_both_warnings(monkeypatch: pytest.Monke
     assert "C++ compiler" not in native[0]
     assert "set TORCHINDUCTOR_CACHE_DIR to one" in compiled[0]
     assert "LIGHTNING_RECORDER_COMPILE=0" in compiled[0]
+
+
+def test_with_compiling_off_the_kernel_is_still_built_as_the_docs_say(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The troubleshooting page told to set LIGHTNING_RECORDER_COMPILE=0 alone for a short
+    script not to wait at its end: the background thread still builds the CPU kernel then."""
+    monkeypatch.setattr(engine, "_COMPILER", engine._Compiler())
+    monkeypatch.setattr(_cpu_kernel, "_loaded", False)
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "0")
+    built: list[str] = []
+    monkeypatch.setattr(_cpu_kernel, "build", lambda: built.append(threading.current_thread().name))
+    engine.warm_up("cpu", [torch.float32], wait=True)
+    assert built == ["lightning_recorder-compile"]  # in the thread a script waits for at exit
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    advice = page.split("## The first logged steps, and a short script", 1)[1].split("\n## ")[0]
+    assert "`LIGHTNING_RECORDER_COMPILE=0` and\n`LIGHTNING_RECORDER_NATIVE=0`" in advice
 
 
 def test_the_kernel_can_be_turned_off() -> None:
