@@ -7,6 +7,7 @@ import dataclasses
 import io
 import pickle
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,8 @@ from lightning_recorder import (
     UnknownSourceError,
 )
 from lightning_recorder._core.hooks import live_hooks
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ToyModel(nn.Module):
@@ -443,6 +446,27 @@ def test_compiled_model_names_resolve() -> None:
         out = compiled(torch.randn(1, 1, 1, 1))
     assert torch.allclose(rec.get_record_data(), out)
     rec.release()
+
+
+def test_fullgraph_compile_of_a_hooked_model_fails_as_the_docs_say() -> None:
+    """The pages said that a monitored compiled model trains as the unmonitored one does;
+    with ``fullgraph=True`` it fails at its first call (the hooks' records are a graph break),
+    which the monitor's page and the troubleshooting page now say, with the way out."""
+    torch.compiler.reset()  # no code compiled for ToyModel earlier (without fullgraph) reused
+    model = ToyModel()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    rec = ModuleOutputsRecorder("conv2").initialize(compiled)
+    try:
+        with rec, pytest.raises(Exception) as raised:
+            compiled(torch.randn(1, 1, 1, 1))
+    finally:
+        rec.release()
+        torch.compiler.reset()
+    assert type(raised.value).__name__ == "Unsupported"
+    docs = ROOT / "docs"
+    monitor = (docs / "feature_stats_monitor.md").read_text().split("## Compiled models", 1)[1]
+    assert "`torch.compile(..., fullgraph=True)`" in monitor.split("\n## ", 1)[0]
+    assert '"Unsupported: …" from dynamo' in (docs / "troubleshooting.md").read_text()
 
 
 def test_activation_checkpoint_recomputation_not_double_counted() -> None:
