@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from .._core.checks import check_tensor
+from .._core.checks import check_int, check_tensor
 from ..errors import RecorderConfigError
 from ._engine import tensor_state
 from ._state import F64, empty_states, finalize, merge
@@ -79,6 +79,9 @@ class StreamStates(_Quiet):
 
     ``update(states)`` merges packed states of the same shape (computed by the engine) into the
     metric's; ``compute()`` returns the states over every rank.
+
+    Raises:
+        RecorderConfigError: if ``streams`` is not a non-negative int or ``None``.
     """
 
     is_differentiable = False
@@ -88,6 +91,7 @@ class StreamStates(_Quiet):
     packed: Tensor
 
     def __init__(self, streams: int | None = None, **kwargs: Any) -> None:
+        check_int(streams, "streams", type(self).__name__, minimum=0, allow_none=True)
         super().__init__(**kwargs)
         shape = () if streams is None else (streams,)
         self.add_state("packed", default=empty_states(*shape), dist_reduce_fx=_merge_ranks)
@@ -125,7 +129,12 @@ class StreamStates(_Quiet):
 
 
 class BucketCounts(_Quiet):
-    """Histogram counts ``(streams, bins)`` summed over every rank by ``compute()``."""
+    """Histogram counts ``(streams, bins)`` summed over every rank by ``compute()``.
+
+    Raises:
+        RecorderConfigError: if ``streams`` is not a non-negative int or ``bins`` not a positive
+            int.
+    """
 
     is_differentiable = False
     higher_is_better = None
@@ -134,6 +143,8 @@ class BucketCounts(_Quiet):
     counts: Tensor
 
     def __init__(self, streams: int, bins: int, **kwargs: Any) -> None:
+        check_int(streams, "streams", type(self).__name__, minimum=0)
+        check_int(bins, "bins", type(self).__name__)
         super().__init__(**kwargs)
         self.add_state(
             "counts", default=torch.zeros(streams, bins, dtype=F64), dist_reduce_fx="sum"

@@ -311,6 +311,32 @@ def test_errors() -> None:
         FeatureStats(bogus=1)
 
 
+def test_the_metrics_across_ranks_check_their_sizes() -> None:
+    """They raised torch's errors of ``torch.zeros`` ("zeros() takes 1 positional argument but
+    2 were given" for 1.5 streams), or took 0 bins."""
+    from lightning_recorder.stats.metric import BucketCounts, StreamStates
+
+    for bad in (1.5, -1, "2", True):
+        with pytest.raises(
+            RecorderConfigError,
+            match=r"Expected `streams` of StreamStates to be a non-negative int or None but got",
+        ):
+            StreamStates(bad)  # type: ignore[arg-type]
+        with pytest.raises(
+            RecorderConfigError,
+            match=r"Expected `streams` of BucketCounts to be a non-negative int but got",
+        ):
+            BucketCounts(bad, 4)  # type: ignore[arg-type]
+    for bad_bins in (0, -2, 2.0, None):
+        with pytest.raises(
+            RecorderConfigError, match=r"Expected `bins` of BucketCounts to be a positive int but"
+        ):
+            BucketCounts(1, bad_bins)  # type: ignore[arg-type]
+    assert StreamStates().compute().shape == (WIDTH,)
+    assert StreamStates(0).compute().shape == (0, WIDTH)
+    assert BucketCounts(2, 3).compute().shape == (2, 3)
+
+
 @pytest.mark.parametrize("make", [histogram, histogram_raw_kwargs])
 @pytest.mark.parametrize("bad", ["no", None, 0, 1])
 def test_histogram_sync_must_be_a_bool(make: Any, bad: object) -> None:
