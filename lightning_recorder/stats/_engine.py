@@ -286,11 +286,16 @@ class _Compiler:
             if _unwritable(err)
             else f"Set {_ENV}=0"
         )
+        kept = (
+            "; float32 and float64 outputs on the CPU still take the CPU kernel, one pass each"
+            if _cpu_kernel.loaded()
+            else ""
+        )
         warnings.warn(
             "lightning_recorder computes feature statistics eagerly: torch.compile failed "
             f"({self._failed}). The values are the same; a logged step costs more (several "
-            f"passes over each monitored output instead of one). {way_out} to skip compiling "
-            "and this warning.",
+            f"passes over each monitored output instead of one{kept}). {way_out} to skip "
+            "compiling and this warning.",
             UserWarning,
             stacklevel=2,
         )

@@ -324,6 +324,31 @@ def test_with_compiling_off_the_kernel_is_still_built_as_the_docs_say(
     assert "`LIGHTNING_RECORDER_COMPILE=0` and\n`LIGHTNING_RECORDER_NATIVE=0`" in advice
 
 
+def test_a_failed_compile_says_that_the_cpu_kernel_still_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel is built before the graphs: when they then fail to compile, float32 and
+    float64 statistics on the CPU still take it, one pass each; the warning said that every
+    statistic runs eagerly, several passes over each output."""
+    monkeypatch.setattr(engine, "_COMPILER", engine._Compiler())
+    monkeypatch.setattr(_cpu_kernel, "_loaded", False)
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "1")
+
+    def built() -> None:
+        monkeypatch.setattr(_cpu_kernel, "_loaded", True)
+
+    def broken(self: object, key: object) -> object:
+        raise RuntimeError("no working C++ compiler for inductor")
+
+    monkeypatch.setattr(_cpu_kernel, "build", built)
+    monkeypatch.setattr(engine._Compiler, "function", broken)
+    with pytest.warns(UserWarning, match="computes feature statistics eagerly") as caught:
+        engine.warm_up("cpu", [torch.float32], wait=True)
+    message = next(str(w.message) for w in caught if "torch.compile failed" in str(w.message))
+    assert "float32 and float64 outputs on the CPU still take the CPU kernel" in message
+    assert engine.native_ready(torch.ones(3))
+
+
 def test_the_kernel_can_be_turned_off() -> None:
     script = textwrap.dedent(
         """
