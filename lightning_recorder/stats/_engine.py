@@ -636,8 +636,7 @@ def state_row(x: Tensor, flat: Tensor | None, native: bool | None = None) -> Ten
         if n <= CHUNK or _COMPILER.ready(key):
             return rows_states(flat.view(1, n))
     if flat is None:  # not one block: pieces copied one at a time
-        pieces = [rows_states(piece.view(1, -1)) for piece in _chunks(x, flat)]
-        return merge(torch.cat(pieces)).unsqueeze(0)
+        return _merged_copies(x)
     return _merged_pieces(flat, rows_states)
 
 
@@ -681,6 +680,28 @@ def _merged_pieces(flat: Tensor, states: Callable[[Tensor], Tensor]) -> Tensor:
     for i, piece in enumerate(pieces):
         found[i] = states(piece.view(1, -1))[0]
     return merge(found).unsqueeze(0)
+
+
+# The states of pieces of a tensor that is not one block held before they are merged into one.
+_PIECES_HELD = 64
+
+
+def _merged_copies(x: Tensor) -> Tensor:
+    """The state ``(1, WIDTH)`` of ``x``, whose memory is not one block (a slice with gaps, an
+    expanded tensor), from contiguous copies of its pieces of at most :data:`CHUNK` elements
+    (:func:`_chunks`), one at a time. As in :func:`_merged_pieces`, the pieces' states go to
+    one buffer allocated first (merged into its first row when it is full): states left
+    between the pieces' freed temporaries would pin them apart, and the transient memory
+    would grow with the tensor (hundreds of MiB for 2**27 elements)."""
+    found = empty_states(_PIECES_HELD, device=x.device)
+    used = 0
+    for piece in _chunks(x, None):
+        if used == _PIECES_HELD:
+            found[0] = merge(found)
+            used = 1
+        found[used] = rows_states(piece.view(1, -1))[0]
+        used += 1
+    return merge(found[:used]).unsqueeze(0)
 
 
 def _blocked(flat: Tensor, masked: bool) -> Tensor | None:

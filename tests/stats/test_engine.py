@@ -739,3 +739,53 @@ def test_a_large_bfloat16_output_adds_little_memory(tmp_path: Path) -> None:
     # the old float64 formulas raised the peak by about 20x the tensor; a tenth of it here
     # (eagerly: a few pieces of CHUNK elements at a time, whatever the tensor's size)
     assert added <= size / 10, (added, size, by_state)
+
+
+GAPS_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from lightning_recorder.stats import feature_stats, histogram
+
+    def peak():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+
+    torch.set_num_threads(1)
+    read = {"state": feature_stats, "histogram": lambda x: histogram(x, 8)}[sys.argv[1]]
+    read(torch.ones(3, 4).t())  # the first call's own allocations, outside the measure
+    # 2**27 float32 elements (512 MiB were they one block) in 16 bytes: not one block of memory
+    x = torch.arange(4.0).expand(2**25, 4)
+    before = peak()
+    read(x)
+    print(peak() - before, x.numel() * x.element_size())
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
+def test_the_state_of_a_tensor_that_is_not_one_block_adds_little_memory() -> None:
+    """Its pieces' states were kept in a list between their temporaries, which they pinned
+    apart: the peak grew by more than the tensor's size in float32 (590 MiB here)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_RECORDER_COMPILE": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", GAPS_SCRIPT, "state"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    added, size = int(out[0]), int(out[1])
+    assert added <= size / 10, (added, size)
+
+
+def test_the_pieces_of_a_tensor_that_is_not_one_block_merge_to_its_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine, "CHUNK", 64)
+    monkeypatch.setattr(engine, "_PIECES_HELD", 3)  # the buffer of states fills many times
+    base = data("specials", torch.float32, 3 * 5000)
+    for x in (base.view(3, 5000)[:, ::3], base[:7].expand(900, 7), base.view(50, 300).t()[::2]):
+        assert engine.flat_view(x) is None
+        with engine.eager_only():
+            assert_matches(engine.tensor_state(x), x)
