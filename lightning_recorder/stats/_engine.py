@@ -62,6 +62,7 @@ __all__ = [
     "ONE_ROW_DEVICES",
     "block_rows",
     "blocks_state",
+    "chunks",
     "compile_enabled",
     "compile_status",
     "compiled_only",
@@ -689,13 +690,13 @@ _PIECES_HELD = 64
 def _merged_copies(x: Tensor) -> Tensor:
     """The state ``(1, WIDTH)`` of ``x``, whose memory is not one block (a slice with gaps, an
     expanded tensor), from contiguous copies of its pieces of at most :data:`CHUNK` elements
-    (:func:`_chunks`), one at a time. As in :func:`_merged_pieces`, the pieces' states go to
+    (:func:`chunks`), one at a time. As in :func:`_merged_pieces`, the pieces' states go to
     one buffer allocated first (merged into its first row when it is full): states left
     between the pieces' freed temporaries would pin them apart, and the transient memory
     would grow with the tensor (hundreds of MiB for 2**27 elements)."""
     found = empty_states(_PIECES_HELD, device=x.device)
     used = 0
-    for piece in _chunks(x, None):
+    for piece in chunks(x, None):
         if used == _PIECES_HELD:
             found[0] = merge(found)
             used = 1
@@ -783,7 +784,7 @@ def _sampled_call(kernel: str, x: Tensor, compiled: bool, several: bool, *args: 
     return _KERNELS[kernel](x, *args)
 
 
-def _chunks(x: Tensor, flat: Tensor | None) -> Iterable[Tensor]:
+def chunks(x: Tensor, flat: Tensor | None) -> Iterable[Tensor]:
     """The elements of ``x`` in flat pieces of at most :data:`CHUNK` (views where its memory is
     one block, else contiguous copies of at most that size: a compiled graph is specialised
     for contiguous rows)."""
@@ -793,7 +794,7 @@ def _chunks(x: Tensor, flat: Tensor | None) -> Iterable[Tensor]:
         yield x.reshape(-1).contiguous()  # a strided 1-d tensor reshapes to itself
     elif x[0].numel() > CHUNK:
         for part in x.unbind(0):
-            yield from _chunks(part, flat_view(part))
+            yield from chunks(part, flat_view(part))
     else:
         for part in x.split(CHUNK // x[0].numel()):
             yield part.reshape(-1).contiguous()

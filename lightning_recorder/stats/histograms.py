@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .._core.checks import check_bool, check_int, check_tensor
 from .._core.compat import distributed_active
-from ._engine import CHUNK, flat_view, row_counts, stored_parts, tensor_state
+from ._engine import chunks, flat_view, row_counts, stored_parts, tensor_state
 from ._histogram import ranges, stream_table
 from ._state import F64
 
@@ -160,9 +160,9 @@ def _table(x: Tensor, bins: int, sync: bool, group: Any) -> Tensor:
     for part in parts:
         if not part.numel():
             continue
-        flat = flat_view(part)
-        pieces = flat.split(CHUNK) if flat is not None else part.reshape(-1).split(CHUNK)
-        for piece in pieces:
+        # pieces of at most CHUNK elements: views of one block of memory, else copies made one
+        # at a time (a reshape of a slice with gaps, or of an expanded tensor, copied it whole)
+        for piece in chunks(part, flat_view(part)):
             dtype = torch.float32 if piece.dtype in _SEARCHED_32 else F64
             counts += row_counts(piece.to(dtype).view(1, -1), lo, hi, bins)
     found = counts.to(F64)
