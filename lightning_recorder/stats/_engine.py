@@ -544,7 +544,7 @@ def _run(kernel: str, x: Tensor, *args: Any, masked: bool = False) -> Tensor:
             return fn(x, *args)
         if x.shape[0] == 1:  # one long row (a compiled graph failed on it): in pieces
             if kernel == "state":
-                return _merged_pieces(x[0], lambda piece: fn(piece, *args))
+                return _merged_pieces(x[0].split(CHUNK), lambda piece: fn(piece, *args), x.device)
             return torch.cat([fn(piece, *args) for piece in x.split(CHUNK, 1)], 1)
         step = max(1, CHUNK // x.shape[1])
         pieces = [
@@ -636,9 +636,8 @@ def state_row(x: Tensor, flat: Tensor | None, native: bool | None = None) -> Ten
         key = _key("state", x, False, masked)
         if n <= CHUNK or _COMPILER.ready(key):
             return rows_states(flat.view(1, n))
-    if flat is None:  # not one block: pieces copied one at a time
-        return _merged_copies(x)
-    return _merged_pieces(flat, rows_states)
+    # pieces of at most CHUNK elements: views of one block, else copies made one at a time
+    return _merged_pieces(chunks(x, flat), rows_states, x.device)
 
 
 def block_rows(x: Tensor, flat: Tensor | None, native: bool) -> tuple[Tensor, Tensor | None] | None:
@@ -671,36 +670,25 @@ def _read_as_blocks(x: Tensor) -> bool:
     return x.numel() >= BLOCKED_LENGTH and x.device.type not in ONE_ROW_DEVICES
 
 
-def _merged_pieces(flat: Tensor, states: Callable[[Tensor], Tensor]) -> Tensor:
-    """The state ``(1, WIDTH)`` of the 1-d ``flat`` from ``states`` of its pieces of at most
-    :data:`CHUNK` elements (each ``(1, length)``), merged: bounded transient memory."""
-    pieces = flat.split(CHUNK)
-    # one buffer for every piece's state, allocated first: the pieces' temporaries are freed
-    # and reused in turn, not pinned apart by small results left between them
-    found = empty_states(len(pieces), device=flat.device)
-    for i, piece in enumerate(pieces):
-        found[i] = states(piece.view(1, -1))[0]
-    return merge(found).unsqueeze(0)
-
-
-# The states of pieces of a tensor that is not one block held before they are merged into one.
+#: the states of a tensor's pieces held before they are merged into one
 _PIECES_HELD = 64
 
 
-def _merged_copies(x: Tensor) -> Tensor:
-    """The state ``(1, WIDTH)`` of ``x``, whose memory is not one block (a slice with gaps, an
-    expanded tensor), from contiguous copies of its pieces of at most :data:`CHUNK` elements
-    (:func:`chunks`), one at a time. As in :func:`_merged_pieces`, the pieces' states go to
-    one buffer allocated first (merged into its first row when it is full): states left
-    between the pieces' freed temporaries would pin them apart, and the transient memory
-    would grow with the tensor (hundreds of MiB for 2**27 elements)."""
-    found = empty_states(_PIECES_HELD, device=x.device)
+def _merged_pieces(
+    pieces: Iterable[Tensor], states: Callable[[Tensor], Tensor], device: torch.device
+) -> Tensor:
+    """The state ``(1, WIDTH)`` of a tensor from ``states`` of its 1-d ``pieces`` (each read as
+    ``(1, length)``), merged: bounded transient memory. The pieces' states go to one buffer
+    allocated first (merged into its first row when it is full): small results left between
+    the pieces' freed temporaries (copies, where the tensor is not one block of memory) would
+    pin them apart, and the transient memory would grow with the tensor."""
+    found = empty_states(_PIECES_HELD, device=device)
     used = 0
-    for piece in chunks(x, None):
+    for piece in pieces:
         if used == _PIECES_HELD:
             found[0] = merge(found)
             used = 1
-        found[used] = rows_states(piece.view(1, -1))[0]
+        found[used] = states(piece.view(1, -1))[0]
         used += 1
     return merge(found[:used]).unsqueeze(0)
 
