@@ -200,7 +200,9 @@ class _Compiler:
 
     def warm(self, keys: Iterable[Key], wait: bool, native: bool = False) -> None:
         """Compile the graphs of ``keys`` in a background thread (``native``: first build the
-        CPU kernel, and skip the graphs it replaces)."""
+        CPU kernel, and skip the graphs it replaces). Graphs compiled before are run there
+        again, so that one dropped by ``torch.compiler.reset()`` compiles there, not in a
+        step."""
         compiling = compile_enabled() and self._failed is None
         with self._lock:
             if (
@@ -208,8 +210,13 @@ class _Compiler:
             ):  # built already: the graphs it replaces are not needed
                 keys = [k for k in keys if not _replaced_by_native(k)]
             native = native and self._wants_native()
-            todo = [k for k in dict.fromkeys(keys) if k not in self._ready | self._pending]
-            todo = todo if compiling else []
+            keys = list(dict.fromkeys(keys))
+            if compiling:
+                # a graph made before is run again here, off the steps (a cache hit, unless
+                # torch.compiler.reset() dropped it since: then it compiles in this thread,
+                # and the steps run the kernel eagerly meanwhile)
+                self._ready.difference_update(keys)
+            todo = [k for k in keys if k not in self._pending] if compiling else []
             self._pending.update(todo)
             self._native_pending = self._native_pending or native
         if todo or native:
@@ -429,7 +436,9 @@ def warm_up(
     """Compile the graphs that statistics and histograms of ``dtypes`` on ``device`` use, in a
     background thread (``wait``: and wait for it). On the CPU (``native``) the thread first
     builds the CPU kernel and skips the graphs it replaces (``native=False``: compile them
-    too). Until then, and if compiling fails (one warning), the same kernels run eagerly."""
+    too). Until then, and if compiling fails (one warning), the same kernels run eagerly.
+    Graphs compiled before are run again in that thread: one that ``torch.compiler.reset()``
+    dropped since compiles there, not in a training step."""
     device = torch.device(device)
     masked = _masked_by_default(device)
     chosen = [d for d in dtypes if d in COMPILED_DTYPES]

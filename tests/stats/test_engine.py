@@ -805,3 +805,27 @@ def test_the_pieces_of_a_tensor_that_is_not_one_block_merge_to_its_state(
         assert engine.flat_view(x) is None
         with engine.eager_only():
             assert_matches(engine.tensor_state(x), x)
+
+
+def test_graphs_dropped_by_torch_compiler_reset_compile_at_the_next_warm_up_not_in_a_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The troubleshooting page has users call torch.compiler.reset() before a second run: the
+    # engine's graphs are dropped with everything else, and were still taken as ready, so the
+    # first logged step of the next run compiled them inside the step.
+    monkeypatch.setenv("LIGHTNING_RECORDER_COMPILE", "1")
+    engine.reset_compiled()
+    key: engine.Key = ("buckets", "cpu", torch.float32, True, False, False)
+    try:
+        engine.warm_up("cpu", [torch.float32], wait=True, native=False)
+        assert engine._COMPILER.ready(key)
+        torch.compiler.reset()
+        engine.warm_up("cpu", [torch.float32], wait=True, native=False)  # a new run attaches
+        assert engine._COMPILER.ready(key)
+        example = engine._example(key)
+        # a compile in this call (the step's thread) raises under this stance
+        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+            found = engine._COMPILER.function(key)(*example)
+        assert torch.equal(found.long(), engine._KERNELS["buckets"](*example).long())
+    finally:
+        engine.reset_compiled()
