@@ -132,6 +132,17 @@ def _compile(source: str) -> re.Pattern[str]:
         ) from err
 
 
+def check_regex(source: object) -> None:
+    """Raise now, when a source is given, if it is a ``"re:"`` regular expression that does not
+    compile (instead of when the run starts and the source is first matched).
+
+    Raises:
+        RecorderConfigError: the regular expression is invalid; the message says where.
+    """
+    if isinstance(source, str) and is_regex(source):
+        _compile(source)
+
+
 def is_class_name(source: object) -> bool:
     """Whether a string may be a bare class name: a capitalised identifier.
 

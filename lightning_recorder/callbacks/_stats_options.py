@@ -12,7 +12,7 @@ from typing import cast
 from torch import Tensor, nn
 
 from .._core.checks import suggestion
-from .._core.names import is_glob
+from .._core.names import check_regex, is_glob
 from .._core.structures import iter_tensors, parse_path
 from ..errors import RecorderConfigError
 from ..recorders import RecordStream
@@ -57,6 +57,8 @@ def parameter_patterns(parameters: object, owner: str) -> tuple[str, ...] | None
             f"Expected `parameters` of {owner} to be a bool, a parameter name or pattern, or a "
             f"non-empty list of them, but got {parameters!r}."
         )
+    for pattern in items:
+        check_regex(pattern)
     return tuple(items)
 
 

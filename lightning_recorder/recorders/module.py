@@ -18,6 +18,7 @@ from .._core.hooks import GradSink
 from .._core.names import (
     as_module_type,
     canonical_name,
+    check_regex,
     is_glob,
     named_modules,
     refuse_second_name,
@@ -62,6 +63,7 @@ class _ModuleRecorder(BaseRecorder):
                 f"Expected `source` to be a module name, a glob pattern or a module type (or a "
                 f"non-empty tuple of nn.Module types) but got {source!r}."
             )
+        check_regex(source)
         super().__init__(source, **options)
         self._type = as_module_type(source)
         self._hooked: dict[str, nn.Module] = {}

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .._core.names import (
+    check_regex,
     is_glob,
     named_modules,
     named_parameters,
@@ -54,6 +55,7 @@ class _ParameterSource(BaseRecorder):
             raise RecorderConfigError(
                 f"Expected `source` to be a parameter name or glob pattern but got {source!r}."
             )
+        check_regex(source)
         super().__init__(source, **options)
         self._params: dict[str, nn.Parameter] = {}
         self._masks: dict[str, torch.Tensor] = {}  # pruned: the mask of each selected name

@@ -97,6 +97,22 @@ def test_bad_yaml_value_is_rejected(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert re.search(r"stages.*training", capsys.readouterr().err, re.S)
 
 
+def test_invalid_regex_in_yaml_fails_before_the_run(tmp_path: Path) -> None:
+    config = {
+        "trainer": {
+            "callbacks": [
+                {
+                    "class_path": "lightning_recorder.FeatureStatsMonitor",
+                    "init_args": {"sources": ["body.0"], "parameters": "re:body.(0"},
+                }
+            ]
+        }
+    }
+    with pytest.raises(ValueError, match=r"'re:body\.\(0' to hold a valid regular expression"):
+        run_cli(tmp_path, config)
+    assert not (tmp_path / "lightning_logs").exists()  # no run directory, no saved config
+
+
 @pytest.mark.parametrize("page", ["recorder_callback.md", "feature_stats_monitor.md"])
 def test_documented_yaml(page: str, tmp_path: Path) -> None:
     blocks = re.findall(r"```yaml\n(.*?)```", (DOCS / page).read_text(), re.S)

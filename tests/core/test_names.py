@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
-from lightning_recorder import RecorderManager
+from lightning_recorder import FeatureStatsMonitor, RecorderCallback, RecorderManager
 from lightning_recorder._core.names import as_module_type, resolve_type, select
 from lightning_recorder.bulk import ForwardOutputsCollector
 from lightning_recorder.errors import RecorderConfigError, UnknownSourceError
@@ -115,6 +117,23 @@ def test_regex_errors() -> None:
         selected(Net(), "re:stages.(")
     with pytest.raises(UnknownSourceError, match=r"regular expression 're:stage\\\\\.\\\\d'"):
         selected(Net(), r"re:stage\.\d")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RecorderManager({"r": {"type": "ModuleOutputs", "source": "re:stages.("}}),
+        lambda: RecorderManager({"r": {"type": "ParameterGrad", "source": "re:stages.("}}),
+        lambda: FeatureStatsMonitor(["re:stages.("]),
+        lambda: FeatureStatsMonitor(["stages.0"], parameters=["stages.*", "re:stages.("]),
+        lambda: RecorderCallback({"r": {"type": "ModuleInputs", "source": "re:stages.("}}),
+    ],
+    ids=["manager", "parameter", "monitor-sources", "monitor-parameters", "callback"],
+)
+def test_invalid_regex_is_refused_when_given(make: Callable[[], object]) -> None:
+    """An invalid ``re:`` source fails where it is given, not when a run first matches it."""
+    with pytest.raises(RecorderConfigError, match=r"'re:stages\.\(' to hold a valid regular"):
+        make()
 
 
 def test_unknown_name_says_names_are_relative() -> None:
