@@ -112,7 +112,9 @@ class ActivationWriter(RecorderCallback):
         stages: the loops to write: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         every_n_steps: write training batches every N optimizer steps.
         dtype: cast every source without its own ``dtype`` (e.g. ``"float16"``).
-        sample_index: where the sample indices are (see above).
+        sample_index: where the sample indices of a batch are: a key or position of the batch
+            holding them, or a function ``(batch, batch_idx) -> indices``; ``None``: in
+            ``predict`` the dataset indices the batch sampler drew, elsewhere ``-1``.
         run: the run id in file names and index (default: a random id). A resumed fit keeps
             the checkpoint's run id (warning if another ``run`` is given).
         max_shard_bytes: roll over to a new shard at this size.

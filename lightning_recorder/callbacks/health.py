@@ -167,8 +167,14 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         alert = lambda e: wandb.alert(title=f"HealthMonitor: {e.kind}", text=e.message)
 
     Args:
-        on_nonfinite: ``"warn"``, ``"skip"`` or ``"raise"`` (see above).
-        localize: ``"replay"``, ``"always"`` or ``False`` (see above).
+        on_nonfinite: what a step with a non-finite loss or gradient does: ``"warn"`` reports
+            it and lets the update happen; ``"skip"`` reports it and discards the update (no
+            parameter or optimizer state changes; the next non-finite step after
+            ``max_consecutive_skips`` skipped ones in a row raises); ``"raise"`` reports it,
+            writes the evidence and raises :class:`~lightning_recorder.NonFiniteError`.
+        localize: how the module that made the first non-finite values is found: ``"replay"``
+            runs a flagged step's batch again with every module hooked; ``"always"`` hooks
+            every module on every step (for manual optimization); ``False``: the check only.
         rules: the :class:`HealthRule` objects checked on logged steps; ``None``: every rule
             that ships, with its defaults (:meth:`default_rules`); ``()``: none.
         evidence_dir: where bundles go; default ``<trainer.log_dir>/health``.

@@ -113,6 +113,30 @@ def test_invalid_regex_in_yaml_fails_before_the_run(tmp_path: Path) -> None:
     assert not (tmp_path / "lightning_logs").exists()  # no run directory, no saved config
 
 
+@pytest.mark.parametrize(
+    ("callback", "explained"),
+    [
+        ("HealthMonitor", ["discards the update", "runs a flagged step's batch again"]),
+        ("ActivationWriter", ["a function ``(batch, batch_idx) -> indices``"]),
+    ],
+)
+def test_help_explains_every_option(
+    callback: str, explained: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--help`` shows each argument's own entry of the docstring, without the text above it."""
+    with pytest.raises(SystemExit) as exit_info:
+        LightningCLI(
+            TinyClassifier,
+            TinyData,
+            args=["fit", "--trainer.callbacks.help", f"lightning_recorder.{callback}"],
+        )
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "see above" not in text
+    for words in explained:
+        assert words in text
+
+
 @pytest.mark.parametrize("page", ["recorder_callback.md", "feature_stats_monitor.md"])
 def test_documented_yaml(page: str, tmp_path: Path) -> None:
     blocks = re.findall(r"```yaml\n(.*?)```", (DOCS / page).read_text(), re.S)
