@@ -186,9 +186,14 @@ class RecorderCallback(Callback):
     def _make_state_key(self) -> str:
         if self.name is not None:
             return self._generate_state_key(name=self.name)
-        sources = {k: repr(v.get("source")) for k, v in self._configs.items()}
+        # what each recorder records: its type, source and path (two callbacks that record
+        # the inputs and the outputs of one module under one name are not the same)
+        recorded = {
+            k: repr((v.get("type"), v.get("source"), v.get("path")))
+            for k, v in self._configs.items()
+        }
         return self._generate_state_key(
-            recorders=sources, stages=self.stages, every_n_steps=self.every_n_steps
+            recorders=recorded, stages=self.stages, every_n_steps=self.every_n_steps
         )
 
     @classmethod

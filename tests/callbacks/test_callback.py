@@ -448,6 +448,31 @@ def test_checkpoint_resume_continues_counters(tmp_path: Path) -> None:
     assert resumed.recorded_steps == 4 and other.recorded_steps == 4
 
 
+def test_different_recorders_of_one_module_need_no_name(tmp_path: Path) -> None:
+    """The state key tells apart what the recorders record, not only their names and sources."""
+
+    def callbacks() -> list[RecorderCallback]:
+        return [
+            RecorderCallback({"feat": {"type": "ModuleOutputs", "source": "body.0"}}),
+            RecorderCallback({"feat": {"type": "ModuleInputs", "source": "body.0"}}),
+            RecorderCallback({"feat": {"type": "ModuleOutputGrads", "source": "body.0"}}),
+        ]
+
+    first = callbacks()
+    assert len({cb.state_key for cb in first}) == 3
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    kwargs = {**QUIET, "enable_checkpointing": True, "default_root_dir": tmp_path}
+    pl.Trainer(**kwargs, logger=False, max_steps=4, callbacks=[*first, ckpt]).fit(
+        ProbeNet(), loader(features(64))
+    )
+    assert [cb.recorded_steps for cb in first] == [4, 4, 4]
+    resumed = callbacks()
+    pl.Trainer(**kwargs, logger=False, max_steps=6, callbacks=[*resumed]).fit(
+        ProbeNet(), loader(features(64)), ckpt_path=tmp_path / "last.ckpt"
+    )
+    assert [cb.recorded_steps for cb in resumed] == [6, 6, 6]  # each continued its own count
+
+
 def test_same_configuration_twice_needs_a_name() -> None:
     with pytest.raises(RuntimeError, match="more than one stateful callback"):
         trainer(max_steps=1, callbacks=[RecorderCallback(FEAT), RecorderCallback(FEAT)]).fit(
