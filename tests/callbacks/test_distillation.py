@@ -287,6 +287,30 @@ def test_resume_restores_connectors_and_their_optimizer_state(tmp_path: Path) ->
         torch.testing.assert_close(got, want)
 
 
+def test_resume_with_another_connector_says_the_checkpoint_holds_other_weights(
+    tmp_path: Path,
+) -> None:
+    teacher, student = seeded()
+    pair = {"features.2": "features.2"}
+    trainer = fit(student, [FeatureDistillation(copy.deepcopy(teacher), pair)], max_epochs=1)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")  # an automatic connector: a 1x1 conv, no bias
+
+    def with_bias(s_shape: torch.Size, t_shape: torch.Size) -> nn.Module:
+        return nn.Conv2d(s_shape[1], t_shape[1], 1)
+
+    distill = FeatureDistillation(copy.deepcopy(teacher), pair, connectors=with_bias)
+    resumed = Student()
+    trainer = pl.Trainer(callbacks=[distill], max_epochs=2, **trainer_kwargs())
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"connector of pair 'features.2' to take the weights saved in the checkpoint's "
+        r"FeatureDistillation state \(weight \[12, 6, 1, 1\]\) but the Conv2d built from this "
+        r"run's `connectors` does not \(.*\"bias\"\)\. Resume with the `connectors`",
+    ):
+        trainer.fit(resumed, loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert not is_patched(resumed) and live_hooks() == []
+
+
 # --------------------------------------------------------------------------- explicit form
 class ExplicitStudent(Student):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 
 from ..._core.compat import distributed_active
 from ...distill.connectors import ConnectorSpec, resolve_connector
+from ...errors import RecorderConfigError
 
 
 def _cast_state(value: Any, key: str, param: Tensor, group: Mapping[str, Any]) -> Any:
@@ -90,7 +91,19 @@ class ConnectorBank:
             module = resolve_connector(self.specs[pair], example_s, example_t, resize=self.resize)
         pending = (self._pending or {}).get("pairs", {}).get(pair)
         if pending is not None and pending["weights"]:
-            module.load_state_dict(pending["weights"])
+            try:
+                module.load_state_dict(pending["weights"])
+            except RuntimeError as err:  # another connector than the checkpoint's
+                saved = ", ".join(f"{k} {list(v.shape)}" for k, v in pending["weights"].items())
+                why = " ".join(str(err).split()).rstrip(". ")
+                raise RecorderConfigError(
+                    f"Expected the connector of pair {pair!r} to take the weights saved in the "
+                    f"checkpoint's FeatureDistillation state ({saved}) but the "
+                    f"{type(module).__name__} built from this run's `connectors` does not "
+                    f"({why}). Resume with the `connectors` of the run that saved the "
+                    "checkpoint, or start a new fit (without `ckpt_path`) to train a new "
+                    "connector."
+                ) from err
         self.modules[pair] = module
         self.shapes[pair] = (s_shape[1:], t_shape[1:])
 
