@@ -311,6 +311,30 @@ def test_resume_with_another_connector_says_the_checkpoint_holds_other_weights(
     assert not is_patched(resumed) and live_hooks() == []
 
 
+def test_resume_with_another_teacher_names_the_restored_connectors_shapes(
+    tmp_path: Path,
+) -> None:
+    teacher, student = seeded()
+    pair = {"features.2": "features.2"}
+    trainer = fit(student, [FeatureDistillation(copy.deepcopy(teacher), pair)], max_epochs=1)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")  # its connector maps 6 channels to 12
+    teacher.features[2] = nn.Conv2d(8, 16, 3, padding=1)  # a wider teacher: 16 channels
+    teacher.head = nn.Linear(16, 3)
+    resumed = Student()
+    trainer = pl.Trainer(
+        callbacks=[FeatureDistillation(teacher, pair)], max_epochs=2, **trainer_kwargs()
+    )
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"features of pair 'features.2' -> 'features.2' to have the shapes its connector, "
+        r"restored from the checkpoint, was built for \(student \[6, 8, 8\], teacher "
+        r"\[12, 8, 8\], without the batch dimension\) but got student \[6, 8, 8\] and "
+        r"teacher \[16, 8, 8\]: the student or the teacher is not the one of the run",
+    ):
+        trainer.fit(resumed, loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert not is_patched(resumed) and live_hooks() == []
+
+
 # --------------------------------------------------------------------------- explicit form
 class ExplicitStudent(Student):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

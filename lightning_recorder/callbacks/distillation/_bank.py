@@ -65,6 +65,8 @@ class ConnectorBank:
         self._optimizer: Optimizer | None = None
         self._schedulers: list[Any] = []
         self._pending: dict[str, Any] | None = None
+        #: Pairs whose connector holds weights restored from a checkpoint.
+        self.restored: set[str] = set()
         # The group taken out of the optimizer by hide(): (index, group, optimizer states).
         self._hidden: tuple[int, dict[str, Any], dict[Tensor, Any]] | None = None
 
@@ -144,6 +146,7 @@ class ConnectorBank:
                     else:
                         s_shape, t_shape = saved["student_shape"], saved["teacher_shape"]
                         self._build(pair, [1, *s_shape], [1, *t_shape], device)
+                    self.restored.add(pair)
         self.attach()
 
     def _group_index(self) -> int | None:

@@ -306,10 +306,36 @@ class StepRunner:
                     f"but {connector!r} raised {type(err).__name__}: {err}. Give a connector "
                     "built for these shapes, or leave this pair's connector to 'auto'."
                 ) from err
-            terms[pair] = self.losses[pair](mapped, t) * self.weights[pair]
+            try:
+                terms[pair] = self.losses[pair](mapped, t) * self.weights[pair]
+            except RecorderConfigError as err:  # e.g. the mapped feature is not the teacher's shape
+                restored = self._restored_for_other_shapes(pair, t_name, s, t)
+                if restored is None:
+                    raise
+                raise restored from err
         if self.on_nonfinite != "ignore" and self.phase == "train":
             self._flag_nonfinite(terms)
         return terms
+
+    def _restored_for_other_shapes(
+        self, pair: str, t_name: str, s: Tensor, t: Tensor
+    ) -> RecorderConfigError | None:
+        """The error to raise when ``pair``'s connector, restored from a checkpoint, was built
+        for other feature shapes than this run's (another teacher); else ``None``."""
+        if pair not in self.bank.restored:
+            return None
+        saved_s, saved_t = self.bank.shapes[pair]
+        now_s, now_t = list(shape_of(s)[1:]), list(shape_of(t)[1:])
+        if (now_s, now_t) == (saved_s, saved_t):
+            return None
+        return RecorderConfigError(
+            f"Expected the features of pair {pair!r} -> {t_name!r} to have the shapes its "
+            f"connector, restored from the checkpoint, was built for (student {saved_s}, teacher "
+            f"{saved_t}, without the batch dimension) but got student {now_s} and teacher "
+            f"{now_t}: the student or the teacher is not the one of the run that saved the "
+            "checkpoint. Resume with the models of that run, or start a new fit (without "
+            "`ckpt_path`) to build a new connector."
+        )
 
     def _flag_nonfinite(self, terms: Mapping[str, Tensor]) -> None:
         """Or this step's non-finite flags into the device-side flags (no host sync)."""
