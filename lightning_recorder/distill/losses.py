@@ -67,7 +67,7 @@ LossName: TypeAlias = Literal["mse", "l1", "cosine", "attention", "kl"]
 
 _CONNECTOR_HINT = (
     "Map the student features to the teacher's shape with a connector "
-    "(`lightning_recorder.connectors.build_connector`)."
+    "(`lightning_recorder.build_connector`)."
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pydoc
 import re
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,19 @@ def test_help_explains_every_option(
     assert "see above" not in text
     for words in explained:
         assert words in text
+
+
+def test_distillation_help_names_functions_that_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        LightningCLI(
+            TinyClassifier,
+            TinyData,
+            args=["fit", "--trainer.callbacks.help", "lightning_recorder.FeatureDistillation"],
+        )
+    text = "".join(capsys.readouterr().out.split())  # argparse breaks lines inside names too
+    named = set(re.findall(r":func:`(lightning_recorder\.[\w.]+)`", text))
+    assert named >= {"lightning_recorder.get_loss", "lightning_recorder.resolve_connector"}
+    assert [name for name in sorted(named) if not callable(pydoc.locate(name))] == []
 
 
 @pytest.mark.parametrize("page", ["recorder_callback.md", "feature_stats_monitor.md"])

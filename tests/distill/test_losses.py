@@ -5,6 +5,8 @@ from __future__ import annotations
 import doctest
 import functools
 import math
+import pydoc
+import re
 from collections.abc import Callable
 
 import pytest
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import lightning_recorder.distill.losses as losses_module
+from lightning_recorder import build_connector
 from lightning_recorder.distill.losses import (
     AttentionTransferLoss,
     CosineLoss,
@@ -461,3 +464,10 @@ def test_scale_invariance(seed: int, a: float, b: float) -> None:
     torch.testing.assert_close(cosine_loss(s * a, t * b), cosine_loss(s, t))
     torch.testing.assert_close(attention_transfer_loss(s * a, t * b), attention_transfer_loss(s, t))
     assert 0.0 <= float(cosine_loss(s, t)) <= 2.0
+
+
+def test_shape_error_names_a_connector_function_that_exists() -> None:
+    with pytest.raises(RecorderConfigError, match="same shape") as info:
+        mse_loss(torch.zeros(2, 3), torch.zeros(2, 4))
+    (named,) = re.findall(r"`(lightning_recorder\.[\w.]+)`", str(info.value))
+    assert pydoc.locate(named) is build_connector

@@ -70,13 +70,13 @@ class FeatureDistillation(Callback):
             ``path`` of :class:`~lightning_recorder.RecorderCallback`).
         loss: a loss for every pair, or ``{student module name: loss}``: a name (``"mse"``,
             ``"l1"``, ``"cosine"``, ``"attention"``, ``"kl"``), an ``nn.Module`` or a callable
-            taking ``(student, teacher)`` (see :func:`lightning_recorder.losses.get_loss`).
+            taking ``(student, teacher)`` (see :func:`lightning_recorder.get_loss`).
         weight: the weight of every term, or ``{student module name: weight}``.
         loss_options: keyword options for the named losses, e.g. ``{"temperature": 4.0}``,
             or per pair: ``{student module name: {option: value}}``.
         connectors: ``"auto"`` (a 1x1 convolution or linear layer where channels differ),
             ``"identity"``, a module or a factory; one for all pairs or a mapping per pair (see
-            :func:`lightning_recorder.connectors.resolve_connector`).
+            :func:`lightning_recorder.resolve_connector`).
         resize: let automatic connectors resize student maps to the teacher's ``(H, W)``.
         clone: record copies of the paired outputs (the student's keep their graph), for a
             module whose output a later in-place operation changes (a convolution or a
