@@ -227,6 +227,25 @@ def test_two_teachers_chain_and_unwind() -> None:
     assert "training_step" not in student.__dict__
 
 
+def test_two_teachers_with_one_log_prefix_are_refused_before_anything_is_installed() -> None:
+    """One ``distill/total`` would overwrite the other: refused when the fit sets up."""
+    torch.manual_seed(0)
+    first, second, student = Teacher(), Teacher(), Student()
+    callbacks: list[pl.Callback] = [
+        FeatureDistillation(first, {"head": "head"}),
+        FeatureDistillation(second, {"features.2": "features.2"}),  # another state key
+    ]
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"each FeatureDistillation of a Trainer to have its own `log_prefix`, but .* both "
+        r"have 'distill': both would log 'distill/total'.* another `log_prefix` "
+        r"\(e.g. 'distill_2'\)",
+    ):
+        fit(student, callbacks, max_steps=2)
+    assert first.calls == second.calls == 0
+    assert not is_patched(student) and live_hooks() == []
+
+
 # --------------------------------------------------------------------------- accumulation
 def test_gradient_accumulation_matches_a_manual_loop() -> None:
     teacher, student = seeded(lr=0.1)

@@ -244,6 +244,20 @@ class FeatureDistillation(Callback):
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        same = [
+            cb
+            for cb in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(cb, FeatureDistillation)
+            and cb is not self
+            and cb.log_prefix == self.log_prefix
+        ]
+        if same:
+            raise RecorderConfigError(
+                f"Expected each FeatureDistillation of a Trainer to have its own `log_prefix`, "
+                f"but {self!r} and {same[0]!r} both have {self.log_prefix!r}: both would log "
+                f"'{self.log_prefix}/total', and the second would overwrite the first. Give one "
+                f"of them another `log_prefix` (e.g. '{self.log_prefix}_2')."
+            )
         if stage == "fit" and self.add_to_loss and not pl_module.automatic_optimization:
             raise RecorderConfigError(
                 "Expected `add_to_loss=False` with manual optimization (automatic_optimization is "
