@@ -21,7 +21,10 @@ from .recorder import RecorderCallback
 __all__ = ["ActivationWriter"]
 
 ModuleSource = str | type[nn.Module]
-SampleIndex = Callable[[Any, int], Sequence[int] | torch.Tensor] | str | int | None
+# A batch position or key before the function: LightningCLI (jsonargparse) tries the members in
+# this order, to parse `--sample_index=1` as the position 1 and to write a key or a position
+# back into a saved config (a function first made both a string it could not write back).
+SampleIndex = int | str | Callable[[Any, int], Sequence[int] | torch.Tensor] | None
 _SOURCE_KEYS = ("source", "path", "tokens", "mean", "transform", "dtype")
 _MiB = 1 << 20
 

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from helpers.models import DocsNet, TinyClassifier, TinyData, scalars
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_recorder import FeatureStatsMonitor, RecorderCallback
+from lightning_recorder import ActivationDataset, FeatureStatsMonitor, RecorderCallback
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 TRAINER = {
@@ -25,7 +26,12 @@ TRAINER = {
 }
 
 
-def run_cli(tmp_path: Path, config: dict[str, Any], model: type = TinyClassifier) -> LightningCLI:
+def run_cli(
+    tmp_path: Path,
+    config: dict[str, Any],
+    model: type = TinyClassifier,
+    data: type = TinyData,
+) -> LightningCLI:
     config = {
         **config,
         "trainer": {**TRAINER, "default_root_dir": str(tmp_path), **config["trainer"]},
@@ -34,7 +40,7 @@ def run_cli(tmp_path: Path, config: dict[str, Any], model: type = TinyClassifier
     path.write_text(yaml.safe_dump(config))
     return LightningCLI(
         model,
-        TinyData,
+        data,
         args=["fit", "--config", str(path)],
         save_config_kwargs={"overwrite": True},
     )
@@ -149,6 +155,56 @@ def test_distillation_help_names_functions_that_exist(capsys: pytest.CaptureFixt
     named = set(re.findall(r":func:`(lightning_recorder\.[\w.]+)`", text))
     assert named >= {"lightning_recorder.get_loss", "lightning_recorder.resolve_connector"}
     assert [name for name in sorted(named) if not callable(pydoc.locate(name))] == []
+
+
+@pytest.mark.parametrize("where", [1, "labels"], ids=["position", "key"])
+def test_activation_writer_sample_index_survives_the_saved_config(
+    tmp_path: Path, where: int | str
+) -> None:
+    """The config LightningCLI saves holds the batch position or key given, and runs again."""
+
+    class Keyed(TinyData):
+        def train_dataloader(self) -> Any:
+            samples = [{"x": x, "labels": y} for x, y in zip(self.x, self.y, strict=True)]
+            return torch.utils.data.DataLoader(samples, batch_size=self.batch_size)  # type: ignore[arg-type]
+
+    class KeyedClassifier(TinyClassifier):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return super().training_step((batch["x"], batch["labels"]), batch_idx)
+
+    config = {
+        "trainer": {
+            "callbacks": [
+                {
+                    "class_path": "lightning_recorder.ActivationWriter",
+                    "init_args": {
+                        "sources": ["body.1"],
+                        "directory": str(tmp_path / "acts"),
+                        "stages": ["train"],
+                        "sample_index": where,
+                    },
+                }
+            ]
+        }
+    }
+    model, data = (TinyClassifier, TinyData) if where == 1 else (KeyedClassifier, Keyed)
+    cli = run_cli(tmp_path, config, model=model, data=data)
+    saved = Path(cli.trainer.log_dir) / "config.yaml"
+    (writer,) = yaml.safe_load(saved.read_text())["trainer"]["callbacks"]
+    assert writer["init_args"]["sample_index"] == where
+    labels = [int(y) for y in TinyData().y[:16]]  # 4 steps of 4 rows: the labels written
+    rows = ActivationDataset(tmp_path / "acts").provenance()
+    for step in range(4):  # (the rows of a batch are kept in the order of their indices)
+        written = [row["sample_index"] for row in rows if row["global_step"] == step]
+        assert sorted(written) == sorted(labels[4 * step : 4 * step + 4])
+    again = LightningCLI(
+        model,
+        data,
+        args=["fit", "--config", str(saved), "--trainer.max_steps=1"],
+        save_config_kwargs={"overwrite": True},
+    )
+    assert again.trainer.callbacks[0].sample_index == where
+    assert len(ActivationDataset(tmp_path / "acts")) == 16 + 4  # the run again wrote one batch
 
 
 @pytest.mark.parametrize("page", ["recorder_callback.md", "feature_stats_monitor.md"])
