@@ -15,11 +15,13 @@ its counts as they were.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from torch import nn
 
 from .._core.checks import check_int
+from .._core.names import resolve_type
 from ..errors import RecorderConfigError
 from ._health_event import HealthEvent
 from ._health_rules import HealthRule, RuleInput, check_fraction, percent
@@ -39,6 +41,20 @@ _BOUNDS: dict[type[nn.Module], tuple[float, float] | None] = {
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _bounds_key(key: object, owner: str) -> Any:
+    """A key of ``bounds``: a class, or the class an import path names (YAML keys, as
+    LightningCLI passes them, are strings); anything else is returned for the caller's check."""
+    if not isinstance(key, str) or "." not in key:
+        return key
+    try:
+        return resolve_type(key)
+    except RecorderConfigError as err:
+        raise RecorderConfigError(
+            f"Expected the keys of `bounds` of {owner} to be module classes or their import "
+            f"paths (e.g. 'torch.nn.Tanh') but {key!r} names none: {err}"
+        ) from err
 
 
 def _check_types(types: object, owner: str) -> tuple[type[nn.Module], ...]:
@@ -220,8 +236,10 @@ class SaturationRule(_UnitRule):
         min_fraction: the fraction of a module's units that must be saturated to fire.
         bounds: ``{module class: (low, high)}``: a unit is saturated when all its values are
             ``<= low``, or all ``>= high``, or (when ``low == -high``) all beyond ``±high``;
-            ``None`` takes the module's own ``min_val``/``max_val`` (``Hardtanh``). Looked up
-            along each module's class hierarchy; the defaults are those above.
+            ``None`` takes the module's own ``min_val``/``max_val`` (``Hardtanh``). A class may
+            be given by its import path (``"torch.nn.Tanh"``, as in a YAML config). Looked up
+            along each module's class hierarchy; the defaults: ``Tanh`` ``(-0.99, 0.99)``,
+            ``Sigmoid`` ``(0.01, 0.99)``, ``Hardtanh`` its own, ``Hardsigmoid`` ``(0, 1)``.
 
     Raises:
         RecorderConfigError: an argument is invalid.
@@ -253,7 +271,8 @@ class SaturationRule(_UnitRule):
                 f"Expected `bounds` of {owner} to be a non-empty mapping of module classes to "
                 f"(low, high), e.g. {{torch.nn.Tanh: (-0.99, 0.99)}}, or None but got {bounds!r}."
             )
-        chosen = dict(_BOUNDS if bounds is None else bounds)
+        given = _BOUNDS if bounds is None else bounds
+        chosen = {_bounds_key(cls, owner): pair for cls, pair in given.items()}
         for cls, pair in chosen.items():
             good = isinstance(cls, type) and issubclass(cls, nn.Module)
             if pair is not None:
@@ -261,8 +280,9 @@ class SaturationRule(_UnitRule):
                 good = good and all(_is_number(b) for b in pair) and pair[0] < pair[1]
             if not good:
                 raise RecorderConfigError(
-                    f"Expected `bounds` of {owner} to map module classes to (low, high) of two "
-                    "numbers with low < high, or None, e.g. {torch.nn.Tanh: (-0.99, 0.99)}, but "
+                    f"Expected `bounds` of {owner} to map module classes (or their import "
+                    "paths) to (low, high) of two numbers with low < high, or None, e.g. "
+                    "{torch.nn.Tanh: (-0.99, 0.99)} or {'torch.nn.Tanh': (-0.99, 0.99)}, but "
                     f"got {cls!r}: {pair!r}."
                 )
         self.bounds = chosen

@@ -13,7 +13,12 @@ import yaml
 from helpers.models import DocsNet, TinyClassifier, TinyData, scalars
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_recorder import ActivationDataset, FeatureStatsMonitor, RecorderCallback
+from lightning_recorder import (
+    ActivationDataset,
+    FeatureStatsMonitor,
+    HealthMonitor,
+    RecorderCallback,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 TRAINER = {
@@ -205,6 +210,22 @@ def test_activation_writer_sample_index_survives_the_saved_config(
     )
     assert again.trainer.callbacks[0].sample_index == where
     assert len(ActivationDataset(tmp_path / "acts")) == 16 + 4  # the run again wrote one batch
+
+
+def test_saturation_bounds_from_yaml(tmp_path: Path) -> None:
+    """YAML keys are strings: the classes of ``bounds`` are given by their import paths."""
+    rule = {
+        "class_path": "lightning_recorder.SaturationRule",
+        "init_args": {"bounds": {"torch.nn.Tanh": [-0.9, 0.9], "torch.nn.Hardtanh": None}},
+    }
+    health = {"class_path": "lightning_recorder.HealthMonitor", "init_args": {"rules": [rule]}}
+    cli = run_cli(tmp_path, {"trainer": {"callbacks": [health]}})
+    (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, HealthMonitor)]
+    (saturation,) = monitor.rules
+    assert saturation.bounds == {torch.nn.Tanh: (-0.9, 0.9), torch.nn.Hardtanh: None}
+    rule["init_args"] = {"bounds": {"torch.nn.Tanhh": [-0.9, 0.9]}}
+    with pytest.raises(ValueError, match=r"keys of `bounds` of SaturationRule .* 'torch.nn.Tanhh'"):
+        run_cli(tmp_path, {"trainer": {"callbacks": [health]}})
 
 
 @pytest.mark.parametrize("page", ["recorder_callback.md", "feature_stats_monitor.md"])
