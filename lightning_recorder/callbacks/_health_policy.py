@@ -85,6 +85,7 @@ class Decisions:
     _replays: bool
     _streaks: dict[int, int]  # per optimizer (its index): its non-finite steps in a row
     _checkpointed: bool
+    _paused_clip: tuple[pl.Trainer, float] | None  # a skipped step's clipping value, to restore
 
     # ------------------------------------------------------------------ decisions
     def _run_of(self, optimizer: int, bad: bool) -> int:
@@ -163,6 +164,7 @@ class Decisions:
         if action == "skipped":
             for _, p in named:
                 p.grad = None  # optimizers skip parameters without a gradient: no state change
+            self._pause_value_clipping(trainer, pl_module)
         elif action == "raised":
             reason = event.message
             if too_many:
@@ -171,6 +173,26 @@ class Decisions:
                     f"(`max_consecutive_skips`); this one is not: {event.message}"
                 )
             raise NonFiniteError(reason, event)
+
+    def _pause_value_clipping(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Turn the Trainer's clipping by value off for a skipped step: Lightning clips right
+        after this hook, and torch's ``clip_grad_value_`` fails on an optimizer whose every
+        gradient is ``None`` (clipping by norm takes it). :meth:`_resume_clipping` turns it back
+        on after the optimizer step (at the batch's end, or when training stops)."""
+        value = trainer.gradient_clip_val
+        if not pl_module.automatic_optimization or not value or value <= 0:
+            return
+        if trainer.gradient_clip_algorithm != "value" or self._paused_clip is not None:
+            return
+        self._paused_clip = (trainer, value)
+        trainer.gradient_clip_val = None
+
+    def _resume_clipping(self) -> None:
+        """Give the Trainer back the clipping value :meth:`_pause_value_clipping` took."""
+        if self._paused_clip is not None:
+            trainer, value = self._paused_clip
+            trainer.gradient_clip_val = value
+            self._paused_clip = None
 
     def _finish(
         self,

@@ -303,6 +303,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._replays = False
         self._streaks: dict[int, int] = {}
         self._checkpointed = False
+        self._paused_clip: tuple[pl.Trainer, float] | None = None
         self._view = HealthView(heatmap_stats, view_every, heatmap_steps) if view else None
         self._init_diagnosis()
 
@@ -363,6 +364,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._start_rules(trainer, pl_module)
 
     def _detach(self) -> None:
+        self._resume_clipping()
         if self._trace is not None:
             self._trace.remove()
             self._trace = None
@@ -445,6 +447,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._resume_clipping()  # the optimizer step of a skipped batch is over
         self._rules_after_batch(trainer, outputs)
 
     # ------------------------------------------------------------------ checkpointing

@@ -98,6 +98,24 @@ def test_skip_changes_neither_parameters_nor_optimizer_state(
     assert monitor.counters["skipped_steps"] == 1 and monitor.counters["nonfinite_steps"] == 1
 
 
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_skip_works_with_gradient_clipping(algorithm: str, tmp_path: Path) -> None:
+    """Lightning clips right after the check: a skipped step leaves no gradient, and clipping by
+    value must not fail on that; the Trainer's clipping is as it was afterwards."""
+    model = Net("mlp", optimizer="adam")
+    shots = Snapshots()
+    monitor = HealthMonitor("skip", evidence_dir=tmp_path)
+    callbacks = [Injector({2: Fault("body.2", "forward", "nan", 2)}), monitor, shots]
+    trainer = fit(
+        model, callbacks, steps=4, gradient_clip_val=0.5, gradient_clip_algorithm=algorithm
+    )
+    assert [(e.step, e.module, e.action) for e in monitor.events] == [(2, "body.2", "skipped")]
+    assert same(shots.states[1], shots.states[2])  # the skipped update left no trace
+    assert not same(shots.states[2]["params"], shots.states[3]["params"])
+    assert trainer.global_step == 4 and trainer.gradient_clip_val == 0.5
+    assert trainer.gradient_clip_algorithm == algorithm
+
+
 def test_raise_writes_the_evidence_then_raises(tmp_path: Path) -> None:
     model = Net("resnet")
     monitor = HealthMonitor("raise", evidence_dir=tmp_path)
