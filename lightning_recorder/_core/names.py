@@ -231,10 +231,19 @@ def resolve_type(spec: str | type) -> type:
             f"Expected an importable module type but could not import {module_name!r} "
             f"(from {spec!r}): {err}"
         ) from err
-    obj = getattr(module, attr, None)
-    if not isinstance(obj, type):
+    if not hasattr(module, attr):
+        classes = [k for k, v in vars(module).items() if isinstance(v, type)]
         raise RecorderConfigError(
-            f"Expected {spec!r} to name a class but {module_name}.{attr} is {type(obj).__name__}."
+            f"Expected {spec!r} to name a class but {module_name!r} has no attribute {attr!r}. "
+            f"{suggestion(attr, classes, f'classes in {module_name}')}"
+        )
+    obj = getattr(module, attr)
+    if not isinstance(obj, type):
+        kind = type(obj).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise RecorderConfigError(
+            f"Expected {spec!r} to name a class but {module_name}.{attr} is {article} {kind}, "
+            f"not a class."
         )
     return obj
 

@@ -93,6 +93,16 @@ def test_resolve_type_rejects_a_name_no_class_has() -> None:
         resolve_type("Blokk")
 
 
+def test_resolve_type_names_a_missing_class_of_a_path_and_the_closest() -> None:
+    with pytest.raises(
+        RecorderConfigError, match=r"'torch\.nn' has no attribute 'Tanhh'.*Closest.*'Tanh'"
+    ) as info:
+        resolve_type("torch.nn.Tanhh")
+    assert "NoneType" not in str(info.value)
+    with pytest.raises(RecorderConfigError, match=r"torch\.nn\.functional\.tanh is a function"):
+        resolve_type("torch.nn.functional.tanh")
+
+
 def test_unknown_class_name_lists_close_module_and_class_names() -> None:
     with pytest.raises(
         UnknownSourceError,

@@ -303,6 +303,10 @@ def test_saturation_bounds_are_configurable() -> None:
         ({"bounds": {}}, r"`bounds` of SaturationRule to be a non-empty mapping .* got \{\}"),
         ({"bounds": {nn.Tanh: (-0.9, None)}}, r"`bounds` .* two numbers .* \(-0.9, None\)"),
         ({"bounds": {nn.Tanh: ("-0.9", "0.9")}}, r"`bounds` .* two numbers .* \('-0.9', '0.9'\)"),
+        (  # a misspelt class: named missing, with the closest, not "is NoneType"
+            {"bounds": {"torch.nn.Tanhh": (-0.9, 0.9)}},
+            r"'torch\.nn' has no attribute 'Tanhh'\. Closest classes in torch\.nn: 'Tanh'",
+        ),
     ],
 )
 def test_saturation_refuses_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
