@@ -58,6 +58,15 @@ RULES = (
         "torch.compiler.is_compiling is new in torch 2.3 (not in 2.1 or 2.2): there "
         "`import lightning_recorder` fails",
     ),
+    Rule(
+        "tensorboard",
+        (2, 12),
+        "fast-tensorboard",
+        "lightning_recorder/**/*.py",
+        r"from tensorboard\.compat\.proto\.event_pb2 import .*SourceMetadata",
+        "event_pb2.SourceMetadata is new in TensorBoard 2.12: with 2.11 the package's "
+        "TensorBoardLogger finds no C checksum and asks to install the extra installed",
+    ),
 )
 
 
