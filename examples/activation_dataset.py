@@ -72,7 +72,7 @@ def main(epochs: int, out: str | None) -> float:
 
 def _run(epochs: int, directory: str) -> float:
     start = time.perf_counter()
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(0)
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(digits.target)

@@ -164,7 +164,7 @@ def run_seed(
     train_set, test_set = digits(seed)
     images, labels = train_set.tensors
 
-    pl.seed_everything(seed, verbose=False)
+    pl.seed_everything(seed)
     teacher = train(Classifier(teacher_hidden, dropout=0.2), train_set, steps, seed)
 
     def distill() -> list[pl.Callback]:
@@ -176,7 +176,7 @@ def run_seed(
 
     def students(data: TensorDataset) -> tuple[Classifier, Classifier]:
         """A hard-label student and a distilled one, from the same initial weights."""
-        pl.seed_everything(seed + 1, verbose=False)
+        pl.seed_everything(seed + 1)
         hard = Classifier(student_hidden)
         soft = Classifier(student_hidden)
         soft.load_state_dict(hard.state_dict())
@@ -313,5 +313,7 @@ if __name__ == "__main__":
         "--fraction", type=float, default=0.05, help="the data-limited students' share of the data"
     )
     args = parser.parse_args()
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banner per fit
+    # no banner and no "Seed set to" line per fit
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     main(args.seeds, args.omit, args.steps, args.temperature, args.weight, args.fraction)

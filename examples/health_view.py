@@ -94,7 +94,7 @@ def digits_loaders(batch_size: int = 32, seed: int = 0) -> tuple[DataLoader, Dat
 def train(out: str | Path, max_epochs: int, every_n_steps: int) -> tuple[Path, HealthMonitor]:
     """Fit :class:`SickNet` with both monitors, logging to ``out/version_N``; return that run's
     directory and the health monitor."""
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(0)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     train_loader, val_loader = digits_loaders()
     logger = TensorBoardLogger(out, name="")

@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]
 def train(out: str | Path, max_epochs: int, every_n_steps: int, lr: float) -> tuple[Path, str]:
     """Fit the CNN with a :class:`FeatureStatsMonitor`, logging to ``out/version_N``; return
     that run's directory and the monitor's tag prefix."""
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(0)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     train_loader, val_loader = digits_loaders()
     logger = TensorBoardLogger(out, name="")

@@ -67,6 +67,16 @@ RULES = (
         "event_pb2.SourceMetadata is new in TensorBoard 2.12: with 2.11 the package's "
         "TensorBoardLogger finds no C checksum and asks to install the extra installed",
     ),
+    Rule(
+        "lightning",
+        (2, 4),
+        "dependencies",
+        "examples/*.py",
+        r"seed_everything\([^)]*verbose=",
+        "seed_everything(verbose=...) is new in Lightning 2.4 (2.1: 'unexpected keyword "
+        "argument'); the examples run with the package's own Lightning lower bound",
+        guard=True,
+    ),
 )
 
 
