@@ -4,10 +4,12 @@ Trains a small MLP on scikit-learn's bundled digits for a few epochs. A `Recorde
 records every ReLU's output (detached) and the gradient reaching the first layer; after each
 epoch the script prints the fraction of dead units per ReLU and the gradient norm.
 
-Run: python examples/record_standalone.py
+Run: python examples/record_standalone.py (``--epochs N``: N epochs instead of 5)
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from sklearn.datasets import load_digits
@@ -60,4 +62,6 @@ def main(epochs: int = 5) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=5, help="training epochs (default 5)")
+    main(parser.parse_args().epochs)

@@ -177,6 +177,18 @@ def test_record_standalone() -> None:
     assert all(0.0 <= fraction < 1.0 for fraction in dead.values())
 
 
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_example_help_describes_it_and_runs_nothing(name: str, tmp_path: Path) -> None:
+    out = run_example(name, "--help", cwd=tmp_path)
+    assert out.startswith("usage: "), out[:500]  # the help, not a run's output
+    first_line = (EXAMPLES / name).read_text(encoding="utf-8").split('"""')[1].split("\n")[0]
+    assert " ".join(first_line.split()) in " ".join(out.split())  # the docstring's summary
+    for option in ("--out", "--epochs", "--max-epochs", "--steps"):
+        if option in QUICK[name] or f"``{option}" in (EXAMPLES / name).read_text(encoding="utf-8"):
+            assert option in out, (name, option)  # the options its docstring names
+    assert not [p for p in tmp_path.iterdir()], "--help wrote files"
+
+
 def test_every_example_is_run() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(QUICK)
 
