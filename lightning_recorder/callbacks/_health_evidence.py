@@ -178,13 +178,17 @@ class Evidence:
                 json.dump(meta, f, indent=1, default=str)
             written = sum(p.stat().st_size for p in tmp.iterdir())
             os.replace(tmp, final)
-        except (OSError, RuntimeError, ValueError) as err:
+        except (OSError, RuntimeError, ValueError, ImportError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
+            fix = (
+                "Install safetensors (`pip install safetensors`), the format of its tensors, "
+                if isinstance(err, ImportError)  # not a dependency of the package
+                else "Pass an `evidence_dir` that can be written to, "
+            )
             warnings.warn(
                 f"HealthMonitor could not write the evidence bundle {final} "
                 f"({type(err).__name__}: {str(err).strip()[:300]}); training goes on without "
-                "it. Pass an `evidence_dir` that can be written to, or evidence_max_bytes=0 to "
-                "write none.",
+                f"it. {fix}or evidence_max_bytes=0 to write none.",
                 UserWarning,
                 stacklevel=2,
             )

@@ -1,0 +1,39 @@
+"""What works on a plain ``pip install lightning-recorder``: the core dependencies only.
+
+The development environment holds every optional library; these tests hide one from the import
+system (``sys.modules[name] = None`` makes ``import name`` raise ``ImportError``, as on a machine
+without it) and check that the feature that needs it says so instead of stopping a run.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_recorder.callbacks._health_evidence import Evidence
+
+
+def test_health_evidence_without_safetensors_warns_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HealthMonitor saves a bundle's tensors with safetensors, which is no dependency of the
+    package: without it, a non-finite step of a run with the defaults raised
+    ``ModuleNotFoundError`` out of ``fit`` and left a half-written folder."""
+    for name in ("safetensors", "safetensors.torch"):
+        monkeypatch.setitem(sys.modules, name, None)
+    evidence = Evidence(tmp_path / "health", max_bytes=2**22)
+    path = evidence.path(step=1, rank=0)
+    assert path is not None
+    batch = torch.tensor([1.0, float("nan"), 3.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        written = evidence.write(path, {"batch": ("batch", batch)}, {"kind": "nonfinite"})
+    assert written is None
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "pip install safetensors" in messages[0] and "training goes on" in messages[0]
+    assert list((tmp_path / "health").iterdir()) == []  # nothing half-written left
