@@ -89,7 +89,13 @@ def interleaved(
 def ratio(times: dict[str, list[float]], name: str, floor: str) -> tuple[float, float, float]:
     """Median and quartiles of the per-repeat ratio ``name / floor``."""
     ratios = sorted(a / b for a, b in zip(times[name], times[floor], strict=True))
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    # "inclusive": quartiles within the ratios measured (the default extrapolates beyond them
+    # for few repeats: a spread below zero with --quick)
+    q = (
+        statistics.quantiles(ratios, n=4, method="inclusive")
+        if len(ratios) > 1
+        else [ratios[0]] * 3
+    )
     return q[1], q[0], q[2]
 
 
