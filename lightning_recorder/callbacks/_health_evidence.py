@@ -182,7 +182,7 @@ class Evidence:
             shutil.rmtree(tmp, ignore_errors=True)
             fix = (
                 "Install safetensors (`pip install safetensors`), the format of its tensors, "
-                if isinstance(err, ImportError)  # not a dependency of the package
+                if isinstance(err, ImportError)  # a dependency, missing or broken here
                 else "Pass an `evidence_dir` that can be written to, "
             )
             warnings.warn(

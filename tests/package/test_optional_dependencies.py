@@ -20,9 +20,10 @@ from lightning_recorder.callbacks._health_evidence import Evidence
 def test_health_evidence_without_safetensors_warns_and_training_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """HealthMonitor saves a bundle's tensors with safetensors, which is no dependency of the
-    package: without it, a non-finite step of a run with the defaults raised
-    ``ModuleNotFoundError`` out of ``fit`` and left a half-written folder."""
+    """HealthMonitor saves a bundle's tensors with safetensors (a dependency of the package,
+    which an environment may still lack or hold broken): without it, a non-finite step of a run
+    with the defaults raised ``ModuleNotFoundError`` out of ``fit`` and left a half-written
+    folder."""
     for name in ("safetensors", "safetensors.torch"):
         monkeypatch.setitem(sys.modules, name, None)
     evidence = Evidence(tmp_path / "health", max_bytes=2**22)
