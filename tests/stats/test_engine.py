@@ -704,16 +704,22 @@ def test_an_unwarmed_dtype_runs_eagerly_and_compiles_nothing(
 
 # --- memory ----------------------------------------------------------------------------------
 
-MEMORY_SCRIPT = textwrap.dedent(
+#: the scripts' peak resident memory so far, in bytes (Linux)
+PEAK = textwrap.dedent(
+    """
+    def peak():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    """
+)
+
+MEMORY_SCRIPT = PEAK + textwrap.dedent(
     """
     import sys, torch
     from lightning_recorder.stats._collect import Collector
     from lightning_recorder.stats._engine import tensor_state
 
-    def peak():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
 
     torch.set_num_threads(1)
     x = torch.empty(2**28, dtype=torch.bfloat16).normal_()  # 512 MiB
@@ -741,15 +747,11 @@ def test_a_large_bfloat16_output_adds_little_memory(tmp_path: Path) -> None:
     assert added <= size / 10, (added, size, by_state)
 
 
-GAPS_SCRIPT = textwrap.dedent(
+GAPS_SCRIPT = PEAK + textwrap.dedent(
     """
     import sys, torch
     from lightning_recorder.stats import feature_stats, histogram
 
-    def peak():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
 
     torch.set_num_threads(1)
     read = {"state": feature_stats, "histogram": lambda x: histogram(x, 8)}[sys.argv[1]]
