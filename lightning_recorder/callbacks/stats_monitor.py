@@ -27,7 +27,7 @@ from ..stats._collect import Collector
 from ..stats._engine import row_counts, warm_up
 from ..stats._histogram import ranges, stream_table
 from ..stats._state import F64, finalize
-from ..stats.metric import BucketCounts, ChannelExtremes, StreamStates
+from ..stats.metric import BucketCounts, ChannelCounts, ChannelExtremes, StreamStates
 from ..stats.sharded import any_sharded
 from ._lightning import Stage, is_compiled, is_due, step_axis
 from ._parameter_stats import ParameterStats
@@ -381,6 +381,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._listeners: list[Callable[[StatsReport], None]] = []
         self._selectors: list[ChannelSelector] = []
         self._channel_sizes: dict[int, int] = {}  # stream index -> channels of its outputs
+        self._sizes_agreed = False  # under DDP: every tracked stream's channels known on every rank
         self._extremes_metric: ChannelExtremes | None = None
 
     def tag(self, stage: Stage, name: str, stat: str) -> str:
@@ -565,6 +566,7 @@ class FeatureStatsMonitor(RecorderCallback):
         device = pl_module.device
         self._collector = Collector(len(streams), self.histogram_sample, device)
         self._channel_sizes, self._extremes_metric = {}, None
+        self._sizes_agreed = False
         if self._selectors:
             modules = named_modules(pl_module)
             for index, (key, stream) in enumerate(streams.items()):
@@ -954,8 +956,11 @@ class FeatureStatsMonitor(RecorderCallback):
         if collector is None or not collector.channels:
             return None
         found = collector.extremes()
-        for index, block in found.items():
-            self._channel_sizes[index] = block.shape[1]
+        if not distributed_active():
+            for index, block in found.items():
+                self._channel_sizes[index] = block.shape[1]
+        elif not self._sizes_agreed:
+            self._agree_channel_sizes(found)
         blocks = []
         for index in sorted(self._channel_sizes):
             got = found.get(index)
@@ -973,6 +978,20 @@ class FeatureStatsMonitor(RecorderCallback):
         metric.reset()
         metric.update(merged)
         return metric.compute()
+
+    def _agree_channel_sizes(self, found: dict[int, Tensor]) -> None:
+        """Under DDP, until every tracked stream's channel count is known: the counts over every
+        rank (a collective on every rank), so that a rank whose module was not called yet lays
+        out the same channels as the others (neutral values for its part)."""
+        collector = cast(Collector, self._collector)
+        tracked = sorted(collector.channels)
+        known = self._channel_sizes
+        local = [found[i].shape[1] if i in found else known.get(i, 0) for i in tracked]
+        metric = ChannelCounts(len(tracked)).to(collector.device)
+        metric.update(torch.tensor(local, dtype=F64))
+        sizes = [int(n) for n in metric.compute().reshape(-1).tolist()]
+        self._channel_sizes = {i: n for i, n in zip(tracked, sizes, strict=True) if n}
+        self._sizes_agreed = all(sizes)
 
     def _tell(self, host: _HostValues, params: ParameterStats | None, stepped: list[str]) -> None:
         """Hand the listeners a :class:`StatsReport` of what was just logged (rank zero)."""

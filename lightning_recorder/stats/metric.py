@@ -28,7 +28,7 @@ from ._engine import tensor_state
 from ._state import F64, empty_states, finalize, merge
 from .features import check_correction
 
-__all__ = ["BucketCounts", "ChannelExtremes", "FeatureStats", "StreamStates"]
+__all__ = ["BucketCounts", "ChannelCounts", "ChannelExtremes", "FeatureStats", "StreamStates"]
 
 
 def _merge_ranks(gathered: Tensor) -> Tensor:
@@ -157,6 +157,36 @@ class BucketCounts(_Quiet):
     def compute(self) -> Tensor:
         """The counts summed over every rank (a collective under DDP)."""
         return self.counts
+
+
+class ChannelCounts(_Quiet):
+    """The number of channels of each of ``streams`` tracked streams, the largest over every rank
+    by ``compute()``: 0 for a stream no rank has seen yet. A rank that never called a module
+    learns its channel count from the ranks that did, so that every rank lays out the channels of
+    :class:`ChannelExtremes` alike.
+
+    Raises:
+        RecorderConfigError: if ``streams`` is not a non-negative int.
+    """
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    sizes: Tensor
+
+    def __init__(self, streams: int, **kwargs: Any) -> None:
+        check_int(streams, "streams", type(self).__name__, minimum=0)
+        super().__init__(**kwargs)
+        self.add_state("sizes", default=torch.zeros(streams, dtype=F64), dist_reduce_fx="max")
+
+    def update(self, sizes: Tensor) -> None:
+        """Take the larger of the known and the given channel counts, stream by stream."""
+        self.sizes = torch.maximum(self.sizes, sizes.to(device=self.sizes.device, dtype=F64))
+
+    def compute(self) -> Tensor:
+        """The channel counts over every rank (a collective under DDP)."""
+        return self.sizes
 
 
 class ChannelExtremes(_Quiet):
