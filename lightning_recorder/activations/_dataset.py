@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import numbers
 import os
 import struct
 from collections.abc import Iterable, Sequence
@@ -59,16 +60,28 @@ class _Shard:
         return found
 
 
-def _as_set(value: object, name: str) -> set[Any] | None:
+def _as_set(value: object, name: str, integers: bool = False) -> set[Any] | None:
+    """A filter's values as a set; ``integers``: each an int (``"0"`` or ``1.5`` would match no
+    row and leave the dataset silently empty, so they are refused)."""
     if value is None:
         return None
-    if isinstance(value, (str, int)):
-        return {value}
-    if isinstance(value, Iterable):
-        return set(value)
-    raise RecorderConfigError(
-        f"Expected `{name}` to be a value or a list of them but got {value!r}."
-    )
+    if isinstance(value, (str, int, numbers.Integral)):
+        values: set[Any] = {value}
+    elif isinstance(value, Iterable):
+        values = set(value)
+    else:
+        raise RecorderConfigError(
+            f"Expected `{name}` to be a value or a list of them but got {value!r}."
+        )
+    if integers:
+        wrong = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+        if wrong:
+            raise RecorderConfigError(
+                f"Expected `{name}` to be an int or a list of ints but got "
+                f"{type(wrong[0]).__name__} {wrong[0]!r}."
+            )
+        values = {int(v) for v in values}
+    return values
 
 
 class ActivationDataset(Dataset[dict[str, Any]]):
@@ -135,9 +148,9 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         filters = {
             "runs": _as_set(runs, "runs"),
             "stages": _as_set(stages, "stages"),
-            "steps": _as_set(steps, "steps"),
-            "epochs": _as_set(epochs, "epochs"),
-            "ranks": _as_set(ranks, "ranks"),
+            "steps": _as_set(steps, "steps", integers=True),
+            "epochs": _as_set(epochs, "epochs", integers=True),
+            "ranks": _as_set(ranks, "ranks", integers=True),
             "modules": _as_set(modules, "modules"),
             "sources": _as_set(sources, "sources"),
         }

@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -397,6 +398,11 @@ def test_dataset_filters_and_errors(tmp_path: Path) -> None:
     assert len(ActivationDataset(tmp_path)) == 16
     only = ActivationDataset(tmp_path, "a", steps=1, ranks=[1])
     assert len(only) == 2 and torch.equal(only.concat(), torch.full((2, 2), 11.0))
+    # numbers given as strings (a RANK read from the environment) matched no row: refused
+    for filters in ({"ranks": "1"}, {"steps": ["0", "1"]}, {"epochs": [0.5]}, {"ranks": [True]}):
+        with pytest.raises(RecorderConfigError, match=r"to be an int or a list of ints but got"):
+            ActivationDataset(tmp_path, **filters)
+    assert len(ActivationDataset(tmp_path, ranks=np.int64(1))) == 8  # numpy integers are ints
     assert len(ActivationDataset(tmp_path, stages="val", modules="m2")) == 8
     with pytest.raises(RecorderConfigError, match=r"`sources` .* \['a', 'b'\] but got \['c'\]"):
         ActivationDataset(tmp_path, "c")
