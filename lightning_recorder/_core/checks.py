@@ -11,22 +11,40 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from ..errors import RecorderConfigError
 
+_OFF = ("0", "off", "false", "no")
+_ON = ("1", "on", "true", "yes")
+_TOLD: set[tuple[str, str]] = set()  # (variable, value) pairs already warned about
+
 
 def switched_on(variable: str) -> bool:
     """Whether the environment variable ``variable`` leaves a switch on: unset, or anything but
-    ``0``, ``off``, ``false`` or ``no`` (any case, spaces ignored).
+    ``0``, ``off``, ``false`` or ``no`` (any case, spaces ignored). A value that is neither one
+    of those nor ``1``, ``on``, ``true``, ``yes`` (a typo such as ``of``) counts as on, with one
+    warning that says so.
 
     >>> switched_on("LIGHTNING_RECORDER_SWITCH_NOBODY_SETS")
     True
     """
     flag = os.environ.get(variable, "1").strip().lower()
-    return flag not in ("0", "off", "false", "no")
+    if flag in _OFF:
+        return False
+    if flag not in _ON and (variable, flag) not in _TOLD:
+        _TOLD.add((variable, flag))
+        warnings.warn(
+            f"{variable}={os.environ[variable]!r} is neither on ({', '.join(_ON)}) nor off "
+            f"({', '.join(_OFF)}); lightning_recorder takes it as on. Set {variable}=0 to turn "
+            "it off.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return True
 
 
 def closest(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
