@@ -67,6 +67,9 @@ Localize = Literal["replay", "always", False]
 _MiB = 1 << 20
 _NO_RNG = torch.empty(0, dtype=torch.uint8)
 
+#: the default of ``max_consecutive_skips`` (the signature says 5 too)
+_MAX_SKIPS = 5
+
 
 def _check_exclude(patterns: Sequence[str], modules: Collection[str]) -> None:
     """Refuse a pattern of ``exclude`` whose module part (before ``.input`` or ``.output``)
@@ -181,7 +184,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         alert: called with each event worth an alert (the first of a run of non-finite steps,
             rule findings), at most once per ``alert_interval_s``.
         max_consecutive_skips: with ``"skip"``, how many non-finite steps in a row are skipped
-            before the next one raises (counted per optimizer).
+            before the next one raises (counted per optimizer); given with another policy, a
+            warning says it has no effect.
         exclude: glob patterns of tensors that may hold non-finite values on purpose, e.g.
             ``["*.input.attn_mask"]``: names are ``"<module>.output[.<path>]"``,
             ``"<module>.input.<argument>"`` and ``"batch.<path>"``; a pattern whose module part
@@ -258,6 +262,12 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self.rules = check_rules(rules, owner)
         check_callable(alert, "alert", "a function of a HealthEvent")
         check_int(max_consecutive_skips, "max_consecutive_skips", owner, minimum=0)
+        if on_nonfinite != "skip" and max_consecutive_skips != _MAX_SKIPS:
+            rank_zero_warn(
+                f"{owner}(max_consecutive_skips={max_consecutive_skips}) has no effect with "
+                f"on_nonfinite={on_nonfinite!r}: it counts skipped steps, and only 'skip' skips "
+                "any. Pass on_nonfinite='skip', or leave max_consecutive_skips out."
+            )
         check_int(evidence_max_bytes, "evidence_max_bytes", owner, minimum=0)
         check_bool(evidence_checkpoint, "evidence_checkpoint", owner)
         check_number(alert_interval_s, "alert_interval_s", owner, positive=True)

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import pickle
+import warnings
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -671,6 +672,17 @@ def test_an_exclude_pattern_of_a_module_named_like_the_batch_is_checked(tmp_path
         fit(TwoLinear(bad=-1), [monitor], steps=2, loader=classes(), default_root_dir=tmp_path)
     for patterns in (["batch"], ["batch*"], ["batch.1"], ["batch[01]"]):
         fit(TwoLinear(bad=-1), [HealthMonitor(exclude=patterns, rules=())], 1, classes())
+
+
+def test_max_consecutive_skips_without_skip_is_said_to_have_no_effect() -> None:
+    # it counts skipped steps: with "warn" or "raise" it was taken and ignored without a word
+    for policy in ("warn", "raise"):
+        with pytest.warns(UserWarning, match=rf"no effect with on_nonfinite='{policy}'"):
+            HealthMonitor(on_nonfinite=policy, max_consecutive_skips=2)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HealthMonitor(on_nonfinite="skip", max_consecutive_skips=2)
+        HealthMonitor(on_nonfinite="warn")  # the default is no request
 
 
 def test_messages_read_as_one_sentence() -> None:
