@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.scripts import run_script
 
 from lightning_recorder.activations import ActivationDataset
 
@@ -45,21 +43,7 @@ def check_index_is_exact(directory: Path) -> None:
 
 @pytest.mark.slow
 def test_ddp_each_sample_once_with_provenance(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(HERE.parents[1]), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(HERE.parent / "helpers" / "ddp_activations_script.py"), str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(HERE.parent / "helpers" / "ddp_activations_script.py", tmp_path)
     from helpers.ddp_activations_script import N, Net, data
 
     acts = tmp_path / "acts"

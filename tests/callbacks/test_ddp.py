@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +9,7 @@ import pytest
 import torch
 from helpers.ddp_callbacks_script import PARAMS, train_data, val_data
 from helpers.models import events, reference_stats, scalars
+from helpers.scripts import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_callbacks_script.py"
 STATS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
@@ -29,22 +27,7 @@ def approx(value: float) -> Any:
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("ddp")
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(SCRIPT, out)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     log_dir = out / "ddp" / "version_0"
     return {"ranks": ranks, "log_dir": log_dir, "scalars": scalars(log_dir)}

@@ -3,38 +3,20 @@ calls: every rank lays out the same channels, and rank 0 reports those of the ot
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.scripts import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_channels_script.py"
 
 
 @pytest.mark.slow
 def test_channels_of_a_module_only_one_rank_calls(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]
-        ),
-        "OMP_NUM_THREADS": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
     # before the fix: rank 0 (which never called `gate`) gathered fewer channels than rank 1,
     # and the run died in the gather
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(SCRIPT, tmp_path, one_thread=True)
     zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert len(zero["seen"]) == len(one["seen"]) == len(zero["channels"]) == 2
     for step, channels in enumerate(zero["channels"]):

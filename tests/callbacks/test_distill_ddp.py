@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.scripts import run_script
 
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
@@ -16,18 +14,7 @@ ROOT = TESTS.parent
 
 @pytest.mark.slow
 def test_two_process_ddp_keeps_student_and_connectors_identical(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "helpers" / "distill_ddp_script.py"), str(tmp_path)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_script(TESTS / "helpers" / "distill_ddp_script.py", tmp_path)
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
 

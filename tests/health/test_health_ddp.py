@@ -4,15 +4,13 @@ run on rank zero only."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers.dist_exit import assert_no_c10d_threads_left
+from helpers.scripts import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "health_ddp_script.py"
 
@@ -20,23 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "health_ddp_script.py
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("health_ddp")
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]
-        ),
-        "OMP_NUM_THREADS": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(SCRIPT, out, timeout=300, one_thread=True)
     # no thread of the process group left at exit (helpers.dist_exit), which could abort a rank
     assert_no_c10d_threads_left(out)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

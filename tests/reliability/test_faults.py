@@ -14,10 +14,7 @@ resume from a mid-epoch checkpoint) check the data the same way.
 from __future__ import annotations
 
 import csv
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ import pytest
 import torch
 from helpers.dist_exit import assert_no_c10d_threads_left
 from helpers.models import QUIET, ProbeNet, features, reference_stats
+from helpers.scripts import run_script
 from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -379,22 +377,7 @@ SCRIPT = Path(__file__).resolve().parent / "ddp_faults_script.py"
 
 
 def ddp_run(out: Path, mode: str) -> list[dict[str, Any]]:
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), mode],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(SCRIPT, out, mode, timeout=400)
     # Both ranks exited with no thread of the process group left, after a failed fit too (see
     # helpers.dist_exit: a gloo thread still running as the interpreter finalizes can abort it).
     assert_no_c10d_threads_left(out)

@@ -9,15 +9,13 @@ few hundred elements, reduced in a different order across the shards.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.fsdp_script import LR, MONITORED, STEPS, body, data
 from helpers.models import reference_stats, scalars
+from helpers.scripts import run_script
 from torch import nn
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -25,22 +23,7 @@ SCRIPT = TESTS / "helpers" / "fsdp_script.py"
 
 
 def _run(out: Path, *flags: str) -> dict[str, dict[int, float]]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), *flags],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(SCRIPT, out, *flags)
     assert (out / "done0").exists() and (out / "done1").exists()
     return scalars(out / "fsdp" / "version_0")
 

@@ -20,9 +20,6 @@ out of place by about 0.3.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +40,7 @@ from helpers.fsdp_distill_script import (
     teacher,
 )
 from helpers.models import scalars
+from helpers.scripts import run_script
 from torch import nn
 
 from lightning_recorder import FeatureDistillation, resolve_connector
@@ -59,22 +57,7 @@ NO_GRAPH = {"grad_enabled": False, "requires_grad": False, "has_graph": False}
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp_distill")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(SCRIPT, out, timeout=300)
     assert (out / "rank0.pt").exists() and (out / "rank1.pt").exists()
     return out
 

@@ -10,14 +10,12 @@ another order).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.models import events, reference_stats, scalars
+from helpers.scripts import run_script
 from helpers.tp_script import STEPS, data, net
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -25,18 +23,7 @@ TESTS = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_dtensor_outputs_are_described_as_the_full_tensor(tmp_path: Path) -> None:
-    paths = [str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "helpers" / "tp_script.py"), str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(TESTS / "helpers" / "tp_script.py", tmp_path)
     run = tmp_path / "tp" / "version_0"
     got = scalars(run)
     model, x = net(), data()
