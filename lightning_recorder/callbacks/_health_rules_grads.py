@@ -156,7 +156,7 @@ class ExplodingGradientsRule(_Patient):
     learning rate, initialise with He/Kaiming or Xavier scale, add normalisation layers.
 
     Args:
-        ratio: the smallest ``g_1 / g_L`` that counts as exploding.
+        ratio: the smallest ``g_1 / g_L`` that counts as exploding (above 1).
         patience: the logged steps in a row the condition must hold.
 
     Raises:
@@ -177,6 +177,12 @@ class ExplodingGradientsRule(_Patient):
         super().__init__(patience)
         owner = type(self).__name__
         self.ratio = check_number(ratio, "ratio", owner, positive=True, allow_zero=False)
+        if self.ratio <= 1:
+            raise RecorderConfigError(
+                f"Expected `ratio` of {owner} to be above 1 (the first layer's gradient norm this "
+                f"many times the last layer's counts as exploding; 70 by default) but got "
+                f"{ratio!r}: a healthy network's first layer already passes it."
+            )
 
     def check(self, seen: RuleInput) -> list[HealthEvent]:
         found = _ratio(seen)

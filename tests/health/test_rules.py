@@ -416,6 +416,8 @@ def test_gradient_rules_read_layers_in_model_order_without_a_model() -> None:
         (lambda: VanishingGradientsRule(first_norm=-1.0), r"`first_norm` of VanishingGradients"),
         (lambda: VanishingGradientsRule(patience=0), r"`patience` of VanishingGradientsRule to "),
         (lambda: ExplodingGradientsRule(ratio=0.0), r"`ratio` of ExplodingGradientsRule to be a "),
+        (lambda: ExplodingGradientsRule(ratio=0.5), r"`ratio` of Exploding.* above 1 .* got 0.5"),
+        (lambda: ExplodingGradientsRule(ratio=1), r"`ratio` of Exploding.* to be above 1"),
         (lambda: ExplodingGradientsRule(ratio="70"), r"`ratio` of Exploding.* but got '70'"),
         (lambda: ExplodingGradientsRule(patience=1.5), r"`patience` of ExplodingGradientsRule"),
     ],
