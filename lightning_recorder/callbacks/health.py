@@ -199,7 +199,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         view_every: redraw the heat maps and the table every this many logged steps.
         heatmap_stats: the statistics drawn as heat maps: those of
             :data:`~lightning_recorder.STAT_NAMES` (rows: monitored modules) and
-            ``"grad_norm"``, ``"update_ratio"``, ``"norm"`` (rows: weight tensors).
+            ``"grad_norm"``, ``"update_ratio"``, ``"norm"`` (rows: weight tensors); each
+            once.
         heatmap_steps: the logged steps a heat map shows (its columns), the latest ones.
 
     Raises:
@@ -279,6 +280,13 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             raise RecorderConfigError(
                 f"Expected `heatmap_stats` of {owner} to be a list of names among "
                 f"{', '.join(map(repr, known))} but got {heatmap_stats!r}."
+            )
+        repeated = sorted({s for s in heatmap_stats if list(heatmap_stats).count(s) > 1})
+        if repeated:
+            raise RecorderConfigError(
+                f"Expected each name of `heatmap_stats` of {owner} once but got "
+                f"{', '.join(map(repr, repeated))} more than once in {heatmap_stats!r}: each "
+                "name draws one heat map."
             )
         if not _names(exclude):
             raise RecorderConfigError(
