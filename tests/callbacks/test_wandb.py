@@ -19,14 +19,18 @@ from lightning_recorder import FeatureStatsMonitor
 wandb = pytest.importorskip("wandb")
 
 
-def test_wandb_offline_run_gets_scalars_and_real_histograms(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from lightning.pytorch.loggers import WandbLogger
-
+@pytest.fixture
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W&B runs offline and silent, writing under the test's ``tmp_path``."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+
+
+@pytest.mark.usefixtures("offline")
+def test_wandb_offline_run_gets_scalars_and_real_histograms(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import WandbLogger
+
     tb = TensorBoardLogger(tmp_path, name="tb", version=0)
     wb = WandbLogger(save_dir=str(tmp_path), offline=True, project="lr-test")
     monitor = FeatureStatsMonitor("probe", every_n_steps=1, bins=4, stats=["mean", "max"])
@@ -57,16 +61,12 @@ def test_wandb_offline_run_gets_scalars_and_real_histograms(
         assert row[f"{tag}/values"] == [int(c) for c in list(value.bucket)[1:]]  # same buckets
 
 
-def test_more_buckets_than_a_wandb_histogram_holds_fail_at_setup(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("offline")
+def test_more_buckets_than_a_wandb_histogram_holds_fail_at_setup(tmp_path: Path) -> None:
     from lightning.pytorch.loggers import WandbLogger
 
     from lightning_recorder.errors import RecorderConfigError
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     wb = WandbLogger(save_dir=str(tmp_path), offline=True, project="lr-test")
     monitor = FeatureStatsMonitor("probe", every_n_steps=1, bins=513)
     trainer = pl.Trainer(max_steps=1, logger=wb, callbacks=[monitor], **QUIET)
