@@ -47,6 +47,15 @@ def switched_on(variable: str) -> bool:
     return True
 
 
+def with_article(what: str) -> str:
+    """``what`` after its indefinite article, for messages: ``"an int"``, ``"a tuple"``.
+
+    >>> with_article("int"), with_article("Tensor of shape (2,)")
+    ('an int', 'a Tensor of shape (2,)')
+    """
+    return ("an " if what[:1].lower() in "aeiou" else "a ") + what
+
+
 def closest(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
     """The candidates most similar to ``name``: close spellings first, then shared pieces.
 

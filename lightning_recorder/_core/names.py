@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from torch import nn
 
 from ..errors import RecorderConfigError, UnknownSourceError
-from .checks import suggestion
+from .checks import suggestion, with_article
 
 # Attribute names that wrappers (DDP, torch.compile, FSDP, activation checkpointing) insert
 # between a model and its submodules. A user names ``conv1``, not ``module._orig_mod.conv1``.
@@ -239,11 +239,9 @@ def resolve_type(spec: str | type) -> type:
         )
     obj = getattr(module, attr)
     if not isinstance(obj, type):
-        kind = type(obj).__name__
-        article = "an" if kind[:1].lower() in "aeiou" else "a"
         raise RecorderConfigError(
-            f"Expected {spec!r} to name a class but {module_name}.{attr} is {article} {kind}, "
-            f"not a class."
+            f"Expected {spec!r} to name a class but {module_name}.{attr} is "
+            f"{with_article(type(obj).__name__)}, not a class."
         )
     return obj
 

@@ -16,7 +16,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from ..errors import NoRecordError, RecorderConfigError
-from .checks import suggestion
+from .checks import suggestion, with_article
 from .compat import torch_op_signatures
 
 
@@ -277,7 +277,7 @@ def _describe(obj: Any) -> str:
         what = f"Tensor of shape {shape_of(obj)}"
     else:
         what = type(obj).__name__
-    return ("an " if what[0].lower() in "aeiou" else "a ") + what
+    return with_article(what)
 
 
 def _is_item(key: str, var_pos: str) -> bool:
