@@ -125,13 +125,17 @@ class Binder:
         drop_first: drop the first parameter (``self`` / ``cls``) from the signature.
     """
 
-    __slots__ = ("_all_kinds", "_fast_names", "_kinds", "_sigs")
+    __slots__ = ("_all_kinds", "_fast_names", "_kinds", "_sigs", "from_python")
 
     def __init__(self, fn: Callable[..., Any], drop_first: bool = False) -> None:
+        #: Whether the signature is the callable's own (``inspect.signature``), not taken from
+        #: ATen schemas, which do not cover every spelling a torch function's binding accepts.
+        self.from_python = True
         try:
             sigs: tuple[inspect.Signature, ...] = (inspect.signature(fn),)
         except (TypeError, ValueError):
             sigs = torch_op_signatures(fn)
+            self.from_python = False
         if drop_first:
             sigs = tuple(sig.replace(parameters=list(sig.parameters.values())[1:]) for sig in sigs)
         self._sigs = sigs

@@ -20,7 +20,6 @@ uninitialized when persistent (call :meth:`initialize` on the copy to install it
 
 from __future__ import annotations
 
-import inspect
 import sys
 import weakref
 from typing import Any, Literal
@@ -74,7 +73,7 @@ class _CallableRecorder(BaseRecorder):
             self._binder = Binder(target.func, drop_first=drops_first)
             binder = self._binder
             if self.path:  # a typo fails here, not inside the model's call
-                self._check_argument(target.func, binder)
+                self._check_argument(binder)
 
             def before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 rec = ref()
@@ -111,19 +110,15 @@ class _CallableRecorder(BaseRecorder):
         if self.persistent:
             self._patch()
 
-    def _check_argument(self, func: Any, binder: Binder) -> None:
-        """Raise unless the first ``path`` item names an argument of ``func``.
+    def _check_argument(self, binder: Binder) -> None:
+        """Raise unless the first ``path`` item names an argument of the function.
 
         Only for a Python signature: a call that does not bind to it fails anyway, while a torch
         C function's schema does not cover every spelling its Python binding accepts (such a call
         is recorded as it was made, ``args[0]`` …).
         """
-        try:
-            inspect.signature(func)
-        except (TypeError, ValueError):
-            return
         sig = binder.signature
-        if self.path and sig is not None:
+        if self.path and sig is not None and binder.from_python:
             where = f"{self.source}({', '.join(sig.parameters)})"
             binder.check_key(self.path[0], type(self).__name__, where)
 
