@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
@@ -499,10 +499,7 @@ class ShardWriter:
         storage, removed = self.storage, 0
         names = storage.names()
         indexed = set()
-        for name in names:
-            parsed = parse_stem(name)
-            if parsed is None or parsed[:2] != (self.run, self.rank):
-                continue
+        for name, _ in self._own(names):
             if name.endswith(INDEX_SUFFIX):
                 entry = decode_index(storage.read(name), name)
                 if entry.get("generation", 0) >= generation:
@@ -601,13 +598,21 @@ class ShardWriter:
                     self._queued_bytes -= item[-1]
                     self._cond.notify_all()
 
+    def own_index_files(self) -> list[str]:
+        """The names of the index files of this writer's run and rank in its storage (one per
+        complete shard)."""
+        return [n for n, _ in self._own(self.storage.names()) if n.endswith(INDEX_SUFFIX)]
+
+    def _own(self, names: Iterable[str]) -> Iterator[tuple[str, int]]:
+        """``(name, sequence number)`` of each of ``names`` of this writer's run and rank."""
+        for name in names:
+            parsed = parse_stem(name)
+            if parsed is not None and parsed[:2] == (self.run, self.rank):
+                yield name, parsed[2]
+
     def _next_seq(self) -> int:
         if self._seq is None:
-            taken = [
-                parsed[2]
-                for parsed in map(parse_stem, self.storage.names())
-                if parsed is not None and parsed[:2] == (self.run, self.rank)
-            ]
+            taken = [seq for _, seq in self._own(self.storage.names())]
             self._seq = max(taken, default=-1) + 1
         seq, self._seq = self._seq, self._seq + 1
         return seq

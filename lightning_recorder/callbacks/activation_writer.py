@@ -13,7 +13,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..activations import ShardWriter
-from ..activations._format import INDEX_SUFFIX, parse_stem
+from ..activations._format import parse_stem
 from ..errors import RecorderConfigError, RecorderError
 from ._lightning import Stage, predict_batch_indices, step_axis
 from .recorder import RecorderCallback
@@ -281,11 +281,7 @@ class ActivationWriter(RecorderCallback):
                     ).discard_from(generation)
             return
         writer = self.writer
-        mine = (writer.run, writer.rank)
-        shards = sum(
-            name.endswith(INDEX_SUFFIX) and (parse_stem(name) or ())[:2] == mine
-            for name in writer.storage.names()
-        )
+        shards = len(writer.own_index_files())
         if shards:  # not a resume: the rows of this run go beside those already written
             rank_zero_warn(
                 f"{type(self).__name__}: {writer.storage.url!r} already holds {shards} shard(s) "
