@@ -65,7 +65,7 @@ def _as_set(value: object, name: str, integers: bool = False) -> set[Any] | None
     row and leave the dataset silently empty, so they are refused)."""
     if value is None:
         return None
-    if isinstance(value, (str, int, numbers.Integral)):
+    if isinstance(value, (str, numbers.Integral)):
         values: set[Any] = {value}
     elif isinstance(value, Iterable):
         values = set(value)
