@@ -24,7 +24,7 @@ with a :class:`~lightning_recorder.RecorderManager`'s ``streams()``. The Lightni
 
 The format (file names, tensor names, index fields) is specified in :mod:`._format` and in the
 documentation page "Activation datasets"; the files open without this package with
-``safetensors`` and ``json``.
+``safetensors`` and ``json``. Shards are written and read by safetensors' own API.
 """
 
 from ._dataset import ActivationDataset, concat_activations

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import mmap
 import numbers
 import os
-import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -13,50 +11,49 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import NoRecordError, RecorderConfigError
-from ._format import DTYPES, Storage, iter_index, read_header
+from ._format import Storage, iter_index
 
 _FILTERS = ("runs", "stages", "steps", "epochs", "ranks", "modules", "sources")
 
 
 class _Shard:
-    """The tensors of one shard: views into a memory map (local) or into its bytes (remote)."""
+    """The tensors of one shard, read by safetensors: memory-mapped (local; a tensor is a
+    private copy-on-write view of the file's pages, read when touched) or from its bytes."""
 
     def __init__(self, storage: Storage, name: str) -> None:
+        from safetensors import SafetensorError, safe_open  # imported when first read
+        from safetensors.torch import load
+
+        self._where = storage.join(name)
+        self._cache: dict[str, torch.Tensor] = {}
         try:
             if storage.local:
-                with open(storage.join(name), "rb") as handle:
-                    # ACCESS_COPY: a private, writable map, so torch.frombuffer warns of nothing
-                    # and a write to a returned row changes neither the file nor other readers.
-                    buffer: Any = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._file: Any = safe_open(storage.join(name), framework="pt")
             else:
-                buffer = bytearray(storage.read(name))
-            start, header = read_header(memoryview(buffer))
-            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-            if start + max(ends, default=0) > len(buffer):
-                raise ValueError(f"its data ends after its {len(buffer)} bytes")
-        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as err:
+                self._file = None
+                self._cache = load(storage.read(name))
+        except (OSError, SafetensorError) as err:
             raise RecorderConfigError(
                 f"Expected {storage.join(name)} to be a complete activation shard (safetensors) "
                 f"but it cannot be read ({type(err).__name__}: {err}): it is missing, truncated "
                 "or damaged. Restore it, or remove it and its index file to leave it out."
             ) from None
-        self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
-        self._start = start
-        self._header = header
-        self._cache: dict[str, torch.Tensor] = {}
 
     def tensor(self, key: str) -> torch.Tensor:
         found = self._cache.get(key)
         if found is None:
-            info = self._header[key]
-            begin, end = info["data_offsets"]
-            raw = self._bytes[self._start + begin : self._start + end]
-            dtype = DTYPES[info["dtype"]]
+            from safetensors import SafetensorError
+
             try:
-                found = raw.view(dtype).view(info["shape"])
-            except RuntimeError:  # a misaligned offset: copy instead of viewing
-                found = raw.clone().view(dtype).view(info["shape"])
-            self._cache[key] = found
+                if self._file is None:  # every tensor of a remote shard is loaded
+                    raise SafetensorError(f"File does not contain tensor {key}")
+                found = self._cache[key] = self._file.get_tensor(key)
+            except SafetensorError as err:
+                raise RecorderConfigError(
+                    f"Expected {self._where} to hold the tensor {key!r} that its index file "
+                    f"lists but it cannot be read ({err}): the shard does not belong to its "
+                    "index file, or is damaged. Restore both, or remove them to leave them out."
+                ) from None
         return found
 
 

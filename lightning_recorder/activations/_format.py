@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -50,21 +49,21 @@ TMP_SUFFIX = ".tmp"
 _STEM = re.compile(r"^(?P<run>.+)-rank(?P<rank>\d{5})-(?P<seq>\d{6})$")
 _RUN = re.compile(r"^[A-Za-z0-9_.]+$")
 
-#: The torch dtypes safetensors stores, by their safetensors names.
-DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-}
-STORABLE = frozenset(DTYPES.values())
-_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+#: The torch dtypes a shard stores (those of safetensors' format since its first release).
+STORABLE = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
 
 
 def new_run_id() -> str:
@@ -127,53 +126,6 @@ def decode_index(data: bytes, name: str) -> dict[str, Any]:
             "it was written by a newer lightning_recorder."
         )
     return entry
-
-
-def read_header(buffer: memoryview | bytes) -> tuple[int, dict[str, Any]]:
-    """``(offset of the data, header)`` of a safetensors file held in ``buffer``.
-
-    The format: 8 bytes little-endian header length ``n``, ``n`` bytes of JSON
-    (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, the
-    offsets relative to the end of the header), then the data.
-    """
-    (size,) = struct.unpack("<Q", bytes(buffer[:8]))
-    return 8 + size, json.loads(bytes(buffer[8 : 8 + size]))
-
-
-def write_safetensors(
-    handle: Any, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]
-) -> int:
-    """Write ``tensors`` (contiguous, on the CPU) to ``handle`` in the safetensors format.
-
-    The layout of ``safetensors.torch.save_file``: the header's length, the header (JSON,
-    padded with spaces to a multiple of 8 bytes), then each tensor's bytes, larger elements
-    first so that every tensor starts aligned to its element size. Each tensor is written from
-    its own memory (no copy into one buffer); the file's ``write`` releases the GIL.
-
-    Returns:
-        The number of bytes written.
-    """
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for key in order:
-        tensor = tensors[key]
-        end = offset + tensor.nbytes
-        header[key] = {
-            "dtype": _NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    handle.write(struct.pack("<Q", len(text)))
-    handle.write(text)
-    for key in order:
-        tensor = tensors[key]
-        if tensor.numel():
-            handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-    return 8 + len(text) + offset
 
 
 # ---------------------------------------------------------------------------------- filesystem
@@ -251,6 +203,32 @@ class Storage:
                 write(handle)
             self.fs.mv(tmp, final)
 
+    def write_tensors(
+        self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], fsync: bool
+    ) -> int:
+        """Write ``tensors`` (contiguous, on the CPU) as the safetensors file ``name``, by
+        safetensors' own writer, as :meth:`write_atomic` writes a file: under a temporary name,
+        then renamed. A local file is written from the tensors' memory (``save_file``); another
+        filesystem gets the file's bytes (``save``). Returns the file's size in bytes."""
+        from safetensors.torch import save, save_file  # imported when first written
+
+        tensors = _unshared(tensors)
+        if not self.local:
+            data = save(tensors, metadata=metadata)
+            self.write_atomic(name, lambda handle: handle.write(data), fsync)
+            return len(data)
+        final = self.join(name)
+        tmp = final + TMP_SUFFIX
+        save_file(tensors, tmp, metadata=metadata)
+        if fsync:
+            fd = os.open(tmp, os.O_RDWR)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, final)
+        return os.path.getsize(final)
+
     def names(self) -> list[str]:
         """The file names in the directory (none if it does not exist)."""
         if self.local:
@@ -290,6 +268,21 @@ class Storage:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with a copy of each one whose memory an earlier one holds (one tensor written
+    twice, as two sources of the same output): safetensors refuses tensors that share memory."""
+    seen: set[int] = set()
+    found = {}
+    for key, tensor in tensors.items():
+        address = tensor.untyped_storage().data_ptr()
+        if address and tensor.nbytes:
+            if address in seen:
+                tensor = tensor.clone()
+            seen.add(address)
+        found[key] = tensor
+    return found
 
 
 def iter_index(storage: Storage) -> Iterator[dict[str, Any]]:

@@ -30,7 +30,6 @@ from ._format import (
     new_run_id,
     parse_stem,
     stem,
-    write_safetensors,
 )
 from ._spec import SourceSpec
 
@@ -646,13 +645,8 @@ class ShardWriter:
             "run": self.run,
             "rank": str(self.rank),
         }
-        storage, written = self.storage, [0]
-
-        def write_shard(handle: Any) -> None:
-            written[0] = write_safetensors(handle, tensors, metadata)
-
-        storage.write_atomic(shard, write_shard, self.fsync)
-        size = written[0]
+        storage = self.storage
+        size = storage.write_tensors(shard, tensors, metadata, self.fsync)
         entry = {
             "format": FORMAT,
             "version": VERSION,

@@ -330,6 +330,19 @@ def test_fsspec_memory_filesystem(tmp_path: Path) -> None:
     assert torch.equal(concat_activations(url, "s"), x)
 
 
+def test_one_tensor_written_twice_in_a_shard(tmp_path: Path) -> None:
+    # two sources of one output hand the writer the same tensor: safetensors refuses tensors
+    # that share memory, so the writer stores a copy of the second
+    x = torch.randn(3, 4)
+    for url in (tmp_path / "local", f"memory://{tmp_path.name}/twice"):
+        with ShardWriter(url) as writer:
+            writer.write("a", "m", x, sample_index=range(3))
+            writer.write("b", "m", x, sample_index=range(3))
+        assert writer.shards_written == 1
+        assert torch.equal(concat_activations(url, "a"), x)
+        assert torch.equal(concat_activations(url, "b"), x)
+
+
 def test_thread_error_reaches_the_caller(tmp_path: Path) -> None:
     class Failing(ShardWriter):
         def _commit(self) -> None:
@@ -445,6 +458,16 @@ def test_missing_truncated_or_damaged_files_fail_naming_the_file(tmp_path: Path)
     (damaged / index).write_text("{not json")
     with pytest.raises(RecorderConfigError, match=rf"Expected {index} to be an activation index"):
         ActivationDataset(damaged)
+
+    # a shard swapped for another one's (same name, other tensors): the row names the file
+    swapped = tmp_path / "swapped"
+    shards = _four_shards(swapped)
+    other = tmp_path / "other"
+    with ShardWriter(other, run="o") as writer:
+        writer.write("x", "m", torch.zeros(2, 4))
+    os.replace(other / _files(other, ".safetensors")[0], swapped / shards[1])
+    with pytest.raises(RecorderConfigError, match=rf"{shards[1]} to hold the tensor 'h/m/0'"):
+        ActivationDataset(swapped)[2]
 
     # a file given for the directory (one of its shards)
     shard = tmp_path / "given" / _four_shards(tmp_path / "given")[0]
