@@ -3,9 +3,12 @@ and the README's first example run unchanged from the installed wheel in a fresh
 
 from __future__ import annotations
 
+import ast
 import email
+import importlib.metadata
 import importlib.util
 import os
+import re
 import site
 import subprocess
 import sys
@@ -76,6 +79,12 @@ def test_wheel_ships_the_license_and_the_metadata(dist: Path) -> None:
     requires = [r.replace("'", '"') for r in metadata.get_all("Requires-Dist")]
     assert any(r.startswith("tensorboard") and 'extra == "tensorboard"' in r for r in requires)
     assert any(r.startswith("scikit-learn") and 'extra == "examples"' in r for r in requires)
+    # one version, the package's own
+    assert metadata["Version"] == _source_version()
+    # every distribution a module imports at its top level is a requirement, of the core or of
+    # the extra of a feature (the module is imported when that feature is used), not only of dev
+    declared = {_name(r) for r in requires if 'extra == "dev"' not in r}
+    assert sorted(_imported_at_top_level() - declared) == []
     # The README is the long description, with its install line.
     description = metadata.get_payload()
     assert metadata["Description-Content-Type"] == "text/markdown"
@@ -83,6 +92,43 @@ def test_wheel_ships_the_license_and_the_metadata(dist: Path) -> None:
     # The documentation site named in the metadata is the one mkdocs builds.
     assert f"site_url: {URLS['Documentation']}" in (ROOT / "mkdocs.yml").read_text()
     assert f"repo_url: {URLS['Source']}" in (ROOT / "mkdocs.yml").read_text()
+
+
+def _name(requirement: str) -> str:
+    """The normalised distribution name of a requirement (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~ ;\[]", requirement, maxsplit=1)[0]).lower()
+
+
+def _source_version() -> str:
+    """``__version__`` as the package's ``__init__.py`` assigns it."""
+    tree = ast.parse((ROOT / "lightning_recorder" / "__init__.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == [
+            "__version__"
+        ]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("no __version__ in lightning_recorder/__init__.py")
+
+
+def _imported_at_top_level() -> set[str]:
+    """The distributions (lower-case names) that provide the third-party modules the package's
+    modules import at their top level (not inside a function, a ``try`` or ``TYPE_CHECKING``)."""
+    of = importlib.metadata.packages_distributions()
+    found: set[str] = set()
+    for path in (ROOT / "lightning_recorder").rglob("*.py"):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("__future__", "lightning_recorder"):
+                    continue
+                found.update(_name(name) for name in of.get(top, [top]))
+    return found
 
 
 def test_sdist_ships_the_license(dist: Path) -> None:
