@@ -122,6 +122,22 @@ class Evidence:
         assert self.root is not None
         return self.root / f"step{step:08d}-rank{rank}"
 
+    def unwritable(self) -> str | None:
+        """Why no bundle could be written under ``root`` (its nearest existing folder is a file,
+        or one this process may not write in), or ``None``: checked when a run starts, before
+        a bundle is due. Nothing is created."""
+        if not self.enabled:
+            return None
+        assert self.root is not None
+        path = self.root.absolute()
+        while not path.exists() and path.parent != path:
+            path = path.parent
+        if not path.is_dir():
+            return f"{path} is a file, not a directory"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"this process may not write in {path}"
+        return None
+
     def free(self, path: Path) -> Path:
         """``path``, or a name beside it that no bundle has (a resumed run reaching the same
         step again, a second run into the same ``evidence_dir``)."""

@@ -180,7 +180,10 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             every module on every step (for manual optimization); ``False``: the check only.
         rules: the :class:`HealthRule` objects checked on logged steps; ``None``: every rule
             that ships, with its defaults (:meth:`default_rules`); ``()``: none.
-        evidence_dir: where bundles go; default ``<trainer.log_dir>/health``.
+        evidence_dir: where bundles go; default ``<trainer.log_dir>/health``. Checked when
+            ``fit`` starts: a folder that could hold no bundle (a file on its path, no write
+            permission) raises :class:`~lightning_recorder.RecorderConfigError` (the default
+            folder: a warning).
         alert: called with each event worth an alert (the first of a run of non-finite steps,
             rule findings), at most once per ``alert_interval_s``.
         max_consecutive_skips: with ``"skip"``, how many non-finite steps in a row are skipped
@@ -358,6 +361,18 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         if root is None:  # every rank asks: log_dir is broadcast from rank 0
             root = Path(trainer.log_dir or trainer.default_root_dir) / "health"
         self._evidence.root = Path(root)
+        why = self._evidence.unwritable()
+        if why is not None:
+            fix = (
+                "Pass an `evidence_dir` that can be written to, or evidence_max_bytes=0 to "
+                "write none"
+            )
+            if self.evidence_dir is not None:
+                raise RecorderConfigError(
+                    "Expected `evidence_dir` of HealthMonitor to be a folder it can write "
+                    f"evidence bundles in but {why}. {fix}."
+                )
+            rank_zero_warn(f"HealthMonitor cannot write evidence bundles in {root}: {why}. {fix}.")
         _check_exclude(self.exclude, named_modules(pl_module))
         self._attach_rules(trainer)
 

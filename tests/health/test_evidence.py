@@ -16,7 +16,7 @@ from helpers.models import QUIET
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from lightning_recorder import HealthMonitor
+from lightning_recorder import HealthMonitor, RecorderConfigError
 
 STEPS = 3
 BAD_STEP = 1
@@ -68,8 +68,10 @@ class Pooled(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(monitor: HealthMonitor, batches: list[Any]) -> None:
-    trainer = pl.Trainer(**{**QUIET, "logger": False, "max_steps": STEPS}, callbacks=[monitor])
+def _fit(monitor: HealthMonitor, batches: list[Any], *others: pl.Callback) -> None:
+    trainer = pl.Trainer(
+        **{**QUIET, "logger": False, "max_steps": STEPS}, callbacks=[monitor, *others]
+    )
     trainer.fit(Pooled(), torch.utils.data.DataLoader(batches, batch_size=None))
     assert trainer.global_step == STEPS  # the bad step did not stop training
 
@@ -178,19 +180,52 @@ def test_a_module_that_makes_a_nan_in_a_nested_output_is_named_with_its_parts(
     assert not tensors["body.output.0"].isnan().any() and not tensors["body.output.2"].isnan().any()
 
 
+class _Blocks(pl.Callback):
+    """Puts a file where the bundles' folder would be once training has started (the folder
+    could be written to when the run started)."""
+
+    def __init__(self, blocker: Path) -> None:
+        self.blocker = blocker
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.blocker.write_text("a file where the bundles' directory would be")
+
+
 def test_a_bundle_that_cannot_be_written_warns_and_training_goes_on(tmp_path: Path) -> None:
     blocker = tmp_path / "not_a_directory"
-    blocker.write_text("a file where the bundles' directory would be")
     monitor = HealthMonitor("skip", evidence_dir=blocker, rules=())
     dense = [(torch.cat(_parts(s, math.nan)), _target(s)) for s in range(STEPS)]
     batches = [(x.to_sparse(), y) for x, y in dense]
     with pytest.warns(UserWarning, match=r"could not write the evidence bundle .*not_a_directory"):
-        _fit(monitor, batches)
+        _fit(monitor, batches, _Blocks(blocker))
     (event,) = monitor.events
     assert event.action == "skipped" and event.evidence is None
     assert "no evidence written" in event.message
     assert blocker.read_text().startswith("a file")  # left as it was, nothing beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_directory"]
+
+
+def test_a_folder_that_cannot_hold_bundles_is_refused_when_the_run_starts(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    batches = _batches("sparse_coo", math.nan)
+    for given in (blocker, blocker / "health"):
+        monitor = HealthMonitor("skip", evidence_dir=given, rules=())
+        with pytest.raises(RecorderConfigError, match=r"`evidence_dir` .* but .*a_file is a file"):
+            _fit(monitor, batches)
+    # evidence off: nothing to write, nothing checked
+    _fit(HealthMonitor("skip", evidence_dir=blocker, evidence_max_bytes=0, rules=()), batches)
+    # the default folder (under the Trainer's log folder): a warning, and training goes on
+    monitor = HealthMonitor("skip", rules=())
+    trainer = pl.Trainer(
+        **{**QUIET, "logger": False, "max_steps": STEPS, "default_root_dir": blocker},
+        callbacks=[monitor],
+    )
+    with pytest.warns(UserWarning, match=r"cannot write evidence bundles in .*a_file is a file"):
+        trainer.fit(Pooled(), torch.utils.data.DataLoader(batches, batch_size=None))
+    assert trainer.global_step == STEPS
+    assert blocker.read_text() == "not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
 class Quantized(pl.LightningModule):
