@@ -267,6 +267,8 @@ class Trace:
             counts = ZERO if value.excluded else quick_counts(grad)
             entry = Entry("grad_output", value.producers[-1], path, grad.dtype, grad.shape, counts)
             entry.excluded, entry.value = value.excluded, value
+            if self.keep:  # the evidence holds a non-finite one (Timeline.resolve)
+                entry.tensor, entry.version = grad, snapshot(grad)
             line.entries.append(entry)
 
     def _grad_share(
@@ -281,9 +283,10 @@ class Trace:
         if value is not None:
             value.shares_seen.add(call)
         counts = ZERO if excluded else quick_counts(grad)
-        line.entries.append(
-            Entry("grad_input", call, path, grad.dtype, grad.shape, counts, excluded)
-        )
+        entry = Entry("grad_input", call, path, grad.dtype, grad.shape, counts, excluded)
+        if self.keep:
+            entry.tensor, entry.version = grad, snapshot(grad)
+        line.entries.append(entry)
 
     def parameter_grads(self, named: Iterable[tuple[str, torch.Tensor | None]]) -> None:
         """Count the parameters' gradients of the backward just traced (``(name, grad)``)."""
@@ -293,3 +296,5 @@ class Trace:
                 self.timeline.params.append(
                     (owner, local, grad.dtype, grad.shape, quick_counts(grad))
                 )
+                if self.keep:
+                    self.timeline.param_grads[len(self.timeline.params) - 1] = grad

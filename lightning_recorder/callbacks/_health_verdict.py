@@ -155,6 +155,8 @@ class Call:
     parent: int
     depth: int
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # kept (replay), after resolving: the non-finite gradients of its inputs and outputs
+    grads: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -196,6 +198,8 @@ class Timeline:
     params: list[tuple[str, str, torch.dtype, tuple[int, ...], Counts]] = field(
         default_factory=list
     )
+    # kept (replay): the gradients of ``params`` by position; after resolving, the non-finite
+    param_grads: dict[int, torch.Tensor] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ counts
     def counts(self) -> list[Counts]:
@@ -233,7 +237,10 @@ class Timeline:
         for entry, row in zip(recount, exact_counts([e.tensor for e in recount]), strict=True):  # type: ignore[misc]
             entry.counts = row if any(row) else entry.counts
         for entry in self.entries:
-            entry.tensor = None
+            grad, entry.tensor = entry.tensor, None
+            if grad is not None and entry.kind.startswith("grad") and any(entry.counts):
+                self.calls[entry.call].grads.append((f"grad.{entry.path}", grad))
+        self.param_grads = {k: t for k, t in self.param_grads.items() if any(self.params[k][-1])}
 
     def _set(self, values: Sequence[Counts]) -> None:
         for entry, counts in zip(self.entries, values, strict=False):
@@ -273,15 +280,18 @@ class Timeline:
         computed, passed on nowhere): the module whose backward ran first, i.e. that the
         forward called last."""
         last = {c.name: c.index for c in self.calls}
-        bad = [p for p in self.params if any(p[-1])]
+        bad = [k for k, p in enumerate(self.params) if any(p[-1])]
         if not bad:
             return Finding(False)
-        owner, local, dtype, shape, counts = max(bad, key=lambda p: last.get(p[0], -1))
+        k = max(bad, key=lambda k: last.get(self.params[k][0], -1))
+        owner, local, dtype, shape, counts = self.params[k]
         call = last.get(owner, -1)
         producer = self._outputs_finite(call) if call >= 0 else None
         entry = Entry("grad_param", call, local, dtype, shape, counts)
         found = self._finding(call, "backward", entry, producer)
         found.module = owner or None
+        if k in self.param_grads:  # the non-finite gradient itself, with the call's tensors
+            found.tensors.append((f"grad.{local}", self.param_grads[k]))
         return found
 
     def _loss(self) -> Finding:
@@ -300,7 +310,10 @@ class Timeline:
             str(entry.dtype),
             tuple(entry.shape),
             producer,
-            tensors=list(found.tensors) if found is not None else [],
+            # a backward fault's evidence: the call's tensors and its non-finite gradients
+            tensors=[*found.tensors, *(found.grads if direction == "backward" else [])]
+            if found is not None
+            else [],
         )
 
     def _upstream(self, call: Call, entry: Entry) -> Finding:

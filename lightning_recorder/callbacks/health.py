@@ -139,7 +139,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     only with ``localize="always"``.
 
     **Evidence.** Each non-finite event writes a bundle (safetensors + JSON, atomically): the
-    batch, the blamed module's inputs and outputs, the per-module summary of the replay, the
+    batch, the blamed module's inputs and outputs (and a backward fault's non-finite gradients
+    of that call or parameter), the per-module summary of the replay, the
     random generators' states, step, batch index and rank (optionally a checkpoint taken before
     the bad update); all bundles of a run share ``evidence_max_bytes``.
 

@@ -294,6 +294,47 @@ def test_gradient_accumulation_finds_the_micro_batch(tmp_path: Path) -> None:
     )
 
 
+class _BadWeightGradient(pl.Callback):
+    """At optimizer step ``step`` the gradient of ``name`` is NaN (a hook on the parameter):
+    non-finite in that parameter only, passed on to no other gradient."""
+
+    def __init__(self, name: str, step: int) -> None:
+        self.name, self.step, self.handle = name, step, None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            weight = dict(pl_module.named_parameters())[self.name]
+            self.handle = weight.register_hook(lambda grad: grad * math.nan)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+@pytest.mark.parametrize(
+    ("cause", "module", "key", "bad"),
+    [
+        (Injector({1: Fault("body.6", "backward", "posinf", 1)}), "body.6", "grad.input.input", 1),
+        (_BadWeightGradient("body.5.weight", 1), "body.5", "grad.weight", 256),
+    ],
+    ids=["an input's gradient", "a weight's gradient"],
+)
+def test_the_evidence_of_a_backward_fault_holds_the_bad_gradient(
+    cause: pl.Callback, module: str, key: str, bad: int, tmp_path: Path
+) -> None:
+    model = Net("mlp")
+    monitor = HealthMonitor("skip", evidence_dir=tmp_path, rules=())
+    fit(model, [cause, monitor], steps=3)
+    (event,) = monitor.events
+    assert (event.step, event.module, event.direction) == (1, module, "backward")
+    tensors = load_file(Path(event.evidence) / "tensors.safetensors")
+    grads = {k: v for k, v in tensors.items() if ".grad." in k}
+    assert list(grads) == [f"{module}.{key}"]  # the non-finite gradient only
+    assert int((~grads[f"{module}.{key}"].isfinite()).sum()) == bad
+    assert f"{module}.input.input" in tensors  # beside the call's inputs and outputs
+
+
 # ---------------------------------------------------------------------------- other modes
 def test_lazy_check_without_localisation() -> None:
     model = Net("mlp")
