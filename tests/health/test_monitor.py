@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_recorder import (
+    FeatureStatsMonitor,
     HealthEvent,
     HealthMonitor,
     NonFiniteError,
@@ -333,6 +334,35 @@ def test_the_evidence_of_a_backward_fault_holds_the_bad_gradient(
     assert list(grads) == [f"{module}.{key}"]  # the non-finite gradient only
     assert int((~grads[f"{module}.{key}"].isfinite()).sum()) == bad
     assert f"{module}.input.input" in tensors  # beside the call's inputs and outputs
+
+
+@pytest.mark.parametrize("stats_first", [True, False])
+def test_what_a_skipped_step_logs_for_the_parameters_follows_the_callbacks_order(
+    stats_first: bool, tmp_path: Path
+) -> None:
+    # as the docs say ("With a FeatureStatsMonitor"): the callback first in the list reads
+    # the gradients first
+    stats = FeatureStatsMonitor([nn.Linear], every_n_steps=1, histograms=False)
+    monitor = HealthMonitor("skip", evidence_max_bytes=0, rules=())
+    model = Net("mlp")
+    callbacks = [stats, monitor] if stats_first else [monitor, stats]
+    injector = Injector({1: Fault("body.6", "backward", "nan", 1)})
+    fit(model, [injector, *callbacks], steps=3, logger=TensorBoardLogger(tmp_path, name=""))
+    (event,) = monitor.events
+    assert (event.step, event.action) == (1, "skipped")
+    accumulator = EventAccumulator(str(tmp_path / "version_0")).Reload()
+    tags = accumulator.Tags()["scalars"]
+    logged = {
+        tag.rsplit("/", 1)[-1]: {e.step: e.value for e in accumulator.Scalars(tag)}
+        for tag in tags
+        if "body.0.weight" in tag
+    }
+    assert sorted(logged["norm"]) == [0, 1, 2]
+    assert sorted(logged["grad_norm"]) == ([0, 1, 2] if stats_first else [0, 2])
+    assert sorted(logged["update_ratio"]) == ([0, 1, 2] if stats_first else [0, 2])
+    if stats_first:
+        assert math.isnan(logged["grad_norm"][1]) and logged["update_ratio"][1] == 0.0
+    assert logged["update_ratio"][2] > 0
 
 
 # ---------------------------------------------------------------------------- other modes
