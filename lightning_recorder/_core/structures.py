@@ -245,7 +245,10 @@ def parse_path(path: PathKey | Sequence[PathKey] | None) -> Path | None:
         return (path,)
     if isinstance(path, str):
         if not path:
-            raise RecorderConfigError("Expected `path` to be a non-empty string but got ''.")
+            raise RecorderConfigError(
+                "Expected `path` to be a non-empty string but got ''; leave `path` out (None) "
+                "to take the whole value."
+            )
         parts = path.split(".")
         if "" in parts:
             raise RecorderConfigError(
@@ -253,8 +256,13 @@ def parse_path(path: PathKey | Sequence[PathKey] | None) -> Path | None:
                 f"'hidden_states.2', but got {path!r}, which has an empty item."
             )
         return tuple(int(p) if p.lstrip("-").isdigit() else p for p in parts)
-    if isinstance(path, Sequence):
+    if isinstance(path, Sequence) and not isinstance(path, (bytes, bytearray)):
         keys = tuple(path)
+        if not keys:  # as '' is refused: no key names no part of the value
+            raise RecorderConfigError(
+                f"Expected `path` to name at least one key or index but got {path!r}; leave "
+                "`path` out (None) to take the whole value."
+            )
         for key in keys:
             if isinstance(key, bool) or not isinstance(key, (int, str)):
                 raise RecorderConfigError(
