@@ -1,7 +1,9 @@
 """Distillation losses between student and teacher features: functions and modules.
 
 Every loss takes ``(student, teacher)`` and returns a scalar. The teacher side is a target: it is
-detached inside the loss, so no gradient ever reaches the teacher. Each loss exists twice, as a
+detached inside the loss, so no gradient ever reaches the teacher. Features of two dtypes are
+compared in the promoted one, and float16 and bfloat16 features (mixed or half precision) in
+float32, also under autocast: the loss is a ``float32`` scalar then. Each loss exists twice, as a
 function (``mse_loss``) and as an :class:`torch.nn.Module` that calls it (``MSELoss``), and
 :func:`get_loss` turns a short name, a module or a callable into a loss.
 
@@ -78,13 +80,24 @@ def _shape(x: Tensor) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
+# Features of these dtypes are compared in float32: a softmax, a norm or a cosine in half
+# precision loses the small differences a distillation loss is made of (a KL divergence of
+# bfloat16 logits came out negative), and CPU autocast leaves those ops in half precision.
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _prepare(student: object, teacher: object) -> tuple[Tensor, Tensor]:
-    """Check both are tensors, detach the teacher, bring both to one dtype."""
+    """Check both are tensors, detach the teacher, bring both to one dtype (float32 for
+    float16 and bfloat16 features)."""
     student = check_tensor(student, "student")
     teacher = check_tensor(teacher, "teacher").detach()
-    if teacher.dtype != student.dtype:
-        dtype = torch.promote_types(student.dtype, teacher.dtype)
-        student, teacher = student.to(dtype), teacher.to(dtype)
+    dtype = torch.promote_types(student.dtype, teacher.dtype)
+    if dtype in _HALF:
+        dtype = torch.float32
+    if student.dtype != dtype:
+        student = student.to(dtype)
+    if teacher.dtype != dtype:
+        teacher = teacher.to(dtype)
     return student, teacher
 
 

@@ -192,6 +192,47 @@ def test_mixed_dtypes_are_promoted() -> None:
     assert s.grad is not None and s.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_half_precision_features_are_compared_in_float32(
+    dtype: torch.dtype, autocast: bool
+) -> None:
+    # A student close to its teacher, as distillation makes it: the loss is a small difference
+    # that half precision loses (a KL divergence of bfloat16 logits came out negative).
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(8, 16, 4, 4, generator=gen)
+    s = base.to(dtype).requires_grad_(True)
+    t = (base + 0.05 * torch.randn(8, 16, 4, 4, generator=gen)).to(dtype)
+    s64, t64 = s.detach().double(), t.double()  # the very values the loss is given
+
+    def maps(x: Tensor) -> Tensor:
+        return F.normalize(x.pow(2).mean(1).flatten(1), dim=1)
+
+    kl_s, kl_t = _to_rows(s64) / 4.0, _to_rows(t64) / 4.0
+    expected = {
+        "mse": ((s64 - t64) ** 2).mean(),
+        "l1": (s64 - t64).abs().mean(),
+        "cosine": (1 - F.cosine_similarity(s64, t64, dim=1)).mean(),
+        "attention": ((maps(s64) - maps(t64)) ** 2).mean(),
+        "kl": F.kl_div(
+            kl_s.log_softmax(1), kl_t.log_softmax(1), reduction="batchmean", log_target=True
+        )
+        * 16.0,
+    }
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        found = {
+            name: get_loss(name, **({"temperature": 4.0} if name == "kl" else {}))(s, t)
+            for name in expected
+        }
+    for name, value in found.items():
+        assert value.dtype == torch.float32, name
+        # float32 rounding (a few 1e-5 for the KL of close logits); half precision was 2 % off
+        # (float16 cosine) to negative (the KL)
+        torch.testing.assert_close(value.double(), expected[name], rtol=1e-3, atol=0, msg=name)
+        value.backward()
+    assert s.grad is not None and s.grad.dtype == dtype
+
+
 def test_losses_work_in_inference_mode() -> None:
     s, t = _pair((2, 4, 3, 3))
     with torch.inference_mode():
