@@ -64,6 +64,8 @@ STORABLE = frozenset(
         torch.float64,
     }
 )
+#: Their torch names, for messages.
+STORABLE_NAMES = ", ".join(sorted(str(d).removeprefix("torch.") for d in STORABLE))
 
 
 def new_run_id() -> str:
@@ -84,10 +86,9 @@ def check_run_id(run: object, owner: str) -> str:
 def check_storable(dtype: torch.dtype, where: str) -> None:
     """Raise unless safetensors can store ``dtype``."""
     if dtype not in STORABLE:
-        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in STORABLE))
         raise RecorderConfigError(
             f"Expected the activations of {where} to have a dtype the shard format stores "
-            f"({names}) but got {dtype}; cast them with the `dtype` option."
+            f"({STORABLE_NAMES}) but got {dtype}; cast them with the `dtype` option."
         )
 
 

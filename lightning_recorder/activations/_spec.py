@@ -17,18 +17,28 @@ from typing import Any
 import torch
 
 from ..errors import RecorderConfigError
+from ._format import STORABLE, STORABLE_NAMES
 
 OPTIONS = ("tokens", "mean", "transform", "dtype")
 
 
 def parse_dtype(value: object, where: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    found = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else None
+    """The dtype of the ``dtype`` option (``None``: none), one the shard format stores: a cast to
+    another would only fail when the first batch is written."""
+    if value is None:
+        return None
+    found = value
+    if isinstance(value, str):
+        found = getattr(torch, value.removeprefix("torch."), None)
     if not isinstance(found, torch.dtype):
         raise RecorderConfigError(
             f"Expected `dtype` of {where} to be a torch.dtype or its name (e.g. 'float16') but "
             f"got {value!r}."
+        )
+    if found not in STORABLE:
+        raise RecorderConfigError(
+            f"Expected `dtype` of {where} to be a dtype the shard format stores "
+            f"({STORABLE_NAMES}) but got {found}."
         )
     return found
 

@@ -372,6 +372,14 @@ def test_bad_arguments(tmp_path: Path) -> None:
         ShardWriter(tmp_path, sources={"s": {"mean": [0, 1]}})
     with pytest.raises(RecorderConfigError, match=r"Expected `dtype` .* got 'half_float'"):
         ShardWriter(tmp_path, sources={"s": {"dtype": "half_float"}})
+    # a dtype the shards cannot hold is refused here, not when the first batch is cast to it
+    for dtype in ("complex64", torch.quint8, "float8_e4m3fn"):
+        with pytest.raises(
+            RecorderConfigError,
+            match=r"Expected `dtype` of source 's' to be a dtype the shard format stores "
+            r"\(bfloat16, bool, .*\) but got torch\.(complex64|quint8|float8_e4m3fn)\.$",
+        ):
+            ShardWriter(tmp_path, sources={"s": {"dtype": dtype}})
     assert _files(tmp_path, "") == ["file"]  # nothing left behind
     writer = ShardWriter(tmp_path, sources={"s": {"transform": lambda t: t.sum()}})
     with pytest.raises(
