@@ -23,7 +23,7 @@ from .._core.names import absent_module_type, named_modules, named_parameters, s
 from ..errors import RecorderConfigError, UnknownSourceError
 from ..recorders import RecordStream
 from ..stats import STAT_NAMES, StatName
-from ..stats._collect import Collector
+from ..stats._collect import _STAGED_32, Collector
 from ..stats._engine import row_counts, warm_up
 from ..stats._histogram import ranges, stream_table
 from ..stats._state import F64, finalize
@@ -832,7 +832,10 @@ class FeatureStatsMonitor(RecorderCallback):
         for index, tensors in enumerate(kept):
             for tensor in tensors:
                 for piece in tensor.detach().reshape(-1).split(2**18):
-                    values = piece.to(device, F64 if piece.dtype == F64 else torch.float32)
+                    # in the data's precision, as the sampled histograms: float32 holds the
+                    # integers only up to 2**24, so integers and bool are bucketed in float64
+                    dtype = torch.float32 if piece.dtype in _STAGED_32 else F64
+                    values = piece.to(device, dtype)
                     part = slice(index, index + 1)
                     found[index] += row_counts(values.view(1, -1), lo[part], hi[part], self.bins)[0]
         return found.to(F64)

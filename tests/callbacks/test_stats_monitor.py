@@ -1426,6 +1426,38 @@ def test_large_output_histogram_sampled_or_exact(tmp_path: Path, exact: bool) ->
     assert scalars_logged["stats/train/wide/min"][0] == pytest.approx(x.min().item())  # pre-ReLU
 
 
+class Positions(pl.LightningModule):
+    """A module whose output is int64 ids beyond 2**24, where float32 holds only even ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 1)
+        self.ids = nn.Identity()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.ids(torch.arange(2**25 + 1, 2**25 + 33).repeat(len(batch[0]), 1))
+        return self.body(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_integer_outputs_are_bucketed_in_float64(tmp_path: Path, exact: bool) -> None:
+    monitor = FeatureStatsMonitor(
+        "ids", every_n_steps=1, bins=8, parameters=False, exact_histograms=exact
+    )
+    logger = TensorBoardLogger(tmp_path, name="ids")
+    pl.Trainer(**QUIET, logger=logger, max_steps=1, callbacks=[monitor]).fit(
+        Positions(), loader(torch.randn(4, 4), batch_size=4)
+    )
+    (event,) = events(logger.log_dir).Histograms("stats/train/ids/histogram")
+    # 32 consecutive ids, 4 rows: 4 ids of each of 8 buckets per row, as torch.histogram has it
+    ids = torch.arange(2**25 + 1, 2**25 + 33, dtype=torch.float64).repeat(4)
+    assert list(event.histogram_value.bucket[1:]) == torch.histogram(ids, 8).hist.tolist()
+    assert list(event.histogram_value.bucket[1:]) == [16.0] * 8
+
+
 def test_parameter_buffers_are_allocated_once_on_the_cpu(tmp_path: Path) -> None:
     monitor = FeatureStatsMonitor("body.*", every_n_steps=1, histograms=False)
     seen: list[dict[str, int]] = []
