@@ -4,7 +4,8 @@ The options of a source, applied in this order to each recorded tensor (rows alo
 
 * ``tokens``: keep these positions of dimension 1 (an int keeps one and drops the dimension,
   e.g. ``0`` for a CLS token or ``-1`` for the last one; a list keeps several);
-* ``mean``: average over these dimensions (an int or a list; never dimension 0, the rows);
+* ``mean``: average over these dimensions (an int or a list; never dimension 0, the rows),
+  integer and bool activations in float32 (a mask's mean is the fraction of its true values);
 * ``transform``: any function from tensor to tensor that keeps the rows;
 * ``dtype``: cast to this dtype (e.g. ``"float16"``); values are otherwise written as recorded.
 """
@@ -122,6 +123,8 @@ class SourceSpec:
                     f"Expected `mean` of {self.where} to name dimensions of its activations, "
                     f"which have {dims} (shape {tuple(tensor.shape)}), but got {outside[0]}."
                 )
+            if not (tensor.is_floating_point() or tensor.is_complex()):
+                tensor = tensor.float()  # torch takes no mean of integers (a mask: a fraction)
             tensor = tensor.mean(dim=self.mean)
         if self.transform is not None:
             rows = tensor.size(0)  # a nested tensor has no shape, but has its rows

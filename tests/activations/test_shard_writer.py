@@ -134,6 +134,20 @@ def test_source_options_tokens_mean_transform_dtype(tmp_path: Path) -> None:
     assert torch.equal(concat_activations(tmp_path, "pair"), x[:, [0, -1]].flatten(1))
 
 
+def test_mean_of_integer_and_bool_activations_is_taken_in_float32(tmp_path: Path) -> None:
+    """torch takes no mean of integers: a mask's mean is the fraction of its true values."""
+    mask = torch.tensor([[True, False, True, True], [False, False, False, True]])
+    ids = torch.tensor([[3, 4], [10, -1]])
+    sources = {"mask": {"mean": 1}, "ids": {"mean": 1, "dtype": "float64"}}
+    with ShardWriter(tmp_path, sources=sources) as writer:
+        writer.write("mask", "m", mask, sample_index=range(2))
+        writer.write("ids", "i", ids, sample_index=range(2))
+    fraction = concat_activations(tmp_path, "mask")
+    assert fraction.dtype == torch.float32 and fraction.tolist() == [0.75, 0.25]
+    mean = concat_activations(tmp_path, "ids")
+    assert mean.dtype == torch.float64 and mean.tolist() == [3.5, 4.5]
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
