@@ -3,9 +3,11 @@
 Every loss takes ``(student, teacher)`` and returns a scalar. The teacher side is a target: it is
 detached inside the loss, so no gradient ever reaches the teacher. Features of two dtypes are
 compared in the promoted one, and float16 and bfloat16 features (mixed or half precision) in
-float32, also under autocast: the loss is a ``float32`` scalar then. Each loss exists twice, as a
-function (``mse_loss``) and as an :class:`torch.nn.Module` that calls it (``MSELoss``), and
-:func:`get_loss` turns a short name, a module or a callable into a loss.
+float32, also under autocast: the loss is a ``float32`` scalar then. Integer and bool features
+(an argmax, a mask) are refused with a :class:`~lightning_recorder.errors.RecorderConfigError`.
+Each loss exists twice, as a function (``mse_loss``) and as an :class:`torch.nn.Module` that
+calls it (``MSELoss``), and :func:`get_loss` turns a short name, a module or a callable into a
+loss.
 
 Which dimension holds the channels (or classes) depends on the rank of the features:
 
@@ -87,10 +89,17 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _prepare(student: object, teacher: object) -> tuple[Tensor, Tensor]:
-    """Check both are tensors, detach the teacher, bring both to one dtype (float32 for
-    float16 and bfloat16 features)."""
+    """Check both are floating-point tensors, detach the teacher, bring both to one dtype
+    (float32 for float16 and bfloat16 features)."""
     student = check_tensor(student, "student")
     teacher = check_tensor(teacher, "teacher").detach()
+    for name, x in (("student", student), ("teacher", teacher)):
+        if not (x.is_floating_point() or x.is_complex()):
+            raise RecorderConfigError(
+                f"Expected the {name} features to have a floating-point dtype but got "
+                f"{x.dtype}: an integer or bool output (an argmax, a mask) has no gradient and "
+                "no distance to learn from. Pair modules whose outputs are features or logits."
+            )
     dtype = torch.promote_types(student.dtype, teacher.dtype)
     if dtype in _HALF:
         dtype = torch.float32
@@ -160,7 +169,7 @@ def mse_loss(student: Tensor, teacher: Tensor) -> Tensor:
 
     Raises:
         RecorderConfigError: the shapes differ (the message names both) or an input is not a
-            tensor.
+            floating-point tensor.
 
     Examples:
         >>> import torch
@@ -184,7 +193,7 @@ def l1_loss(student: Tensor, teacher: Tensor) -> Tensor:
 
     Raises:
         RecorderConfigError: the shapes differ (the message names both) or an input is not a
-            tensor.
+            floating-point tensor.
 
     Examples:
         >>> import torch

@@ -292,6 +292,22 @@ def test_shape_mismatch_names_both_shapes(loss: Callable[[Tensor, Tensor], Tenso
         loss(torch.zeros(2, 8), torch.zeros(2, 16))
 
 
+@pytest.mark.parametrize("loss", [mse_loss, l1_loss, cosine_loss, kl_div_loss])
+def test_integer_and_bool_features_are_refused(loss: Callable[[Tensor, Tensor], Tensor]) -> None:
+    # mse failed inside torch ("mse_cpu" not implemented for 'Bool'), kl took a mask as logits
+    logits = torch.randn(4, 6)
+    for student, teacher, side, dtype in (
+        (logits > 0, logits < 0, "student", "bool"),
+        (logits, logits.argsort(1), "teacher", "int64"),
+    ):
+        with pytest.raises(
+            RecorderConfigError,
+            match=rf"Expected the {side} features to have a floating-point dtype but got "
+            rf"torch\.{dtype}: an integer or bool output \(an argmax, a mask\)",
+        ):
+            loss(student, teacher)
+
+
 def test_feature_shape_mismatch_suggests_a_connector() -> None:
     with pytest.raises(RecorderConfigError, match="build_connector"):
         mse_loss(torch.zeros(2, 8, 4, 4), torch.zeros(2, 16, 4, 4))
