@@ -86,9 +86,16 @@ def check_run_id(run: object, owner: str) -> str:
 def check_storable(dtype: torch.dtype, where: str) -> None:
     """Raise unless safetensors can store ``dtype``."""
     if dtype not in STORABLE:
+        fix = "cast them with the `dtype` option"
+        if dtype.is_complex:  # a cast to a real dtype would drop the imaginary part
+            fix = (
+                "store their real and imaginary parts with the option `transform` "
+                "torch.view_as_real (a last dimension of 2), or their magnitude with torch.abs "
+                "(a cast with `dtype` would drop the imaginary part)"
+            )
         raise RecorderConfigError(
             f"Expected the activations of {where} to have a dtype the shard format stores "
-            f"({STORABLE_NAMES}) but got {dtype}; cast them with the `dtype` option."
+            f"({STORABLE_NAMES}) but got {dtype}; {fix}."
         )
 
 

@@ -406,6 +406,14 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(RecorderConfigError, match=r"return a tensor with 2 rows"):
         writer.write("s", "m", torch.zeros(2, 2))
     with pytest.raises(RecorderConfigError, match=r"dtype the shard format stores"):
+        writer.write("x", "m", torch.zeros(2, dtype=torch.float8_e4m3fn))
+    # a cast of complex values to a real dtype drops their imaginary part: not the advice
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"but got torch\.complex64; store their real and imaginary parts with the option "
+        r"`transform` torch\.view_as_real \(a last dimension of 2\), or their magnitude with "
+        r"torch\.abs \(a cast with `dtype` would drop the imaginary part\)\.$",
+    ):
         writer.write("x", "m", torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(RecorderConfigError, match=r"to be a tensor but got tuple"):
         writer.write("x", "m", (torch.zeros(2),))  # type: ignore[arg-type]
