@@ -794,6 +794,50 @@ def test_teacher_follows_the_student_precision() -> None:
     assert torch.isfinite(trainer.logged_metrics["distill/total"])
 
 
+class _CastStudent(Student):
+    """A student cast as a whole (``.double()``, ``.to(torch.bfloat16)``): it casts its batch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x.to(self.head.weight.dtype)).float(), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_automatic_connector_takes_the_dtype_of_a_cast_student(dtype: torch.dtype) -> None:
+    # Under the default precision a connector of the default dtype (float32) failed on the
+    # features of a student cast with .double() or .to(torch.bfloat16).
+    torch.manual_seed(0)
+    teacher, student = Teacher().to(dtype), _CastStudent(lr=0.0).to(dtype)  # lr 0: unchanged
+    distill = FeatureDistillation(teacher, {"features.2": "features.2"})
+    trainer = fit(student, [distill], max_steps=1)
+    connector = distill.connectors["features.2"]
+    assert connector.weight.dtype == dtype
+    x = loader().dataset[:8][0].to(dtype)  # the first batch
+    with torch.no_grad():
+        s_map, t_map = connector(student.features[:3](x)), teacher.features[:3](x)
+    expected = ((s_map.double() - t_map.double()) ** 2).mean()
+    logged = trainer.callback_metrics["distill/features.2"]
+    torch.testing.assert_close(logged.double(), expected, rtol=1e-5, atol=0)
+
+
+def test_resume_under_bf16_true_restores_the_connector_in_bfloat16(tmp_path: Path) -> None:
+    # A restored connector was built in float32 and failed on the bfloat16 features.
+    teacher, _ = seeded()
+    path = tmp_path / "step1.ckpt"
+    callbacks: list[pl.Callback] = [FeatureDistillation(teacher, PAIRS)]
+    first = fit(Student(), callbacks, max_steps=1, precision="bf16-true")
+    first.save_checkpoint(path)
+    distill = FeatureDistillation(teacher, PAIRS)
+    second = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=2, precision="bf16-true"))
+    second.fit(Student(), loader(), ckpt_path=path)
+    assert second.global_step == 2 and torch.isfinite(second.callback_metrics["distill/total"])
+    saved = torch.load(path, weights_only=False)["callbacks"]
+    (state,) = [v for k, v in saved.items() if k.startswith("FeatureDistillation")]
+    weight = state["pairs"]["features.2"]["weights"]["weight"]
+    assert weight.dtype == distill.connectors["features.2"].weight.dtype == torch.bfloat16
+    assert distill.connectors["features.2"].weight.shape == weight.shape
+
+
 def test_callback_pickles_and_deep_copies_before_fit() -> None:
     # ddp_spawn pickles the callbacks into the worker processes.
     deliveries = {"noise": {"type": "FunctionOutputs", "source": "helpers.distill_models.jitter"}}

@@ -76,21 +76,37 @@ class ConnectorBank:
         module = self.modules.get(pair)
         if module is not None:
             return module
+        # In the student's precision: a student cast with .double() or .to(torch.bfloat16) has
+        # features of its dtype, which a connector of the default dtype cannot take; under
+        # autocast (mixed precision) the connector stays in the default dtype, autocast casts.
+        device = student.device
+        autocast = device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type)
+        dtype = student.dtype if student.is_floating_point() and not autocast else None
         with torch.inference_mode(False), torch.no_grad():
-            self._build(pair, list(student.shape), list(teacher.shape), student.device)
+            self._build(pair, list(student.shape), list(teacher.shape), device, dtype)
             if distributed_active():
                 for tensor in self._tensors(self.modules[pair]):
                     dist.broadcast(tensor, src=0)
         self.attach()
         return self.modules[pair]
 
-    def _build(self, pair: str, s_shape: list[int], t_shape: list[int], device: Any) -> None:
-        """Build from full shapes (batch dim first); only the other dims are kept."""
+    def _build(
+        self,
+        pair: str,
+        s_shape: list[int],
+        t_shape: list[int],
+        device: Any,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Build from full shapes (batch dim first); only the other dims are kept. ``dtype``:
+        the connector's (a module given as the spec is used as it is), else the default."""
         # A forked random stream: building a connector does not change the training's randomness.
         with torch.random.fork_rng(devices=[]):
             example_s = torch.empty(s_shape, device=device)
             example_t = torch.empty(t_shape, device=device)
             module = resolve_connector(self.specs[pair], example_s, example_t, resize=self.resize)
+        if dtype is not None and not isinstance(self.specs[pair], nn.Module):
+            module = module.to(dtype=dtype)
         pending = (self._pending or {}).get("pairs", {}).get(pair)
         if pending is not None and pending["weights"]:
             try:
@@ -145,7 +161,10 @@ class ConnectorBank:
                         self.modules[pair].load_state_dict(saved["weights"])
                     else:
                         s_shape, t_shape = saved["student_shape"], saved["teacher_shape"]
-                        self._build(pair, [1, *s_shape], [1, *t_shape], device)
+                        # in the dtype it was saved in (that of the run's student)
+                        dtypes = [w.dtype for w in saved["weights"].values()]
+                        dtype = dtypes[0] if dtypes and dtypes[0].is_floating_point else None
+                        self._build(pair, [1, *s_shape], [1, *t_shape], device, dtype)
                     self.restored.add(pair)
         self.attach()
 
