@@ -293,10 +293,13 @@ class RecorderCallback(Callback):
         every = self.every_n_steps or getattr(trainer, "log_every_n_steps", None)
         # Lightning then logs no training step (a loop without training has nothing to follow)
         if every == 0 and "train" in self.stages and stage == "fit":
+            why = "Lightning logs no training step then"
+            if getattr(trainer, "barebones", False):
+                why = "set by barebones=True, which logs nothing"
             raise RecorderConfigError(
                 f"Expected the Trainer's `log_every_n_steps`, which {self!r} follows for "
-                "training steps (every_n_steps=None), to be positive but got 0 (Lightning logs "
-                "no training step then). Pass every_n_steps=N, or leave 'train' out of `stages`."
+                f"training steps (every_n_steps=None), to be positive but got 0 ({why}). Pass "
+                "every_n_steps=N, or leave 'train' out of `stages`."
             )
         self._every = every if isinstance(every, int) and every > 0 else 1
 

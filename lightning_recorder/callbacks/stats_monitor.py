@@ -215,9 +215,10 @@ class FeatureStatsMonitor(RecorderCallback):
             per stage (default: one series per dataloader, as Lightning logs metrics).
 
     Raises:
-        RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger,
-            ``logger_stats`` names no logger of it, ``histogram_every_n_steps`` is not a
-            multiple of the Trainer's ``log_every_n_steps``, or ``bins`` is over 512 for a
+        RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger
+            (or runs with ``barebones=True``), ``logger_stats`` names no logger of it,
+            ``histogram_every_n_steps`` is not a multiple of the Trainer's
+            ``log_every_n_steps``, or ``bins`` is over 512 for a
             ``WandbLogger`` (at setup); a source matches no
             module, or a ``parameters`` pattern no parameter of the monitored modules (at the
             start of the run, naming the closest names), or another monitor of the Trainer
@@ -463,6 +464,15 @@ class FeatureStatsMonitor(RecorderCallback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # barebones turns logging off and refuses a logger: the advice of the checks below
+        # (a cadence of its own, a logger) could not be followed there
+        if getattr(trainer, "barebones", False):
+            raise RecorderConfigError(
+                f"Expected a Trainer that logs for {self!r} to write to, but it runs with "
+                "barebones=True, which turns logging off (no logger, log_every_n_steps=0) and "
+                "refuses a logger. Run without barebones=True, with a logger such as "
+                "TensorBoardLogger."
+            )
         super().setup(trainer, pl_module, stage)
         if self.every_n_steps is None:
             self._check_histogram_cadence(self._every, "the Trainer's `log_every_n_steps`")

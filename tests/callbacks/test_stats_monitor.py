@@ -427,6 +427,30 @@ def test_no_logger_fails_at_setup() -> None:
     assert live_hooks() == []
 
 
+def test_barebones_is_named_in_the_errors() -> None:
+    # barebones=True turns logging off and refuses a logger: the error says so, rather than
+    # "logger=False; pass a logger" (which Lightning refuses) or a log_every_n_steps never given
+    for monitor in (FeatureStatsMonitor("probe"), FeatureStatsMonitor("probe", every_n_steps=1)):
+        trainer = pl.Trainer(barebones=True, max_steps=1, callbacks=[monitor])
+        with pytest.raises(
+            RecorderConfigError,
+            match=r"but it runs with barebones=True, which turns logging off .* Run without "
+            r"barebones=True, with a logger",
+        ):
+            trainer.fit(ProbeNet(), loader(features(8)))
+        assert live_hooks() == [] and monitor.recorded_steps == 0
+    recorder = RecorderCallback(
+        {"p": {"type": "ModuleOutputs", "source": "probe"}}, every_n_steps=None
+    )
+    trainer = pl.Trainer(barebones=True, max_steps=1, callbacks=[recorder])
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"but got 0 \(set by barebones=True, which logs nothing\)\. Pass every_n_steps=N",
+    ):
+        trainer.fit(ProbeNet(), loader(features(8)))
+    assert live_hooks() == []
+
+
 def test_validate_then_fit_and_test(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="vf")
     monitor = FeatureStatsMonitor(
