@@ -587,6 +587,28 @@ def test_a_connector_built_for_other_shapes_fails_naming_the_pair_and_shapes() -
     assert not is_patched(student) and live_hooks() == []
 
 
+def test_a_second_fit_with_another_student_names_the_connector_of_the_first() -> None:
+    # the callback keeps its 'auto' connectors from one fit to the next: a student of other
+    # widths is told so, not to "leave this pair's connector to 'auto'" (it is)
+    teacher, student = seeded()
+    distill = FeatureDistillation(teacher, {"features.2": "features.2"})
+    fit(student, [distill], max_steps=1)  # its connector maps 6 channels to 12
+    narrow = Student()
+    narrow.features[2] = nn.Conv2d(4, 5, 3, padding=1)
+    narrow.head = nn.Linear(5, 3)
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"features of pair 'features.2' -> 'features.2' to have the shapes its connector, "
+        r"from an earlier fit or validation of this FeatureDistillation, was built for "
+        r"\(student \[6, 8, 8\], teacher \[12, 8, 8\], without the batch dimension\) but got "
+        r"student \[5, 8, 8\] and teacher \[12, 8, 8\]: the callback keeps its connectors .* "
+        r"Use a new FeatureDistillation for another student or teacher\.",
+    ):
+        fit(narrow, [distill], max_steps=1)
+    assert not is_patched(narrow) and live_hooks() == []
+    fit(Student(), [distill], max_steps=1)  # a student of the same widths goes on with it
+
+
 def test_teacher_checkpoint(tmp_path: Path) -> None:
     torch.manual_seed(3)
     trained = Teacher()

@@ -67,6 +67,8 @@ class ConnectorBank:
         self._pending: dict[str, Any] | None = None
         #: Pairs whose connector holds weights restored from a checkpoint.
         self.restored: set[str] = set()
+        #: Pairs whose connector was built before this fit (an earlier fit or validation).
+        self.earlier: set[str] = set()
         # The group taken out of the optimizer by hide(): (index, group, optimizer states).
         self._hidden: tuple[int, dict[str, Any], dict[Tensor, Any]] | None = None
 
@@ -144,8 +146,10 @@ class ConnectorBank:
 
     # ------------------------------------------------------------------ the optimizer
     def bind(self, optimizer: Optimizer | None, schedulers: list[Any]) -> None:
-        """Use ``optimizer`` (and extend ``schedulers``) for the connectors from now on."""
+        """Use ``optimizer`` (and extend ``schedulers``) for the connectors from now on (at the
+        start of a fit: the connectors built so far are kept, as :attr:`earlier`)."""
         self.unhide()
+        self.earlier = set(self.modules)
         self._optimizer = optimizer
         self._schedulers = schedulers
 

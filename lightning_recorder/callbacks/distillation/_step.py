@@ -300,6 +300,9 @@ class StepRunner:
             except (RecorderError, torch.OutOfMemoryError):
                 raise
             except Exception as err:  # a connector given for other shapes
+                built = self._built_for_other_shapes(pair, t_name, s, t)
+                if built is not None:
+                    raise built from err
                 raise RecorderConfigError(
                     f"Expected the connector of pair {pair!r} -> {t_name!r} to take the student "
                     f"feature of shape {shape_of(s)} (to map it to the teacher's {shape_of(t)}) "
@@ -309,20 +312,35 @@ class StepRunner:
             try:
                 terms[pair] = self.losses[pair](mapped, t) * self.weights[pair]
             except RecorderConfigError as err:  # e.g. the mapped feature is not the teacher's shape
-                restored = self._restored_for_other_shapes(pair, t_name, s, t)
-                if restored is None:
+                built = self._built_for_other_shapes(pair, t_name, s, t)
+                if built is None:
                     raise
-                raise restored from err
+                raise built from err
         if self.on_nonfinite != "ignore" and self.phase == "train":
             self._flag_nonfinite(terms)
         return terms
 
-    def _restored_for_other_shapes(
+    def _built_for_other_shapes(
         self, pair: str, t_name: str, s: Tensor, t: Tensor
     ) -> RecorderConfigError | None:
-        """The error to raise when ``pair``'s connector, restored from a checkpoint, was built
-        for other feature shapes than this run's (another teacher); else ``None``."""
-        if pair not in self.bank.restored:
+        """The error to raise when ``pair``'s connector, restored from a checkpoint or built
+        before this fit (an earlier fit or validation of the callback), was built for other
+        feature shapes than this run's (another student or teacher); else ``None``."""
+        if pair in self.bank.restored:
+            where = "restored from the checkpoint,"
+            fix = (
+                "the student or the teacher is not the one of the run that saved the "
+                "checkpoint. Resume with the models of that run, or start a new fit (without "
+                "`ckpt_path`) to build a new connector."
+            )
+        elif pair in self.bank.earlier:
+            where = "from an earlier fit or validation of this FeatureDistillation,"
+            fix = (
+                "the callback keeps its connectors from one fit to the next (to go on training "
+                "them), and the student or the teacher is not the one they were built for. Use "
+                "a new FeatureDistillation for another student or teacher."
+            )
+        else:
             return None
         saved_s, saved_t = self.bank.shapes[pair]
         now_s, now_t = list(shape_of(s)[1:]), list(shape_of(t)[1:])
@@ -330,11 +348,8 @@ class StepRunner:
             return None
         return RecorderConfigError(
             f"Expected the features of pair {pair!r} -> {t_name!r} to have the shapes its "
-            f"connector, restored from the checkpoint, was built for (student {saved_s}, teacher "
-            f"{saved_t}, without the batch dimension) but got student {now_s} and teacher "
-            f"{now_t}: the student or the teacher is not the one of the run that saved the "
-            "checkpoint. Resume with the models of that run, or start a new fit (without "
-            "`ckpt_path`) to build a new connector."
+            f"connector, {where} was built for (student {saved_s}, teacher {saved_t}, without "
+            f"the batch dimension) but got student {now_s} and teacher {now_t}: {fix}"
         )
 
     def _flag_nonfinite(self, terms: Mapping[str, Tensor]) -> None:
