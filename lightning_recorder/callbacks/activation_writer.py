@@ -13,7 +13,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..activations import ShardWriter
-from ..activations._format import parse_stem
+from ..activations._format import INDEX_SUFFIX, decode_index, parse_stem
 from ..errors import RecorderConfigError, RecorderError
 from ._lightning import Stage, predict_batch_indices, step_axis
 from .recorder import RecorderCallback
@@ -253,6 +253,18 @@ class ActivationWriter(RecorderCallback):
         self.writer = ShardWriter(
             self.directory, run=self.run, rank=trainer.global_rank, **self._writer_options
         )
+        # The generations go on from the shards this run already has (an earlier fit or loop
+        # of this writer): a resume from a checkpoint of this loop then removes what it wrote
+        # after the checkpoint, not the earlier loop's shards of the same numbers. Those of
+        # every rank count, so that the ranks agree (a checkpoint holds rank 0's number).
+        storage = self.writer.storage
+        found = [
+            decode_index(storage.read(name), name).get("generation", 0)
+            for name in storage.names()
+            if name.endswith(INDEX_SUFFIX) and (parse_stem(name) or ("",))[0] == self.run
+        ]
+        if found:
+            self.writer.generation = max(found) + 1
 
     def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None

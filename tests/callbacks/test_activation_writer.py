@@ -248,6 +248,56 @@ def test_resume_from_checkpoint_without_duplicates(tmp_path: Path) -> None:
     check_index_is_exact(acts)
 
 
+def _fit_three_epochs(writer: ActivationWriter, loader: DataLoader[Any], root: Path) -> None:
+    """Steps 0 to 5; the checkpoint after each epoch starts a new generation (0, 1 and 2)."""
+    options = {**QUIET, "enable_checkpointing": True, "default_root_dir": root}
+    trainer = pl.Trainer(**options, callbacks=[writer], max_epochs=3, limit_train_batches=2)
+    trainer.fit(Net(), loader)
+
+
+def test_the_tuner_after_a_fit_of_the_same_run_keeps_its_rows(tmp_path: Path) -> None:
+    # The Tuner saves a checkpoint and restores it into the writer; the fit after it must not
+    # take that for a resume that removes the earlier fit's shards of later generations.
+    from lightning.pytorch.tuner import Tuner
+
+    loader, acts = DataLoader(Indexed(images(16)), batch_size=4), tmp_path / "acts"
+    writer = ActivationWriter("pool", acts, stages="train", sample_index=1)
+    _fit_three_epochs(writer, loader, tmp_path)
+    trainer = pl.Trainer(**QUIET, callbacks=[writer], max_steps=2, default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the finder's: too few points for a suggestion
+        Tuner(trainer).lr_find(
+            Net(), loader, num_training=2, early_stop_threshold=None, update_attr=False
+        )
+        trainer.fit(Net(), loader)
+    steps = Counter(r["global_step"] for r in ActivationDataset(acts).provenance())
+    assert sorted(steps.items()) == [(0, 8), (1, 8), (2, 4), (3, 4), (4, 4), (5, 4)]
+    check_index_is_exact(acts)
+
+
+def test_a_resume_removes_the_rows_after_its_checkpoint_only(tmp_path: Path) -> None:
+    # A second fit of the same run crashes and resumes from its own checkpoint: the rows it
+    # wrote after that checkpoint go, the first fit's stay.
+    loader, acts = DataLoader(Indexed(images(16)), batch_size=4), tmp_path / "acts"
+    _fit_three_epochs(
+        ActivationWriter("pool", acts, "train", run="r", sample_index=1), loader, tmp_path
+    )
+    saves = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    options = {**QUIET, "enable_checkpointing": True}
+    second = ActivationWriter("pool", acts, "train", run="r", sample_index=1)
+    with pytest.raises(RuntimeError, match=r"boom at 2"):
+        pl.Trainer(**options, callbacks=[second, saves], max_steps=3).fit(
+            Net(crash_at=2, crash_stage="train"), loader
+        )
+    resumed = ActivationWriter("pool", acts, "train", run="r", sample_index=1)
+    pl.Trainer(**options, callbacks=[resumed], max_steps=3).fit(
+        Net(), loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=1.ckpt"
+    )
+    steps = Counter(r["global_step"] for r in ActivationDataset(acts).provenance())
+    assert sorted(steps.items()) == [(0, 8), (1, 8), (2, 8), (3, 4), (4, 4), (5, 4)]
+    check_index_is_exact(acts)
+
+
 def test_resume_from_a_checkpoint_saved_by_an_earlier_callback_at_batch_end(
     tmp_path: Path,
 ) -> None:
