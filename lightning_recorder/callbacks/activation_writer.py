@@ -99,9 +99,10 @@ class ActivationWriter(RecorderCallback):
 
     **Crash and resume.** A shard and then its index file are written under temporary names and
     renamed, so after a crash the index files list exactly the complete shards. Saving a
-    checkpoint writes everything queued first; a run resumed from that checkpoint keeps the run
+    checkpoint writes everything queued first; a fit resumed from that checkpoint keeps the run
     id and removes what was written after it (those steps run again), so no row is written
-    twice. A run that is not resumed adds its rows to the shards its run id already has in
+    twice (``validate``, ``test`` and ``predict`` with a ``ckpt_path`` remove nothing). A run
+    that is not resumed adds its rows to the shards its run id already has in
     ``directory`` (the same ``run`` given again, or this writer used for another loop), with
     a warning.
 
@@ -268,7 +269,10 @@ class ActivationWriter(RecorderCallback):
 
     def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
-        if restored is not None:  # resumed: this run's shards after the checkpoint are stale
+        # validate/test/predict(ckpt_path=...) restore the callbacks' states too, but only a fit
+        # resumes training: those loops write beside the run's shards, and remove none
+        if restored is not None and trainer.state.fn == "fit":
+            # resumed: this run's shards after the checkpoint are stale
             if self._given_run not in (None, restored[0]):
                 rank_zero_warn(
                     f"{type(self).__name__}: resumed from a checkpoint of run {restored[0]!r}, "

@@ -298,6 +298,28 @@ def test_a_resume_removes_the_rows_after_its_checkpoint_only(tmp_path: Path) -> 
     check_index_is_exact(acts)
 
 
+def test_loops_from_a_checkpoint_of_the_fit_keep_the_fits_rows(tmp_path: Path) -> None:
+    # validate/predict(ckpt_path=...) restore the writer's state too, but resume no training: the
+    # rows the fit wrote after that checkpoint stay.
+    loader, acts = DataLoader(Indexed(images(16)), batch_size=4), tmp_path / "acts"
+    writer = ActivationWriter("pool", acts, ("train", "val", "predict"), sample_index=1)
+    every = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1)
+    options = {**QUIET, "enable_checkpointing": True}
+    trainer = pl.Trainer(**options, callbacks=[writer, every], max_epochs=3, limit_train_batches=2)
+    trainer.fit(Net(), loader)
+    first = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the rows are added to the run's: said once a loop
+        trainer.validate(Net(), loader, ckpt_path=first, verbose=False)
+        trainer.predict(Net(), loader, ckpt_path=first, return_predictions=False)
+    rows = ActivationDataset(acts).provenance()
+    assert {r["run"] for r in rows} == {writer.run}
+    steps = Counter((r["stage"], r["global_step"]) for r in rows if r["stage"] == "train")
+    assert sorted(steps.items()) == [(("train", step), 4) for step in range(6)]
+    assert Counter(r["stage"] for r in rows) == {"train": 24, "val": 16, "predict": 16}
+    check_index_is_exact(acts)
+
+
 def test_resume_from_a_checkpoint_saved_by_an_earlier_callback_at_batch_end(
     tmp_path: Path,
 ) -> None:
