@@ -225,7 +225,10 @@ class RecorderCallback(Callback):
         if not found:
             raise RecorderStateError(
                 f"Expected a {which} among the trainer's callbacks but found none: pass it in "
-                f"`Trainer(callbacks=[...])`."
+                "`Trainer(callbacks=[...])`. (Lightning's Tuner, `lr_find` and "
+                "`scale_batch_size`, runs its trial steps without the Trainer's callbacks: a "
+                "step that may run there skips its use of the callback when this "
+                "RecorderStateError is raised.)"
             )
         if len(found) > 1:
             raise RecorderStateError(

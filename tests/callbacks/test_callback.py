@@ -494,6 +494,24 @@ def test_of_errors() -> None:
         RecorderCallback.of(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
+def test_of_in_the_tuners_trial_steps_names_the_tuner() -> None:
+    # Lightning's Tuner runs its trial steps without the Trainer's callbacks: the step that
+    # reads the callback is told why it is missing, and the tuning leaves nothing installed.
+    from lightning.pytorch.tuner import Tuner
+
+    model = ProbeNet()
+    model.step_hook = lambda module, batch_idx: RecorderCallback.of(module)
+    tuned = trainer(callbacks=[RecorderCallback(FEAT)], max_steps=2)
+    with pytest.raises(
+        RecorderStateError,
+        match=r"found none: pass it in `Trainer\(callbacks=\[...\]\)`. \(Lightning's Tuner, "
+        r"`lr_find` and `scale_batch_size`, runs its trial steps without the Trainer's "
+        r"callbacks: a step that may run there skips its use of the callback",
+    ):
+        Tuner(tuned).lr_find(model, loader(features(32)), num_training=2)
+    assert live_hooks() == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -399,6 +399,26 @@ def test_manual_optimization_needs_the_explicit_form() -> None:
     assert distill.connectors["features.2"].weight.grad is not None
 
 
+def test_the_explicit_form_in_the_tuners_trial_steps_names_the_tuner() -> None:
+    # Lightning's Tuner runs its trial steps without the Trainer's callbacks (no teacher)
+    from lightning.pytorch.tuner import Tuner
+
+    teacher, _ = seeded()
+    student = ExplicitStudent()
+    trainer = pl.Trainer(
+        callbacks=[FeatureDistillation(teacher, PAIRS, add_to_loss=False)],
+        **trainer_kwargs(max_steps=2),
+    )
+    with pytest.raises(
+        RecorderStateError,
+        match=r"found none \(with add_to_loss=True the term is already added to the loss\)\. "
+        r"Lightning's Tuner, `lr_find` and `scale_batch_size`, runs its trial steps without "
+        r"the Trainer's callbacks, so without the teacher: to tune, use add_to_loss=True",
+    ):
+        Tuner(trainer).lr_find(student, loader(), num_training=2, update_attr=False)
+    assert not is_patched(student) and live_hooks() == []
+
+
 class EarlyTermStudent(Student):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         term = distillation_loss(self)  # before the student's forward: no teacher pass yet

@@ -458,7 +458,11 @@ def distillation_loss(pl_module: pl.LightningModule) -> Tensor:
     if not found:
         raise RecorderStateError(
             "Expected a FeatureDistillation(..., add_to_loss=False) among the trainer's callbacks "
-            "but found none (with add_to_loss=True the term is already added to the loss)."
+            "but found none (with add_to_loss=True the term is already added to the loss). "
+            "Lightning's Tuner, `lr_find` and `scale_batch_size`, runs its trial steps without "
+            "the Trainer's callbacks, so without the teacher: to tune, use add_to_loss=True "
+            "(nothing is added in those steps), or skip the term when this RecorderStateError "
+            "is raised."
         )
     total = found[0].loss()
     for callback in found[1:]:
