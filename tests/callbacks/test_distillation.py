@@ -629,6 +629,26 @@ def test_a_second_fit_with_another_student_names_the_connector_of_the_first() ->
     fit(Student(), [distill], max_steps=1)  # a student of the same widths goes on with it
 
 
+def test_a_fit_after_a_resumed_one_names_the_connector_of_the_earlier_fit(tmp_path: Path) -> None:
+    # the connector was restored in the resumed fit: a later fit without `ckpt_path` is not
+    # told to "start a new fit (without `ckpt_path`)"
+    teacher, student = seeded()
+    distill = FeatureDistillation(teacher, {"features.2": "features.2"})
+    fit(student, [distill], max_steps=1).save_checkpoint(tmp_path / "one.ckpt")
+    trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=2))
+    trainer.fit(Student(), loader(), ckpt_path=tmp_path / "one.ckpt")
+    narrow = Student()
+    narrow.features[2] = nn.Conv2d(4, 5, 3, padding=1)
+    narrow.head = nn.Linear(5, 3)
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"its connector, from an earlier fit or validation of this FeatureDistillation, "
+        r"was built for \(student \[6, 8, 8\], teacher \[12, 8, 8\]",
+    ):
+        fit(narrow, [distill], max_steps=1)
+    assert not is_patched(narrow) and live_hooks() == []
+
+
 def test_teacher_checkpoint(tmp_path: Path) -> None:
     torch.manual_seed(3)
     trained = Teacher()

@@ -65,7 +65,7 @@ class ConnectorBank:
         self._optimizer: Optimizer | None = None
         self._schedulers: list[Any] = []
         self._pending: dict[str, Any] | None = None
-        #: Pairs whose connector holds weights restored from a checkpoint.
+        #: Pairs whose connector holds weights restored from a checkpoint (in this fit).
         self.restored: set[str] = set()
         #: Pairs whose connector was built before this fit (an earlier fit or validation).
         self.earlier: set[str] = set()
@@ -149,7 +149,7 @@ class ConnectorBank:
         """Use ``optimizer`` (and extend ``schedulers``) for the connectors from now on (at the
         start of a fit: the connectors built so far are kept, as :attr:`earlier`)."""
         self.unhide()
-        self.earlier = set(self.modules)
+        self.restored, self.earlier = set(), set(self.modules)  # restored again by a resume
         self._optimizer = optimizer
         self._schedulers = schedulers
 
