@@ -456,8 +456,10 @@ class RecorderCallback(Callback):
             "hooks, and the model is compiled. If those modules ran, torch is running code it "
             "compiled before the hooks were installed: torch.compile does not recompile when "
             "hooks are added later (the model, or another of its class, was compiled and run "
-            "earlier in this process, as in a first fit in a notebook). Call "
-            "torch.compiler.reset() before this run, so that the model compiles with the hooks."
+            "earlier in this process, as in a first fit in a notebook, or in the trial steps "
+            "of Lightning's Tuner, `lr_find` and `scale_batch_size`, which run without the "
+            "Trainer's callbacks). Call torch.compiler.reset() before this run, so that the "
+            "model compiles with the hooks."
         )
 
     def _report_silent_modules(self) -> None:

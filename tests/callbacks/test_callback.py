@@ -310,6 +310,31 @@ def test_a_model_compiled_before_the_hooks_is_reported_until_torch_recompiles() 
         torch.compiler.reset()
 
 
+def test_a_compiled_model_run_by_the_tuner_before_the_fit_is_reported() -> None:
+    """Lightning's Tuner runs its trial steps without the Trainer's callbacks: a compiled
+    submodule compiles there without hooks, the fit after it records nothing, and the
+    callback's warning names the Tuner and torch.compiler.reset()."""
+    from lightning.pytorch.tuner import Tuner
+
+    torch.compiler.reset()
+    try:
+        model = Unlogged()
+        model.body = torch.compile(model.body, backend="eager")
+        seen = Seen()
+        tuned = trainer(max_steps=2, callbacks=[RecorderCallback(FEAT, stages="train"), seen])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Tuner(tuned).lr_find(model, loader(features(32)), num_training=2, update_attr=False)
+            tuned.fit(model, loader(features(16)))
+        told = [str(w.message) for w in caught if "torch.compiler.reset()" in str(w.message)]
+        assert (
+            len(told) == 1 and "in the trial steps of Lightning's Tuner, `lr_find` and " in told[0]
+        )
+        assert [n for _, _, n in seen.entries] == [None, None]
+    finally:
+        torch.compiler.reset()
+
+
 def test_hooks_are_suspended_between_recorded_steps() -> None:
     # A step that records nothing runs the model without the recorders' hooks; a recorded step
     # gets them back, gradient recorders included, and records what it would have recorded.
