@@ -174,26 +174,26 @@ class LossSpikeRule(HealthRule):
         return spike, mean
 
     def check(self, seen: RuleInput) -> list[HealthEvent]:
-        spikes: list[tuple[int, float, float]] = []
+        spikes: list[tuple[int, float, float, int]] = []
         for step, loss in zip(seen.loss_steps.tolist(), seen.losses.tolist(), strict=True):
             if not math.isfinite(loss):
                 continue
             spike, mean = self._is_spike(loss)
-            if spike:
-                spikes.append((int(step), loss, mean))
+            if spike:  # the mean of the steps kept so far (fewer than `window` early on)
+                spikes.append((int(step), loss, mean, len(self._recent)))
             self._recent.append(loss)
             self._last = loss
             self._seen += 1
         if not spikes:
             return []
-        step, loss, mean = spikes[0]
+        step, loss, mean, before = spikes[0]
         ratio = loss / mean if mean else math.inf
         more = (
             f"; {len(spikes) - 1} more spike(s) by step {spikes[-1][0]}" if len(spikes) > 1 else ""
         )
         message = (
             f"The training loss spiked at step {step}: {loss:.4g}, {ratio:.3g} times the mean "
-            f"{mean:.4g} of the {self.window} steps before{more}. Lower the learning rate, add "
+            f"{mean:.4g} of {_steps(before)} before{more}. Lower the learning rate, add "
             "warm-up or gradient clipping (Trainer(gradient_clip_val=1.0)), or look at the "
             "batches of those steps."
         )
@@ -205,10 +205,15 @@ class LossSpikeRule(HealthRule):
             loss=loss,
             mean=mean,
             ratio=ratio,
-            spikes=[[s, v, m] for s, v, m in spikes[:16]],
+            spikes=[[s, v, m] for s, v, m, _ in spikes[:16]],
         )
         event.step = step
         return [event]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(window={self.window}, rtol={self.rtol}, atol={self.atol})"
+
+
+def _steps(n: int) -> str:
+    """``n`` logged steps, in words: "the step", "the 10 steps"."""
+    return "the step" if n == 1 else f"the {n} steps"

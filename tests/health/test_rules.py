@@ -513,6 +513,11 @@ def test_loss_spike_is_lightnings_rule() -> None:
     assert rule.check(losses([2.0, 1.0], 5)) == []  # lower than the last: never a spike
     rule = LossSpikeRule(window=3)
     assert rule.check(losses([1.0, 1.0, 1.0, 2.999])) == []  # just under
+    # before the window fills, the mean is of the steps seen, and the message says how many
+    [event] = LossSpikeRule(window=10).check(losses([1.0, 1.0, 4.0]))
+    assert "4 times the mean 1 of the 2 steps before." in event.message
+    [event] = LossSpikeRule(window=10).check(losses([1.0, 4.0]))
+    assert "4 times the mean 1 of the step before." in event.message
     rule = LossSpikeRule(window=2, rtol=2.0, atol=5.0)  # both tolerances must be passed
     assert rule.check(losses([1.0, 1.0, 4.0])) == []  # 2 * mean away, not atol
     assert [e.step for e in rule.check(losses([8.0], 3))] == [3]  # both: mean 2.5, 5.5 away
