@@ -299,7 +299,8 @@ def _is_item(key: str, var_pos: str) -> bool:
 
 
 def follow_path(value: Any, path: Path, where: str) -> Any:
-    """Follow ``path`` into ``value``: an index, a mapping key, a field or an argument name.
+    """Follow ``path`` into ``value``: an index, a mapping key, a field or other attribute (an
+    instance's own, such as a Hugging Face cache's ``layers``), or an argument name.
 
     Raises:
         RecorderConfigError: a key does not exist; the message shows what does.
@@ -315,7 +316,7 @@ def follow_path(value: Any, path: Path, where: str) -> Any:
                 container: Any = current
                 current = container[key]
             elif isinstance(key, str) and (
-                dataclasses.is_dataclass(current) or hasattr(type(current), key)
+                dataclasses.is_dataclass(current) or hasattr(current, key)
             ):
                 current = getattr(current, key)
             elif isinstance(current, Mapping):

@@ -258,8 +258,8 @@ class BaseRecorder(abc.ABC):
         keep: ``"all"`` calls (default), only the ``"first"``, only the ``"last"``, or at most
             ``N`` calls (the first N; later calls are counted in ``num_calls`` but not kept).
         path: a path into a structured value: a tuple index, a dict key, a dataclass or
-            ``ModelOutput`` field, an argument name, or a dotted chain such as
-            ``"hidden_states.2"``.
+            ``ModelOutput`` field, another object's attribute, an argument name, or a dotted
+            chain such as ``"hidden_states.2"``.
     """
 
     #: Short type name used in config dicts; set by subclasses (e.g. ``"ModuleOutputs"``).

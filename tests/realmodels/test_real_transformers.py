@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from realmodels.models import (
     GPT2LM,
     QUIET,
+    SEQ_LEN,
     BertClassifier,
     BertEncoder,
     StepCapture,
@@ -167,6 +168,29 @@ def test_monitor_path_into_bert_outputs(tmp_path: Path) -> None:
     logged = scalars(logger.log_dir)
     for (source, path), reference in zip(PATHS, references, strict=True):
         check(logged, monitor, {f"{source}/{path}": reference.outputs[1][source]}, 1)
+
+
+def test_path_into_gpt2_cache_attributes() -> None:
+    # use_cache=True: the keys of the second layer live in an attribute of the cache object's
+    # instance (transformers' DynamicCache: `layers[i].keys`; before 4.54: `key_cache[i]`)
+    model = GPT2LM().model
+    ids = token_loader().dataset.tensors[0][:4]
+    cache = model(input_ids=ids, use_cache=True).past_key_values
+    path = "past_key_values." + ("layers.1.keys" if hasattr(cache, "layers") else "key_cache.1")
+    manager = RecorderManager(
+        {"keys": {"type": "ModuleOutputs", "source": "transformer", "path": path}}
+    )
+    manager.initialize(model)
+    try:
+        with manager:
+            out = model(input_ids=ids, use_cache=True)
+        recorded = manager.get_recorder("keys").get_record_data()
+    finally:
+        manager.release()
+    cache = out.past_key_values
+    expected = cache.layers[1].keys if hasattr(cache, "layers") else cache.key_cache[1]
+    assert recorded.shape == (4, 2, SEQ_LEN, 16)  # batch, heads, tokens, head width
+    torch.testing.assert_close(recorded, expected, rtol=0, atol=0)  # the same tensor
 
 
 # ------------------------------------------------------------------ 5. gradient checkpointing
