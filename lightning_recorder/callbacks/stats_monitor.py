@@ -19,7 +19,13 @@ from typing_extensions import override
 
 from .._core.checks import check_bool, check_positive_int, suggestion
 from .._core.compat import distributed_active
-from .._core.names import absent_module_type, named_modules, named_parameters, select
+from .._core.names import (
+    absent_module_type,
+    canonical_name,
+    named_modules,
+    named_parameters,
+    select,
+)
 from ..errors import RecorderConfigError, UnknownSourceError
 from ..recorders import RecordStream
 from ..stats import STAT_NAMES, StatName
@@ -184,7 +190,8 @@ class FeatureStatsMonitor(RecorderCallback):
         parameters: also log the norms, gradient norms and update ratios of the parameters
             inside the monitored modules: ``True`` every one of them, a name, glob or ``"re:"``
             pattern (or a list of them, names as in ``named_parameters()`` of the LightningModule)
-            those it selects among them, ``False`` none.
+            those it selects among them, ``False`` none. A parameter shared with another module
+            (tied weights) is logged once, under its first name in ``named_parameters()``.
         prefix: the first component of every tag. A logger's own ``prefix`` comes before it
             where the logger applies it: in ``log_metrics`` (W&B, CSV and other loggers) and
             in :class:`~lightning_recorder.TensorBoardLogger`'s events. Lightning's
@@ -630,7 +637,14 @@ class FeatureStatsMonitor(RecorderCallback):
     ) -> dict[str, torch.nn.Parameter]:
         prefixes = tuple(dict.fromkeys(s.name + "." for s in streams.values()))
         every = named_parameters(pl_module)
-        inside = {name: param for name, param in every.items() if name.startswith(prefixes)}
+        # A parameter shared with another module (tied weights: GPT-2's `lm_head.weight` is its
+        # `transformer.wte.weight`) is inside by any of its names, and named by its first one.
+        ids = {
+            id(param)
+            for name, param in pl_module.named_parameters(remove_duplicate=False)
+            if canonical_name(name).startswith(prefixes)
+        }
+        inside = {name: param for name, param in every.items() if id(param) in ids}
         if self._param_patterns is None:
             return inside
         chosen: set[str] = set()

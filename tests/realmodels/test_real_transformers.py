@@ -114,6 +114,46 @@ def test_unknown_bert_class_name_suggests_close_class_names() -> None:
         manager.initialize(BertClassifier())
 
 
+class TiedWeight(pl.Callback):
+    """Reference: GPT-2's tied embedding before and after each optimizer step, and its gradient."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, torch.Tensor] = {}
+        self.grad: dict[int, torch.Tensor] = {}
+        self.after: dict[int, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
+        weight = pl_module.model.lm_head.weight
+        self.before[trainer.global_step] = weight.detach().double().clone()
+        self.grad[trainer.global_step] = weight.grad.detach().double().clone()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        self.after[trainer.global_step - 1] = pl_module.model.lm_head.weight.detach().double()
+
+
+def test_monitored_lm_head_logs_its_tied_weight_under_its_first_name(tmp_path: Path) -> None:
+    # lm_head.weight is transformer.wte.weight (tied): named_parameters() lists it once, under
+    # its first name, and the monitor of lm_head logs it under that name
+    model = GPT2LM()
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight
+    monitor = FeatureStatsMonitor(["model.lm_head"], histograms=False)
+    reference = TiedWeight()
+    logged = fit(tmp_path, model, monitor, reference, steps=2)  # type: ignore[arg-type]
+    name = "model.transformer.wte.weight"
+    assert {t for t in logged if t.endswith(("norm", "update_ratio"))} == {
+        monitor.tag("train", name, stat) for stat in ("norm", "grad_norm", "update_ratio")
+    }
+    before, after = reference.before[1], reference.after[1]
+    expected = {
+        "norm": after.norm().item(),
+        "grad_norm": reference.grad[1].norm().item(),
+        "update_ratio": ((after - before).norm() / before.norm()).item(),
+    }
+    for stat, value in expected.items():
+        # float32 norms of float32 values against float64 ones, stored as float32: 1e-5 relative
+        assert logged[monitor.tag("train", name, stat)][1] == pytest.approx(value, rel=1e-5)
+
+
 # ------------------------------------------------------------------ 3. path into outputs
 PATHS: list[tuple[str, Any]] = [
     ("net", "last_hidden_state"),
