@@ -24,6 +24,7 @@ from .._core.names import (
     canonical_name,
     named_modules,
     named_parameters,
+    refuse_second_name,
     select,
 )
 from ..errors import RecorderConfigError, UnknownSourceError
@@ -653,6 +654,10 @@ class FeatureStatsMonitor(RecorderCallback):
                 chosen.update(select(inside, pattern, "parameter"))
             except UnknownSourceError as err:
                 owner = type(self).__name__
+                try:  # the second name of a tied parameter?
+                    refuse_second_name(pl_module, pattern, "parameter", every)
+                except UnknownSourceError as tied:
+                    raise UnknownSourceError(f"`parameters` of {owner}: {tied}") from None
                 try:  # parameters of the model, of modules that are not monitored?
                     outside = select(every, pattern, "parameter")
                 except UnknownSourceError:

@@ -154,6 +154,22 @@ def test_monitored_lm_head_logs_its_tied_weight_under_its_first_name(tmp_path: P
         assert logged[monitor.tag("train", name, stat)][1] == pytest.approx(value, rel=1e-5)
 
 
+def test_second_name_of_tied_weight_in_parameters_says_which_to_name(tmp_path: Path) -> None:
+    model = GPT2LM()
+    monitor = FeatureStatsMonitor(["model.lm_head"], parameters="model.lm_head.weight")
+    trainer = pl.Trainer(
+        **QUIET, logger=TensorBoardLogger(tmp_path), max_steps=1, callbacks=[monitor]
+    )
+    with pytest.raises(
+        UnknownSourceError,
+        match=r"`parameters` of FeatureStatsMonitor: .*'model\.lm_head\.weight' is a second "
+        r"name of the parameter 'model\.transformer\.wte\.weight'.*Record "
+        r"'model\.transformer\.wte\.weight'",
+    ):
+        trainer.fit(model, token_loader())
+    assert not any(m._forward_hooks for m in model.modules())  # nothing left installed
+
+
 # ------------------------------------------------------------------ 3. path into outputs
 PATHS: list[tuple[str, Any]] = [
     ("net", "last_hidden_state"),
