@@ -29,7 +29,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -46,14 +46,15 @@ __all__ = ["Trace", "tensor_paths"]
 
 
 def tensor_paths(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(path, tensor)`` for every tensor in a nest of tuples, lists, dicts and dataclasses
-    (paths joined by ``"."``: ``"0"``, ``"logits"``, ``"hidden.2"``; ``""`` for the value)."""
+    """``(path, tensor)`` for every tensor in a nest of tuples, lists, mappings (dicts, and
+    Hugging Face's ``BatchEncoding`` / ``BatchFeature`` batches) and dataclasses (paths joined by
+    ``"."``: ``"0"``, ``"logits"``, ``"hidden.2"``; ``""`` for the value)."""
     if isinstance(value, torch.Tensor):
         yield prefix, value
         return
     if isinstance(value, (tuple, list)):
         items: Any = enumerate(value)
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
         items = value.items()
     elif hasattr(value, "__dataclass_fields__"):
         items = ((name, getattr(value, name, None)) for name in value.__dataclass_fields__)

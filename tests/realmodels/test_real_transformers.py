@@ -24,7 +24,7 @@ from realmodels.models import (
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_recorder import FeatureStatsMonitor, RecorderCallback, RecorderManager
+from lightning_recorder import FeatureStatsMonitor, HealthMonitor, RecorderCallback, RecorderManager
 from lightning_recorder.errors import UnknownSourceError
 
 transformers = pytest.importorskip("transformers")
@@ -303,3 +303,61 @@ def test_gpt2_gradient_checkpointing_statistics(tmp_path: Path) -> None:
             mult = 4 if name.endswith("c_fc") else 1  # the MLP's inner width is 4 * n_embd
             assert numel == batch * seq * width * mult  # one call per step, not two
         check(logged, monitor, {n: reference.outputs[step][n][:1] for n in names}, step)
+
+
+# ------------------------------------------------------------------ HealthMonitor
+class ViTClassifier(pl.LightningModule):
+    """``ViTForImageClassification`` as ``self.model``, fed Hugging Face batches (mappings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.ViTConfig(
+            image_size=8,
+            patch_size=4,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=24,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        self.model = transformers.ViTForImageClassification(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(pixel_values=batch["pixel_values"], labels=batch["labels"]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_health_monitor_names_a_bad_batch_feature(tmp_path: Path) -> None:
+    # Hugging Face's collators and image processors give a BatchFeature (a mapping, not a
+    # dict): its NaN is the batch's, and the evidence holds the batch
+    from safetensors.torch import load_file
+
+    x, y = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 3
+    x[5, 0, 2, 3] = float("nan")  # in batch 1
+
+    def collate(rows: list[int]) -> Any:
+        return transformers.BatchFeature({"pixel_values": x[rows], "labels": y[rows]})
+
+    monitor = HealthMonitor(on_nonfinite="skip")
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, collate_fn=collate)
+    trainer = pl.Trainer(
+        **QUIET, logger=False, default_root_dir=tmp_path, max_steps=2, callbacks=[monitor]
+    )
+    trainer.fit(ViTClassifier(), loader)
+    [event] = monitor.events
+    assert (event.step, event.module, event.path, event.producer) == (
+        1,
+        None,
+        "batch.pixel_values",
+        False,
+    )
+    assert event.counts == {"nan": 1, "posinf": 0, "neginf": 0}
+    assert event.evidence is not None
+    tensors = load_file(Path(event.evidence) / "tensors.safetensors")
+    torch.testing.assert_close(tensors["batch.pixel_values"], x[4:], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(tensors["batch.labels"], y[4:])
