@@ -10,10 +10,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from realmodels.models import (
+    GPT2LM,
     QUIET,
     BertEncoder,
     ImageClassifier,
     bert_config,
+    gpt2_config,
     image_loader,
     resnet_basic,
     token_loader,
@@ -137,6 +139,38 @@ def test_bert_last_hidden_state_by_path(tmp_path: Any) -> None:
     trainer = pl.Trainer(**QUIET, logger=False, max_steps=2, callbacks=[distill])
     trainer.fit(BertEncoder(small), token_loader())
     assert torch.isfinite(trainer.logged_metrics["distill/net.encoder"])
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_pair_inside_a_reentrant_checkpoint_warns_that_the_student_gets_no_gradient(
+    reentrant: bool,
+) -> None:
+    # use_reentrant=True runs each block's forward without gradients (the block's output gets
+    # them from the recomputation): a pair inside a block would train its connector only
+    import transformers
+
+    student = GPT2LM(gpt2_config(n_embd=16))
+    student.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+    )
+    torch.manual_seed(1)
+    teacher = transformers.GPT2LMHeadModel(gpt2_config())
+    pairs = {
+        "model.transformer.h.1.mlp": "transformer.h.1.mlp",  # inside the checkpointed block
+        "model.transformer.h.1": "transformer.h.1",  # the block: its output has gradients
+    }
+    distill = FeatureDistillation(teacher, pairs)
+    trainer = pl.Trainer(**QUIET, logger=False, max_steps=2, callbacks=[distill])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(student, token_loader())
+    messages = [str(w.message) for w in caught if "does not require grad" in str(w.message)]
+    if reentrant:
+        assert len(messages) == 1  # once, for the pair inside the block
+        assert "'model.transformer.h.1.mlp' -> 'transformer.h.1.mlp'" in messages[0]
+        assert "use_reentrant=False" in messages[0]
+    else:
+        assert messages == []
 
 
 class TwoOut(nn.Module):

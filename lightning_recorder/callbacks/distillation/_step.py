@@ -71,6 +71,7 @@ class StepRunner:
         # flags on their way to the host: (pinned copy, CUDA event, first step, last step + 1)
         self._in_flight: list[tuple[Tensor, Any, int, int]] = []
         self._reported: set[str] = set()
+        self._gradless: set[str] = set()  # pairs whose student feature had no gradient
         self.pairs = dict(pairs)
         self.losses = dict(losses)
         self.weights = dict(weights)
@@ -294,6 +295,8 @@ class StepRunner:
         for pair, t_name in self.labels.items():
             s = feature(student.get_recorder(pair).get_record_data(), "student", pair)
             t = feature(teacher.get_recorder(pair).get_record_data(), "teacher", t_name)
+            if self.phase == "train" and not s.requires_grad and torch.is_grad_enabled():
+                self._warn_gradless(pair, t_name)
             connector = self.bank.get(pair, s, t)
             try:
                 mapped = connector(s)
@@ -319,6 +322,23 @@ class StepRunner:
         if self.on_nonfinite != "ignore" and self.phase == "train":
             self._flag_nonfinite(terms)
         return terms
+
+    def _warn_gradless(self, pair: str, t_name: str) -> None:
+        """Say once per pair that the student's feature has no gradient: its term would train
+        the connector only, never the student."""
+        if pair in self._gradless:
+            return
+        self._gradless.add(pair)
+        rank_zero_warn(
+            f"FeatureDistillation: the student feature of pair {pair!r} -> {t_name!r} does not "
+            "require grad, so its term trains the connector only, not the student. A module "
+            "inside a block that torch.utils.checkpoint runs with use_reentrant=True (as Hugging "
+            "Face's gradient_checkpointing_enable() may) runs its forward without gradients: "
+            "pass use_reentrant=False (gradient_checkpointing_kwargs={'use_reentrant': False}) "
+            "or pair the checkpointed block itself. A frozen student module (requires_grad="
+            "False), with everything before it, has none either: pair a trainable one. "
+            "Reported once per pair."
+        )
 
     def _built_for_other_shapes(
         self, pair: str, t_name: str, s: Tensor, t: Tensor
