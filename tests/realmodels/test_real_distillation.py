@@ -173,6 +173,29 @@ def test_pair_inside_a_reentrant_checkpoint_warns_that_the_student_gets_no_gradi
         assert messages == []
 
 
+def test_teacher_checkpoint_holding_a_tied_weight_once_loads(tmp_path: Any) -> None:
+    # Hugging Face's save_pretrained writes a tied weight once: lm_head.weight is
+    # transformer.wte.weight, and the file holds the latter only
+    import transformers
+
+    torch.manual_seed(1)
+    trained = transformers.GPT2LMHeadModel(gpt2_config())
+    state = {k: v for k, v in trained.state_dict().items() if k != "lm_head.weight"}
+    torch.save(state, tmp_path / "teacher.pt")
+    torch.manual_seed(2)
+    teacher = transformers.GPT2LMHeadModel(gpt2_config())
+    pairs = {"model.lm_head": "lm_head"}
+    FeatureDistillation(teacher, pairs, teacher_checkpoint=tmp_path / "teacher.pt")
+    assert teacher.lm_head.weight is teacher.transformer.wte.weight  # still tied
+    for key, value in trained.state_dict().items():
+        torch.testing.assert_close(teacher.state_dict()[key], value, rtol=0, atol=0)
+    # a weight that is missing under every name is still an error
+    del state["transformer.wpe.weight"]
+    torch.save(state, tmp_path / "short.pt")
+    with pytest.raises(RecorderConfigError, match=r"Missing key\(s\).*transformer\.wpe\.weight"):
+        FeatureDistillation(teacher, pairs, teacher_checkpoint=tmp_path / "short.pt")
+
+
 class TwoOut(nn.Module):
     """Returns ``(x, 2x + 1)``: the path decides which one is the teacher's feature."""
 

@@ -119,6 +119,23 @@ def add_term(output: Any, term: Tensor) -> Any:
     )
 
 
+def with_tied_names(teacher: nn.Module, state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state`` with the names it lacks of tied tensors that it holds under another of their
+    names: Hugging Face's ``save_pretrained`` writes a tied weight (``lm_head.weight``, which is
+    ``transformer.wte.weight``) once, and a strict load would miss its second name."""
+    own = teacher.state_dict(keep_vars=True)
+    names: dict[int, list[str]] = {}
+    for name, tensor in own.items():
+        names.setdefault(id(tensor), []).append(name)
+    found = dict(state)
+    for name, tensor in own.items():
+        if name not in found:
+            other = next((n for n in names[id(tensor)] if n in state), None)
+            if other is not None:
+                found[name] = state[other]
+    return found
+
+
 def load_teacher(teacher: nn.Module, path: str | os.PathLike[str]) -> None:
     """Load the teacher's weights from a state dict (or a Lightning checkpoint) saved at ``path``.
 
@@ -144,7 +161,7 @@ def load_teacher(teacher: nn.Module, path: str | os.PathLike[str]) -> None:
             f"{type(state).__name__}."
         )
     try:
-        teacher.load_state_dict(state)
+        teacher.load_state_dict(with_tied_names(teacher, state))
     except (RuntimeError, TypeError, ValueError, AttributeError) as err:
         raise RecorderConfigError(
             f"{where} (a state dict, or a Lightning checkpoint of the teacher) but loading "

@@ -86,7 +86,8 @@ class FeatureDistillation(Callback):
         optimizer_idx: the optimizer (in ``trainer.optimizers``) that trains the connectors.
         teacher_input: ``batch -> input``; the teacher is called as ``teacher(input)``.
         teacher_checkpoint: a file with the teacher's state dict (or a Lightning checkpoint
-            of it), loaded with ``strict=True`` — handy in YAML configs.
+            of it), loaded with ``strict=True`` — handy in YAML configs. A tied weight may be
+            there under one of its names only, as Hugging Face's ``save_pretrained`` writes it.
         add_to_loss: add the term to ``training_step``'s loss. With ``False``, add it yourself:
             ``loss = loss + distillation_loss(self)`` (needed for manual optimization).
         log_validation: also run the teacher on validation batches and log the terms as
