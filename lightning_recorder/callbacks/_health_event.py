@@ -67,6 +67,8 @@ class HealthEvent:
         details: anything more a rule wants to say (plain values). A non-finite event read
             lazily on a GPU after some gradients were freed or changed in place lists those
             parameters under ``"counted_at_least"``: each counts as one value, a lower bound.
+            An event of the code between submodules names, under ``"submodule"``, the
+            submodule whose input held the values (``"output"`` for ``"output.input.x"``).
 
     Examples:
         >>> event = HealthEvent("nonfinite", step=3, batch_idx=3, rank=0, module="net.2",
@@ -171,7 +173,8 @@ def _where(event: HealthEvent) -> str:
     made = "made" if event.producer else "passed on"
     source = own if event.producer else "it received"
     if event.direction == "forward":
-        if path.startswith("output"):
+        # a submodule's input (the code between submodules), even of one named "output..."
+        if path.startswith("output") and "submodule" not in event.details:
             return f"`{module}` {made} non-finite values in its forward {path} ({source})"
         return f"Code of `{module}` between its submodules {made} non-finite values at `{path}`"
     if path.startswith("input"):

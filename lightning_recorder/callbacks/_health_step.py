@@ -103,6 +103,8 @@ def make_event(
         event.shape = tuple(shape) if shape is not None else None
         event.producer = found.get("producer")
         event.batch_idx = found.get("batch_idx", event.batch_idx)
+        if found.get("submodule"):
+            event.details["submodule"] = found["submodule"]
     if replayed:
         event.reproduced = bool(found and found.get("reproduced"))
     if found is not None and found.get("error"):

@@ -164,7 +164,10 @@ class Finding:
     """Where the first non-finite values were (``reproduced=False``: none were seen).
 
     ``module`` is ``None`` when no module is to blame; ``bad_batch`` marks the batch itself;
-    ``tensors`` holds the blamed call's inputs and outputs when the trace kept them.
+    ``submodule`` names the submodule of ``module`` whose input held the values when the code
+    between its submodules made them (``path`` is then that input's: ``"output.input.x"`` for a
+    submodule named ``output``); ``tensors`` holds the blamed call's inputs and outputs when the
+    trace kept them.
     """
 
     reproduced: bool
@@ -179,6 +182,7 @@ class Finding:
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     summary: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    submodule: str | None = None
 
     def plain(self) -> dict[str, Any]:
         """The finding without tensors and summary (to send to other ranks)."""
@@ -321,7 +325,9 @@ class Timeline:
         if call.parent >= 0:
             parent = self.calls[call.parent]
             local = call.name.removeprefix(parent.name + ".")
-            return self._finding(parent.index, "forward", entry, True, f"{local}.{entry.path}")
+            found = self._finding(parent.index, "forward", entry, True, f"{local}.{entry.path}")
+            found.submodule = local
+            return found
         found = self._finding(-1, "forward", entry, None, f"{call.name}.{entry.path}")
         if self.bad_batch:  # it came with the batch: no module made it
             found.bad_batch, found.producer, found.path = True, False, self.bad_batch[0]

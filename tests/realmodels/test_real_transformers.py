@@ -361,3 +361,37 @@ def test_health_monitor_names_a_bad_batch_feature(tmp_path: Path) -> None:
     tensors = load_file(Path(event.evidence) / "tensors.safetensors")
     torch.testing.assert_close(tensors["batch.pixel_values"], x[4:], rtol=0, atol=0, equal_nan=True)
     assert torch.equal(tensors["batch.labels"], y[4:])
+
+
+def test_health_monitor_names_code_between_submodules_of_a_bert_layer(tmp_path: Path) -> None:
+    # BertLayer's code between its submodules `intermediate` and `output` (BertOutput) makes the
+    # NaN: the message says so, though the tensor's path starts with the submodule's name
+    model = BertClassifier()
+    layer = model.model.bert.encoder.layer[1]
+    assert hasattr(layer, "feed_forward_chunk")  # BertLayer: intermediate, then output
+
+    def feed_forward_chunk(attention_output: torch.Tensor) -> torch.Tensor:
+        hidden = layer.intermediate(attention_output)
+        if model.trainer.global_step == 1:
+            hidden = hidden * float("nan")  # the layer's own code, between its submodules
+        return layer.output(hidden, attention_output)
+
+    layer.feed_forward_chunk = feed_forward_chunk
+    monitor = HealthMonitor(on_nonfinite="skip")
+    trainer = pl.Trainer(
+        **QUIET, logger=False, default_root_dir=tmp_path, max_steps=2, callbacks=[monitor]
+    )
+    trainer.fit(model, token_loader())
+    [event] = monitor.events
+    assert (event.step, event.module, event.direction, event.path, event.producer) == (
+        1,
+        "model.bert.encoder.layer.1",
+        "forward",
+        "output.input.hidden_states",
+        True,
+    )
+    assert event.message.startswith(
+        "Code of `model.bert.encoder.layer.1` between its submodules made non-finite values at "
+        "`output.input.hidden_states` at step 1"
+    )
+    assert event.details["submodule"] == "output"
