@@ -68,7 +68,9 @@ class HealthEvent:
             lazily on a GPU after some gradients were freed or changed in place lists those
             parameters under ``"counted_at_least"``: each counts as one value, a lower bound.
             An event of the code between submodules names, under ``"submodule"``, the
-            submodule whose input held the values (``"output"`` for ``"output.input.x"``).
+            submodule whose input held the values (``"output"`` for ``"output.input.x"``), or
+            backward whose output's gradient (``"input_layernorm"`` for
+            ``"input_layernorm.output"``).
 
     Examples:
         >>> event = HealthEvent("nonfinite", step=3, batch_idx=3, rank=0, module="net.2",
@@ -177,7 +179,7 @@ def _where(event: HealthEvent) -> str:
         if path.startswith("output") and "submodule" not in event.details:
             return f"`{module}` {made} non-finite values in its forward {path} ({source})"
         return f"Code of `{module}` between its submodules {made} non-finite values at `{path}`"
-    if path.startswith("input"):
+    if path.startswith("input.") and "submodule" not in event.details:  # not `input_layernorm`
         what = f"the gradient of its {path.replace('input.', 'input `', 1)}`"
     elif path.startswith("output") or "." in path:
         what = f"the gradient of `{path}`"

@@ -166,8 +166,8 @@ class Finding:
     ``module`` is ``None`` when no module is to blame; ``bad_batch`` marks the batch itself;
     ``submodule`` names the submodule of ``module`` whose input held the values when the code
     between its submodules made them (``path`` is then that input's: ``"output.input.x"`` for a
-    submodule named ``output``); ``tensors`` holds the blamed call's inputs and outputs when the
-    trace kept them.
+    submodule named ``output``), or backward whose output's gradient; ``tensors`` holds the
+    blamed call's inputs and outputs when the trace kept them.
     """
 
     reproduced: bool
@@ -349,7 +349,9 @@ class Timeline:
         if parent < 0:
             return self._finding(-1, "backward", entry, None, path)
         local = path.removeprefix(self.calls[parent].name + ".")
-        return self._finding(parent, "backward", entry, True, local)
+        found = self._finding(parent, "backward", entry, True, local)
+        found.submodule = self.calls[outer].name.removeprefix(self.calls[parent].name + ".")
+        return found
 
     def _outputs_finite(self, call: int) -> bool:
         """Whether every gradient that reached ``call``'s outputs was finite."""

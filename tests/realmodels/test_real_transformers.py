@@ -14,6 +14,7 @@ from realmodels.models import (
     GPT2LM,
     QUIET,
     SEQ_LEN,
+    VOCAB,
     BertClassifier,
     BertEncoder,
     StepCapture,
@@ -395,3 +396,71 @@ def test_health_monitor_names_code_between_submodules_of_a_bert_layer(tmp_path: 
         "`output.input.hidden_states` at step 1"
     )
     assert event.details["submodule"] == "output"
+
+
+class LlamaLM(pl.LightningModule):
+    """``LlamaForCausalLM`` as ``self.model``, trained on next-token prediction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class NaNGradient(torch.autograd.Function):
+    """The identity forward; backward, a NaN gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+def test_health_monitor_names_the_gradient_of_llamas_input_layernorm_output(
+    tmp_path: Path,
+) -> None:
+    # A hook on `input_layernorm` (a submodule whose name starts with "input") passes its output
+    # on through a function whose backward makes NaN: outside any submodule, in the layer's
+    # call. The message names the gradient of `input_layernorm.output`, not an input of its own.
+    model = LlamaLM()
+    layer = model.model.model.layers[1]
+
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        return NaNGradient.apply(output) if model.trainer.global_step == 1 else None
+
+    layer.input_layernorm.register_forward_hook(hook)
+    monitor = HealthMonitor(on_nonfinite="skip")
+    trainer = pl.Trainer(
+        **QUIET, logger=False, default_root_dir=tmp_path, max_steps=2, callbacks=[monitor]
+    )
+    trainer.fit(model, token_loader())
+    [event] = monitor.events
+    assert (event.step, event.module, event.direction, event.path) == (
+        1,
+        "model.model.layers.1",
+        "backward",
+        "input_layernorm.output",
+    )
+    assert event.message.startswith(
+        "`model.model.layers.1` made non-finite values in its backward, in the gradient of "
+        "`input_layernorm.output` (from a finite output gradient) at step 1"
+    )
+    assert event.details["submodule"] == "input_layernorm"
