@@ -607,15 +607,21 @@ def test_a_connector_built_for_other_shapes_fails_naming_the_pair_and_shapes() -
     assert not is_patched(student) and live_hooks() == []
 
 
+def narrow_student() -> Student:
+    """A student whose ``features.2`` has 5 channels where :class:`Student`'s has 6."""
+    narrow = Student()
+    narrow.features[2] = nn.Conv2d(4, 5, 3, padding=1)
+    narrow.head = nn.Linear(5, 3)
+    return narrow
+
+
 def test_a_second_fit_with_another_student_names_the_connector_of_the_first() -> None:
     # the callback keeps its 'auto' connectors from one fit to the next: a student of other
     # widths is told so, not to "leave this pair's connector to 'auto'" (it is)
     teacher, student = seeded()
     distill = FeatureDistillation(teacher, {"features.2": "features.2"})
     fit(student, [distill], max_steps=1)  # its connector maps 6 channels to 12
-    narrow = Student()
-    narrow.features[2] = nn.Conv2d(4, 5, 3, padding=1)
-    narrow.head = nn.Linear(5, 3)
+    narrow = narrow_student()
     with pytest.raises(
         RecorderConfigError,
         match=r"features of pair 'features.2' -> 'features.2' to have the shapes its connector, "
@@ -637,9 +643,7 @@ def test_a_fit_after_a_resumed_one_names_the_connector_of_the_earlier_fit(tmp_pa
     fit(student, [distill], max_steps=1).save_checkpoint(tmp_path / "one.ckpt")
     trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=2))
     trainer.fit(Student(), loader(), ckpt_path=tmp_path / "one.ckpt")
-    narrow = Student()
-    narrow.features[2] = nn.Conv2d(4, 5, 3, padding=1)
-    narrow.head = nn.Linear(5, 3)
+    narrow = narrow_student()
     with pytest.raises(
         RecorderConfigError,
         match=r"its connector, from an earlier fit or validation of this FeatureDistillation, "
