@@ -257,13 +257,17 @@ class ActivationWriter(RecorderCallback):
         # The generations go on from the shards this run already has (an earlier fit or loop
         # of this writer): a resume from a checkpoint of this loop then removes what it wrote
         # after the checkpoint, not the earlier loop's shards of the same numbers. Those of
-        # every rank count, so that the ranks agree (a checkpoint holds rank 0's number).
+        # every rank count, so that the ranks agree (a checkpoint holds rank 0's number). A
+        # rank's generations never go down from one shard to the next, so its last index file
+        # holds its largest: one read per rank, however many shards the run has.
         storage = self.writer.storage
-        found = [
-            decode_index(storage.read(name), name).get("generation", 0)
-            for name in storage.names()
-            if name.endswith(INDEX_SUFFIX) and (parse_stem(name) or ("",))[0] == self.run
-        ]
+        last: dict[int, tuple[int, str]] = {}  # rank -> (seq, name) of its last index file
+        for name in storage.names():
+            parsed = parse_stem(name)
+            if name.endswith(INDEX_SUFFIX) and parsed is not None and parsed[0] == self.run:
+                _, rank, seq = parsed
+                last[rank] = max(last.get(rank, (-1, "")), (seq, name))
+        found = [decode_index(storage.read(n), n).get("generation", 0) for _, n in last.values()]
         if found:
             self.writer.generation = max(found) + 1
 

@@ -275,6 +275,26 @@ def test_the_tuner_after_a_fit_of_the_same_run_keeps_its_rows(tmp_path: Path) ->
     check_index_is_exact(acts)
 
 
+def test_a_later_fit_reads_one_index_file_per_rank_for_its_generation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the generation goes on from the run's last shard of each rank: one read per rank at
+    # setup, not one per shard (a run of thousands of shards on an object store)
+    from lightning_recorder.activations._format import Storage
+
+    loader, acts = DataLoader(Indexed(images(16)), batch_size=4), tmp_path / "acts"
+    first = ActivationWriter("pool", acts, "train", run="r", max_shard_bytes=1)
+    _fit_three_epochs(first, loader, tmp_path)
+    assert len(list(acts.glob("*.index.json"))) == 6  # a shard a step; generations 0, 1, 2
+    reads: list[str] = []
+    read = Storage.read
+    monkeypatch.setattr(Storage, "read", lambda self, name: reads.append(name) or read(self, name))
+    later = ActivationWriter("pool", acts, "train", run="r")
+    trainer = pl.Trainer(**QUIET, callbacks=[later], max_steps=1)
+    later.setup(trainer, Net(), "fit")
+    assert reads == ["r-rank00000-000005.index.json"] and later.writer.generation == 3
+
+
 def test_a_resume_removes_the_rows_after_its_checkpoint_only(tmp_path: Path) -> None:
     # A second fit of the same run crashes and resumes from its own checkpoint: the rows it
     # wrote after that checkpoint go, the first fit's stay.
