@@ -580,6 +580,29 @@ def test_errors_found_when_fitting() -> None:
     assert "training_step" not in student.__dict__
 
 
+class LBFGSStudent(Student):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_lbfgs_cannot_train_connectors_and_says_so_before_its_step() -> None:
+    teacher, _ = seeded()
+    distill = FeatureDistillation(teacher, PAIRS)
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"connectors of pairs \['features\.2'\] \(an extra parameter group\) but got "
+        r"LBFGS, which optimizes exactly one parameter group\..*connectors='identity'",
+    ):
+        fit(LBFGSStudent(), [distill], max_steps=1)
+    assert "features.2" not in distill.connectors  # no connector left half-attached
+    assert live_hooks() == []
+    # a pair whose shapes match needs no connector parameters: LBFGS trains it
+    distill = FeatureDistillation(teacher, {"head": "head"})
+    trainer = fit(LBFGSStudent(), [distill], max_steps=2)
+    assert len(trainer.optimizers[0].param_groups) == 1
+    assert trainer.global_step == 2 and float(trainer.callback_metrics["distill/head"]) > 0
+
+
 def test_spatial_mismatch_fails_naming_both_shapes_or_is_resized() -> None:
     strided = nn.Sequential(nn.Conv2d(1, 12, 3, stride=2, padding=1))  # (N, 12, 4, 4)
     pairs = {"features.2": "0"}

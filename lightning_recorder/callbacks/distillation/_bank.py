@@ -89,7 +89,11 @@ class ConnectorBank:
             if distributed_active():
                 for tensor in self._tensors(self.modules[pair]):
                     dist.broadcast(tensor, src=0)
-        self.attach()
+        try:
+            self.attach()
+        except RecorderConfigError:  # an optimizer that cannot train it: no connector kept
+            del self.modules[pair], self.shapes[pair]
+            raise
         return self.modules[pair]
 
     def _build(
@@ -194,6 +198,20 @@ class ConnectorBank:
             known = {id(p) for p in group["params"]}
             group["params"].extend(p for p in params if id(p) not in known)
         else:
+            if isinstance(optimizer, torch.optim.LBFGS):  # its step takes one group only
+                pairs = [
+                    pair
+                    for pair, module in self.modules.items()
+                    if any(p.requires_grad for p in module.parameters())
+                ]
+                raise RecorderConfigError(
+                    f"Expected an optimizer that can train the connectors of pairs {pairs} "
+                    "(an extra parameter group) but got LBFGS, which optimizes exactly one "
+                    "parameter group. Give these pairs connectors without parameters "
+                    "(connectors='identity' where the student's and the teacher's features "
+                    "have the same shape, or a module of your own with no parameters), or "
+                    "train with another optimizer."
+                )
             first = optimizer.param_groups[0]
             group = {k: v for k, v in first.items() if k != "params"}
             if self.lr is not None:
