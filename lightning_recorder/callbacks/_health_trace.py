@@ -1,8 +1,9 @@
 """The hooks that write a :class:`~._health_verdict.Timeline` of one forward and backward.
 
-A :class:`Trace` hooks every submodule of a model — a forward pre-hook and a forward hook, put
-*before* any other hook so that they see what the module itself received and returned. It
-records, with their NaN/+inf/-inf counts:
+A :class:`Trace` hooks every submodule of a model but scripted ones (``torch.jit.script``,
+which take no hooks) — a forward pre-hook and a forward hook, put *before* any other hook so
+that they see what the module itself received and returned. It records, with their
+NaN/+inf/-inf counts:
 
 * forward: each call's inputs (before the call, so before an in-place module such as
   ``ReLU(inplace=True)`` changes them) and outputs (before the next module changes them);
@@ -110,7 +111,8 @@ class Trace:
         if self.hooks:
             return
         for name, module in named_modules(self.model).items():
-            if not name:
+            # torch refuses hooks on a scripted module (torch.jit.script) and on its submodules
+            if not name or isinstance(module, torch.jit.ScriptModule):
                 continue
             self._argnames[id(module)] = _argument_names(module)
             pre, post = partial(self._pre, name), partial(self._post, name)

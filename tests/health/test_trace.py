@@ -115,6 +115,29 @@ def test_code_between_submodules_is_the_enclosing_module() -> None:
     )
 
 
+def test_scripted_submodules_take_no_hooks_and_the_others_are_named() -> None:
+    # torch refuses hooks on a torch.jit.script module: the trace leaves it out
+    model = nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Linear(4, 4)), Div())
+    found = run(model, torch.randn(3, 4))
+    assert (found.module, found.direction, found.path, found.producer) == (
+        "2",
+        "forward",
+        "output",
+        True,
+    )
+    assert sum(found.counts.values()) == 12
+    # what a scripted submodule makes is named as its parent's code between submodules
+    outer = nn.Sequential(nn.Linear(4, 4), nn.Sequential(torch.jit.script(Div()), nn.Linear(4, 2)))
+    found = run(outer, torch.randn(3, 4))
+    assert (found.module, found.direction, found.path, found.producer) == (
+        "1",
+        "forward",
+        "1.input.input",
+        True,
+    )
+    assert live_hooks() == []
+
+
 def test_a_bad_batch_is_no_module_s_doing() -> None:
     x = torch.randn(3, 4)
     x[1, 2] = math.nan
