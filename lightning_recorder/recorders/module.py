@@ -91,6 +91,15 @@ class _ModuleRecorder(BaseRecorder):
             except UnknownSourceError:
                 refuse_second_name(model, self.source, "module", modules)
                 raise
+        scripted = [name for name in names if isinstance(modules[name], torch.jit.ScriptModule)]
+        if scripted:  # torch refuses hooks on them: say so before any hook is installed
+            raise RecorderConfigError(
+                f"Expected the modules that the source {self.source!r} selects to take hooks but "
+                f"{', '.join(map(repr, scripted[:5]))}{' …' if len(scripted) > 5 else ''} "
+                f"{'is a scripted module' if len(scripted) == 1 else 'are scripted modules'} "
+                "(torch.jit.script), on which torch allows no hooks. Record the module before "
+                "scripting it, or its parent, or give a source that leaves it out."
+            )
         for name in names:
             self._install(name, modules[name], self.add_stream(name))
             self._hooked[name] = modules[name]

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import io
 import pickle
+import re
 from collections import OrderedDict
 from pathlib import Path
 
@@ -669,6 +670,25 @@ def test_a_source_of_a_wrong_type_is_named_with_what_is_expected(source: object)
     ) as err:
         ModuleOutputsRecorder(source)  # type: ignore[arg-type]
     assert type(source).__name__ in str(err.value) and "root module" not in str(err.value)
+
+
+@pytest.mark.parametrize("recorder", [ModuleOutputsRecorder, ModuleInputsRecorder])
+@pytest.mark.parametrize("source", ["1", "*", "re:.*"])
+def test_a_scripted_module_is_refused_by_name_before_any_hook(
+    recorder: type[ModuleOutputsRecorder], source: str
+) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), torch.jit.script(nn.Linear(3, 3)), nn.Linear(3, 3))
+    with pytest.raises(
+        RecorderConfigError,
+        match=rf"the source '{re.escape(source)}' selects to take hooks but '1' is a scripted "
+        r"module \(torch\.jit\.script\), on which torch allows no hooks\. Record the module "
+        "before scripting it",
+    ):
+        recorder(source).initialize(model)
+    assert live_hooks() == [] and not model[0]._forward_hooks and not model[0]._forward_pre_hooks
+    rec = recorder(nn.Linear).initialize(model)  # a type leaves the scripted module out
+    assert list(rec.streams) == ["0", "2"]
+    rec.release()
 
 
 def test_initialize_needs_a_model_and_reading_needs_initialize() -> None:
