@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.distill_models import Student, Teacher, loader, trainer_kwargs
+from helpers.distill_models import N_CLASSES, Student, Teacher, loader, trainer_kwargs
 from helpers.docs import python_blocks, run_page
 from torch import Tensor, nn
 
@@ -601,6 +601,48 @@ def test_lbfgs_cannot_train_connectors_and_says_so_before_its_step() -> None:
     trainer = fit(LBFGSStudent(), [distill], max_steps=2)
     assert len(trainer.optimizers[0].param_groups) == 1
     assert trainer.global_step == 2 and float(trainer.callback_metrics["distill/head"]) > 0
+
+
+class PackedLSTM(nn.Module):
+    """An LSTM over a packed batch: its output is (PackedSequence, (h, c))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 4, batch_first=True)
+        self.head = nn.Linear(4, N_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, 8, 8)  # 8 steps of 8 features
+        lengths = torch.arange(rows.shape[0]) % 8 + 1
+        packed = nn.utils.rnn.pack_padded_sequence(rows, lengths, True, enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)
+        return self.head(h[-1])
+
+
+class PackedStudent(Student):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PackedLSTM()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def test_a_packed_sequence_output_is_named_with_the_fix_of_its_side() -> None:
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"student module 'net\.lstm' to be a tensor .* but got a tuple whose first item is "
+        r"a PackedSequence; pair a submodule of the student that returns a tensor \(the student "
+        r"side takes no path\)\.$",
+    ):
+        fit(PackedStudent(), [FeatureDistillation(PackedLSTM(), {"net.lstm": "lstm"})], max_steps=1)
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"teacher module 'lstm' to be a tensor .* but got a tuple whose first item is a "
+        r"PackedSequence; give the teacher side a path: \{'source': name, 'path': \.\.\.\}\.$",
+    ):
+        fit(PackedStudent(), [FeatureDistillation(PackedLSTM(), {"net.head": "lstm"})], max_steps=1)
+    assert live_hooks() == []
 
 
 def test_spatial_mismatch_fails_naming_both_shapes_or_is_resized() -> None:

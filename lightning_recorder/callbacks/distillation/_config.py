@@ -89,11 +89,18 @@ def feature(record: Any, side: str, name: str) -> Tensor:
     if isinstance(record, (tuple, list)) and record and isinstance(record[0], Tensor):
         record = record[0]
     if not isinstance(record, Tensor):
+        got = type(record).__name__
+        if isinstance(record, (tuple, list)) and record:  # an LSTM's (PackedSequence, (h, c))
+            got = f"a {got} whose first item is a {type(record[0]).__name__}"
+        fix = (
+            "give the teacher side a path: {'source': name, 'path': ...}"
+            if side == "teacher"
+            else "pair a submodule of the student that returns a tensor (the student side "
+            "takes no path)"
+        )
         raise RecorderConfigError(
             f"Expected the output of {side} module {name!r} to be a tensor (or a tuple or "
-            f"ModelOutput whose first item is one) but got {type(record).__name__}; pair a "
-            "submodule that returns a tensor, or give the teacher side a path: "
-            "{'source': name, 'path': ...}."
+            f"ModelOutput whose first item is one) but got {got}; {fix}."
         )
     if record.is_nested:
         raise RecorderConfigError(
