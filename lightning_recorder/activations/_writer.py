@@ -397,8 +397,10 @@ class ShardWriter:
                 f"Expected {_where(source, module)} to have one row per sample along its "
                 f"dimension 0, as many as the sample indices ({len(index)}: `sample_index`, or "
                 f"in `predict` the dataset indices of the batch), but got {found}; record an "
-                "output with a row per sample (choose one with `path`, or reshape it with a "
-                "`transform`), or give sample indices that match its rows."
+                "output with a row per sample (choose one with `path`, or record a module whose "
+                "output is batch-first, such as an RNN or attention layer built with "
+                "batch_first=True: a `transform` keeps the rows it is given), or give sample "
+                "indices that match its rows."
             )
         event = None
         if not tensor.is_cpu:  # copied without blocking; the thread waits for it

@@ -205,6 +205,29 @@ def test_nested_sparse_and_quantized_activations_need_a_transform(tmp_path: Path
     assert not stored[1, 2].any()  # the padding
 
 
+def test_a_sequence_first_output_is_refused_with_advice_a_transform_cannot_break(
+    tmp_path: Path,
+) -> None:
+    # nn.MultiheadAttention(batch_first=False) returns (L, N, E): 5 steps of 3 samples
+    attention = nn.MultiheadAttention(4, 2)
+    x = torch.randn(5, 3, 4)
+    with torch.no_grad():
+        output, _ = attention(x, x, x, need_weights=False)
+    writer = ShardWriter(tmp_path, sources={"t": {"transform": lambda t: t.transpose(0, 1)}})
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"but got 5 rows \(shape \(5, 3, 4\)\); record an output with a row per sample "
+        r"\(choose one with `path`, or record a module whose output is batch-first, such as an "
+        r"RNN or attention layer built with batch_first=True: a `transform` keeps the rows it is "
+        r"given\), or give sample indices that match its rows\.$",
+    ):
+        writer.write("a", "attn", output, sample_index=[0, 1, 2])
+    with pytest.raises(RecorderConfigError, match=r"`transform` of source 't' .* with 5 rows"):
+        writer.write("t", "attn", output, sample_index=[0, 1, 2])  # the rows are kept
+    assert writer._thread is None  # nothing was queued
+    writer.close()
+
+
 def test_views_are_copied_so_the_queue_counts_what_it_holds(tmp_path: Path) -> None:
     big = torch.randn(64, 100)
     with ShardWriter(tmp_path, sources={"first": {"tokens": 0}}) as writer:
