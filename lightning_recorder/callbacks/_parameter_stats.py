@@ -9,7 +9,11 @@ accelerator, whose caching allocator gives them back at once: no memory is held 
 steps there). With several optimizers (a GAN's
 discriminator and generator, Lightning's manual optimization) each parameter's figures are
 those of its own optimizer's step, never another optimizer's gradient left over from an earlier
-backward; a parameter stepped twice in a batch keeps its last step. The copies' norms
+backward; a parameter stepped twice in a batch keeps its last step. An optimizer that calls its
+closure several times in one step (``torch.optim.LBFGS``; Lightning calls
+``on_before_optimizer_step`` after each of those backwards) keeps the copy of the first call, the
+value before the step, and the gradient norm of the last (a step post-hook on the optimizer says
+when its step is over). The copies' norms
 ``||before||`` are taken with the gradients' in one foreach norm right after the copy, while the
 copies are still in the cache. At the batch's end, one foreach norm over the parameters, an
 in-place foreach difference and one more norm give ``||p||`` and ``||Δp||``, still on the
@@ -18,10 +22,13 @@ device.
 
 from __future__ import annotations
 
-from typing import cast
+import weakref
+from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from .._core.compat import foreach_copy_, foreach_norm, foreach_sub_
 from ..stats.norms import norm_values
@@ -48,7 +55,15 @@ class ParameterStats:
         self.params, self.sharded = params, sharded
         self._before: dict[str, Tensor] = {}  # copies of the values before the step
         self._owned: dict[int, list[str]] = {}  # id(optimizer) -> the monitored names it steps
+        self._stepping: set[int] = set()  # ids of the optimizers copied from in an unfinished step
+        self._handles: list[RemovableHandle] = []  # the optimizers' step post-hooks
         self.clear()
+
+    def close(self) -> None:
+        """Remove the step post-hooks from the optimizers (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def clear(self) -> None:
         """Forget this batch's gradient norms and copies (the buffers of CPU copies are kept
@@ -56,6 +71,7 @@ class ParameterStats:
         self._grad_norms: dict[str, Tensor] = {}
         self._before_norms: dict[str, Tensor] = {}
         self._stepped: list[str] = []
+        self._stepping = set()
         self._before = {name: copy for name, copy in self._before.items() if copy.is_cpu}
 
     def _names_of(self, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -65,6 +81,9 @@ class ParameterStats:
             found = self._owned[id(optimizer)] = [
                 name for name, p in self.params.items() if id(p) in ids
             ]
+            register = getattr(optimizer, "register_step_post_hook", None)
+            if callable(register):
+                self._handles.append(register(partial(_step_done, weakref.ref(self))))
         return found
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -76,6 +95,15 @@ class ParameterStats:
         with torch.no_grad():
             # a sparse gradient (nn.Embedding(sparse=True)): its stored values, the same norm
             grads = [norm_values(cast(Tensor, self.params[name].grad)) for name in names]
+            if id(optimizer) in self._stepping and all(n in self._before_norms for n in names):
+                # the closure called again inside the same step (LBFGS): the values before the
+                # step are those copied at its first call; the gradient is the last one
+                found = norms(grads)
+                if self.sharded:
+                    found = full_values(found)  # collectives, on every rank in the same order
+                self._grad_norms.update(zip(names, found, strict=True))
+                return
+            self._stepping.add(id(optimizer))
             buffers = []
             for name in names:
                 param = self.params[name]
@@ -132,3 +160,12 @@ class ParameterStats:
             for name, size, change, grad in zip(stepped, sizes, changes, grads, strict=True)
         }
         return norm_of, stepped_of
+
+
+def _step_done(
+    stats: weakref.ref[ParameterStats], optimizer: torch.optim.Optimizer, *_: Any
+) -> None:
+    """A step post-hook: the optimizer's step is over, its next one copies the values again."""
+    found = stats()
+    if found is not None:
+        found._stepping.discard(id(optimizer))

@@ -612,6 +612,8 @@ class FeatureStatsMonitor(RecorderCallback):
                 # an instance attribute shadows the method for this recorder only
                 recorder = self.manager.get_recorder(name)
                 recorder.capture = self._capture  # type: ignore[method-assign]
+        if self._params is not None:
+            self._params.close()
         self._params = None
         if self.parameters is not False and "train" in self.stages:
             params = self._chosen_parameters(pl_module, streams)
@@ -670,6 +672,8 @@ class FeatureStatsMonitor(RecorderCallback):
 
     @override
     def _on_detach(self) -> None:
+        if self._params is not None:
+            self._params.close()  # its optimizers' step post-hooks
         self._streams, self._index, self._metrics, self._eval_tables = {}, {}, {}, {}
         self._collector, self._params, self._trainer = None, None, None
         self._batch_states, self._bucket_counts = None, None

@@ -736,6 +736,57 @@ def test_sparse_gradients_have_their_norms_and_update_ratios(tmp_path: Path) -> 
         assert 0.0 < got["stats/train/emb.weight/update_ratio"][step] < 1.0
 
 
+class _LBFGSNet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        return (self.lin(x).squeeze(-1) - x.sum(1)).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
+
+
+class _StepEnds(pl.Callback):
+    """The weight before and after each whole step, and the gradient of the closure's last call."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, torch.Tensor] = {}
+        self.after: dict[int, torch.Tensor] = {}
+        self.grads: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *_: Any) -> None:
+        self.before[trainer.global_step] = pl_module.lin.weight.detach().double().clone()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
+        self.grads[trainer.global_step] = pl_module.lin.weight.grad.double().norm().item()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *_: Any) -> None:
+        self.after[trainer.global_step - 1] = pl_module.lin.weight.detach().double().clone()
+
+
+def test_lbfgs_update_ratio_covers_the_whole_step(tmp_path: Path) -> None:
+    """LBFGS calls its closure several times in one step, and Lightning calls
+    on_before_optimizer_step after each: the update ratio was that of the last call only."""
+    torch.manual_seed(0)
+    logger = TensorBoardLogger(tmp_path, name="lbfgs")
+    ends = _StepEnds()
+    monitor = FeatureStatsMonitor(["lin"], every_n_steps=1)
+    model = _LBFGSNet()
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=3, callbacks=[ends, monitor])
+    trainer.fit(model, loader(torch.randn(24, 4), batch_size=8))
+    got = scalars(logger.log_dir)
+    assert got["stats/train/lin.weight/update_ratio"].keys() == {0, 1, 2}
+    for step, before in ends.before.items():
+        ratio = ((ends.after[step] - before).norm() / before.norm()).item()
+        assert got["stats/train/lin.weight/update_ratio"][step] == approx(ratio)
+        assert got["stats/train/lin.weight/grad_norm"][step] == approx(ends.grads[step])
+    # the step post-hooks are removed with the monitor
+    assert not trainer.optimizers[0]._optimizer_step_post_hooks
+
+
 class _PackedLSTM(pl.LightningModule):
     """An LSTM on packed sequences of different lengths: its output is ``(PackedSequence,
     (h, c))``, whose packing metadata (batch sizes, orders) are integer tensors."""
