@@ -15,6 +15,9 @@ runs).
   of them short: ``torch.add`` without ``alpha``, ``torch.sum`` without ``keepdim``).
 * :func:`foreach_norm`, :func:`foreach_sub`, :func:`foreach_sub_`, :func:`foreach_copy_` —
   torch's multi-tensor kernels (``torch._foreach_*``), one call for many tensors.
+* :func:`in_functorch`, :func:`functorch_values`, :func:`functorch_off` — whether a
+  ``torch.func`` transform (``vmap``, ``grad``) runs, the tensor its wrapper holds (the whole
+  batch of a ``vmap``), and a context in which its interpreters do not see torch operations.
 
 Two helpers read nothing private and live here to be found with them:
 :func:`distributed_active` (the one "is a process group running" test) and :func:`dtensor_type`.
@@ -167,3 +170,27 @@ def foreach_sub_(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     """``a[i] -= b[i]`` for every ``i``, in place, in one call (torch's ``_foreach_sub_``)."""
     if a:
         torch._foreach_sub_(a, b)
+
+
+def functorch_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The values of a tensor made inside ``torch.func`` transforms: a ``vmap``ped one's of the
+    whole batch (its batch dimension first), a ``grad`` one's tensor; any other as it is. Inside
+    the transform a hook sees one sample's view, whose in-place copy is an error."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(tensor):
+        bdim = functorch.maybe_get_bdim(tensor) if functorch.is_batchedtensor(tensor) else -1
+        tensor = functorch.get_unwrapped(tensor)
+        if bdim > 0:
+            tensor = tensor.movedim(bdim, 0)
+    return tensor
+
+
+def in_functorch() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp`` …) runs."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def functorch_off() -> Any:
+    """A context in which the ``torch.func`` transforms do not see torch operations (work on
+    unwrapped tensors the transformed function does not use)."""
+    return torch._C._DisableFuncTorch()

@@ -37,6 +37,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from .._core.compat import functorch_off, functorch_values, in_functorch
 from . import _cpu_kernel
 from ._engine import (
     block_rows,
@@ -282,6 +283,13 @@ class Collector:
     def add(self, stream: int, x: Tensor, sample: bool = True) -> None:
         """Add one tensor (any shape, real dtype) to ``stream``: its state, and a sample of it
         for the histogram if ``sample``."""
+        if in_functorch():  # a hook inside torch.func.vmap / grad: the whole batch, unwrapped,
+            with functorch_off():  # is added to buffers the transforms must not see
+                self._add(stream, functorch_values(x), sample)
+            return
+        self._add(stream, x, sample)
+
+    def _add(self, stream: int, x: Tensor, sample: bool) -> None:
         x = x.detach()
         n = x.numel()
         if n == 0:
@@ -289,7 +297,7 @@ class Collector:
         if not is_plain(x):  # sparse, nested, quantized: the stored values (implicit zeros)
             parts, zeros = stored_parts(x)
             for part in parts:
-                self.add(stream, part, sample)
+                self._add(stream, part, sample)
             self._add_zeros(stream, zeros, sample)
             return
         if stream in self.channels and x.dim():

@@ -787,6 +787,52 @@ def test_lbfgs_update_ratio_covers_the_whole_step(tmp_path: Path) -> None:
     assert not trainer.optimizers[0]._optimizer_step_post_hooks
 
 
+class _PerSampleGrads(pl.LightningModule):
+    """Per-sample gradients (torch.func.vmap of grad of functional_call), as DP-SGD takes them:
+    the monitor's hooks run inside the transforms, on one sample's view of each output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x = batch[0]
+        params = {k: v.detach() for k, v in self.net.named_parameters()}
+
+        def loss(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(self.net, p, (xi[None],)).square().sum()
+
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+        for name, param in self.net.named_parameters():
+            param.grad = grads[name].mean(0)
+        optimizer = self.optimizers()
+        optimizer.step()  # type: ignore[union-attr]
+        optimizer.zero_grad()  # type: ignore[union-attr]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_outputs_inside_vmap_and_grad_are_the_whole_batch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 4)
+    model = _PerSampleGrads()
+    logger = TensorBoardLogger(tmp_path, name="vmap")
+    monitor = FeatureStatsMonitor(["net.0", "net.1"], every_n_steps=1, parameters=False)
+    pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[monitor]).fit(
+        model, loader(x, batch_size=8)
+    )
+    got = scalars(logger.log_dir)
+    with torch.no_grad():
+        for step in (0, 1):
+            hidden = model.net[0](x[8 * step : 8 * step + 8])
+            for name, value in (("net.0", hidden), ("net.1", torch.tanh(hidden))):
+                want = reference_stats(value)
+                for stat in STATS:
+                    assert got[f"stats/train/{name}/{stat}"][step] == approx(want[stat]), stat
+
+
 class _PackedLSTM(pl.LightningModule):
     """An LSTM on packed sequences of different lengths: its output is ``(PackedSequence,
     (h, c))``, whose packing metadata (batch sizes, orders) are integer tensors."""
