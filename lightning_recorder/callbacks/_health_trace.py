@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.compat import current_autograd_node
+from .._core.compat import current_autograd_node, in_functorch
 from .._core.hooks import HookSet
 from .._core.names import canonical_name, named_modules
 from .._core.structures import modified, shape_of, snapshot
@@ -179,7 +179,9 @@ class Trace:
     def _pre(
         self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if not self.active or current_autograd_node() is not None:  # a checkpoint re-run
+        # a checkpoint re-run, or a call inside torch.func transforms (vmap, grad), whose
+        # tensors are one sample's views that cannot be counted or hooked: not traced
+        if not self.active or current_autograd_node() is not None or in_functorch():
             return None
         line = self.timeline
         parent = self._stack[-1] if self._stack else -1
@@ -236,7 +238,12 @@ class Trace:
     def _post(
         self, name: str, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any
     ) -> None:
-        if not self.active or current_autograd_node() is not None or not self._stack:
+        if (
+            not self.active
+            or current_autograd_node() is not None
+            or in_functorch()
+            or not self._stack
+        ):
             return
         line = self.timeline
         call = line.calls[self._stack.pop()]

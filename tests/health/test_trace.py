@@ -138,6 +138,30 @@ def test_scripted_submodules_take_no_hooks_and_the_others_are_named() -> None:
     assert live_hooks() == []
 
 
+class PerSample(nn.Module):
+    """Runs its submodules on each sample with torch.func.vmap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), Div())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.func.vmap(self.inner)(x)
+
+
+def test_calls_inside_vmap_are_not_traced_and_the_caller_is_named() -> None:
+    # inside the transform a hook sees one sample's view, which cannot be counted
+    found = run(nn.Sequential(PerSample(), nn.Linear(4, 2)), torch.randn(3, 4))
+    assert (found.module, found.direction, found.path, found.producer) == (
+        "0",
+        "forward",
+        "output",
+        True,
+    )
+    assert sum(found.counts.values()) == 12
+    assert live_hooks() == []
+
+
 def test_a_bad_batch_is_no_module_s_doing() -> None:
     x = torch.randn(3, 4)
     x[1, 2] = math.nan
