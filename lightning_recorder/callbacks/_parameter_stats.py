@@ -12,8 +12,8 @@ those of its own optimizer's step, never another optimizer's gradient left over 
 backward; a parameter stepped twice in a batch keeps its last step. An optimizer that calls its
 closure several times in one step (``torch.optim.LBFGS``; Lightning calls
 ``on_before_optimizer_step`` after each of those backwards) keeps the copy of the first call, the
-value before the step, and the gradient norm of the last (a step post-hook on the optimizer says
-when its step is over). The copies' norms
+value before the step, and the gradient norm of the last (a step post-hook on the optimizer, held
+in logged batches only, says when its step is over). The copies' norms
 ``||before||`` are taken with the gradients' in one foreach norm right after the copy, while the
 copies are still in the cache. At the batch's end, one foreach norm over the parameters, an
 in-place foreach difference and one more norm give ``||p||`` and ``||Δp||``, still on the
@@ -56,14 +56,15 @@ class ParameterStats:
         self._before: dict[str, Tensor] = {}  # copies of the values before the step
         self._owned: dict[int, list[str]] = {}  # id(optimizer) -> the monitored names it steps
         self._stepping: set[int] = set()  # ids of the optimizers copied from in an unfinished step
-        self._handles: list[RemovableHandle] = []  # the optimizers' step post-hooks
+        # the step post-hooks of the optimizers stepped in this logged batch (none in between)
+        self._handles: dict[int, RemovableHandle] = {}
         self.clear()
 
     def close(self) -> None:
         """Remove the step post-hooks from the optimizers (idempotent)."""
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
-        self._handles = []
+        self._handles = {}
 
     def clear(self) -> None:
         """Forget this batch's gradient norms and copies (the buffers of CPU copies are kept
@@ -72,6 +73,7 @@ class ParameterStats:
         self._before_norms: dict[str, Tensor] = {}
         self._stepped: list[str] = []
         self._stepping = set()
+        self.close()  # the batch's steps are over
         self._before = {name: copy for name, copy in self._before.items() if copy.is_cpu}
 
     def _names_of(self, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -81,9 +83,6 @@ class ParameterStats:
             found = self._owned[id(optimizer)] = [
                 name for name, p in self.params.items() if id(p) in ids
             ]
-            register = getattr(optimizer, "register_step_post_hook", None)
-            if callable(register):
-                self._handles.append(register(partial(_step_done, weakref.ref(self))))
         return found
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -104,6 +103,10 @@ class ParameterStats:
                 self._grad_norms.update(zip(names, found, strict=True))
                 return
             self._stepping.add(id(optimizer))
+            register = getattr(optimizer, "register_step_post_hook", None)
+            if callable(register) and id(optimizer) not in self._handles:
+                hook = partial(_step_done, weakref.ref(self))
+                self._handles[id(optimizer)] = register(hook)
             buffers = []
             for name in names:
                 param = self.params[name]

@@ -767,6 +767,16 @@ class _StepEnds(pl.Callback):
         self.after[trainer.global_step - 1] = pl_module.lin.weight.detach().double().clone()
 
 
+class _PostHooks(pl.Callback):
+    """The optimizer's step post-hooks at each training batch start."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.counts.append(len(trainer.optimizers[0]._optimizer_step_post_hooks))
+
+
 def test_lbfgs_update_ratio_covers_the_whole_step(tmp_path: Path) -> None:
     """LBFGS calls its closure several times in one step, and Lightning calls
     on_before_optimizer_step after each: the update ratio was that of the last call only."""
@@ -775,7 +785,8 @@ def test_lbfgs_update_ratio_covers_the_whole_step(tmp_path: Path) -> None:
     ends = _StepEnds()
     monitor = FeatureStatsMonitor(["lin"], every_n_steps=1)
     model = _LBFGSNet()
-    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=3, callbacks=[ends, monitor])
+    held = _PostHooks()
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=3, callbacks=[ends, monitor, held])
     trainer.fit(model, loader(torch.randn(24, 4), batch_size=8))
     got = scalars(logger.log_dir)
     assert got["stats/train/lin.weight/update_ratio"].keys() == {0, 1, 2}
@@ -783,7 +794,8 @@ def test_lbfgs_update_ratio_covers_the_whole_step(tmp_path: Path) -> None:
         ratio = ((ends.after[step] - before).norm() / before.norm()).item()
         assert got["stats/train/lin.weight/update_ratio"][step] == approx(ratio)
         assert got["stats/train/lin.weight/grad_norm"][step] == approx(ends.grads[step])
-    # the step post-hooks are removed with the monitor
+    # the step post-hooks are held in logged batches only, and removed with the monitor
+    assert held.counts == [0, 0, 0]  # at each batch start, after the last logged batch ended
     assert not trainer.optimizers[0]._optimizer_step_post_hooks
 
 
