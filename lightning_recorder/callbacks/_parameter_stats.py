@@ -54,7 +54,8 @@ class ParameterStats:
     def __init__(self, params: dict[str, nn.Parameter], sharded: bool) -> None:
         self.params, self.sharded = params, sharded
         self._before: dict[str, Tensor] = {}  # copies of the values before the step
-        self._owned: dict[int, list[str]] = {}  # id(optimizer) -> the monitored names it steps
+        # id(optimizer) -> the sizes of its parameter groups and the monitored names it steps
+        self._owned: dict[int, tuple[tuple[int, ...], list[str]]] = {}
         self._stepping: set[int] = set()  # ids of the optimizers copied from in an unfinished step
         # the step post-hooks of the optimizers stepped in this logged batch (none in between)
         self._handles: dict[int, RemovableHandle] = {}
@@ -77,13 +78,16 @@ class ParameterStats:
         self._before = {name: copy for name, copy in self._before.items() if copy.is_cpu}
 
     def _names_of(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        # a group added during the run (BaseFinetuning unfreezing a backbone) is looked up anew
+        sizes = tuple(len(group["params"]) for group in optimizer.param_groups)
         found = self._owned.get(id(optimizer))
-        if found is None:
+        if found is None or found[0] != sizes:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            found = self._owned[id(optimizer)] = [
-                name for name, p in self.params.items() if id(p) in ids
-            ]
-        return found
+            found = self._owned[id(optimizer)] = (
+                sizes,
+                [name for name, p in self.params.items() if id(p) in ids],
+            )
+        return found[1]
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Record the gradient norms and values of the parameters ``optimizer`` is about to

@@ -25,7 +25,7 @@ from helpers.models import (
     reference_stats,
     scalars,
 )
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -80,7 +80,9 @@ class Reference(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
         named = dict(pl_module.named_parameters())
         self.before[self._step] = {n: named[n].detach().clone() for n in self.params}
-        self.grads[self._step] = {n: named[n].grad.detach().clone() for n in self.params}
+        self.grads[self._step] = {
+            n: named[n].grad.detach().clone() for n in self.params if named[n].grad is not None
+        }
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
         named = dict(pl_module.named_parameters())
@@ -247,6 +249,44 @@ def test_float64_model(tmp_path: Path) -> None:
             assert got[f"stats/train/{name}/grad_norm"][step] == approx(grad)
             ratio = ((after - before).norm() / before.norm()).item()
             assert got[f"stats/train/{name}/update_ratio"][step] == approx(ratio)
+
+
+class UnfreezeBody0(BaseFinetuning):
+    """``body.0`` frozen in the first epoch, then added to the optimizer as a new group."""
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.body[0])
+
+    def finetune_function(
+        self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.body[0], optimizer, lr=0.05)
+
+
+def test_parameters_unfrozen_into_a_new_param_group_get_their_gradient_statistics(
+    tmp_path: Path,
+) -> None:
+    logger = TensorBoardLogger(tmp_path, name="unfrozen")
+    monitor = FeatureStatsMonitor("body.0", every_n_steps=1, histograms=False)
+    reference = Reference(("body.0",), ("body.0.weight",))
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_epochs=2, callbacks=[monitor, UnfreezeBody0(), reference]
+    )
+    model = ProbeNet()
+    model.configure_optimizers = lambda: torch.optim.SGD(  # type: ignore[method-assign]
+        [p for p in model.parameters() if p.requires_grad], lr=0.1
+    )
+    trainer.fit(model, loader(features(8, seed=3)))
+    got = scalars(logger.log_dir)
+    assert sorted(got["stats/train/body.0.weight/grad_norm"]) == [2, 3]  # the second epoch
+    name = "body.0.weight"
+    for step in (2, 3):
+        before, after = reference.before[step][name], reference.after[step][name]
+        grad = reference.grads[step][name].norm().item()
+        assert got["stats/train/body.0.weight/grad_norm"][step] == approx(grad)
+        ratio = ((after - before).norm() / before.norm()).item()
+        assert got["stats/train/body.0.weight/update_ratio"][step] == pytest.approx(ratio, rel=1e-4)
 
 
 def test_gradient_accumulation_covers_every_micro_batch(tmp_path: Path) -> None:
