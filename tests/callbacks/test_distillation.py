@@ -645,6 +645,26 @@ def test_a_packed_sequence_output_is_named_with_the_fix_of_its_side() -> None:
     assert live_hooks() == []
 
 
+def test_a_teacher_sharing_a_trainable_parameter_with_the_student_is_refused() -> None:
+    teacher, student = seeded()
+    # the student's first Conv2d (4 channels) is the teacher's too
+    teacher.features[0], teacher.features[2] = student.features[0], nn.Conv2d(4, 12, 3, padding=1)
+    before = student.features[0].weight.detach().clone()
+    distill = FeatureDistillation(teacher, {"features.2": "features.2"})
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"share no trainable parameter with the student but the teacher's "
+        r"'features\.0\.weight' is the student's 'features\.0\.weight'.*copy\.deepcopy",
+    ):
+        fit(student, [distill], max_steps=1)
+    assert all(p.requires_grad for p in student.parameters())
+    assert not live_hooks()
+    # frozen in the student too, it may be shared: the rest of the student trains
+    student.features[0].requires_grad_(False)
+    fit(student, [distill], max_steps=1)
+    assert torch.equal(student.features[0].weight, before)  # frozen: never stepped
+
+
 def test_spatial_mismatch_fails_naming_both_shapes_or_is_resized() -> None:
     strided = nn.Sequential(nn.Conv2d(1, 12, 3, stride=2, padding=1))  # (N, 12, 4, 4)
     pairs = {"features.2": "0"}

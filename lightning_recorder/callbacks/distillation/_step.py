@@ -108,6 +108,16 @@ class StepRunner:
                 f"{type(pl_module).__name__}: it would be saved in the student's checkpoint. "
                 "Keep the teacher only in FeatureDistillation(teacher=...)."
             )
+        trainable = {id(p): n for n, p in pl_module.named_parameters() if p.requires_grad}
+        for name, param in self.teacher.named_parameters():
+            if id(param) in trainable:
+                raise RecorderConfigError(
+                    f"Expected the teacher to share no trainable parameter with the student but "
+                    f"the teacher's {name!r} is the student's {trainable[id(param)]!r}: freezing "
+                    "the teacher would stop it training in the student, silently. Give the "
+                    "teacher its own copy of the shared module (copy.deepcopy), or freeze the "
+                    "parameter in the student too (requires_grad=False)."
+                )
         try:
             teacher = self.teacher
             self._teacher_flags = (
