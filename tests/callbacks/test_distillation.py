@@ -573,6 +573,12 @@ def test_errors_found_when_fitting() -> None:
         fit(student, [FeatureDistillation(teacher, {"features.2": "nope"})], max_steps=1)
     with pytest.raises(RecorderConfigError, match="teacher to live outside the student"):
         fit(TeacherInside(teacher), [FeatureDistillation(teacher, PAIRS)], max_steps=1)
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"teacher to be another model than the student but got the student itself "
+        r"\(Student\)\. .*copy\.deepcopy\(student\)",
+    ):
+        fit(student, [FeatureDistillation(student, PAIRS)], max_steps=1)
     with pytest.raises(RecorderConfigError, match="Expected `training_step` to return a loss"):
         fit(TupleStudent(), [FeatureDistillation(teacher, PAIRS)], max_steps=1)
     with pytest.raises(RecorderConfigError, match=r"same rank but got student \(8, 3\)"):

@@ -102,6 +102,12 @@ class StepRunner:
         if self.module is pl_module:
             return
         self.uninstall()
+        if self.teacher is pl_module:
+            raise RecorderConfigError(
+                "Expected the teacher to be another model than the student but got the student "
+                f"itself ({type(pl_module).__name__}). Pass the trained teacher, or a copy of "
+                "the student made before training (copy.deepcopy(student))."
+            )
         if any(m is self.teacher for m in pl_module.modules()):
             raise RecorderConfigError(
                 "Expected the teacher to live outside the student but it is a submodule of "
