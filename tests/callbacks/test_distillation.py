@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from helpers.distill_models import N_CLASSES, Student, Teacher, loader, trainer_kwargs
 from helpers.docs import python_blocks, run_page
+from lightning.pytorch.callbacks import LearningRateFinder
 from torch import Tensor, nn
 
 from lightning_recorder import (
@@ -417,6 +418,44 @@ def test_the_explicit_form_in_the_tuners_trial_steps_names_the_tuner() -> None:
     ):
         Tuner(trainer).lr_find(student, loader(), num_training=2, update_attr=False)
     assert not is_patched(student) and live_hooks() == []
+
+
+class LrFindAtEpochs(LearningRateFinder):
+    """Lightning's documented pattern: ``lr_find`` at the start of chosen epochs of the fit."""
+
+    def __init__(self, epochs: tuple[int, ...], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.epochs = epochs
+
+    def on_fit_start(self, *args: Any, **kwargs: Any) -> None:
+        return
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch in self.epochs:
+            self.lr_find(trainer, pl_module)
+
+
+@pytest.mark.parametrize("epochs", [(0,), (1, 2)], ids=["at-the-start", "mid-fit"])
+def test_the_learning_rate_finder_as_a_callback_leaves_the_fit_as_it_was(
+    epochs: tuple[int, ...], tmp_path: Path
+) -> None:
+    # The finder's trial steps (the Trainer's callbacks set aside) run without the teacher, so
+    # no connector is built or stepped there; a finder in a later epoch restores the optimizer
+    # states saved without the connectors' group. Its suggestion is not applied: the fit is
+    # that of a run without it.
+    runs = []
+    for finder in (None, LrFindAtEpochs(epochs, num_training_steps=3, update_attr=False)):
+        teacher, student = seeded(optimizer="adam")
+        distill = FeatureDistillation(teacher, PAIRS)
+        callbacks = [distill] + ([finder] if finder else [])
+        trainer = fit(student, callbacks, max_epochs=3, default_root_dir=tmp_path)
+        groups = [len(g["params"]) for g in trainer.optimizers[0].param_groups]
+        runs.append((student.state_dict(), distill.connectors["features.2"].state_dict(), groups))
+    (plain, plain_connector, plain_groups), (found, found_connector, found_groups) = runs
+    assert plain_groups == found_groups == [6, 1]  # the student's, then the connector's
+    torch.testing.assert_close(found, plain)  # the same float32 steps: rounding at most
+    torch.testing.assert_close(found_connector, plain_connector)
+    assert live_hooks() == []
 
 
 class EarlyTermStudent(Student):

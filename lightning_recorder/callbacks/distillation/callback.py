@@ -385,6 +385,20 @@ class FeatureDistillation(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._bank.load_state_dict(state_dict)
+        module = self._runner.module
+        if module is not None and self._bank._group_index() is not None:
+            # Restored during a fit (Lightning's Tuner, lr_find at a milestone epoch): the
+            # connectors take the checkpoint's weights and optimizer state now, and their group
+            # leaves the optimizer while the Trainer restores the optimizer states (saved
+            # without it) until the next training batch starts.
+            self._bank.restore(module.device)
+            self._bank.hide()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._bank.unhide()  # after a restore during the fit (see load_state_dict)
 
     @override
     def on_save_checkpoint(
@@ -407,6 +421,11 @@ class FeatureDistillation(Callback):
         self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         runner = self._runner
+        callbacks: list[Callback] = getattr(attached_trainer(runner.module), "callbacks", [])
+        if not any(callback is self for callback in callbacks):
+            # a trial step of Lightning's Tuner (LearningRateFinder or BatchSizeFinder as a
+            # callback, after this one's on_fit_start), run without the Trainer's callbacks
+            return inner(*args, **kwargs)
         runner.begin("train")
         try:
             if self.teacher_input is not None:
