@@ -63,7 +63,8 @@ class HealthEvent:
         action: what the monitor did: ``"warned"``, ``"skipped"``, ``"raised"`` or ``None``.
         evidence: the directory of the evidence bundle, or ``None`` when none was written.
         parameters: the parameters whose gradient the always-on check found non-finite (at most
-            the first 16).
+            the first 16), by their names in the LightningModule; a ``FeatureDistillation``
+            connector's as ``"FeatureDistillation.connectors['<pair>'].<name>"``.
         details: anything more a rule wants to say (plain values). A non-finite event read
             lazily on a GPU after some gradients were freed or changed in place lists those
             parameters under ``"counted_at_least"``: each counts as one value, a lower bound.

@@ -444,12 +444,29 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         if self._trace is not None:
             self._trace.end_forward(loss)
 
+    def _name_outside(self, trainer: pl.Trainer, params: list[torch.Tensor]) -> None:
+        """Name the optimized parameters outside the LightningModule: the connectors of a
+        ``FeatureDistillation`` (built at its first batch) as the expression that reaches them,
+        ``FeatureDistillation.connectors['features.2'].weight``; any other by its position."""
+        from .distillation.callback import FeatureDistillation
+
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, FeatureDistillation):
+                for pair, connector in callback.connectors.items():
+                    for name, weight in connector.named_parameters():
+                        where = f"{type(callback).__name__}.connectors[{pair!r}].{name}"
+                        self._names.setdefault(id(weight), where)
+        for k, param in enumerate(params):
+            self._names.setdefault(id(param), f"param{k}")
+
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        named = [(self._names.get(id(p), f"param{k}"), p) for k, p in enumerate(params)]
+        if any(id(p) not in self._names for p in params):
+            self._name_outside(trainer, params)
+        named = [(self._names[id(p)], p) for p in params]
         reading = self._sentinel.read(named, pl_module.device)
         timelines = self._timelines
         if self._trace is not None:

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_recorder import (
+    FeatureDistillation,
     FeatureStatsMonitor,
     HealthEvent,
     HealthMonitor,
@@ -807,3 +808,42 @@ def test_the_replay_is_not_counted_in_the_steps_statistics(tmp_path: Path) -> No
     for name, by_step in counts.items():
         assert by_step.keys() == {0, 1, 2}, name
         assert len(set(by_step.values())) == 1, (name, by_step)  # one batch of 4 each step
+
+
+class _Student(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_distillation_connectors_gradient_is_named_after_the_connector() -> None:
+    """A parameter outside the model that the optimizer steps (a FeatureDistillation connector,
+    built at the first batch) is named as the expression that reaches it, not by position."""
+    torch.manual_seed(0)
+    connector = nn.Linear(8, 6, bias=False)
+    teacher = nn.Sequential(nn.Linear(4, 6))
+    distill = FeatureDistillation(teacher, {"body": "0"}, connectors=connector)
+
+    class PoisonConnector(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 1:
+                assert connector.weight.grad is not None
+                connector.weight.grad[0, 0] = math.nan
+
+    monitor = HealthMonitor("skip", evidence_max_bytes=0, rules=())  # the connector stays finite
+    loader = DataLoader(TensorDataset(torch.randn(12, 4)), batch_size=4)
+    fit(_Student(), [distill, PoisonConnector(), monitor], steps=3, loader=loader)
+    (event,) = monitor.events
+    assert (event.step, event.action) == (1, "skipped")
+    assert event.parameters == ("FeatureDistillation.connectors['body'].weight",)
+    assert "The gradients of `FeatureDistillation.connectors['body'].weight` were" in event.message
