@@ -214,10 +214,10 @@ class SaturationRule(_UnitRule):
     """Saturated units of bounded activations (tanh, sigmoid, hard tanh, hard sigmoid).
 
     A unit (channel) is *saturated* in a logged step when every value it took over the step's
-    batch lies where the activation is flat: for ``Tanh`` beyond ±0.99 (its gradient
-    ``1 - y²`` is then under 2 % of its largest), for ``Sigmoid`` below 0.01 or above 0.99
-    (``y (1 - y)`` under 4 % of its largest), for ``Hardtanh`` and ``Hardsigmoid`` at their
-    clipping bounds (gradient exactly 0). The rule fires for a module when at least
+    batch lies where the activation is flat: for ``Tanh`` at or beyond ±0.99 (its gradient
+    ``1 - y²`` is then under 2 % of its largest), for ``Sigmoid`` at or below 0.01 or at or
+    above 0.99 (``y (1 - y)`` under 4 % of its largest), for ``Hardtanh`` and ``Hardsigmoid``
+    at their clipping bounds (gradient exactly 0). The rule fires for a module when at least
     ``min_fraction`` of its units stayed saturated in each of the last ``window`` logged steps.
 
     **Defaults and sources.** The bounds are where the derivative falls to a few percent of its
@@ -317,7 +317,12 @@ class SaturationRule(_UnitRule):
     def _message(self, series: str, module: nn.Module, count: int, units: int) -> str:
         pair = self._bounds_of(module)
         low, high = pair if pair is not None else (float("nan"), float("nan"))
-        where = f"beyond ±{high:g}" if low == -high else f"at or below {low:g} or above {high:g}"
+        # the bounds count (a hard activation's saturated values sit on them exactly)
+        where = (
+            f"at or beyond ±{high:g}"
+            if low == -high
+            else f"at or below {low:g} or at or above {high:g}"
+        )
         return (
             f"`{series}` ({type(module).__name__}) has {count} of {units} units saturated "
             f"({percent(count, units)}): every value stayed {where}, where the gradient is near 0, "

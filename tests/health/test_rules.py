@@ -245,7 +245,7 @@ def test_sigmoid_units_are_saturated_near_zero_or_one() -> None:
     high = [0.01, 1.0, 0.7, 0.0101]
     found = rule.check(unit_input(0, {"s": channels(low, high)}, {"s": sig}))
     assert [e.details["count"] for e in found] == [2]  # the first two, at the bounds exactly
-    assert "at or below 0.01 or above 0.99" in found[0].message
+    assert "at or below 0.01 or at or above 0.99" in found[0].message
     found = rule.check(unit_input(1, {"s": channels(low[2:], high[2:])}, {"s": sig}))
     assert found == []
 
@@ -280,6 +280,16 @@ def test_saturation_of_hard_activations_uses_their_own_bounds() -> None:
         pass
 
     assert rule.track("q", Squash()) is True
+
+
+def test_saturation_messages_say_the_bounds_count() -> None:
+    """A hard activation's saturated values sit on its bounds exactly: the message must not say
+    they went beyond them, or above a bound no value can pass."""
+    rule = SaturationRule(window=1, min_fraction=1.0)
+    [event] = rule.check(unit_input(0, {"h": channels([1.0], [1.0])}, {"h": nn.Hardtanh()}))
+    assert "every value stayed at or beyond ±1, where" in event.message
+    [event] = rule.check(unit_input(1, {"g": channels([1.0], [1.0])}, {"g": nn.Hardsigmoid()}))
+    assert "every value stayed at or below 0 or at or above 1, where" in event.message
 
 
 def test_saturation_bounds_are_configurable() -> None:
