@@ -120,6 +120,7 @@ class Diagnosis:
         self._order: dict[str, int] = {}  # module name -> its place in the model
         self._orders: dict[tuple[str, ...], np.ndarray | None] = {}  # series -> permutation
         self._drawn = -1  # the step the view was last drawn at
+        self._restored: dict[str, Any] | None = None  # from a checkpoint, for the next fit
 
     # ------------------------------------------------------------------ lifecycle
     def _attach_rules(self, trainer: pl.Trainer) -> None:
@@ -153,6 +154,7 @@ class Diagnosis:
         for rule in self.rules:
             rule.start()
         self.findings = {}
+        self._apply_restored()
         self._losses.clear()
         self._report, self._completed = None, -1
         self._trainer, self._module = trainer, pl_module
@@ -168,7 +170,44 @@ class Diagnosis:
                 trainer, stats.prefix, stats.stats, stats.stages, bool(stats.parameters)
             )
 
+    def _rules_state(self) -> dict[str, Any]:
+        """The rules' state and the findings in force (their details left out: plain values
+        only, as a checkpoint loaded with ``weights_only=True`` must hold)."""
+        findings = [{**event.to_dict(), "details": {}} for event in self.findings.values()]
+        return {
+            "rules": {rule.name: rule.state_dict() for rule in self.rules},
+            "findings": findings,
+        }
+
+    def _load_rules_state(self, state: dict[str, Any]) -> None:
+        """Take back the state of :meth:`_rules_state`: kept for ``on_fit_start``, where the
+        rules start afresh (Lightning loads a checkpoint before it, but after it with a strategy
+        that restores after setup: then at once)."""
+        if "rules" in state or "findings" in state:
+            self._restored = {
+                "rules": state.get("rules", {}),
+                "findings": state.get("findings", []),
+            }
+            if self._trainer is not None:  # the run has started
+                self._apply_restored()
+
+    def _apply_restored(self) -> None:
+        """A resumed run: its rules' windows and counts, and the findings in force, go on."""
+        restored, self._restored = self._restored, None
+        if restored is None:
+            return
+        states = restored["rules"]
+        for rule in self.rules:
+            if rule.name in states:
+                rule.load_state_dict(states[rule.name])
+        names = set(self._rule_names())
+        for data in restored["findings"]:
+            event = HealthEvent.from_dict(data)
+            if event.kind in names:
+                self.findings[(event.kind, event.module, event.path)] = event
+
     def _detach_rules(self) -> None:
+        self._restored = None  # loaded by `validate` or `test`: not for a later fit
         if self._stats is not None:
             self._stats.unsubscribe(self._on_report)
         self._report = None

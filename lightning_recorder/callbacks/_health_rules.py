@@ -73,7 +73,8 @@ class HealthRule:
 
     Subclasses set ``name`` (the ``kind`` of their events) and override :meth:`check`; a rule
     that reads the per-channel extremes of some modules' outputs says which in :meth:`track`;
-    one that keeps state between checks clears it in :meth:`start`.
+    one that keeps state between checks clears it in :meth:`start`, and returns it from
+    :meth:`state_dict` (taken back by :meth:`load_state_dict`) to keep it over a resume.
 
     Examples:
         >>> class LossAbove(HealthRule):
@@ -107,6 +108,16 @@ class HealthRule:
 
     def start(self) -> None:
         """Forget what earlier checks left (called at the start of each ``fit``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the rule keeps between checks, as plain values (lists, numbers, strings): saved
+        in the Trainer's checkpoints with the monitor's state, so that a resumed run goes on
+        with its windows and patience counts; ``{}`` by default."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back what :meth:`state_dict` returned (called after :meth:`start` when a run
+        resumes from a checkpoint)."""
 
     def track(self, series: str, module: nn.Module) -> bool | int | None:
         """Whether the per-channel extremes of ``module``'s outputs are needed (``True``, or the

@@ -12,6 +12,9 @@ which the model is built, its first layer first.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from .._core.checks import check_int, check_number
 from ..errors import RecorderConfigError
 from ._health_event import HealthEvent
@@ -44,6 +47,12 @@ class _Patient(HealthRule):
 
     def start(self) -> None:
         self._held = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"held": dict(self._held)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._held = {str(key): int(held) for key, held in state.get("held", {}).items()}
 
     def _count(self, key: str, holds: bool) -> bool:
         """Count a step for ``key``; whether it has now held ``patience`` steps in a row."""

@@ -160,6 +160,13 @@ class LossSpikeRule(HealthRule):
         self._last: float | None = None
         self._seen = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": list(self._recent), "last": self._last, "seen": self._seen}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._recent = deque(state.get("recent", ()), maxlen=self.window)
+        self._last, self._seen = state.get("last"), int(state.get("seen", 0))
+
     def _is_spike(self, loss: float) -> tuple[bool, float]:
         if self._seen < self.warmup or not self._recent:
             return False, math.nan

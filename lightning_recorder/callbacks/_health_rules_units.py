@@ -87,6 +87,13 @@ class _UnitRule(HealthRule):
     def start(self) -> None:
         self._runs = {}
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"runs": {series: run.tolist() for series, run in self._runs.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        runs = state.get("runs", {})
+        self._runs = {series: np.asarray(run, dtype=np.int64) for series, run in runs.items()}
+
     def _holds(self, module: nn.Module, table: np.ndarray) -> np.ndarray | None:
         """Which units meet the condition in this step (``None``: the module is not judged)."""
         raise NotImplementedError

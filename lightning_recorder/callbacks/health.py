@@ -504,10 +504,15 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters), "streaks": dict(self._streaks)}
+        return {
+            "counters": dict(self.counters),
+            "streaks": dict(self._streaks),
+            **self._rules_state(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.counters.update(state_dict.get("counters", {}))
         streaks = state_dict.get("streaks", {0: state_dict.get("streak", 0)})  # one optimizer
         self._streaks = {int(k): int(v) for k, v in streaks.items()}
+        self._load_rules_state(state_dict)

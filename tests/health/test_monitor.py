@@ -699,6 +699,49 @@ def test_state_dict_round_trip() -> None:
     assert monitor.state_key == "HealthMonitor{'on_nonfinite': 'skip', 'localize': 'replay'}"
 
 
+def test_a_resumed_run_goes_on_with_the_rules_counts_and_findings(tmp_path: Path) -> None:
+    """A run resumed from a checkpoint in the middle of a rule's patience fires where the run
+    without a break does, and a finding in force at the checkpoint does not fire again."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_recorder import FeatureStatsMonitor, UpdateRatioRule
+
+    def run(resume: str | None, monitor: HealthMonitor | None = None) -> HealthMonitor:
+        torch.manual_seed(0)
+        stats = FeatureStatsMonitor([nn.Linear], every_n_steps=1, histograms=False)
+        if monitor is None:
+            monitor = HealthMonitor(rules=[UpdateRatioRule(patience=3)], evidence_max_bytes=0)
+        saving = ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)
+        options = {**QUIET, "enable_checkpointing": True, "log_every_n_steps": 1}
+        trainer = pl.Trainer(callbacks=[stats, monitor, saving], max_steps=6, **options)
+        ckpt = None if resume is None else str(tmp_path / resume)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a checkpoint within the epoch: not resumable data
+            trainer.fit(Net("mlp", lr=0.0), data("mlp", 24), ckpt_path=ckpt)
+        return monitor
+
+    layers = ["body.0", "body.2", "body.5", "body.7"]  # lr=0: no weight moves
+    straight = run(None)
+    assert [(e.step, e.module) for e in straight.events] == [(2, m) for m in layers]
+    # two of the three logged steps of patience seen before the checkpoint: the third fires
+    mid = run("epoch=0-step=2.ckpt")
+    assert [(e.step, e.module) for e in mid.events] == [(2, m) for m in layers]
+    assert mid.counters["rule_events"] == 4
+    # fired before the checkpoint: still in force after it, quiet, counted once
+    after = run("epoch=0-step=4.ckpt")
+    assert after.events == [] and after.counters["rule_events"] == 4
+    assert sorted((k[1], e.step) for k, e in after.findings.items()) == [(m, 2) for m in layers]
+    assert all(
+        e.details["side"] == "low" and e.details["ratio"] == 0.0 for e in after.findings.values()
+    )
+    # a state loaded for another stage (`validate` with a checkpoint) is not a later fit's
+    fresh = HealthMonitor(rules=[UpdateRatioRule(patience=3)], evidence_max_bytes=0)
+    fresh.load_state_dict(after.state_dict())
+    fresh.teardown(pl.Trainer(**QUIET, logger=False), Net("mlp"), "validate")
+    again = run(None, fresh)
+    assert [(e.step, e.module) for e in again.events] == [(2, m) for m in layers]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -610,6 +610,38 @@ class MeanAbove(HealthRule):
         ]
 
 
+def test_the_rules_state_goes_over_to_a_fresh_rule() -> None:
+    """What a resumed run gives back: a window, a patience count, a running mean, in plain
+    values, taken up where they were by a fresh rule of the same settings."""
+    import pickle
+
+    relu = nn.ReLU()
+    dead = DeadUnitsRule(window=3, min_fraction=0.5)
+    for step in range(2):
+        assert dead.check(unit_input(step, {"r": relu_table([0.0, 0.0, 1.0])}, {"r": relu})) == []
+    ratio = UpdateRatioRule(patience=3)
+    for step in range(2):
+        assert ratio.check(param_input(step, ratios(l2=1e-7), MLP_SHAPES)) == []
+    spike = LossSpikeRule(window=3)
+    assert spike.check(losses([1.0, 1.0, 1.0])) == []
+    states = [rule.state_dict() for rule in (dead, ratio, spike)]
+    # plain values only: a checkpoint loaded with weights_only=True holds nothing else
+    assert pickle.loads(pickle.dumps(states)) == states
+    assert "numpy" not in repr(states)
+    fresh = [DeadUnitsRule(3, 0.5), UpdateRatioRule(patience=3), LossSpikeRule(window=3)]
+    for rule, state in zip(fresh, states, strict=True):
+        rule.start()
+        rule.load_state_dict(state)
+    [event] = fresh[0].check(unit_input(2, {"r": relu_table([0.0, 0.0, 1.0])}, {"r": relu}))
+    assert event.details == {"units": 3, "count": 2, "fraction": 2 / 3, "window": 3}
+    assert kinds(fresh[1].check(param_input(2, ratios(l2=1e-7), MLP_SHAPES))) == [
+        ("update_ratio", "2")
+    ]
+    [event] = fresh[2].check(losses([3.0], 3))  # the mean 1 of the 3 losses before
+    assert event.details["mean"] == 1.0 and "of the 3 steps before" in event.message
+    assert HealthRule().state_dict() == {}  # a rule that keeps nothing
+
+
 def test_a_rule_of_a_user_gets_the_helpers_of_the_base_class() -> None:
     rule = MeanAbove(1.0)
     report = StatsReport("train", 4, None, ("a", "b"), {"mean": np.array([0.5, 2.0])})
