@@ -2,9 +2,10 @@
 when they run, what becomes of their findings, and the view.
 
 **Input.** At ``setup`` the monitor finds the first
-:class:`~lightning_recorder.FeatureStatsMonitor` among the Trainer's callbacks, subscribes to
-its reports and asks it for the per-channel extremes of the modules the rules track. The loss
-of every training step is kept on its device (:class:`._health_rules_loss.LossLog`).
+:class:`~lightning_recorder.FeatureStatsMonitor` among the Trainer's callbacks that monitors
+training (it warns when none does), subscribes to its reports and asks it for the per-channel
+extremes of the modules the rules track. The loss of every training step is kept on its device
+(:class:`._health_rules_loss.LossLog`).
 
 **When.** On each logged training step of that monitor, on global rank zero, once the step is
 complete: whichever of the two callbacks' ``on_train_batch_end`` runs last starts the check.
@@ -124,19 +125,31 @@ class Diagnosis:
 
     # ------------------------------------------------------------------ lifecycle
     def _attach_rules(self, trainer: pl.Trainer) -> None:
-        """At ``setup``: subscribe to the first FeatureStatsMonitor (or warn that there is none)."""
+        """At ``setup``: subscribe to the first FeatureStatsMonitor that monitors training (or
+        the first, or warn that there is none, or that it reports no training step)."""
         from .stats_monitor import FeatureStatsMonitor
 
         callbacks = getattr(trainer, "callbacks", [])
         found = [cb for cb in callbacks if isinstance(cb, FeatureStatsMonitor)]
-        self._stats = found[0] if found else None
+        training = [cb for cb in found if "train" in cb.stages]
+        self._stats = training[0] if training else found[0] if found else None
+        needy = [rule.name for rule in self.rules if rule.needs_statistics]
         if self._stats is not None:
             if self.rules or self._view is not None:
                 self._stats.subscribe(self._on_report)
             if any(type(rule).track is not HealthRule.track for rule in self.rules):
                 self._stats.track_channels(self._track)
+            if needy and not training and not self._warned_stats:
+                self._warned_stats = True
+                rank_zero_warn(
+                    f"HealthMonitor's rules {', '.join(needy)} read the statistics of training "
+                    "steps, and the Trainer's FeatureStatsMonitor monitors none "
+                    f"(stages={self._stats.stages!r}): they check nothing (the non-finite check "
+                    "and the rules on the loss still work). Add 'train' to its `stages`, e.g. "
+                    "FeatureStatsMonitor(..., stages=('train', 'val')), or pass "
+                    "`rules=[LossSpikeRule()]` (or `rules=()`) to silence this warning."
+                )
             return
-        needy = [rule.name for rule in self.rules if rule.needs_statistics]
         if needy and not self._warned_stats:
             self._warned_stats = True
             rank_zero_warn(

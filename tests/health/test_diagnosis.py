@@ -26,6 +26,7 @@ from lightning_recorder import (
     LossSpikeRule,
     RecorderStateError,
     RuleInput,
+    UpdateRatioRule,
 )
 
 
@@ -180,6 +181,40 @@ def test_a_warning_when_the_monitor_watches_none_of_the_modules_a_rule_judges(
         "FeatureStatsMonitor monitors none of them; add them to its sources (e.g. torch.nn.ReLU)."
     ) in messages
     assert sum("'saturation' judges modules such as body.6" in m for m in messages) == 1
+
+
+def test_the_rules_read_a_monitor_of_training_steps(tmp_path: Path) -> None:
+    """A FeatureStatsMonitor of validation only reports no training step: the rules would check
+    nothing, so the monitor says so; with another one that monitors training, they read that."""
+    sources = [nn.Linear, nn.ReLU, nn.Sigmoid]
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    val_only = FeatureStatsMonitor(sources, every_n_steps=1, histograms=False, stages="val")
+    monitor = HealthMonitor(rules=[UpdateRatioRule(patience=1), LossSpikeRule()])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Net("mlp", lr=0.0), [val_only, monitor], steps=2, logger=logger)
+    warned = [str(w.message) for w in record if "HealthMonitor's rules" in str(w.message)]
+    assert warned == [
+        "HealthMonitor's rules update_ratio read the statistics of training steps, and the "
+        "Trainer's FeatureStatsMonitor monitors none (stages=('val',)): they check nothing (the "
+        "non-finite check and the rules on the loss still work). Add 'train' to its `stages`, "
+        "e.g. FeatureStatsMonitor(..., stages=('train', 'val')), or pass "
+        "`rules=[LossSpikeRule()]` (or `rules=()`) to silence this warning."
+    ]
+    assert monitor.events == []
+    # a second monitor that watches training: its statistics are judged (lr=0: no update)
+    val_only = FeatureStatsMonitor(sources, every_n_steps=1, histograms=False, stages="val")
+    train = FeatureStatsMonitor(
+        sources, every_n_steps=1, histograms=False, stages="train", prefix="train-stats"
+    )
+    monitor = HealthMonitor(rules=[UpdateRatioRule(patience=1), LossSpikeRule()])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Net("mlp", lr=0.0), [val_only, train, monitor], steps=2, logger=logger)
+    assert not [w for w in record if "HealthMonitor's rules" in str(w.message)]
+    assert [(e.step, e.module, e.details["side"]) for e in monitor.events] == [
+        (0, m, "low") for m in ("body.0", "body.2", "body.5", "body.7")
+    ]
 
 
 @pytest.mark.parametrize("parameters", [False, "*.bias", True])
