@@ -262,7 +262,10 @@ class Diagnosis:
         if self.rules:
             loss = loss_of(outputs)
             if loss is not None:
-                self._losses.add(step, loss)
+                # Lightning divides each micro-batch's loss by `accumulate_grad_batches`, also in
+                # the shorter last group of an epoch: undone here, the step's mean taken at read
+                scale = trainer.accumulate_grad_batches if _automatic(trainer) else 1
+                self._losses.add(step, loss, scale)
         if not completes_step(trainer):
             return
         self._completed = step
@@ -400,6 +403,12 @@ class Diagnosis:
 
     def _find(self, series: str) -> nn.Module | None:
         return self._modules.get(series.split("/", 1)[0])
+
+
+def _automatic(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's LightningModule uses automatic optimization."""
+    module = trainer.lightning_module
+    return module is None or bool(module.automatic_optimization)
 
 
 def _log_every(trainer: pl.Trainer) -> int:

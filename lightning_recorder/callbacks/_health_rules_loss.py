@@ -45,6 +45,7 @@ class LossLog:
     def clear(self) -> None:
         self._steps: list[int] = []
         self._values: list[torch.Tensor] = []
+        self._scales: list[float] = []
         self._host_steps: list[np.ndarray] = []
         self._host_values: list[np.ndarray] = []
 
@@ -53,10 +54,12 @@ class LossLog:
         """Whether some loss was kept and not read yet."""
         return bool(self._values or self._host_values)
 
-    def add(self, step: int, loss: torch.Tensor) -> None:
-        """Keep ``loss`` of optimizer step ``step`` (micro-batches of a step are summed later)."""
+    def add(self, step: int, loss: torch.Tensor, scale: float = 1.0) -> None:
+        """Keep ``loss`` of optimizer step ``step``, times ``scale`` (the micro-batches of a
+        step are averaged when read)."""
         self._steps.append(step)
         self._values.append(loss)
+        self._scales.append(scale)
         if len(self._values) >= _MAX_UNREAD:
             self._to_host()
 
@@ -64,14 +67,13 @@ class LossLog:
         if not self._values:
             return
         values = torch.stack([v.reshape(()).float() for v in self._values]).cpu().numpy()
-        self._host_values.append(values.astype(np.float64))
+        self._host_values.append(values.astype(np.float64) * np.asarray(self._scales))
         self._host_steps.append(np.asarray(self._steps, dtype=np.int64))
-        self._steps, self._values = [], []
+        self._steps, self._values, self._scales = [], [], []
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """``(steps, losses)`` since the last read (one copy to the host), one per optimizer
-        step: the micro-batches of a step summed (Lightning divides each by the number of
-        micro-batches, so that the sum is their mean)."""
+        step: the mean of its micro-batches' losses."""
         self._to_host()
         if not self._host_values:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
@@ -82,7 +84,7 @@ class LossLog:
             return steps, values
         summed = np.zeros(unique.size)
         np.add.at(summed, where, values)
-        return unique, summed
+        return unique, summed / np.bincount(where, minlength=unique.size)
 
 
 class LossSpikeRule(HealthRule):

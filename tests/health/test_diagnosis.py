@@ -390,6 +390,22 @@ def test_the_rules_read_every_steps_loss_once(accumulate: int) -> None:
         assert value == pytest.approx(np.mean(model.losses[step]), rel=1e-6)
 
 
+def test_the_loss_of_an_epochs_shorter_last_group_of_micro_batches_is_their_mean() -> None:
+    """Eight batches an epoch in groups of three: every third step has two micro-batches, and
+    Lightning divides their losses by three all the same; the rules get their mean."""
+    rule, model = Losses(), Recording()
+    monitor = HealthMonitor(rules=[rule], evidence_max_bytes=0)
+    trainer = pl.Trainer(
+        **QUIET, logger=False, max_steps=6, callbacks=[monitor], log_every_n_steps=2,
+        accumulate_grad_batches=3,
+    )  # fmt: skip
+    trainer.fit(model, data("mlp", 4 * 8))
+    assert sorted(rule.read) == [0, 1, 2, 3, 4, 5]
+    assert [len(model.losses[step]) for step in range(6)] == [3, 3, 2, 3, 3, 2]
+    for step, value in rule.read.items():
+        assert value == pytest.approx(np.mean(model.losses[step]), rel=1e-6)
+
+
 class Twin(Scripted):
     name = "twin"
 
