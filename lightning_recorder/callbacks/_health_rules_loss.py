@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .._core.checks import check_int, check_number, check_option
+from ..errors import RecorderConfigError
 from ._health_event import HealthEvent
 from ._health_rules import HealthRule, RuleInput
 
@@ -119,7 +120,8 @@ class LossSpikeRule(HealthRule):
     Args:
         window: the number of earlier losses whose mean is the reference.
         rtol: the relative distance from the mean that makes a spike (``None``: not used).
-        atol: the absolute distance from the mean that makes a spike (``None``: not used).
+        atol: the absolute distance from the mean that makes a spike (``None``: not used; one
+            of ``rtol`` and ``atol`` must be positive).
         warmup: the first steps that are never spikes.
         mode: ``"min"`` when the loss should fall (a spike is a rise), ``"max"`` otherwise.
 
@@ -152,6 +154,13 @@ class LossSpikeRule(HealthRule):
             rtol = check_number(rtol, "rtol", owner, positive=True)
         if atol is not None:
             atol = check_number(atol, "atol", owner, positive=True)
+        if not ((rtol is not None and rtol > 0) or (atol is not None and atol > 0)):
+            raise RecorderConfigError(
+                f"Expected `rtol` or `atol` of {owner} to be a positive number but got "
+                f"rtol={rtol!r}, atol={atol!r}: every rise of the loss would be a spike. Pass "
+                "atol=None alone for Lightning's rule (rtol=2.0), or leave the rule out of "
+                "`rules=`."
+            )
         check_int(warmup, "warmup", owner, minimum=0)
         check_option("mode", mode, ("min", "max"), owner)
         self.window, self.rtol, self.atol, self.warmup, self.mode = window, rtol, atol, warmup, mode

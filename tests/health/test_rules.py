@@ -578,6 +578,10 @@ def test_loss_spike_atol_keeps_small_losses_out() -> None:
         ({"atol": math.inf}, r"`atol` of LossSpikeRule to be a finite non-negative number"),
         ({"warmup": -1}, r"`warmup` of LossSpikeRule to be a non-negative int but got -1"),
         ({"mode": "up"}, r"`mode` of LossSpikeRule to be one of 'min', 'max' but got 'up'"),
+        # no tolerance at all: every rise of the loss (2.29 after 2.28) would be a spike
+        ({"rtol": None, "atol": None}, r"`rtol` or `atol` .* rtol=None, atol=None: every rise"),
+        ({"rtol": 0.0, "atol": None}, r"`rtol` or `atol` .* positive number but got rtol=0.0,"),
+        ({"rtol": None, "atol": 0}, r"`rtol` or `atol` .* rtol=None, atol=0.0: every rise"),
     ],
 )
 def test_loss_spike_refuses_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
