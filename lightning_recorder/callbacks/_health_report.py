@@ -17,7 +17,8 @@ On global rank zero only (nothing here is a collective):
 **Rule findings** (:meth:`Reporter.report_rules`) are rate-limited per rule and module: a
 finding is loud (a ``WARNING``, a text entry, an alert) when its rule has not spoken of its
 module for ``alert_interval_s`` seconds, and ``DEBUG`` otherwise. The loud findings of one rule
-at one check make *one* message: the first finding's, followed by the other modules.
+at one check make *one* message: the first finding's, followed by the other modules (one per
+side of a band: ``update_ratio``'s layers that move too fast apart from those that barely move).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class Reporter:
         log_step: int,
     ) -> None:
         """Report the rule findings that fired at one check (rank zero): the counters to the
-        loggers, and for each rule one message of its findings not reported lately."""
+        loggers, and for each rule (and side of a band) one message of its findings not
+        reported lately."""
         if not trainer.is_global_zero or not events:
             return
         metrics = {f"health/{k}": float(v) for k, v in counters.items()}
@@ -112,8 +114,12 @@ class Reporter:
                     fresh.append(event)
                 else:
                     log.debug(event.message)
-            if fresh:
-                loud.append(_together(fresh))
+            # findings on the two sides of a band (update_ratio's "high" and "low") say
+            # opposite things: a message for each side
+            sides: dict[Any, list[HealthEvent]] = {}
+            for event in fresh:
+                sides.setdefault(event.details.get("side"), []).append(event)
+            loud.extend(_together(same) for same in sides.values())
         for event in loud:
             log.warning(event.message)
         for logger in trainer.loggers:

@@ -289,6 +289,43 @@ def test_alerts_are_rate_limited_per_rule_and_module(
     assert {e.step: e.value for e in acc.Scalars("health/rule_events")} == {0: 2, 3: 3, 4: 4}
 
 
+def test_update_ratio_findings_on_both_sides_of_the_band_make_a_message_each(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """One layer barely moves while another moves too fast, found at the same check: the
+    advice is opposite, so neither message may say "the same on" the other."""
+
+    class Groups(Net):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            body = self.body
+            return torch.optim.SGD(
+                [
+                    {"params": body[0].parameters(), "lr": 0.0},  # does not move
+                    {"params": body[2].parameters(), "lr": 50.0},  # far too fast
+                    {"params": [*body[5].parameters(), *body[7].parameters()]},
+                ],
+                lr=1e-3,
+            )
+
+    alerts: list[HealthEvent] = []
+    stats = FeatureStatsMonitor([nn.Linear], every_n_steps=1, histograms=False)
+    monitor = HealthMonitor(
+        rules=[UpdateRatioRule(patience=1)], alert=alerts.append, evidence_max_bytes=0
+    )
+    with caplog.at_level(logging.WARNING, logger="lightning_recorder.health"):
+        fit(Groups("mlp"), [stats, monitor], steps=1, logger=TensorBoardLogger(tmp_path))
+    assert [(e.module, e.details["side"]) for e in monitor.events] == [
+        ("body.0", "low"), ("body.2", "high"),
+    ]  # fmt: skip
+    warned = [r.getMessage() for r in caplog.records if "moves" in r.getMessage()]
+    assert len(warned) == 2 and not any("The same on" in m for m in warned)
+    assert warned[0].startswith("`body.0.weight` moves 0 of its norm per step")
+    assert "below 1e-06: it barely learns" in warned[0]
+    assert warned[1].startswith("`body.2.weight` moves ")
+    assert "above 0.1: the learning rate is likely too high for it" in warned[1]
+    assert [a.message for a in alerts] == warned
+
+
 def test_after_the_interval_the_same_finding_alerts_again() -> None:
     script = {0: ["body.0"], 2: ["body.0"]}
     alerts: list[HealthEvent] = []
