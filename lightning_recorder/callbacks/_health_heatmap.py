@@ -2,10 +2,11 @@
 
 One image per statistic: a row per layer in model order, a column per logged step (the oldest
 on the left), each cell coloured by the statistic's value with a viridis-like colour map
-(dark blue low, yellow high; grey: no value). Fractions (``zero_fraction``) are drawn on a
-fixed 0–1 scale, magnitudes (``std``, ``grad_norm``, ``update_ratio`` …) on a log10 scale over
-the values shown, others on a linear one. fastai's ``ActivationStats`` "colorful dimension"
-(a histogram-over-time image per layer) is the model; here every layer is in one image.
+(dark blue low, yellow high, an infinite value at its end; grey: no value, or NaN). Fractions
+(``zero_fraction``) are drawn on a fixed 0–1 scale, magnitudes (``std``, ``grad_norm``,
+``update_ratio`` …) on a log10 scale over the values shown, others on a linear one. fastai's
+``ActivationStats`` "colorful dimension" (a histogram-over-time image per layer) is the model;
+here every layer is in one image.
 
 Where Pillow is installed (TensorBoard needs it), the image carries its text: the statistic
 and its scale, the layer names, the first and last step, and the rule findings in force beside
@@ -90,7 +91,15 @@ def scale_of(stat: str) -> Scale:
 
 
 def _normalised(values: np.ndarray, scale: Scale) -> tuple[np.ndarray, float, float]:
-    """Values in [0, 1] (NaN where missing), and the low and high ends of the scale."""
+    """Values in [0, 1] (NaN where missing), and the low and high ends of the scale (of the
+    finite values): an infinite value is drawn at its end, a NaN as missing."""
+    unit, low, high = _scaled(values, scale)
+    unit = np.where(values == np.inf, 1.0, np.where(values == -np.inf, 0.0, unit))
+    return unit, low, high
+
+
+def _scaled(values: np.ndarray, scale: Scale) -> tuple[np.ndarray, float, float]:
+    """:func:`_normalised` of the finite values (the others NaN, or clipped on a unit scale)."""
     finite = np.isfinite(values)
     if scale == "unit":
         return np.clip(values, 0.0, 1.0), 0.0, 1.0

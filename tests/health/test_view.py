@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,21 @@ def test_wandb_gets_the_heat_maps_and_the_findings_table(
     [[rule, module, since, message]] = last["data"]
     assert (rule, module, since) == ("dead_units", "body.3", 4)
     assert message.startswith("`body.3` (ReLU) has 32 of 32 units dead (100 %)")
+
+
+@pytest.mark.parametrize("stat", ["max", "grad_norm", "zero_fraction"])
+def test_an_infinite_value_is_drawn_at_its_end_of_the_scale_and_nan_as_missing(stat: str) -> None:
+    from lightning_recorder.callbacks._health_heatmap import (
+        _LEVELS,
+        _MISSING,
+        _indices,
+        _normalised,
+        scale_of,
+    )
+
+    values = np.array([[0.25, 0.5, math.inf, -math.inf, math.nan]])
+    cells = _indices(_normalised(values, scale_of(stat))[0])[0]
+    assert list(cells[2:]) == [_LEVELS - 1, 0, _MISSING]  # top, bottom, grey
 
 
 def test_a_narrow_map_is_wide_enough_for_its_whole_title() -> None:
