@@ -604,12 +604,35 @@ class ShardWriter:
         complete shard)."""
         return [n for n, _ in self._own(self.storage.names()) if n.endswith(INDEX_SUFFIX)]
 
+    def run_ranks(self) -> set[int]:
+        """The ranks that have files of this writer's run in its storage (any rank's)."""
+        return {rank for _, rank, _ in self._of_run(self.storage.names())}
+
+    def run_generation(self) -> int | None:
+        """The latest generation of this writer's run over the complete shards of every rank in
+        its storage (``None``: none). A rank's generations never go down from one shard to the
+        next, so its last index file holds its largest: one read per rank, however many shards
+        the run has."""
+        last: dict[int, tuple[int, str]] = {}  # rank -> (seq, name) of its last index file
+        for name, rank, seq in self._of_run(self.storage.names()):
+            if name.endswith(INDEX_SUFFIX):
+                last[rank] = max(last.get(rank, (-1, "")), (seq, name))
+        storage = self.storage
+        found = [decode_index(storage.read(n), n).get("generation", 0) for _, n in last.values()]
+        return max(found, default=None)
+
     def _own(self, names: Iterable[str]) -> Iterator[tuple[str, int]]:
         """``(name, sequence number)`` of each of ``names`` of this writer's run and rank."""
+        for name, rank, seq in self._of_run(names):
+            if rank == self.rank:
+                yield name, seq
+
+    def _of_run(self, names: Iterable[str]) -> Iterator[tuple[str, int, int]]:
+        """``(name, rank, sequence number)`` of each of ``names`` of this writer's run."""
         for name in names:
             parsed = parse_stem(name)
-            if parsed is not None and parsed[:2] == (self.run, self.rank):
-                yield name, parsed[2]
+            if parsed is not None and parsed[0] == self.run:
+                yield name, parsed[1], parsed[2]
 
     def _next_seq(self) -> int:
         if self._seq is None:

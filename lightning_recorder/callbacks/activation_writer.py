@@ -13,7 +13,6 @@ from torch import nn
 from typing_extensions import override
 
 from ..activations import ShardWriter
-from ..activations._format import INDEX_SUFFIX, decode_index, parse_stem
 from ..errors import RecorderConfigError, RecorderError
 from ._lightning import Stage, predict_batch_indices, step_axis
 from .recorder import RecorderCallback
@@ -257,19 +256,10 @@ class ActivationWriter(RecorderCallback):
         # The generations go on from the shards this run already has (an earlier fit or loop
         # of this writer): a resume from a checkpoint of this loop then removes what it wrote
         # after the checkpoint, not the earlier loop's shards of the same numbers. Those of
-        # every rank count, so that the ranks agree (a checkpoint holds rank 0's number). A
-        # rank's generations never go down from one shard to the next, so its last index file
-        # holds its largest: one read per rank, however many shards the run has.
-        storage = self.writer.storage
-        last: dict[int, tuple[int, str]] = {}  # rank -> (seq, name) of its last index file
-        for name in storage.names():
-            parsed = parse_stem(name)
-            if name.endswith(INDEX_SUFFIX) and parsed is not None and parsed[0] == self.run:
-                _, rank, seq = parsed
-                last[rank] = max(last.get(rank, (-1, "")), (seq, name))
-        found = [decode_index(storage.read(n), n).get("generation", 0) for _, n in last.values()]
-        if found:
-            self.writer.generation = max(found) + 1
+        # every rank count, so that the ranks agree (a checkpoint holds rank 0's number).
+        latest = self.writer.run_generation()
+        if latest is not None:
+            self.writer.generation = latest + 1
 
     def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
@@ -288,13 +278,7 @@ class ActivationWriter(RecorderCallback):
             self.writer.run = self.run
             self.writer.discard_from(generation)
             if trainer.global_rank == 0:  # resumed on fewer processes: theirs are stale too
-                gone = {
-                    parsed[1]
-                    for parsed in map(parse_stem, self.writer.storage.names())
-                    if parsed is not None
-                    and parsed[0] == self.run
-                    and parsed[1] >= trainer.world_size
-                }
+                gone = {rank for rank in self.writer.run_ranks() if rank >= trainer.world_size}
                 for rank in sorted(gone):
                     ShardWriter(
                         self.directory, run=self.run, rank=rank, **self._writer_options
