@@ -29,9 +29,11 @@ class _Shard:
         try:
             if storage.local:
                 self._file: Any = safe_open(storage.join(name), framework="pt")
-            else:
+                self._keys = set(self._file.keys())
+            else:  # every tensor of a remote shard is loaded
                 self._file = None
                 self._cache = load(storage.read(name))
+                self._keys = set(self._cache)
         except (OSError, SafetensorError) as err:
             raise RecorderConfigError(
                 f"Expected {storage.join(name)} to be a complete activation shard (safetensors) "
@@ -42,18 +44,13 @@ class _Shard:
     def tensor(self, key: str) -> torch.Tensor:
         found = self._cache.get(key)
         if found is None:
-            from safetensors import SafetensorError
-
-            try:
-                if self._file is None:  # every tensor of a remote shard is loaded
-                    raise SafetensorError(f"File does not contain tensor {key}")
-                found = self._cache[key] = self._file.get_tensor(key)
-            except SafetensorError as err:
+            if key not in self._keys:
                 raise RecorderConfigError(
                     f"Expected {self._where} to hold the tensor {key!r} that its index file "
-                    f"lists but it cannot be read ({err}): the shard does not belong to its "
-                    "index file, or is damaged. Restore both, or remove them to leave them out."
-                ) from None
+                    "lists but it does not: the shard does not belong to its index file, or is "
+                    "damaged. Restore both, or remove them to leave them out."
+                )
+            found = self._cache[key] = self._file.get_tensor(key)
         return found
 
 
