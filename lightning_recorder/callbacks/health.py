@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -285,7 +286,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
                 f"Expected `heatmap_stats` of {owner} to be a list of names among "
                 f"{', '.join(map(repr, known))} but got {heatmap_stats!r}."
             )
-        repeated = sorted({s for s in heatmap_stats if list(heatmap_stats).count(s) > 1})
+        repeated = sorted(s for s, n in Counter(heatmap_stats).items() if n > 1)
         if repeated:
             raise RecorderConfigError(
                 f"Expected each name of `heatmap_stats` of {owner} once but got "
