@@ -404,7 +404,8 @@ class ForwardInputsCollector(_Collector):
     A sample is the first argument of the call: ``inputs[0]`` as in torchfunc, or, for a call
     with keyword arguments only, the first one in the order of ``forward``'s signature
     (``m(x=t)`` records ``t``). ``path`` picks another argument by position or name
-    (``path="mask"``). Alias: :data:`ForwardPre`.
+    (``path="mask"``). A call that passes ``None`` there (an optional argument left out) makes no
+    sample. Alias: :data:`ForwardPre`.
 
     Takes the options listed in the module docs (``condition``, ``reduction``, ``detach``,
     ``clone``, ``device``, ``dtype``, ``path``).

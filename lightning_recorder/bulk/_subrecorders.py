@@ -141,7 +141,8 @@ class InputsHook(SubRecorderHook):
                 value = bound[0]
             else:
                 return
-        slot.offer(value)
+        if value is not None:  # an optional argument left out: no sample, as for outputs
+            slot.offer(value)
 
 
 class OutputsHook(SubRecorderHook):

@@ -202,8 +202,31 @@ def test_forward_inputs_record_the_first_positional_argument_or_a_path() -> None
     with ForwardInputsCollector(path="scale", detach=False).children(holder) as named:
         holder[0](x, s)
         holder[0](x, scale=s)
-        holder[0](x)
-    assert named[0][0] is s and named[0][1] is s and named[0][2] is None
+        holder[0](x)  # `scale` left None: no sample
+    assert len(named[0]) == 2 and named[0][0] is s and named[0][1] is s
+    assert named.samples(0) == 2
+
+
+def test_an_input_left_none_is_not_a_sample() -> None:
+    # An optional argument left None makes no sample, as an output without a tensor does: a
+    # fold never sees None, and the count is of the calls that passed a value.
+    class TwoInputs(nn.Module):
+        def forward(self, x: torch.Tensor | None, scale: torch.Tensor | None = None) -> object:
+            return x if scale is None else x * scale
+
+    holder = nn.Sequential(TwoInputs())
+    s = torch.arange(3.0)
+    summed = ForwardInputsCollector(path="scale", reduction=lambda acc, v: acc + v)
+    with summed.children(holder):
+        holder[0](torch.ones(3))
+        holder[0](torch.ones(3), scale=s)
+        holder[0](torch.ones(3))
+        holder[0](torch.ones(3), s)
+    torch.testing.assert_close(summed[0], 2 * s)
+    assert summed.samples(0) == 2
+    with ForwardInputsCollector().children(holder) as first:
+        holder[0](None)
+    assert first[0] == [] and first.samples(0) == 0
 
 
 def test_an_input_path_naming_no_argument_fails_at_registration() -> None:
@@ -231,7 +254,7 @@ def test_an_input_path_naming_no_argument_fails_at_registration() -> None:
         assert len(collector) == 0 and live_hooks() == []  # nothing registered
     with ForwardInputsCollector(path="scale").modules(model, types=TwoInputs) as named:
         model(torch.ones(2))
-    assert named.samples(0) == 1 and named[0] == [None]
+    assert named.samples(0) == 0 and named[0] == []  # `scale` left None: no sample
     # With **extra any name may come, so the name can only be checked when the call comes.
     with ForwardInputsCollector(path="mask").modules(AnyKeyword()) as free:
         assert free.names == ("",)
