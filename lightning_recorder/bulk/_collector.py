@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import torch
 from torch import nn
@@ -322,7 +322,9 @@ class _Collector:
             *args: passed to ``Path.mkdir`` when ``mkdir`` is ``True``.
             index: write ``.index.json`` (module names, types, sample counts). ``False`` leaves
                 only the tensor files, torchfunc's exact layout; ``load_collected`` then reads
-                them without names.
+                them without names. Either way, a save into a folder that holds an earlier
+                save (with its index) replaces it: the earlier index, and the files it lists
+                that this save does not rewrite, are removed.
             **kwargs: passed to ``Path.mkdir`` when ``mkdir`` is ``True``.
 
         Returns:
@@ -369,6 +371,7 @@ class _Collector:
                 f"Expected `directory` {str(root)!r} to exist (mkdir=False) but it does not; "
                 "pass mkdir=True or leave mkdir=None to create it."
             )
+        earlier = _earlier_save(root)  # replaced: what this save does not rewrite goes
         records = []
         for number, (slot, value) in enumerate(zip(self._slots, data, strict=True)):
             torch.save(value, root / f"{number}.pt")
@@ -390,6 +393,10 @@ class _Collector:
             }
             text = json.dumps(index_doc, indent=2) + "\n"
             (root / _INDEX_FILE).write_text(text, encoding="utf-8")
+        kept = {record["file"] for record in records} | ({_INDEX_FILE} if index else set())
+        for path in earlier:
+            if path.name not in kept:
+                path.unlink(missing_ok=True)
         return root
 
     def __repr__(self) -> str:
@@ -570,7 +577,7 @@ def load_collected(
                 "is damaged."
             )
         file = entry["file"]
-        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+        if not _plain_file_name(file):
             raise RecorderConfigError(
                 f"Expected record {number} of {index_path.name!r} in {str(root)!r} to name a file "
                 f"inside that folder (such as '{number}.pt') but got {file!r}; the index is "
@@ -585,6 +592,32 @@ def load_collected(
         data = torch.load(path, map_location=map_location, weights_only=weights_only)
         loaded.append(CollectedRecord(number, entry["name"], entry["type"], entry["samples"], data))
     return loaded
+
+
+def _plain_file_name(file: object) -> TypeGuard[str]:
+    """Whether an index names a file inside its own folder (``"0.pt"``, no path)."""
+    return isinstance(file, str) and Path(file).name == file and file not in ("", ".", "..")
+
+
+def _earlier_save(root: Path) -> list[Path]:
+    """The index files of an earlier ``save`` into ``root`` and the files they list (none for
+    a folder without such an index, whose files are not known to be a save's)."""
+    found: list[Path] = []
+    for name in (_INDEX_FILE, *_OLD_INDEX_FILES):
+        path = root / name
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+            continue
+        found.append(path)
+        records = doc.get("records")
+        for entry in records if isinstance(records, list) else ():
+            file = entry.get("file") if isinstance(entry, dict) else None
+            if _plain_file_name(file):
+                found.append(root / file)
+    return found
 
 
 def _load_without_index(

@@ -739,6 +739,30 @@ def test_older_index_name_and_folders_without_index(tmp_path: Path) -> None:
     ]
 
 
+def test_a_save_over_an_earlier_save_replaces_it(tmp_path: Path) -> None:
+    # Neither the earlier index nor its files beyond the new ones are left for a reader.
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    with ForwardOutputsCollector().children(model) as three:
+        model(torch.ones(1, 2))
+    with ForwardOutputsCollector().children(model, indices=[2]) as one:
+        model(torch.ones(1, 2))
+        model(torch.zeros(1, 2))
+    three.save(tmp_path)
+    one.save(tmp_path, index=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.pt"]
+    assert [(r.name, r.samples, len(r.data)) for r in load_collected(tmp_path)] == [(None, 2, 2)]
+    three.save(tmp_path)
+    (tmp_path / ".index.json").rename(tmp_path / "index.json")  # the name older versions wrote
+    one.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".index.json", "0.pt"]
+    assert [(r.name, r.samples, len(r.data)) for r in load_collected(tmp_path)] == [("2", 2, 2)]
+    # A folder's other files, and an index.json that is not a save's, are not touched.
+    (tmp_path / "index.json").write_text('{"other": 1}', encoding="utf-8")
+    (tmp_path / "notes.txt").write_text("mine", encoding="utf-8")
+    one.save(tmp_path, index=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.pt", "index.json", "notes.txt"]
+
+
 def test_save_mkdir_modes(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(2, 3))
     with ForwardOutputsCollector().children(model) as outputs:
