@@ -22,7 +22,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from torch import nn
 
@@ -72,30 +72,61 @@ def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def refuse_second_name(
     model: nn.Module, source: object, what: str, items: Mapping[str, object]
 ) -> None:
-    """Raise when ``source``, an exact name that :func:`select` did not find in ``items`` (the
-    deduplicated names of ``what``, ``"module"`` or ``"parameter"``), names an object that
-    ``items`` list under another name: a tied parameter or a module registered twice, which
+    """Raise when ``source``, a name or pattern that :func:`select` did not find in ``items``
+    (the deduplicated names of ``what``, ``"module"`` or ``"parameter"``), names only objects
+    that ``items`` list under another name: a tied parameter or a module registered twice, which
     ``named_modules()`` / ``named_parameters()`` list once.
 
     Raises:
         UnknownSourceError: the message names the listed name to record instead.
     """
-    if not isinstance(source, str) or is_glob(source) or canonical_name(source) in items:
+    if not isinstance(source, str):
         return
-    key = canonical_name(source)
     every = (
         model.named_parameters(remove_duplicate=False)
         if what == "parameter"
         else model.named_modules(remove_duplicate=False)
     )
-    shared = next((obj for name, obj in every if canonical_name(name) == key), None)
-    listed = next((name for name, obj in items.items() if obj is shared), None)
-    if shared is not None and listed is not None:
+    if not is_glob(source):
+        key = canonical_name(source)
+        if key in items:
+            return
+        shared = next((obj for name, obj in every if canonical_name(name) == key), None)
+        listed = next((name for name, obj in items.items() if obj is shared), None)
+        if shared is not None and listed is not None:
+            raise UnknownSourceError(
+                f"No {what} named {source!r} in named_{what}s(): {source!r} is a second name of "
+                f"the {what} {listed!r} (shared or tied, the same object), which named_{what}s() "
+                f"lists once. Record {listed!r}."
+            )
+        return
+    matches = _matcher(source)
+    if any(matches(name) for name in items if name):
+        return
+    listed_as = {id(obj): name for name, obj in items.items()}
+    seconds = {
+        key: listed_as[id(obj)]
+        for key, obj in ((canonical_name(name), obj) for name, obj in every)
+        if key and matches(key) and key not in items and id(obj) in listed_as
+    }
+    if seconds:
+        shown = ", ".join(
+            f"{second!r} (listed as {first!r})" for second, first in list(seconds.items())[:5]
+        ) + (" …" if len(seconds) > 5 else "")
         raise UnknownSourceError(
-            f"No {what} named {source!r} in named_{what}s(): {source!r} is a second name of the "
-            f"{what} {listed!r} (shared or tied, the same object), which named_{what}s() lists "
-            f"once. Record {listed!r}."
+            f"The pattern {source!r} matches no name in named_{what}s(), only second names of "
+            f"{what}s listed once under another name (shared or tied, the same object): "
+            f"{shown}. Select them by the names listed."
         )
+
+
+def _matcher(source: str) -> Callable[[str], bool]:
+    """Whether a name matches a glob pattern or a ``"re:"`` regular expression (whole name)."""
+    if is_regex(source):
+        pattern = _compile(source)
+        return lambda name: pattern.fullmatch(name) is not None
+    key = canonical_name(source)
+    return lambda name: fnmatch.fnmatchcase(name, key)
 
 
 def is_regex(source: object) -> bool:
@@ -294,13 +325,13 @@ def select(
         RecorderConfigError: a ``"re:"`` source is not a valid regular expression.
     """
     names = [n for n in items if allow_root or n]
-    if isinstance(source, str) and is_regex(source):
-        pattern = _compile(source)
-        matched = [n for n in names if pattern.fullmatch(n)]
+    if isinstance(source, str) and is_glob(source):
+        matches = _matcher(source)
+        matched = [n for n in names if matches(n)]
         if not matched:
             raise UnknownSourceError(_unknown(source, items, names, what))
         return matched
-    if isinstance(source, str) and not is_glob(source):
+    if isinstance(source, str):
         key = canonical_name(source)
         if key in items and (key or allow_root):
             return [key]
@@ -309,12 +340,6 @@ def select(
             if matched:
                 return matched
         raise UnknownSourceError(_unknown(source, items, names, what))
-    if isinstance(source, str):
-        key = canonical_name(source)
-        matched = [n for n in names if fnmatch.fnmatchcase(n, key)]
-        if not matched:
-            raise UnknownSourceError(_unknown(source, items, names, what))
-        return matched
     types = source if isinstance(source, tuple) else (source,)
     matched = [n for n in names if isinstance(items[n], types)]
     if not matched:

@@ -633,6 +633,17 @@ class _Tied(nn.Module):
         (lambda: ParameterRecorder("head.weight"), r"second name of the parameter 'emb.weight'"),
         (lambda: ParameterGradRecorder("head.weight"), r"Record 'emb.weight'"),
         (lambda: ModuleOutputsRecorder("again"), r"second name of the module 'block'"),
+        # A pattern that matches second names only says so, and which names to use.
+        (
+            lambda: ParameterRecorder("head.*"),
+            r"'head.\*' matches no name in named_parameters\(\), only second names .*"
+            r"'head.weight' \(listed as 'emb.weight'\)",
+        ),
+        (lambda: ParameterRecorder(r"re:he.d\..*"), r"'head.weight' \(listed as 'emb.weight'\)"),
+        (
+            lambda: ModuleOutputsRecorder("aga*"),
+            r"'aga\*' matches no name in named_modules\(\).*'again' \(listed as 'block'\)",
+        ),
     ],
 )
 def test_a_second_name_of_a_shared_object_names_the_one_to_record(
