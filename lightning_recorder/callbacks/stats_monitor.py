@@ -230,7 +230,8 @@ class FeatureStatsMonitor(RecorderCallback):
             ``WandbLogger`` (at setup); a source matches no
             module, or a ``parameters`` pattern no parameter of the monitored modules (at the
             start of the run, naming the closest names), or another monitor of the Trainer
-            writes the same tags (the same ``prefix``, stage and module; at the start of the run).
+            writes the same tags (the same ``prefix``, stage and module, or the same ``prefix``
+            and parameter; at the start of the run).
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -575,7 +576,12 @@ class FeatureStatsMonitor(RecorderCallback):
         for recorder_name, stream in self.manager.streams():
             path = self._paths.get(recorder_name)
             streams.setdefault(stream.name if path is None else f"{stream.name}/{path}", stream)
-        self._check_tags_are_its_own(trainer, streams)
+        params = (
+            self._chosen_parameters(pl_module, streams)
+            if self.parameters is not False and "train" in self.stages
+            else None
+        )
+        self._check_tags_are_its_own(trainer, streams, params or {})
         self._streams = streams
         self._tag_cache.clear()  # the cached tags of every module follow these streams
         self._index = {id(stream): i for i, stream in enumerate(streams.values())}
@@ -615,24 +621,39 @@ class FeatureStatsMonitor(RecorderCallback):
         if self._params is not None:
             self._params.close()
         self._params = None
-        if self.parameters is not False and "train" in self.stages:
-            params = self._chosen_parameters(pl_module, streams)
+        if params is not None:
             self._params = ParameterStats(params, any_sharded(params.values()))
 
-    def _check_tags_are_its_own(self, trainer: pl.Trainer, streams: Mapping[str, Any]) -> None:
+    def _check_tags_are_its_own(
+        self, trainer: pl.Trainer, streams: Mapping[str, Any], params: Mapping[str, Any]
+    ) -> None:
         """Refuse a monitor that would write the same tags as another one of the Trainer (the
-        same prefix, stage and module): each would log its points into the other's series."""
+        same prefix, stage and module, or the same prefix and parameter, which nested sources
+        such as ``"body"`` and ``"body.0"`` share): each would log its points into the other's
+        series."""
         for other in trainer.callbacks:  # type: ignore[attr-defined]
             if other is self or not isinstance(other, FeatureStatsMonitor):
                 continue
+            if other.prefix != self.prefix:
+                continue
             stages = [stage for stage in self.stages if stage in other.stages]
             shared = [name for name in streams if name in other._streams]
-            if other.prefix == self.prefix and stages and shared:
+            if stages and shared:
                 raise RecorderConfigError(
                     f"Expected {self!r} and {other!r} to write different tags but both write "
                     f"{self.tag(stages[0], shared[0], '...')!r} (stages {stages}, modules "
                     f"{shared[:5]}): each would log into the other's series. Give one of them "
                     "another `prefix`, or other `sources` or `stages`."
+                )
+            theirs = other._params.params if other._params is not None else {}
+            both = [name for name in params if name in theirs]
+            if both:
+                raise RecorderConfigError(
+                    f"Expected {self!r} and {other!r} to write different tags but both write "
+                    f"{self.tag('train', both[0], 'norm')!r} (parameters {both[:5]}, inside "
+                    "the modules of both): each would log into the other's series. Give one of "
+                    "them another `prefix`, `parameters=False`, or `parameters` patterns that "
+                    "leave the other's out."
                 )
 
     def _chosen_parameters(

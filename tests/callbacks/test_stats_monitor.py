@@ -572,6 +572,35 @@ def test_two_monitors_writing_the_same_tags_are_refused(tmp_path: Path) -> None:
     assert "stats/val/probe/mean" in got and "stats/val/body.0/mean" in got
 
 
+def test_two_monitors_of_nested_modules_writing_the_same_parameter_tags_are_refused(
+    tmp_path: Path,
+) -> None:
+    # "body" holds "body.0": both would log body.0's parameters under one tag.
+    a = FeatureStatsMonitor("body", every_n_steps=1, name="a")
+    b = FeatureStatsMonitor("body.0", every_n_steps=2, name="b")
+    logger = TensorBoardLogger(tmp_path, name="nested")
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[a, b])
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"both write 'stats/train/body\.0\.weight/norm' \(parameters \['body\.0\.weight', "
+        r"'body\.0\.bias'\].*`parameters=False`",
+    ):
+        trainer.fit(ProbeNet(), loader(features(8)))
+    assert live_hooks() == [] and a._manager is None and b._manager is None
+    # Parameters left to one of them: the tags are their own, both run.
+    a = FeatureStatsMonitor("body", every_n_steps=1, name="a", histograms=False)
+    b = FeatureStatsMonitor("body.0", every_n_steps=2, name="b", parameters=False)
+    logger = TensorBoardLogger(tmp_path, name="apart")
+    pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[a, b]).fit(
+        ProbeNet(), loader(features(8))
+    )
+    got = scalars(logger.log_dir)
+    assert sorted(got["stats/train/body.0.weight/norm"]) == [0, 1]
+    assert sorted(got["stats/train/body.0/mean"]) == [1] and sorted(
+        got["stats/train/body/mean"]
+    ) == [0, 1]
+
+
 class InPlace(ProbeNet):
     def __init__(self) -> None:
         super().__init__()
