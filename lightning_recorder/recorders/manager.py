@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from .._core.registry import add_named, apply_all, get_named
-from ..errors import RecorderConfigError, RecorderStateError
+from ..errors import DuplicateNameError, RecorderConfigError, RecorderStateError
 from ._registry import build_recorder
 from .base import _CONTEXT_LOCK, BaseRecorder, RecordStream, _this_thread, held_elsewhere
 
@@ -95,7 +95,19 @@ class RecorderManager:
             self.add_recorder(name, config)
 
     def add_recorder(self, name: str, config: Mapping[str, Any] | BaseRecorder) -> BaseRecorder:
-        """Add one recorder (built from ``config``) under ``name`` and return it."""
+        """Add one recorder (built from ``config``) under ``name`` and return it.
+
+        Raises:
+            DuplicateNameError: ``name`` is taken, or the recorder instance ``config`` is
+                already in this manager under another name.
+        """
+        taken = next((n for n, r in self._recorders.items() if r is config), None)
+        if taken is not None:
+            raise DuplicateNameError(
+                f"Expected a recorder not yet in this manager under {name!r} but {config!r} is "
+                f"already in it as {taken!r}: one recorder under two names would give its streams "
+                "twice. Read it by that name, or add a second recorder (a config dict builds one)."
+            )
         return add_named(self._recorders, name, partial(build_recorder, config, name), "recorder")
 
     @property

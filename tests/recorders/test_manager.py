@@ -158,6 +158,17 @@ def test_bad_configs(config: object, error: type[Exception], match: str) -> None
         RecorderManager({"r": config})  # type: ignore[dict-item]
 
 
+def test_one_recorder_under_two_names_is_refused() -> None:
+    # Its streams would come twice out of streams(), e.g. logged twice by a callback.
+    recorder = ModuleOutputsRecorder("conv1")
+    manager = RecorderManager({"first": recorder})
+    with pytest.raises(DuplicateNameError, match=r"already in it as 'first'.*second recorder"):
+        manager.add_recorder("second", recorder)
+    assert list(manager.recorders) == ["first"]
+    with pytest.raises(DuplicateNameError, match=r"already in it as 'a'"):
+        RecorderManager([("a", recorder), ("b", recorder)])
+
+
 def test_duplicate_names_and_unknown_recorder_name() -> None:
     with pytest.raises(DuplicateNameError, match=r"'r' already exists"):
         RecorderManager(
