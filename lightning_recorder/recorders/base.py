@@ -17,7 +17,7 @@ import contextlib
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType, TracebackType
 from typing import Any, ClassVar, Literal
 
@@ -75,6 +75,11 @@ _MODIFIED_CAUSE = (
 )
 
 
+def _no_owner() -> None:
+    """The recorder of a stream copied without it: none."""
+    return None
+
+
 class RecordStream:
     """The records of one source, in call order.
 
@@ -86,12 +91,22 @@ class RecordStream:
 
     def __init__(self, name: str, owner: BaseRecorder) -> None:
         self.name = name
-        # A weak proxy: hooks hold streams, and must not keep their recorder alive.
-        self._owner = weakref.proxy(owner)
+        # A weak reference: hooks hold streams, and must not keep their recorder alive.
+        self._owner: Callable[[], BaseRecorder | None] = weakref.ref(owner)
         self._label = repr(owner)
         self._records: list[Any] = []
         self._versions: list[Versions] = []
         self.num_calls = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deep copy, pickle) leaves its recorder out: the copied recorder takes its
+        # copied streams back (BaseRecorder.__setstate__); a stream copied alone has none.
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "_owner"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for slot, value in state.items():
+            setattr(self, slot, value)
+        self._owner = _no_owner
 
     def _reset(self) -> None:
         self._records = []
@@ -102,10 +117,8 @@ class RecordStream:
         records = self._records
         for idx, versions in enumerate(self._versions):
             if versions is not None and modified(records[idx], versions):
-                try:
-                    cause = self._owner._modified_cause()
-                except ReferenceError:  # the recorder is gone; the stream outlived it
-                    cause = _MODIFIED_CAUSE
+                owner = self._owner()  # None: the recorder is gone; the stream outlived it
+                cause = _MODIFIED_CAUSE if owner is None else owner._modified_cause()
                 raise RecordModifiedError(
                     f"Record {idx} of {self._label} (source {self.name!r}) was modified in place "
                     f"after it was recorded, so it no longer holds what the source produced; "
@@ -125,10 +138,12 @@ class RecordStream:
         """One record; ``data_idx`` indexes into a tuple, list or arguments record."""
         records = self._records
         if not records:
-            try:
-                why = self._owner._why_empty(self.name)
-            except ReferenceError:  # the recorder is gone; the stream outlived it
-                why = f"{self._label} recorded nothing for {self.name!r}."
+            owner = self._owner()  # None: the recorder is gone; the stream outlived it
+            why = (
+                f"{self._label} recorded nothing for {self.name!r}."
+                if owner is None
+                else owner._why_empty(self.name)
+            )
             raise NoRecordError(why)
         if isinstance(record_idx, bool) or not isinstance(record_idx, int):
             raise RecorderConfigError(
@@ -301,6 +316,12 @@ class BaseRecorder(abc.ABC):
         self._holder: tuple[int, str] | None = None  # (ident, name) of the recording thread
         self._warned_thread = False
         self._model: torch.nn.Module | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A deep copy or an unpickled recorder: its copied streams are its own.
+        self.__dict__.update(state)
+        for stream in self._streams.values():
+            stream._owner = weakref.ref(self)
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, model: torch.nn.Module | None = None) -> BaseRecorder:

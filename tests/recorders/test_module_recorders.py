@@ -230,6 +230,26 @@ def test_model_pickles_and_deep_copies_after_recording() -> None:
     manager.release()
 
 
+class _Holding(nn.Module):
+    """A model that holds the recorder of its own layer (as a LightningModule may)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 2))
+        self.rec = ModuleOutputsRecorder("net.0").initialize(self)
+
+
+def test_a_copied_recorder_reads_its_own_records() -> None:
+    # The streams of a deep-copied or unpickled recorder answer for the copy, not for a
+    # half-built third recorder (which raised AttributeError).
+    model = _Holding()
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        rec = copied.rec
+        with pytest.raises(NoRecordError, match=r"has recorded nothing for 'net\.0' yet"):
+            rec.get_record_data()
+    model.rec.release()
+
+
 @dataclasses.dataclass
 class Output:
     logits: torch.Tensor
