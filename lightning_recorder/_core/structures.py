@@ -441,3 +441,15 @@ def modified(value: Any, versions: Versions) -> bool:
     if isinstance(versions, int):
         return bool(value._version != versions)
     return any(t._version != v for t, v in versions)
+
+
+def copied_snapshot(value: Any, was_modified: bool) -> Versions:
+    """:func:`snapshot` of a copy of a record (a deep copy, an unpickled one): a copied tensor
+    counts its versions afresh, so the copy is snapshot again; a record that was modified in
+    place before it was copied gets counters it never matches, so it still reads as modified."""
+    versions = snapshot(value)
+    if not was_modified or versions is None:
+        return versions
+    if isinstance(versions, int):
+        return -1
+    return [(t, -1) for t, _ in versions]

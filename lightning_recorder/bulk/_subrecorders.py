@@ -14,7 +14,16 @@ from torch import nn
 
 from .._core.hooks import GradSink, HookSet, WeakHook
 from .._core.names import resolve_type
-from .._core.structures import Binder, Versions, follow_path, iter_tensors, map_tensors, snapshot
+from .._core.structures import (
+    Binder,
+    Versions,
+    copied_snapshot,
+    follow_path,
+    iter_tensors,
+    map_tensors,
+    modified,
+    snapshot,
+)
 from ..errors import RecorderConfigError, RecorderStateError, UnknownSourceError
 
 Condition = Callable[[], bool]
@@ -65,6 +74,18 @@ class SubRecorder:
         #: torchfunc's ``data_method``: ``"sample"``, ``"batch"`` or ``None`` (the default pick).
         self.data_method: str | None = None
         self.tracked: list[tuple[Any, Versions]] = []  # (value, version counters) to check
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copied tensors count their versions afresh (a deep copy, an unpickled collector):
+        # the copy keeps which samples were modified in place, and snapshots the others again.
+        state = {slot: getattr(self, slot) for slot in self.__slots__ if slot != "__weakref__"}
+        state["tracked"] = [(value, modified(value, versions)) for value, versions in self.tracked]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for slot, value in state.items():
+            setattr(self, slot, value)
+        self.tracked = [(value, copied_snapshot(value, was)) for value, was in state["tracked"]]
 
     def offer(self, value: Any) -> None:
         condition, reduction, transform, track = self.options

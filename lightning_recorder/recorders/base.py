@@ -31,6 +31,7 @@ from .._core.structures import (
     Path,
     PathKey,
     Versions,
+    copied_snapshot,
     follow_path,
     make_tensor_transform,
     make_transform,
@@ -101,11 +102,22 @@ class RecordStream:
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deep copy, pickle) leaves its recorder out: the copied recorder takes its
         # copied streams back (BaseRecorder.__setstate__); a stream copied alone has none.
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "_owner"}
+        # Copied tensors count their versions afresh: the copy keeps which records were
+        # modified in place, and snapshots the others again.
+        state = {slot: getattr(self, slot) for slot in self.__slots__ if slot != "_owner"}
+        state["_versions"] = [
+            modified(record, versions)
+            for record, versions in zip(self._records, self._versions, strict=True)
+        ]
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for slot, value in state.items():
             setattr(self, slot, value)
+        self._versions = [
+            copied_snapshot(record, was_modified)
+            for record, was_modified in zip(self._records, state["_versions"], strict=True)
+        ]
         self._owner = _no_owner
 
     def _reset(self) -> None:

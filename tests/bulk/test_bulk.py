@@ -595,6 +595,25 @@ def test_models_with_collector_hooks_deepcopy_and_pickle_and_copies_do_not_recor
     torch.testing.assert_close(twin(x), model(x))
 
 
+def test_a_copied_collector_keeps_which_samples_were_modified_in_place() -> None:
+    # Copied tensors count their versions afresh: a sample reads as modified in the copy only
+    # when it was modified before the copy, or is modified in the copy.
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True), nn.Linear(2, 2))
+    for reduction in (None, lambda acc, x: acc + x):
+        with ForwardOutputsCollector(reduction=reduction).children(model, indices=[0, 2]) as c:
+            model(torch.randn(3, 2))  # the in-place ReLU writes into the output of model[0]
+        copied = copy.deepcopy(c)
+        if reduction is None:  # (a fold starts from a copy of the first sample)
+            with pytest.raises(RecordModifiedError, match=r"subrecorder 0 \('0'\)"):
+                copied[0]
+        torch.testing.assert_close(copied[1], c[1])
+        sample = copied[1] if reduction is not None else copied[1][0]
+        sample.add_(1.0)
+        with pytest.raises(RecordModifiedError, match=r"subrecorder 1 \('2'\)"):
+            copied[1]
+        assert c[1] is not None  # the original is untouched
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpoint_recomputation_is_not_recorded_twice(use_reentrant: bool) -> None:
     torch.manual_seed(0)

@@ -250,6 +250,31 @@ def test_a_copied_recorder_reads_its_own_records() -> None:
     model.rec.release()
 
 
+def test_a_copied_recorder_keeps_which_records_were_modified_in_place() -> None:
+    # Copied tensors count their versions afresh: a record read as modified in the copy only
+    # when it was modified before the copy, or is modified in the copy.
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True), nn.Linear(2, 2))
+    kept = ModuleOutputsRecorder("2").initialize(model)
+    changed = ModuleOutputsRecorder("0").initialize(model)  # the ReLU after it writes into it
+    with kept, changed, torch.no_grad():
+        model(torch.randn(3, 2))
+    for rec, copied in (
+        (r, c) for r in (kept, changed) for c in (copy.deepcopy(r), pickle.loads(pickle.dumps(r)))
+    ):
+        if rec is changed:
+            with pytest.raises(RecordModifiedError, match=r"Record 0 of .*ReLU\(inplace=True\)"):
+                copied.get_record_data()
+            continue
+        record = copied.get_record_data()
+        torch.testing.assert_close(record, rec.get_record_data())
+        record.add_(1.0)
+        with pytest.raises(RecordModifiedError, match=r"Record 0 of .* modified in place"):
+            copied.get_record_data()
+    assert kept.get_record_data().shape == (3, 2)  # the original is untouched
+    kept.release()
+    changed.release()
+
+
 @dataclasses.dataclass
 class Output:
     logits: torch.Tensor
