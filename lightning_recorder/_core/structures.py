@@ -7,6 +7,7 @@ couple of ``isinstance`` checks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -391,17 +392,27 @@ def make_tensor_transform(
         if detach:
             return _detach
         return _clone if clone else None
+    # A partial of module-level functions, not a closure: a recorder (or a model holding one)
+    # stays picklable, for ddp_spawn and other worker processes.
+    return functools.partial(_convert, detach, clone, device, dtype)
 
-    def one(t: torch.Tensor) -> torch.Tensor:
-        out = t.detach() if detach else t
-        if device is not None or (dtype is not None and out.is_floating_point()):
-            out = out.to(
-                device=device, dtype=dtype if out.is_floating_point() else None, copy=clone
-            )
-            return out
-        return out.clone() if clone else out
 
-    return one
+def _convert(
+    detach: bool,
+    clone: bool,
+    device: torch.device | None,
+    dtype: torch.dtype | None,
+    t: torch.Tensor,
+) -> torch.Tensor:
+    out = t.detach() if detach else t
+    if device is not None or (dtype is not None and out.is_floating_point()):
+        out = out.to(device=device, dtype=dtype if out.is_floating_point() else None, copy=clone)
+        return out
+    return out.clone() if clone else out
+
+
+def _map_with(one: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    return map_tensors(value, one)
 
 
 def make_transform(
@@ -411,11 +422,7 @@ def make_transform(
     one = make_tensor_transform(detach, clone, device, dtype)
     if one is None:
         return None
-
-    def transform(value: Any) -> Any:
-        return map_tensors(value, one)
-
-    return transform
+    return functools.partial(_map_with, one)
 
 
 Versions = int | list[tuple[torch.Tensor, int]] | None

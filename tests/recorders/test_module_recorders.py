@@ -9,6 +9,7 @@ import pickle
 import re
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from lightning_recorder import (
     UnknownSourceError,
 )
 from lightning_recorder._core.hooks import live_hooks
+from lightning_recorder.bulk import ForwardOutputsCollector
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -273,6 +275,26 @@ def test_a_copied_recorder_keeps_which_records_were_modified_in_place() -> None:
     assert kept.get_record_data().shape == (3, 2)  # the original is untouched
     kept.release()
     changed.release()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"detach": True}, {"clone": True}, {"dtype": "float16"}, {"device": "cpu", "clone": True}],
+)
+def test_a_model_holding_a_recorder_with_options_pickles(options: dict[str, Any]) -> None:
+    # ddp_spawn and worker processes pickle the model, and with it the recorders it holds.
+    model = _Holding()
+    model.rec.release()
+    model.rec = ModuleOutputsRecorder("net.0", **options).initialize(model)
+    with model.rec, torch.no_grad():
+        model.net(torch.ones(1, 2))
+    restored = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(restored.rec.get_record_data(), model.rec.get_record_data())
+    collector = ForwardOutputsCollector(**options).children(model.net)
+    model.net(torch.ones(1, 2))
+    collector.release()
+    torch.testing.assert_close(pickle.loads(pickle.dumps(collector))[0], collector[0])
+    model.rec.release()
 
 
 @dataclasses.dataclass
