@@ -166,6 +166,13 @@ def completes_step(trainer: pl.Trainer) -> bool:
     return last and not trainer.strategy.handles_gradient_accumulation
 
 
+def fast_dev_run(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer runs Lightning's smoke test (``Trainer(fast_dev_run=True)`` or ``=N``),
+    where it writes no logs or checkpoints: the callbacks write no files then either. Lightning
+    sets the attribute when the Trainer is built; it is not among the Trainer's declared ones."""
+    return bool(getattr(trainer, "fast_dev_run", False))
+
+
 def is_due(step: int, every_n_steps: int) -> bool:
     """Whether optimizer step ``step`` (0-based) is one of every ``every_n_steps`` steps."""
     return (step + 1) % every_n_steps == 0

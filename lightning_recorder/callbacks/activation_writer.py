@@ -8,13 +8,13 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from ..activations import ShardWriter
 from ..errors import RecorderConfigError, RecorderError
-from ._lightning import Stage, predict_batch_indices, step_axis
+from ._lightning import Stage, fast_dev_run, predict_batch_indices, step_axis
 from .recorder import RecorderCallback
 
 __all__ = ["ActivationWriter"]
@@ -95,6 +95,10 @@ class ActivationWriter(RecorderCallback):
     **Sample indices.** In ``predict`` they are the dataset indices Lightning's batch sampler
     drew (right under DDP too). Elsewhere pass ``sample_index``: a key or position of the batch
     holding them, or a function ``(batch, batch_idx) -> indices``; without it they are ``-1``.
+
+    **fast_dev_run.** Under ``Trainer(fast_dev_run=...)``, where Lightning writes no logs or
+    checkpoints, the sources are recorded but nothing is written (an info message says so), and
+    a ``ckpt_path`` removes nothing.
 
     **Crash and resume.** A shard and then its index file are written under temporary names and
     renamed, so after a crash the index files list exactly the complete shards. Saving a
@@ -263,6 +267,14 @@ class ActivationWriter(RecorderCallback):
 
     def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
+        if fast_dev_run(trainer):  # Lightning's smoke test: no logs, no checkpoints, no shards
+            rank_zero_info(
+                f"{type(self).__name__} writes no activations under `fast_dev_run`, as "
+                f"Lightning writes no logs or checkpoints then: its sources are recorded, but "
+                f"nothing is written to (or removed from) {self.writer.storage.url!r}. Run "
+                "without fast_dev_run (e.g. `limit_predict_batches=1`) to write them."
+            )
+            return
         # validate/test/predict(ckpt_path=...) restore the callbacks' states too, but only a fit
         # resumes training: those loops write beside the run's shards, and remove none
         if restored is not None and trainer.state.fn == "fit":
@@ -359,6 +371,8 @@ class ActivationWriter(RecorderCallback):
     def _after_batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
     ) -> None:
+        if fast_dev_run(trainer):  # see `_on_attach`
+            return
         _, batch_idx, dataloader_idx = self._batch
         # train: optimizer steps done before this batch, Lightning's step axis
         step = step_axis(trainer) if stage == "train" else trainer.global_step

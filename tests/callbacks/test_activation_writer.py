@@ -527,3 +527,32 @@ def test_a_run_id_with_shards_already_written_warns_that_rows_are_added(tmp_path
         warnings.simplefilter("always")
         pl.Trainer(**QUIET, callbacks=[fresh]).predict(Net(), loader)
     assert not [w for w in caught if "already holds" in str(w.message)]
+
+
+@pytest.mark.parametrize("fast_dev_run", [True, 2])
+def test_fast_dev_run_writes_no_shard_and_says_so(
+    tmp_path: Path, fast_dev_run: bool | int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lightning's smoke test writes no logs or checkpoints: the writer writes no shards either
+    (its sources are still recorded), and removes none on a resume."""
+    loader = DataLoader(TensorDataset(images(12)), batch_size=4)
+    dataset = tmp_path / "dataset"
+    kept = ActivationWriter("head", dataset, run="kept")  # a dataset already there
+    pl.Trainer(**QUIET, callbacks=[kept]).predict(Net(), loader)
+    before = sorted(p.name for p in dataset.iterdir())
+    smoke = tmp_path / "smoke"
+    writer = ActivationWriter(["conv", "head"], smoke, stages=("train", "val", "predict"))
+    trainer = pl.Trainer(**QUIET, fast_dev_run=fast_dev_run, callbacks=[writer])
+    with caplog.at_level("INFO"):
+        trainer.fit(Net(), loader, loader)
+        trainer.predict(Net(), loader)
+    assert writer.recorded_steps == int(fast_dev_run)  # the sources were recorded
+    assert not list(smoke.iterdir())
+    told = [r for r in caplog.records if "writes no activations under `fast_dev_run`" in r.message]
+    assert len(told) == 2  # once per loop
+    # a resume under fast_dev_run removes nothing of the run it would continue
+    resumed = ActivationWriter("head", dataset, run="kept")
+    resumed.load_state_dict({"recorded_steps": 0, "run": "kept", "generation": 0})
+    pl.Trainer(**QUIET, fast_dev_run=fast_dev_run, callbacks=[resumed]).fit(Net(), loader)
+    assert sorted(p.name for p in dataset.iterdir()) == before
+    assert len(ActivationDataset(dataset)) == 12
