@@ -19,7 +19,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from .._core.checks import (
@@ -48,7 +48,7 @@ from ._health_sentinel import Sentinel, to_host_later
 from ._health_trace import Trace
 from ._health_verdict import Timeline
 from ._health_view import PARAMETER_STATS, HealthView
-from ._lightning import STATE_KEY, step_axis
+from ._lightning import STATE_KEY, fast_dev_run, step_axis
 
 __all__ = [
     "DeadUnitsRule",
@@ -143,7 +143,9 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     batch, the blamed module's inputs and outputs (and a backward fault's non-finite gradients
     of that call or parameter), the per-module summary of the replay, the
     random generators' states, step, batch index and rank (optionally a checkpoint taken before
-    the bad update); all bundles of a run share ``evidence_max_bytes``.
+    the bad update); all bundles of a run share ``evidence_max_bytes``. Under
+    ``Trainer(fast_dev_run=...)``, where Lightning writes no logs or checkpoints, none is
+    written (an info message says so).
 
     **Rules** (with a :class:`~lightning_recorder.FeatureStatsMonitor` in the Trainer, on its
     logged training steps, on rank zero; nothing on the other steps but keeping each step's
@@ -375,6 +377,13 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
                     f"evidence bundles in but {why}. {fix}."
                 )
             rank_zero_warn(f"HealthMonitor cannot write evidence bundles in {root}: {why}. {fix}.")
+        if fast_dev_run(trainer) and self._evidence.enabled:  # Lightning's smoke test
+            rank_zero_info(
+                "HealthMonitor writes no evidence bundles or checkpoints under `fast_dev_run`, "
+                "as Lightning writes no logs or checkpoints then: non-finite steps are still "
+                "found and reported, without evidence."
+            )
+            self._evidence.root = None
         _check_exclude(self.exclude, named_modules(pl_module))
         self._attach_rules(trainer)
 

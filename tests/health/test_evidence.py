@@ -291,3 +291,23 @@ def test_a_second_run_into_the_same_directory_names_its_own_bundle(tmp_path: Pat
     assert first.counts["nan"] == 1 and second.counts["posinf"] == 1
     assert Path(first.evidence) == tmp_path / f"step{BAD_STEP:08d}-rank0"
     assert Path(second.evidence).name.startswith(f"step{BAD_STEP:08d}-rank0-")
+
+
+@pytest.mark.parametrize("evidence_dir", [None, "bundles"])
+def test_fast_dev_run_writes_no_bundle_and_says_so(
+    evidence_dir: str | None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lightning's smoke test writes no logs or checkpoints: the monitor still reports the bad
+    step, but writes no bundle and no checkpoint, in the default folder or a given one."""
+    caplog.set_level("INFO", logger="lightning.pytorch.utilities.rank_zero")
+    root = tmp_path / "runs"
+    given = root / evidence_dir if evidence_dir is not None else None
+    monitor = HealthMonitor("skip", evidence_dir=given, rules=(), evidence_checkpoint=True)
+    batches = [(torch.cat(_parts(s, math.nan)), _target(s)) for s in range(STEPS)]
+    trainer = pl.Trainer(**QUIET, default_root_dir=root, fast_dev_run=STEPS, callbacks=[monitor])
+    trainer.fit(Pooled(), torch.utils.data.DataLoader(batches, batch_size=None))
+    (event,) = monitor.events
+    assert (event.step, event.action, event.evidence) == (BAD_STEP, "skipped", None)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    told = [r for r in caplog.records if "no evidence bundles or checkpoints" in r.message]
+    assert len(told) == 1
