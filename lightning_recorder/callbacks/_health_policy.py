@@ -66,6 +66,7 @@ class Pending:
     window: list[MicroBatch]
     optimizer: int = 0  # its index in trainer.optimizers: each optimizer's run of bad steps
     timelines: list[Timeline] = field(default_factory=list)
+    again: bool = False  # the closure called again in the same optimizer step (LBFGS)
     packed: list[torch.Tensor | None] = field(default_factory=list)
 
 
@@ -84,15 +85,29 @@ class Decisions:
     _pending: list[Pending]
     _replays: bool
     _streaks: dict[int, int]  # per optimizer (its index): its non-finite steps in a row
+    _streak_before: dict[int, int]  # per optimizer: its run before the step in progress
+    _reported: set[int]  # the optimizers whose step in progress is reported
     _checkpointed: bool
     _paused_clip: tuple[pl.Trainer, float] | None  # a skipped step's clipping value, to restore
 
     # ------------------------------------------------------------------ decisions
+    def _reported_already(self, optimizer: int, again: bool) -> bool:
+        """Whether the step of this check is reported already: an optimizer that calls its
+        closure several times in one step (LBFGS) has each backward checked, and its step
+        reported, counted and acted on once. A check that starts a step forgets the last."""
+        if not again:
+            self._reported.discard(optimizer)
+            self._streak_before[optimizer] = self._streaks.get(optimizer, 0)
+        return optimizer in self._reported
+
     def _run_of(self, optimizer: int, bad: bool) -> int:
-        """Count a step of ``optimizer`` in its run of non-finite steps (a clean one ends the
-        run); return the run's length."""
-        run = self._streaks.get(optimizer, 0) + 1 if bad else 0
+        """Count the step of ``optimizer`` in its run of non-finite steps (a clean one ends the
+        run; a step is non-finite if any of its checks is); return the run's length."""
+        before = self._streak_before.get(optimizer, self._streaks.get(optimizer, 0))
+        run = before + 1 if bad else 0
         self._streaks[optimizer] = run
+        if bad:
+            self._reported.add(optimizer)
         return run
 
     def _decides_now(self, trainer: pl.Trainer) -> bool:
@@ -108,10 +123,17 @@ class Decisions:
         window: list[MicroBatch],
         timelines: list[Timeline],
         optimizer: int = 0,
+        again: bool = False,
     ) -> None:
         """Decide on the step of ``optimizer`` (its index in ``trainer.optimizers``): a run of
         non-finite steps is counted per optimizer, so that a clean step of another one (a GAN's
-        discriminator) does not end the generator's."""
+        discriminator) does not end the generator's. ``again``: the closure called again in the
+        same step (LBFGS)."""
+        if self._reported_already(optimizer, again):  # alike on every rank: a reduced decision
+            if self.on_nonfinite == "skip":  # this step's update stays discarded
+                for _, p in named:
+                    p.grad = None
+            return
         flag = all_reduce_max(reading.flag().float().reshape(1))
         if not bool(flag):  # the one synchronisation of a clean step
             self._run_of(optimizer, bad=False)
@@ -274,6 +296,8 @@ class Decisions:
 
     def _lazy(self, trainer: pl.Trainer, pending: Pending) -> None:
         key = pending.optimizer
+        if self._reported_already(key, pending.again):
+            return
         if not pending.reading.host_bad():
             self._run_of(key, bad=False)
             return

@@ -13,26 +13,24 @@ backward; a parameter stepped twice in a batch keeps its last step. An optimizer
 closure several times in one step (``torch.optim.LBFGS``; Lightning calls
 ``on_before_optimizer_step`` after each of those backwards) keeps the copy of the first call, the
 value before the step, and the gradient norm of the last (a step post-hook on the optimizer, held
-in logged batches only, says when its step is over). The copies' norms
-``||before||`` are taken with the gradients' in one foreach norm right after the copy, while the
-copies are still in the cache. At the batch's end, one foreach norm over the parameters, an
-in-place foreach difference and one more norm give ``||p||`` and ``||Δp||``, still on the
-device.
+in logged batches only, says when its step is over: :class:`._optimizer_steps.StepsInProgress`).
+The copies' norms ``||before||`` are taken with the gradients' in one foreach norm right after
+the copy, while the copies are still in the cache. At the batch's end, one foreach norm over the
+parameters, an in-place foreach difference and one more norm give ``||p||`` and ``||Δp||``,
+still on the device.
 """
 
 from __future__ import annotations
 
-import weakref
-from functools import partial
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from .._core.compat import foreach_copy_, foreach_norm, foreach_sub_
 from ..stats.norms import norm_values
 from ..stats.sharded import full_values
+from ._optimizer_steps import StepsInProgress
 
 __all__ = ["ParameterStats"]
 
@@ -56,16 +54,14 @@ class ParameterStats:
         self._before: dict[str, Tensor] = {}  # copies of the values before the step
         # id(optimizer) -> the sizes of its parameter groups and the monitored names it steps
         self._owned: dict[int, tuple[tuple[int, ...], list[str]]] = {}
-        self._stepping: set[int] = set()  # ids of the optimizers copied from in an unfinished step
-        # the step post-hooks of the optimizers stepped in this logged batch (none in between)
-        self._handles: dict[int, RemovableHandle] = {}
+        # the optimizers copied from in an unfinished step, with step post-hooks held in
+        # logged batches only
+        self._steps = StepsInProgress()
         self.clear()
 
     def close(self) -> None:
         """Remove the step post-hooks from the optimizers (idempotent)."""
-        for handle in self._handles.values():
-            handle.remove()
-        self._handles = {}
+        self._steps.release()
 
     def clear(self) -> None:
         """Forget this batch's gradient norms and copies (the buffers of CPU copies are kept
@@ -73,7 +69,6 @@ class ParameterStats:
         self._grad_norms: dict[str, Tensor] = {}
         self._before_norms: dict[str, Tensor] = {}
         self._stepped: list[str] = []
-        self._stepping = set()
         self.close()  # the batch's steps are over
         self._before = {name: copy for name, copy in self._before.items() if copy.is_cpu}
 
@@ -98,7 +93,7 @@ class ParameterStats:
         with torch.no_grad():
             # a sparse gradient (nn.Embedding(sparse=True)): its stored values, the same norm
             grads = [norm_values(cast(Tensor, self.params[name].grad)) for name in names]
-            if id(optimizer) in self._stepping and all(n in self._before_norms for n in names):
+            if self._steps.inside(optimizer) and all(n in self._before_norms for n in names):
                 # the closure called again inside the same step (LBFGS): the values before the
                 # step are those copied at its first call; the gradient is the last one
                 found = norms(grads)
@@ -106,11 +101,7 @@ class ParameterStats:
                     found = full_values(found)  # collectives, on every rank in the same order
                 self._grad_norms.update(zip(names, found, strict=True))
                 return
-            self._stepping.add(id(optimizer))
-            register = getattr(optimizer, "register_step_post_hook", None)
-            if callable(register) and id(optimizer) not in self._handles:
-                hook = partial(_step_done, weakref.ref(self))
-                self._handles[id(optimizer)] = register(hook)
+            self._steps.enter(optimizer)
             buffers = []
             for name in names:
                 param = self.params[name]
@@ -167,12 +158,3 @@ class ParameterStats:
             for name, size, change, grad in zip(stepped, sizes, changes, grads, strict=True)
         }
         return norm_of, stepped_of
-
-
-def _step_done(
-    stats: weakref.ref[ParameterStats], optimizer: torch.optim.Optimizer, *_: Any
-) -> None:
-    """A step post-hook: the optimizer's step is over, its next one copies the values again."""
-    found = stats()
-    if found is not None:
-        found._stepping.discard(id(optimizer))

@@ -49,6 +49,7 @@ from ._health_trace import Trace
 from ._health_verdict import Timeline
 from ._health_view import PARAMETER_STATS, HealthView
 from ._lightning import STATE_KEY, fast_dev_run, step_axis
+from ._optimizer_steps import StepsInProgress
 
 __all__ = [
     "DeadUnitsRule",
@@ -327,6 +328,10 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._names: dict[int, str] = {}
         self._replays = False
         self._streaks: dict[int, int] = {}
+        self._steps = StepsInProgress()
+        self._step_window: list[MicroBatch] = []  # the micro-batches of the step in progress
+        self._reported: set[int] = set()
+        self._streak_before: dict[int, int] = {}
         self._checkpointed = False
         self._paused_clip: tuple[pl.Trainer, float] | None = None
         self._view = HealthView(heatmap_stats, view_every, heatmap_steps) if view else None
@@ -392,6 +397,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._names = {id(p): n for n, p in named_parameters(pl_module).items()}
         self._window, self._timelines, self._pending = [], [], []
         self._sentinel.reset()
+        self._step_window, self._reported, self._streak_before = [], set(), {}
         self._replays = False
         if self.localize == "replay":
             why = why_not_replayable(trainer, pl_module)
@@ -412,7 +418,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         if self._trace is not None:
             self._trace.remove()
             self._trace = None
-        self._window, self._timelines = [], []
+        self._steps.release()
+        self._window, self._timelines, self._step_window = [], [], []
         self._detach_rules()
 
     @override
@@ -437,6 +444,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._resolve(trainer, wait=False)
+        self._steps.reset()  # no optimizer step goes on from one batch into the next
+        self._step_window = []
         if self._trace is not None:
             if self._window and self._trace.active:  # an earlier micro-batch of this step
                 self._timelines.append(self._trace.finish())
@@ -478,10 +487,17 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             self._name_outside(trainer, params)
         named = [(self._names[id(p)], p) for p in params]
         reading = self._sentinel.read(named, pl_module.device)
+        # an optimizer that calls its closure several times in one step (LBFGS): each of its
+        # backwards is checked, on the batch the closure ran, and the step is reported once
+        again = self._steps.enter(optimizer)
+        if not again:
+            self._step_window = self._window
         timelines = self._timelines
         if self._trace is not None:
             timelines = [*timelines, self._trace.finish()]
         window, step, log_step = self._window, trainer.global_step, step_axis(trainer)
+        if again:
+            window = self._step_window[-1:]
         # manual optimization may step again in this batch: its next steps are of this batch too
         self._window = [] if pl_module.automatic_optimization else window[-1:]
         self._timelines = []
@@ -490,9 +506,9 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             self._trace.begin()
         index = next((k for k, o in enumerate(trainer.optimizers) if o is optimizer), 0)
         if self._decides_now(trainer):
-            self._decide(trainer, pl_module, named, reading, window, timelines, index)
+            self._decide(trainer, pl_module, named, reading, window, timelines, index, again)
             return
-        pending = Pending(reading, step, log_step, window, index, timelines)
+        pending = Pending(reading, step, log_step, window, index, timelines, again)
         packed = [line.pack() for line in timelines]
         pending.packed = [to_host_later(p) if p is not None else None for p in packed]
         reading.later()  # its event is recorded after the copies above

@@ -580,6 +580,62 @@ def test_a_run_of_skipped_steps_is_counted_per_optimizer() -> None:
     assert restored.state_dict()["streaks"] == {0: 2}
 
 
+class Closures(pl.LightningModule):
+    """Fitted with LBFGS, which calls its closure (``training_step`` and a backward) up to three
+    times in one optimizer step: the calls ``bad`` names, ``(batch_idx, call)``, see a NaN batch."""
+
+    def __init__(self, bad: Collection[tuple[int, int]]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 1)
+        self.bad, self.calls = set(bad), [0] * 8
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, call = batch[0], self.calls[batch_idx]
+        self.calls[batch_idx] += 1
+        if (batch_idx, call) in self.bad:
+            x = x * math.nan
+        return (self.lin(x).squeeze(-1) - x.sum(1)).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=3)
+
+
+def lbfgs_data() -> DataLoader:
+    return DataLoader(
+        TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(0))), batch_size=8
+    )
+
+
+@pytest.mark.parametrize("localize", [False, "replay", "always"])
+def test_a_closure_called_several_times_in_a_step_is_one_step(localize: Any) -> None:
+    """LBFGS calls its closure three times a step, and Lightning checks after each backward:
+    the step whose second call turned non-finite (and the later steps, its weights now NaN) is
+    one event about its own batch, counted once, not one event per call."""
+    monitor = HealthMonitor(localize=localize, rules=(), evidence_max_bytes=0)
+    model = Closures(bad=[(1, 1)])
+    fit(model, [monitor], loader=lbfgs_data())
+    assert model.calls[0] >= 2  # the closure was called again within a step
+    assert [(e.step, e.batch_idx, e.action) for e in monitor.events] == [
+        (1, 1, "warned"),
+        (2, 2, "warned"),
+        (3, 3, "warned"),
+    ]
+    assert monitor.counters["nonfinite_steps"] == 3
+
+
+def test_a_step_made_non_finite_by_a_later_closure_call_continues_the_run() -> None:
+    """Step 1 is skipped; step 2's first call is clean and its second non-finite: two
+    non-finite steps in a row, which reaches `max_consecutive_skips=1`."""
+    monitor = HealthMonitor(
+        "skip", localize=False, max_consecutive_skips=1, rules=(), evidence_max_bytes=0
+    )
+    with pytest.raises(NonFiniteError, match=r"1 non-finite steps in a row were skipped"):
+        fit(Closures(bad=[(1, 0), (2, 1)]), [monitor], loader=lbfgs_data())
+    assert [(e.step, e.action) for e in monitor.events] == [(1, "skipped"), (2, "raised")]
+    assert monitor.state_dict()["streaks"] == {0: 2}
+
+
 # ---------------------------------------------------------------------------- reporting
 def test_loggers_get_a_text_entry_and_the_counters(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
