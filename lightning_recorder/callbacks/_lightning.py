@@ -41,6 +41,15 @@ Stage = Literal["train", "val", "test", "predict"]
 
 STAGES: tuple[Stage, ...] = get_args(Stage)
 
+#: The stages each entry point of the Trainer runs, by the ``stage`` Lightning passes to a
+#: callback's ``setup`` (``trainer.state.fn``).
+LOOP_STAGES: dict[str, tuple[Stage, ...]] = {
+    "fit": ("train", "val"),
+    "validate": ("val",),
+    "test": ("test",),
+    "predict": ("predict",),
+}
+
 
 def check_stages(stages: object, owner: str) -> tuple[Stage, ...]:
     """Validate the ``stages`` option: one stage name or a sequence of them (order kept).

@@ -36,7 +36,7 @@ from ..stats._histogram import ranges, stream_table
 from ..stats._state import F64, finalize
 from ..stats.metric import BucketCounts, ChannelCounts, ChannelExtremes, StreamStates
 from ..stats.sharded import any_sharded
-from ._lightning import Stage, is_compiled, is_due, step_axis
+from ._lightning import LOOP_STAGES, STAGES, Stage, is_compiled, is_due, step_axis
 from ._parameter_stats import ParameterStats
 from ._stats_options import (
     ALL,
@@ -224,7 +224,8 @@ class FeatureStatsMonitor(RecorderCallback):
 
     Raises:
         RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger
-            (or runs with ``barebones=True``), ``logger_stats`` names no logger of it,
+            (or runs with ``barebones=True``) in a loop that runs one of ``stages``,
+            ``logger_stats`` names no logger of it,
             ``histogram_every_n_steps`` is not a multiple of the Trainer's
             ``log_every_n_steps``, or ``bins`` is over 512 for a
             ``WandbLogger`` (at setup); a source matches no
@@ -473,6 +474,11 @@ class FeatureStatsMonitor(RecorderCallback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not set(self.stages) & set(LOOP_STAGES.get(stage, STAGES)):
+            # a loop of none of its stages (`predict` with the default stages): it writes
+            # nothing there, and needs no logger
+            super().setup(trainer, pl_module, stage)
+            return
         # barebones turns logging off and refuses a logger: the advice of the checks below
         # (a cadence of its own, a logger) could not be followed there
         if getattr(trainer, "barebones", False):

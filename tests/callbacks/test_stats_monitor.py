@@ -467,6 +467,22 @@ def test_no_logger_fails_at_setup() -> None:
     assert live_hooks() == []
 
 
+def test_a_loop_of_none_of_its_stages_needs_no_logger() -> None:
+    """`predict` and `test` with the default stages ("train", "val") write nothing: a Trainer
+    without a logger (as predict often runs) is not refused there, only where it would log."""
+    monitor = FeatureStatsMonitor("probe", every_n_steps=1)
+    trainer = pl.Trainer(**QUIET, logger=False, callbacks=[monitor])
+    trainer.predict(ProbeNet(), loader(features(8)))
+    trainer.test(ProbeNet(), loader(features(8)))
+    assert live_hooks() == [] and monitor.recorded_steps == 0
+    with pytest.raises(RecorderConfigError, match="Expected the Trainer to have a logger"):
+        trainer.validate(ProbeNet(), loader(features(8)))
+    assert live_hooks() == []
+    tester = FeatureStatsMonitor("probe", stages="test")
+    with pytest.raises(RecorderConfigError, match="Expected the Trainer to have a logger"):
+        pl.Trainer(**QUIET, logger=False, callbacks=[tester]).test(ProbeNet(), loader(features(8)))
+
+
 def test_barebones_is_named_in_the_errors() -> None:
     # barebones=True turns logging off and refuses a logger: the error says so, rather than
     # "logger=False; pass a logger" (which Lightning refuses) or a log_every_n_steps never given
