@@ -5,8 +5,9 @@ evidence.
   same step (the monitor only does on steps that every rank agreed were flagged), so they never
   hang; without a process group they return their input.
 * :func:`choose` — under DDP every rank replays its own batch; the event is about the rank
-  whose finding says most (a module or a bad batch, then any finding, then none), the lowest
-  such rank.
+  whose finding says most (a module or a bad batch, then any finding of its own, then one read
+  from the parameters' gradients, which DDP's all-reduce makes alike on every rank, then none),
+  the lowest such rank.
 * :func:`make_event` — a :class:`HealthEvent` from a finding (or from the check alone).
 * :func:`write_evidence` — the bundle of this rank (see :mod:`._health_evidence`).
 """
@@ -47,9 +48,11 @@ def gather(obj: Any) -> list[Any]:
 
 
 def _priority(found: dict[str, Any]) -> int:
-    if found.get("reproduced") and (found.get("module") or found.get("bad_batch")):
-        return 0
-    return 1 if found.get("reproduced") else 2
+    if not found.get("reproduced"):
+        return 3
+    if found.get("from_parameters"):  # all-reduced gradients: they say nothing of this rank
+        return 2
+    return 0 if found.get("module") or found.get("bad_batch") else 1
 
 
 def choose(findings: Sequence[dict[str, Any]]) -> int:

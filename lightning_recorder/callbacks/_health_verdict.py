@@ -167,7 +167,9 @@ class Finding:
     ``submodule`` names the submodule of ``module`` whose input held the values when the code
     between its submodules made them (``path`` is then that input's: ``"output.input.x"`` for a
     submodule named ``output``), or backward whose output's gradient; ``tensors`` holds the
-    blamed call's inputs and outputs when the trace kept them.
+    blamed call's inputs and outputs when the trace kept them; ``from_parameters`` marks a
+    finding read from the parameters' gradients alone (under DDP, all-reduced: alike on every
+    rank, whichever rank's batch made them).
     """
 
     reproduced: bool
@@ -183,6 +185,7 @@ class Finding:
     summary: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     submodule: str | None = None
+    from_parameters: bool = False
 
     def plain(self) -> dict[str, Any]:
         """The finding without tensors and summary (to send to other ranks)."""
@@ -294,6 +297,7 @@ class Timeline:
         entry = Entry("grad_param", call, local, dtype, shape, counts)
         found = self._finding(call, "backward", entry, producer)
         found.module = owner or None
+        found.from_parameters = True
         if k in self.param_grads:  # the non-finite gradient itself, with the call's tensors
             found.tensors.append((f"grad.{local}", self.param_grads[k]))
         return found

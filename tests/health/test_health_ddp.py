@@ -58,3 +58,19 @@ def test_rules_run_on_rank_zero_only(ddp_run: dict[str, Any]) -> None:
     rule_events = [[e for e in r["events"] if e["kind"] == "checks"] for r in (zero, one)]
     assert [(e["module"], e["step"], e["rank"]) for e in rule_events[0]] == [("body.1", 0, 0)]
     assert rule_events[1] == []
+
+
+@pytest.mark.slow
+def test_always_blames_the_rank_whose_forward_made_the_values(tmp_path: Path) -> None:
+    # before the fix: with localize="always", rank 0 (whose batch was clean) blamed the backward
+    # of the last layer, whose parameters' gradients DDP's all-reduce had made NaN, and won as
+    # the lower rank
+    run_script(SCRIPT, tmp_path, "always", timeout=300, one_thread=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    events = [[e for e in r["events"] if e["kind"] == "nonfinite"] for r in ranks]
+    assert events[0] == events[1]
+    [event] = events[0]
+    assert (event["step"], event["batch_idx"], event["rank"]) == (1, 1, 1)
+    assert (event["module"], event["direction"], event["producer"]) == ("body.0", "forward", True)
+    assert event["action"] == "skipped"
+    assert event["evidence"] == str(tmp_path / "health" / "step00000001-rank1")

@@ -1,10 +1,11 @@
 """Two DDP processes (CPU, gloo) with ``HealthMonitor("skip")``; only rank 1's batch is bad.
 A rule that records its checks shows where the rules run.
 
-Usage: ``python health_ddp_script.py OUT_DIR``. Lightning's DDP launcher starts the second
-process. Rank ``r`` takes samples ``r, r + 2, …`` in order (its own ``DistributedSampler``), so
-that batch 1 of rank 1 alone carries :class:`Trap`'s marker. Each rank saves its events and its
-parameters after every batch to ``OUT_DIR/rank{RANK}.pt``, and the names of its threads at exit to
+Usage: ``python health_ddp_script.py OUT_DIR [LOCALIZE]`` (``HealthMonitor``'s ``localize``,
+``"replay"`` by default). Lightning's DDP launcher starts the second process. Rank ``r`` takes
+samples ``r, r + 2, …`` in order (its own ``DistributedSampler``), so that batch 1 of rank 1
+alone carries :class:`Trap`'s marker. Each rank saves its events and its parameters after every
+batch to ``OUT_DIR/rank{RANK}.pt``, and the names of its threads at exit to
 ``OUT_DIR/threads{RANK}.txt``.
 """
 
@@ -63,11 +64,13 @@ class Params(pl.Callback):
         self.after.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
 
 
-def main(out_dir: Path) -> None:
+def main(out_dir: Path, localize: str = "replay") -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     checks = Checks()  # the rules run on global rank zero only
-    monitor = HealthMonitor("skip", rules=[checks], evidence_dir=out_dir / "health")
+    monitor = HealthMonitor(
+        "skip", localize=localize, rules=[checks], evidence_dir=out_dir / "health"
+    )
     params = Params()
     trainer = pl.Trainer(
         **QUIET,
@@ -91,5 +94,5 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:])
     end_process_group()  # before the interpreter exits (helpers/dist_exit.py)
