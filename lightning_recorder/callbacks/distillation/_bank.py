@@ -254,24 +254,34 @@ class ConnectorBank:
             self._pending = None
 
     def all_reduce_grads(self) -> None:
-        """Average the connectors' gradients over the ranks (DDP does not see them)."""
+        """Average the connectors' gradients over the ranks (DDP does not see them). A
+        connector without a gradient on every rank (a step a ``HealthMonitor`` skipped, a pair
+        no rank called) keeps none, as in one process: the optimizer leaves it and its state
+        alone."""
         if not distributed_active():
             return
         params = self.parameters()
         if not params:
             return
+        missing = [param.grad is None for param in params]
         grads = []
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             grads.append(param.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        # how many ranks have each gradient, reduced with them (read only where one is missing)
+        have = torch.tensor([float(not m) for m in missing], device=grads[0].device)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), have.to(grads[0].dtype)])
         dist.all_reduce(flat)
         flat /= dist.get_world_size()
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+        if any(missing):
+            for param, found in zip(params, flat[offset:].tolist(), strict=True):
+                if found == 0:
+                    param.grad = None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
