@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 from helpers.ddp_callbacks_script import PARAMS, train_data, val_data
-from helpers.models import events, reference_stats, scalars
+from helpers.ddp_uneven_stats_script import BINS, train_rows, val_rows
+from helpers.models import assert_counts_up_to_edges, events, reference_stats, scalars
 from helpers.scripts import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_callbacks_script.py"
@@ -87,3 +88,32 @@ def test_hooks_fire_once_per_step_per_module(ddp_run: dict[str, Any]) -> None:
         for calls in rank["calls"]:
             # Every submodule once; the root LightningModule (called twice by DDP) is never hooked.
             assert calls == {"probe": 1, "body": 1, "body.0": 1, "body.1": 1, "body.2": 1}
+
+
+@pytest.mark.slow
+def test_unequal_rows_per_rank_and_several_val_loaders(tmp_path: Path) -> None:
+    # The ranks hold 4 + 4 and 2 + 1 training rows per step, and 9 + 4, 2 + 11 validation rows
+    # per loader: the merged states must weigh each rank by its count, not each rank alike.
+    run_script(SCRIPT.with_name("ddp_uneven_stats_script.py"), tmp_path, one_thread=True)
+    log_dir = tmp_path / "ddp" / "version_0"
+    got, acc = scalars(log_dir), events(log_dir)
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # rank 0 alone writes
+    zero, one = train_rows(0), train_rows(1)
+    steps = {0: torch.cat([zero[:4], one[:4]]), 1: torch.cat([zero[4:], one[4:]])}
+    hists = {e.step: e.histogram_value for e in acc.Histograms("stats/train/probe/histogram")}
+    for step, rows in steps.items():
+        expected = reference_stats(rows)
+        for stat in STATS:
+            assert got[f"stats/train/probe/{stat}"][step] == approx(expected[stat]), (step, stat)
+        edges = torch.tensor(list(hists[step].bucket_limit), dtype=torch.float64)
+        counts = torch.tensor(list(hists[step].bucket)[1:])  # TensorBoard's open first bucket
+        assert_counts_up_to_edges(counts, rows, edges, torch.float32)
+    for k in (0, 1):
+        union = torch.cat([val_rows(k, 0), val_rows(k, 1)])
+        expected = reference_stats(union)
+        for stat in STATS:
+            assert got[f"stats/val/probe/{stat}/dataloader_idx_{k}"] == {1: approx(expected[stat])}
+        (hist,) = acc.Histograms(f"stats/val/probe/histogram/dataloader_idx_{k}")
+        first = torch.cat([val_rows(k, 0)[:4], val_rows(k, 1)[:4]])  # each rank's first batch
+        assert hist.histogram_value.num == torch.isfinite(first).sum().item()
+        assert len(hist.histogram_value.bucket) == BINS + 1
