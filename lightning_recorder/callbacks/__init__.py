@@ -18,7 +18,7 @@ touches one file.
 """
 
 from .activation_writer import ActivationWriter
-from .distillation import FeatureDistillation, LossSpec, distillation_loss
+from .distillation import FeatureDistillation, LossSpec, TeacherInput, distillation_loss
 from .health import (
     DeadUnitsRule,
     ExplodingGradientsRule,
@@ -50,6 +50,7 @@ __all__ = [
     "RuleInput",
     "SaturationRule",
     "StatsReport",
+    "TeacherInput",
     "TensorBoardLogger",
     "UpdateRatioRule",
     "VanishingGradientsRule",

@@ -25,6 +25,7 @@ from lightning_recorder import (
     FeatureDistillation,
     KLDivLoss,
     MSELoss,
+    TeacherInput,
     distillation_loss,
     kl_div_loss,
     mse_loss,
@@ -500,6 +501,85 @@ def test_teacher_input_maps_the_batch() -> None:
     assert teacher.last_input is not None
     first_batch = list(loader())[1][0]
     torch.testing.assert_close(teacher.last_input, first_batch * 2)
+
+
+class MaskedTeacher(Teacher):
+    """Takes its input Hugging Face style: a positional tensor and a keyword mask."""
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        self.mask = mask
+        return super().forward(x if mask is None else x * mask)
+
+
+class DictStudent(Student):
+    """Takes dict batches and calls its submodules directly (its forward never runs)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x = batch["x"] * batch["mask"]
+        return F.cross_entropy(self.head(self.features(x).mean((2, 3))), batch["y"])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.head(self.features(batch["x"] * batch["mask"]).mean((2, 3)))
+
+
+def dict_loader() -> Any:
+    x, y = loader().dataset.tensors
+    mask = (torch.arange(8) < 6).float().expand(len(x), 1, 8, 8)
+    rows = [{"x": x[i], "mask": mask[i], "y": y[i]} for i in range(len(x))]
+    return torch.utils.data.DataLoader(rows, batch_size=8)
+
+
+def test_teacher_input_may_give_keyword_arguments() -> None:
+    """A TeacherInput returned by teacher_input is the teacher's call, positional and keyword:
+    a dict batch gives a Hugging Face style teacher its input and mask (in training and in
+    validation); anything else is the teacher's one argument."""
+    torch.manual_seed(0)
+    teacher = MaskedTeacher()
+    distill = FeatureDistillation(
+        teacher,
+        PAIRS,
+        teacher_input=lambda batch: TeacherInput(batch["x"], mask=batch["mask"]),
+        log_validation=True,
+    )
+    trainer = pl.Trainer(
+        callbacks=[distill],
+        **trainer_kwargs(max_epochs=1, limit_train_batches=2, limit_val_batches=1),
+    )
+    trainer.fit(DictStudent(), dict_loader(), dict_loader())
+    assert teacher.calls == 3  # two training steps, one validation batch
+    last = next(iter(dict_loader()))  # validation ran last, on the first batch
+    assert teacher.mask is not None
+    torch.testing.assert_close(teacher.mask, last["mask"], rtol=0, atol=0)
+    torch.testing.assert_close(teacher.last_input, last["x"] * last["mask"], rtol=0, atol=0)
+    assert "val/distill/total" in trainer.logged_metrics
+    assert repr(TeacherInput(torch.ones(2, 3), mask=None)) == (
+        "TeacherInput(Tensor(2, 3) float32, mask=NoneType)"
+    )
+
+
+def test_teacher_input_returning_a_dict_points_to_teacher_input_class() -> None:
+    torch.manual_seed(0)
+    distill = FeatureDistillation(MaskedTeacher(), PAIRS, teacher_input=lambda batch: batch)
+    trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=1))
+    with pytest.raises(RecorderConfigError, match=r"return TeacherInput\(\*args, \*\*kwargs\)"):
+        trainer.fit(DictStudent(), dict_loader())
+    assert distill._runner.module is None and live_hooks() == []
+
+    class BatchStudent(DictStudent):  # its forward takes the dict batch
+        def forward(self, batch: Any) -> Tensor:  # type: ignore[override]
+            return self.head(self.features(batch["x"] * batch["mask"]).mean((2, 3)))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            return F.cross_entropy(self(batch), batch["y"])
+
+    distill = FeatureDistillation(MaskedTeacher(), PAIRS)
+    trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=1))
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"could not take the student's input \(dict\).*For a dict batch, "
+        r"teacher_input=lambda batch: TeacherInput\(\*\*batch\)",
+    ):
+        trainer.fit(BatchStudent(), dict_loader())
 
 
 # --------------------------------------------------------------------------- deliveries

@@ -62,6 +62,7 @@ EXPECTED = [
     "RuleInput",
     "SaturationRule",
     "ShardWriter",
+    "TeacherInput",
     "TensorBoardLogger",
     "UnknownRecorderTypeError",
     "UnknownSourceError",

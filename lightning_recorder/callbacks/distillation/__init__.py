@@ -9,6 +9,6 @@
 """
 
 from ._config import LossSpec
-from .callback import FeatureDistillation, distillation_loss
+from .callback import FeatureDistillation, TeacherInput, distillation_loss
 
-__all__ = ["FeatureDistillation", "LossSpec", "distillation_loss"]
+__all__ = ["FeatureDistillation", "LossSpec", "TeacherInput", "distillation_loss"]

@@ -260,16 +260,29 @@ class StepRunner:
             if own_input:
                 hint = (
                     f"The teacher ({name}) failed on the input that `teacher_input=` gave it "
-                    f"({_describe(args, kwargs)}): check that it returns what the teacher's "
+                    f"({describe_call(args, kwargs)}): check that it returns what the teacher's "
                     "forward takes."
                 )
+                if not kwargs and len(args) == 1 and isinstance(args[0], (Mapping, tuple, list)):
+                    hint += (
+                        f" A {type(args[0]).__name__} returned by `teacher_input` is the "
+                        "teacher's one positional argument: to call the teacher with several "
+                        "arguments or keyword arguments (such as a Hugging Face model's "
+                        "input_ids=..., attention_mask=...), return TeacherInput(*args, **kwargs), "
+                        "e.g. TeacherInput(**batch)."
+                    )
             else:
                 hint = (
                     f"The teacher ({name}) could not take the student's input "
-                    f"({_describe(args, kwargs)}): FeatureDistillation runs the teacher on "
+                    f"({describe_call(args, kwargs)}): FeatureDistillation runs the teacher on "
                     "what the student's forward receives. Pass `teacher_input=` (a callable "
                     "batch -> the teacher's input) to give the teacher its own input."
                 )
+                if not kwargs and len(args) == 1 and isinstance(args[0], Mapping):
+                    hint += (
+                        " For a dict batch, teacher_input=lambda batch: TeacherInput(**batch) "
+                        "calls the teacher with its items as keyword arguments."
+                    )
             if self._teacher_sharded:
                 hint += (
                     " The teacher is sharded (FSDP2): its forward gathers its parameters from "
@@ -481,7 +494,7 @@ class StepRunner:
         return total
 
 
-def _describe(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+def describe_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
     """A short description of call arguments: types and tensor shapes."""
 
     def one(value: Any) -> str:

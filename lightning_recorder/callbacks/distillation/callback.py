@@ -37,9 +37,44 @@ from ._config import (
 )
 from ._patch import StepPatch
 from ._shard import ShardTeacher, check_shard_teacher
-from ._step import StepRunner
+from ._step import StepRunner, describe_call
 
-__all__ = ["FeatureDistillation", "LossSpec", "distillation_loss"]
+__all__ = ["FeatureDistillation", "LossSpec", "TeacherInput", "distillation_loss"]
+
+
+class TeacherInput:
+    """The arguments of the teacher's call, positional and keyword, for ``teacher_input``.
+
+    Return one from ``teacher_input`` to call the teacher with several arguments or with keyword
+    arguments, as Hugging Face models take a batch's ``input_ids`` and ``attention_mask``;
+    anything else ``teacher_input`` returns is the teacher's one positional argument.
+
+    Examples:
+        >>> import torch
+        >>> batch = {"input_ids": torch.ones(2, 5), "attention_mask": torch.ones(2, 5)}
+        >>> call = TeacherInput(batch["input_ids"], attention_mask=batch["attention_mask"])
+        >>> len(call.args), sorted(call.kwargs)
+        (1, ['attention_mask'])
+        >>> TeacherInput(**batch).args
+        ()
+    """
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        return f"TeacherInput({describe_call(self.args, self.kwargs)})"
+
+
+def teacher_call(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The teacher's ``(args, kwargs)`` for what ``teacher_input`` returned: the arguments of a
+    :class:`TeacherInput`, else the value as the one positional argument."""
+    if isinstance(value, TeacherInput):
+        return value.args, dict(value.kwargs)
+    return (value,), {}
 
 
 class FeatureDistillation(Callback):
@@ -84,7 +119,10 @@ class FeatureDistillation(Callback):
             identity``); without it such a pair fails with a ``RecordModifiedError``.
         connector_lr: learning rate of the connectors (default: that of the first group).
         optimizer_idx: the optimizer (in ``trainer.optimizers``) that trains the connectors.
-        teacher_input: ``batch -> input``; the teacher is called as ``teacher(input)``.
+        teacher_input: ``batch -> input``; the teacher is called as ``teacher(input)``, or,
+            for a :class:`~lightning_recorder.TeacherInput` ``(*args, **kwargs)``, as
+            ``teacher(*args, **kwargs)`` (e.g. ``lambda batch: TeacherInput(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])``).
         teacher_checkpoint: a file with the teacher's state dict (or a Lightning checkpoint
             of it), loaded with ``strict=True`` — handy in YAML configs. A tied weight may be
             there under one of its names only, as Hugging Face's ``save_pretrained`` writes it.
@@ -347,7 +385,7 @@ class FeatureDistillation(Callback):
             return
         self._runner.begin("val")
         if self.teacher_input is not None:
-            self._runner.run_teacher((self.teacher_input(batch),), {}, own_input=True)
+            self._runner.run_teacher(*teacher_call(self.teacher_input(batch)), own_input=True)
 
     @override
     def on_validation_batch_end(
@@ -430,7 +468,7 @@ class FeatureDistillation(Callback):
         try:
             if self.teacher_input is not None:
                 batch = args[0] if args else kwargs.get("batch")
-                runner.run_teacher((self.teacher_input(batch),), {}, own_input=True)
+                runner.run_teacher(*teacher_call(self.teacher_input(batch)), own_input=True)
             output = inner(*args, **kwargs)
             runner.end_capture()
             if self.add_to_loss and output is not None:
