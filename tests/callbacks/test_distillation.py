@@ -842,7 +842,37 @@ def test_a_second_fit_with_another_student_names_the_connector_of_the_first() ->
     ):
         fit(narrow, [distill], max_steps=1)
     assert not is_patched(narrow) and live_hooks() == []
-    fit(Student(), [distill], max_steps=1)  # a student of the same widths goes on with it
+    with pytest.warns(UserWarning, match="trained with another student"):
+        fit(Student(), [distill], max_steps=1)  # a student of the same widths goes on with it
+
+
+def test_a_second_fit_with_another_student_warns_that_it_starts_from_the_connectors() -> None:
+    """The connectors a fit trained are kept for the next fit: with another student of the same
+    widths that fit starts from them, which it is told (not with the same student)."""
+    teacher, student = seeded()
+    distill = FeatureDistillation(teacher, PAIRS, loss={"features.2": "mse", "head": "kl"})
+    fit(student, [distill], max_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(student, [distill], max_steps=1)  # the same student goes on: nothing to say
+    assert not [w for w in caught if "another student" in str(w.message)]
+    trained = distill.connectors["features.2"].weight.detach().clone()
+    other = Student()
+    with pytest.warns(UserWarning) as caught_other:
+        trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=1))
+        trainer.fit(other, loader())
+    messages = [str(w.message) for w in caught_other if "another student" in str(w.message)]
+    assert len(messages) == 1
+    # the identity connector of 'head' holds nothing trained: only 'features.2' is named
+    assert "pairs ['features.2'] were trained with another student" in messages[0]
+    assert "use a new FeatureDistillation" in messages[0]
+    # it did start from the first student's connector: one small SGD step away from it (a
+    # fresh one, uniform in +-1/sqrt(6), would be some tenths away), and it is the one trained
+    weight = distill.connectors["features.2"].weight
+    assert trainer.optimizers[0].param_groups[1]["params"] == [weight]
+    assert 0 < float((weight - trained).abs().max()) < 0.05
+    clone = pickle.loads(pickle.dumps(distill))  # still pickles (ddp_spawn) after fits
+    assert torch.equal(clone.connectors["features.2"].weight, weight)
 
 
 def test_a_fit_after_a_resumed_one_names_the_connector_of_the_earlier_fit(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ names, and a parameter outside the model cannot be named.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -71,6 +72,21 @@ class ConnectorBank:
         self.earlier: set[str] = set()
         # The group taken out of the optimizer by hide(): (index, group, optimizer states).
         self._hidden: tuple[int, dict[str, Any], dict[Tensor, Any]] | None = None
+        # The student of the latest fit or validation (weakly; None: not known).
+        self._student: weakref.ReferenceType[nn.Module] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A weak reference does not pickle; a copy (ddp_spawn's) meets a copy of the student.
+        return {**self.__dict__, "_student": None}
+
+    def serve(self, student: nn.Module) -> list[str]:
+        """Make ``student`` the one the connectors are trained with; return the pairs whose
+        connectors (those with parameters) were built with another student, in an earlier fit
+        or validation, and are kept for this one (a loaded checkpoint state replaces them)."""
+        known, self._student = self._student, weakref.ref(student)
+        if known is None or known() is student or self._pending is not None:
+            return []
+        return [p for p, m in self.modules.items() if next(m.parameters(), None) is not None]
 
     # ------------------------------------------------------------------ building
     def get(self, pair: str, student: Tensor, teacher: Tensor) -> nn.Module:

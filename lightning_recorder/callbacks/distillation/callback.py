@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -325,6 +326,19 @@ class FeatureDistillation(Callback):
             if getattr(cfg.scheduler, "optimizer", None) is optimizer
         ]
         self._bank.bind(optimizer, schedulers)
+        self._check_student(pl_module)
+
+    def _check_student(self, pl_module: pl.LightningModule) -> None:
+        """Warn when the connectors were built with another student, which they do not fit."""
+        pairs = self._bank.serve(pl_module)
+        if pairs:
+            rank_zero_warn(
+                f"FeatureDistillation: the connectors of pairs {pairs} were trained with another "
+                f"student in an earlier fit or validation of this callback, and "
+                f"{type(pl_module).__name__} starts from them: the callback keeps its connectors "
+                "from one fit to the next, to go on training them. For another student, use a "
+                "new FeatureDistillation, whose connectors start afresh."
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -370,6 +384,7 @@ class FeatureDistillation(Callback):
             self._runner.install(
                 trainer, pl_module, validation=True, shard_teacher=self.shard_teacher
             )
+            self._check_student(pl_module)
             self._bank.restore(pl_module.device)
 
     @override
