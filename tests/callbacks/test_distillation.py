@@ -180,6 +180,56 @@ def test_validation_runs_the_teacher_only_when_asked() -> None:
     )
 
 
+class SharedStepStudent(Student):
+    """Its validation_step calls training_step, a common way to share the step."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+
+class ValLoss(pl.Callback):
+    """The task's validation loss, computed by hand in the validation batches' hook."""
+
+    def __init__(self) -> None:
+        self.expected: list[float] = []
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, m: Any, batch: Any, i: int) -> None:
+        with torch.no_grad():
+            self.expected.append(float(F.cross_entropy(m(batch[0]), batch[1])))
+
+
+@pytest.mark.parametrize("add_to_loss", [True, False])
+@pytest.mark.parametrize("log_validation", [False, True])
+def test_a_training_step_called_by_validation_step_adds_no_term(
+    add_to_loss: bool, log_validation: bool
+) -> None:
+    """Validation does not add the term to a training_step that validation_step calls, nor run
+    the teacher for it; log_validation=True still logs the validation terms."""
+
+    class Explicit(SharedStepStudent):
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            return super().training_step(batch, batch_idx) + distillation_loss(self)
+
+    torch.manual_seed(0)
+    teacher = Teacher()
+    student = SharedStepStudent() if add_to_loss else Explicit()
+    distill = FeatureDistillation(
+        teacher, PAIRS, add_to_loss=add_to_loss, log_validation=log_validation
+    )
+    val_loss = ValLoss()
+    trainer = fit(student, [distill, val_loss], max_epochs=1, limit_train_batches=2, val=loader(16))
+    assert teacher.calls == 2 + (2 if log_validation else 0)  # training batches, then validation
+    # the mean of two float32 cross-entropies, recomputed on the same weights and batches
+    want = sum(val_loss.expected) / 2
+    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(want, rel=1e-6)
+    assert ("val/distill/total" in trainer.callback_metrics) == log_validation
+    # the same in a validate() of its own
+    val_loss.expected.clear()
+    (metrics,) = trainer.validate(student, loader(16), verbose=False)
+    assert metrics["val_loss"] == pytest.approx(sum(val_loss.expected) / 2, rel=1e-6)
+    assert ("val/distill/total" in metrics) == log_validation
+
+
 def test_validate_then_fit_builds_trainable_connectors() -> None:
     teacher, student = seeded()
     distill = FeatureDistillation(teacher, PAIRS, log_validation=True)

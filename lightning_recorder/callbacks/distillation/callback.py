@@ -474,10 +474,14 @@ class FeatureDistillation(Callback):
         self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         runner = self._runner
-        callbacks: list[Callback] = getattr(attached_trainer(runner.module), "callbacks", [])
+        trainer = attached_trainer(runner.module)
+        callbacks: list[Callback] = getattr(trainer, "callbacks", [])
         if not any(callback is self for callback in callbacks):
             # a trial step of Lightning's Tuner (LearningRateFinder or BatchSizeFinder as a
             # callback, after this one's on_fit_start), run without the Trainer's callbacks
+            return inner(*args, **kwargs)
+        if trainer is not None and not trainer.training:
+            # called from validation_step: validation adds no term (log_validation logs its own)
             return inner(*args, **kwargs)
         runner.begin("train")
         try:
@@ -497,11 +501,17 @@ class FeatureDistillation(Callback):
         """The weighted distillation loss of the current training step (and log its terms).
 
         Call it inside ``training_step`` after the student's forward, when the callback was
-        created with ``add_to_loss=False`` (or use :func:`distillation_loss`).
+        created with ``add_to_loss=False`` (or use :func:`distillation_loss`). In a
+        ``training_step`` that ``validation_step`` calls during the fit it is ``0``: validation
+        adds no term (``log_validation=True`` logs the validation terms).
 
         Raises:
             RecorderStateError: no training step is running, or the teacher did not run in it.
         """
+        module = self._runner.module
+        trainer = attached_trainer(module)
+        if module is not None and trainer is not None and not trainer.training:
+            return torch.zeros((), device=module.device)
         return self._runner.log(self._runner.terms(), self.log_prefix, on_step=True)
 
     def __repr__(self) -> str:
@@ -512,7 +522,8 @@ def distillation_loss(pl_module: pl.LightningModule) -> Tensor:
     """The distillation loss of the current step, for a ``training_step`` that adds it itself.
 
     Sums :meth:`FeatureDistillation.loss` over the trainer's ``FeatureDistillation`` callbacks
-    created with ``add_to_loss=False``::
+    created with ``add_to_loss=False`` (``0`` in a ``training_step`` that ``validation_step``
+    calls: validation adds no term)::
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -527,7 +538,8 @@ def distillation_loss(pl_module: pl.LightningModule) -> Tensor:
             "Expected `pl_module` to be the LightningModule being trained (call "
             f"distillation_loss(self) inside training_step) but got {type(pl_module).__name__}."
         )
-    callbacks: list[Callback] = getattr(attached_trainer(pl_module), "callbacks", [])
+    trainer = attached_trainer(pl_module)
+    callbacks: list[Callback] = getattr(trainer, "callbacks", [])
     found = [cb for cb in callbacks if isinstance(cb, FeatureDistillation) and not cb.add_to_loss]
     if not found:
         raise RecorderStateError(
@@ -538,6 +550,8 @@ def distillation_loss(pl_module: pl.LightningModule) -> Tensor:
             "(nothing is added in those steps), or skip the term when this RecorderStateError "
             "is raised."
         )
+    if trainer is not None and not trainer.training:  # a training_step run by validation_step
+        return torch.zeros((), device=pl_module.device)
     total = found[0].loss()
     for callback in found[1:]:
         total = total + callback.loss()
