@@ -14,6 +14,19 @@ from ..errors import NoRecordError, RecorderConfigError
 from ._format import Storage, iter_index
 
 _FILTERS = ("runs", "stages", "steps", "epochs", "ranks", "modules", "sources")
+# The provenance fields of an item that its chunk holds (one value for all its rows).
+_CHUNK_FIELDS = (
+    "run",
+    "stage",
+    "global_step",
+    "epoch",
+    "batch_idx",
+    "dataloader_idx",
+    "rank",
+    "source",
+    "module",
+    "call",
+)
 
 
 class _Shard:
@@ -237,17 +250,8 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         chunk = self.chunks[number]
         return {
             "activation": self._chunk_tensor(chunk)[row],
-            "run": chunk["run"],
-            "stage": chunk["stage"],
-            "global_step": chunk["global_step"],
-            "epoch": chunk["epoch"],
-            "batch_idx": chunk["batch_idx"],
-            "dataloader_idx": chunk["dataloader_idx"],
-            "rank": chunk["rank"],
+            **{k: chunk[k] for k in _CHUNK_FIELDS},
             "sample_index": chunk["sample_index"][row],
-            "source": chunk["source"],
-            "module": chunk["module"],
-            "call": chunk["call"],
         }
 
     @property
@@ -258,12 +262,12 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         )
 
     def provenance(self) -> list[dict[str, Any]]:
-        """The provenance of every row (an item without its activation), in row order."""
-        keys = ("run", "stage", "global_step", "epoch", "batch_idx", "rank", "source", "module")
+        """The provenance of every row (an item without its activation, with the row's
+        ``shape``), in row order."""
         out = []
         for n, r in self._rows:
             chunk = self.chunks[n]
-            row = {k: chunk[k] for k in keys}
+            row = {k: chunk[k] for k in _CHUNK_FIELDS}
             row["sample_index"] = chunk["sample_index"][r]
             row["shape"] = chunk["shape"][1:]
             out.append(row)

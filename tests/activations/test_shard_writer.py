@@ -480,6 +480,31 @@ def test_dataset_filters_and_errors(tmp_path: Path) -> None:
         concat_activations(tmp_path, "a", step=1)
 
 
+def test_provenance_is_every_item_without_its_activation(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(3, 3))
+    manager = RecorderManager({"lin": {"type": "ModuleOutputs", "source": "0", "detach": True}})
+    manager.initialize(model)
+    x = torch.randn(2, 3)
+    try:
+        with ShardWriter(tmp_path) as writer, torch.no_grad():
+            with manager:
+                model[0](model[0](x))  # called twice in one forward: calls 0 and 1
+            writer.write_records(manager, dataloader_idx=1, sample_index=[5, 6])
+    finally:
+        manager.release()
+    dataset = ActivationDataset(tmp_path)
+    rows = dataset.provenance()
+    assert [(r["sample_index"], r["call"], r["dataloader_idx"]) for r in rows] == [
+        (5, 0, 1),
+        (5, 1, 1),
+        (6, 0, 1),
+        (6, 1, 1),
+    ]
+    for i, row in enumerate(rows):
+        item = dataset[i]
+        assert row == {**{k: v for k, v in item.items() if k != "activation"}, "shape": [3]}
+
+
 def _four_shards(directory: Path) -> list[str]:
     """Four shards of one row pair each; their names, in order."""
     with ShardWriter(directory, run="d", max_shard_bytes=1) as writer:
