@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from ..errors import NoRecordError, RecorderConfigError
 from ._format import Storage, iter_index
 
-_FILTERS = ("runs", "stages", "steps", "epochs", "ranks", "modules", "sources")
+_FILTERS = ("runs", "stages", "steps", "epochs", "ranks", "modules", "sources", "calls")
 # The provenance fields of an item that its chunk holds (one value for all its rows).
 _CHUNK_FIELDS = (
     "run",
@@ -114,6 +114,9 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         ranks: keep only rows written by these ranks (one value or a list).
         modules: keep only rows of these modules (one value or a list).
         runs: keep only rows of these runs (one value or a list).
+        calls: keep only rows of these calls of their module in the forward (``0`` the first;
+            one value or a list): a module called several times in one forward writes a chunk
+            per call.
 
     Raises:
         RecorderConfigError: the directory holds no activation index, or a filter is invalid.
@@ -143,6 +146,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         ranks: int | Sequence[int] | None = None,
         modules: str | Sequence[str] | None = None,
         runs: str | Sequence[str] | None = None,
+        calls: int | Sequence[int] | None = None,
     ) -> None:
         owner = type(self).__name__
         self.storage = Storage(directory, owner)
@@ -160,6 +164,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
             "ranks": _as_set(ranks, "ranks", integers=True),
             "modules": _as_set(modules, "modules"),
             "sources": _as_set(sources, "sources"),
+            "calls": _as_set(calls, "calls", integers=True),
         }
         self.filters = {k: v for k, v in filters.items() if v is not None}
         self._shards: dict[str, _Shard] = {}
@@ -224,6 +229,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
             "ranks": "rank",
             "modules": "module",
             "sources": "source",
+            "calls": "call",
         }
         return all(chunk[fields[k]] in v for k, v in self.filters.items())
 

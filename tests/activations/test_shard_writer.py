@@ -505,6 +505,31 @@ def test_provenance_is_every_item_without_its_activation(tmp_path: Path) -> None
         assert row == {**{k: v for k, v in item.items() if k != "activation"}, "shape": [3]}
 
 
+def test_calls_filter_keeps_one_call_of_a_module_called_twice(tmp_path: Path) -> None:
+    model = _net()[:1]
+    manager = RecorderManager({"lin": {"type": "ModuleOutputs", "source": "0", "detach": True}})
+    manager.initialize(model)
+    x = torch.randn(4, 6)
+    inner = nn.Linear(8, 6)
+    try:
+        with ShardWriter(tmp_path) as writer, torch.no_grad():
+            with manager:
+                first = model[0](x)
+                second = model[0](inner(first))  # the same layer again: call 1
+            writer.write_records(manager, sample_index=[0, 1, 2, 3])
+    finally:
+        manager.release()
+    assert len(ActivationDataset(tmp_path)) == 8  # both calls
+    for call, expected in ((0, first), (1, second)):
+        dataset = ActivationDataset(tmp_path, "lin", calls=call)
+        assert len(dataset) == 4 and {r["call"] for r in dataset.provenance()} == {call}
+        assert torch.equal(dataset.concat(), expected)  # the stored bytes of that call
+        assert torch.equal(concat_activations(tmp_path, "lin", calls=[call]), expected)
+    assert len(ActivationDataset(tmp_path, calls=[0, 1])) == 8
+    with pytest.raises(RecorderConfigError, match=r"`calls` to be an int or a list of ints"):
+        ActivationDataset(tmp_path, calls="0")
+
+
 def _four_shards(directory: Path) -> list[str]:
     """Four shards of one row pair each; their names, in order."""
     with ShardWriter(directory, run="d", max_shard_bytes=1) as writer:
