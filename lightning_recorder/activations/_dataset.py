@@ -13,7 +13,18 @@ from torch.utils.data import Dataset
 from ..errors import NoRecordError, RecorderConfigError
 from ._format import Storage, iter_index
 
-_FILTERS = ("runs", "stages", "steps", "epochs", "ranks", "modules", "sources", "calls")
+# Each filter of ActivationDataset and the provenance field it keeps rows by.
+_FIELDS = {
+    "runs": "run",
+    "stages": "stage",
+    "steps": "global_step",
+    "epochs": "epoch",
+    "ranks": "rank",
+    "modules": "module",
+    "sources": "source",
+    "calls": "call",
+}
+_FILTERS = tuple(_FIELDS)
 # The provenance fields of an item that its chunk holds (one value for all its rows).
 _CHUNK_FIELDS = (
     "run",
@@ -119,7 +130,9 @@ class ActivationDataset(Dataset[dict[str, Any]]):
             per call.
 
     Raises:
-        RecorderConfigError: the directory holds no activation index, or a filter is invalid.
+        RecorderConfigError: the directory holds no activation index, or a filter is invalid
+            or names none of the values of the directory's rows (a run id or a step never
+            written).
 
     Examples:
         >>> import tempfile
@@ -168,17 +181,19 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         }
         self.filters = {k: v for k, v in filters.items() if v is not None}
         self._shards: dict[str, _Shard] = {}
-        chunks: list[dict[str, Any]] = []
-        for entry in entries:
-            for chunk in entry["chunks"]:
-                chunk = {
-                    **chunk,
-                    "run": entry["run"],
-                    "rank": entry["rank"],
-                    "shard": entry["shard"],
-                }
-                if self._keep(chunk):
-                    chunks.append(chunk)
+        every = [
+            {**chunk, "run": entry["run"], "rank": entry["rank"], "shard": entry["shard"]}
+            for entry in entries
+            for chunk in entry["chunks"]
+        ]
+        for key, wanted in self.filters.items():
+            have = {c[_FIELDS[key]] for c in every}
+            if wanted and not wanted & have:  # a typo, or a step never written: no row at all
+                raise RecorderConfigError(
+                    f"Expected `{key}` of {owner} to name some of {sorted(have)} but got "
+                    f"{sorted(wanted)}."
+                )
+        chunks = [chunk for chunk in every if self._keep(chunk)]
         #: Every chunk kept: one tensor of a shard (one source in one batch) with its provenance.
         self.chunks = chunks
         present = set(self.storage.names())
@@ -210,28 +225,9 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         ]
         rows.sort()
         self._rows = [(row[-2], row[-1]) for row in rows]
-        names = {"sources": "source", "modules": "module", "stages": "stage"}
-        for key, field in names.items():
-            wanted = self.filters.get(key)
-            have = {c[field] for e in entries for c in e["chunks"]}
-            if wanted and not wanted & have:
-                raise RecorderConfigError(
-                    f"Expected `{key}` of {owner} to name some of {sorted(have)} but got "
-                    f"{sorted(wanted)}."
-                )
 
     def _keep(self, chunk: dict[str, Any]) -> bool:
-        fields = {
-            "runs": "run",
-            "stages": "stage",
-            "steps": "global_step",
-            "epochs": "epoch",
-            "ranks": "rank",
-            "modules": "module",
-            "sources": "source",
-            "calls": "call",
-        }
-        return all(chunk[fields[k]] in v for k, v in self.filters.items())
+        return all(chunk[_FIELDS[k]] in v for k, v in self.filters.items())
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import re
 import sys
 import threading
 from pathlib import Path
@@ -478,6 +479,26 @@ def test_dataset_filters_and_errors(tmp_path: Path) -> None:
         _mixed_shapes(tmp_path)
     with pytest.raises(RecorderConfigError, match=r"Expected filters among"):
         concat_activations(tmp_path, "a", step=1)
+
+
+def test_a_filter_naming_no_row_is_refused_with_the_values_there(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        with ShardWriter(tmp_path, run="r1", rank=rank) as writer:
+            writer.write("a", "m", torch.zeros(2, 2), stage="train", global_step=3, epoch=1)
+    # each value of the directory keeps rows; one of several unknown values is allowed
+    assert len(ActivationDataset(tmp_path, runs="r1", steps=[3, 4], epochs=1, ranks=1)) == 2
+    for key, wrong, have in (
+        ("runs", "r2", "['r1']"),
+        ("steps", 4, "[3]"),
+        ("epochs", [0, 2], "[1]"),
+        ("ranks", 2, "[0, 1]"),
+        ("calls", 1, "[0]"),
+    ):
+        match = rf"`{key}` of ActivationDataset to name some of {re.escape(have)} but got"
+        with pytest.raises(RecorderConfigError, match=match):
+            ActivationDataset(tmp_path, **{key: wrong})
+        with pytest.raises(RecorderConfigError, match=match):
+            concat_activations(tmp_path, "a", **{key: wrong})
 
 
 def test_provenance_is_every_item_without_its_activation(tmp_path: Path) -> None:
