@@ -107,7 +107,8 @@ class ActivationDataset(Dataset[dict[str, Any]]):
     ``ActivationWriter`` callback), one item per row: one sample's activation of one source.
 
     Only complete shards are read (those with an index file). Local shards are memory-mapped:
-    an item is a view into the file's pages, read when touched. Items are dicts::
+    only the rows read are read from the file; an item's activation is a copy of its row, so
+    writing to it changes no later read. Items are dicts::
 
         {"activation": tensor, "run": ..., "stage": ..., "global_step": ..., "epoch": ...,
          "batch_idx": ..., "dataloader_idx": ..., "rank": ..., "sample_index": ...,
@@ -251,7 +252,8 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         number, row = self._rows[idx]
         chunk = self.chunks[number]
         return {
-            "activation": self._chunk_tensor(chunk)[row],
+            # a copy: the chunk's tensor is kept, so a view would carry a change to later reads
+            "activation": self._chunk_tensor(chunk)[row].clone(),
             **{k: chunk[k] for k in _CHUNK_FIELDS},
             "sample_index": chunk["sample_index"][row],
         }

@@ -623,6 +623,21 @@ def test_dataset_in_a_dataloader(tmp_path: Path) -> None:
     assert torch.cat([b["sample_index"] for b in batches]).tolist() == list(range(10))
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_writing_to_an_item_changes_no_later_read(tmp_path: Path, where: str) -> None:
+    directory = str(tmp_path) if where == "local" else f"memory://{tmp_path.name}-items"
+    x = torch.arange(8.0).view(4, 2)
+    with ShardWriter(directory) as writer:
+        writer.write("s", "m", x, sample_index=range(4))
+    dataset = ActivationDataset(directory)
+    dataset[1]["activation"].sub_(100.0)  # an in-place normalisation of one epoch
+    dataset.concat()[2] = -1.0
+    for i in range(4):  # the next epoch reads the rows as written
+        assert torch.equal(dataset[i]["activation"], x[i])
+    assert torch.equal(dataset.concat(), x)
+    assert torch.equal(ActivationDataset(directory).concat(), x)  # nor was the file changed
+
+
 def _write_then_die(directory: str) -> None:
     writer = ShardWriter(directory, run="kill", max_shard_bytes=4000)
     for i in range(40):
