@@ -23,6 +23,7 @@ _FIELDS = {
     "modules": "module",
     "sources": "source",
     "calls": "call",
+    "dataloaders": "dataloader_idx",
 }
 _FILTERS = tuple(_FIELDS)
 # The provenance fields of an item that its chunk holds (one value for all its rows).
@@ -129,6 +130,8 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         calls: keep only rows of these calls of their module in the forward (``0`` the first;
             one value or a list): a module called several times in one forward writes a chunk
             per call.
+        dataloaders: keep only rows of these dataloaders (their ``dataloader_idx``; one value
+            or a list): each of several dataloaders of a stage numbers its samples from 0.
 
     Raises:
         RecorderConfigError: the directory holds no activation index, or a filter is invalid
@@ -161,6 +164,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         modules: str | Sequence[str] | None = None,
         runs: str | Sequence[str] | None = None,
         calls: int | Sequence[int] | None = None,
+        dataloaders: int | Sequence[int] | None = None,
     ) -> None:
         owner = type(self).__name__
         self.storage = Storage(directory, owner)
@@ -179,6 +183,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
             "modules": _as_set(modules, "modules"),
             "sources": _as_set(sources, "sources"),
             "calls": _as_set(calls, "calls", integers=True),
+            "dataloaders": _as_set(dataloaders, "dataloaders", integers=True),
         }
         self.filters = {k: v for k, v in filters.items() if v is not None}
         self._shards: dict[str, _Shard] = {}

@@ -551,6 +551,22 @@ def test_calls_filter_keeps_one_call_of_a_module_called_twice(tmp_path: Path) ->
         ActivationDataset(tmp_path, calls="0")
 
 
+def test_dataloaders_filter_keeps_one_dataloader_of_a_stage(tmp_path: Path) -> None:
+    first, second = torch.randn(3, 2), torch.randn(2, 2)
+    with ShardWriter(tmp_path) as writer:  # two predict dataloaders, each indexed from 0
+        writer.write("s", "m", first, dataloader_idx=0, sample_index=[0, 1, 2])
+        writer.write("s", "m", second, dataloader_idx=1, sample_index=[0, 1])
+    assert len(ActivationDataset(tmp_path)) == 5  # interleaved by sample index
+    for idx, expected in ((0, first), (1, second)):
+        dataset = ActivationDataset(tmp_path, dataloaders=idx)
+        assert dataset.sample_indices.tolist() == list(range(len(expected)))
+        assert {r["dataloader_idx"] for r in dataset.provenance()} == {idx}
+        assert torch.equal(dataset.concat(), expected)
+        assert torch.equal(concat_activations(tmp_path, "s", dataloaders=[idx]), expected)
+    with pytest.raises(RecorderConfigError, match=r"`dataloaders` .* name some of \[0, 1\]"):
+        ActivationDataset(tmp_path, dataloaders=2)
+
+
 def _four_shards(directory: Path) -> list[str]:
     """Four shards of one row pair each; their names, in order."""
     with ShardWriter(directory, run="d", max_shard_bytes=1) as writer:
