@@ -495,10 +495,15 @@ class ShardWriter:
 
         The index file goes first, so an interruption leaves a shard that no index lists. Also
         removes this run's and rank's temporary files and shards without an index (left by a
-        crash). Call it before writing.
+        crash). Call it before writing: the shards written next are numbered after every shard
+        found, those removed too.
         """
         storage, removed = self.storage, 0
         names = storage.names()
+        # Numbers go on after those removed too: a name never stands for two shards, so a reader
+        # that listed a removed shard fails on it rather than reading another in its place.
+        last = max((seq for _, seq in self._own(names)), default=-1)
+        self._seq = max(last + 1, self._seq or 0)
         indexed = set()
         for name, _ in self._own(names):
             if name.endswith(INDEX_SUFFIX):

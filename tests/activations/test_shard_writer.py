@@ -358,6 +358,29 @@ def test_generations_make_resume_free_of_duplicates(tmp_path: Path) -> None:
     assert [row["global_step"] for row in dataset.provenance()] == [0, 1]
 
 
+def test_a_dataset_opened_before_a_resume_never_reads_a_new_shard_as_a_removed_one(
+    tmp_path: Path,
+) -> None:
+    writer = ShardWriter(tmp_path, run="gen", max_shard_bytes=1)
+    writer.write("s", "m", torch.zeros(1, 2), global_step=0, sample_index=[0])
+    saved = writer.checkpoint()
+    writer.write("s", "m", torch.ones(1, 2), global_step=1, sample_index=[7])
+    writer.close()
+    before = ActivationDataset(tmp_path)  # listed both shards; reads none yet
+    removed = _files(tmp_path, ".safetensors")[1]
+    again = ShardWriter(tmp_path, run="gen")
+    assert again.discard_from(saved) == 1
+    with again:  # the resumed run writes step 1 again, other rows of the same shape
+        again.write("s", "m", torch.full((1, 2), 5.0), global_step=1, sample_index=[3])
+    assert removed not in _files(tmp_path, ".safetensors")  # a new name for the new shard
+    assert torch.equal(before[0]["activation"], torch.zeros(2))
+    with pytest.raises(RecorderConfigError, match=rf"{removed} to be a complete activation"):
+        before[1]  # sample 7's row is gone: never sample 3's row in its place
+    after = ActivationDataset(tmp_path)
+    assert [(r["sample_index"], r["global_step"]) for r in after.provenance()] == [(0, 0), (3, 1)]
+    assert torch.equal(after.concat(), torch.tensor([[0.0, 0.0], [5.0, 5.0]]))
+
+
 def test_fsspec_memory_filesystem(tmp_path: Path) -> None:
     url = f"memory://{tmp_path.name}/acts"
     x = torch.randn(5, 3)
