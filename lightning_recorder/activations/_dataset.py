@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import NoRecordError, RecorderConfigError
-from ._format import Storage, iter_index
+from ._format import INDEX_SUFFIX, SHARD_SUFFIX, Storage, iter_index
 
 # Each filter of ActivationDataset and the provenance field it keeps rows by.
 _FIELDS = {
@@ -77,6 +77,11 @@ class _Shard:
                 )
             found = self._cache[key] = self._file.get_tensor(key)
         return found
+
+
+def _index_name(shard: str) -> str:
+    """The name of a shard's index file (the same stem)."""
+    return shard.removesuffix(SHARD_SUFFIX) + INDEX_SUFFIX
 
 
 def _as_set(value: object, name: str, integers: bool = False) -> set[Any] | None:
@@ -169,6 +174,10 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         owner = type(self).__name__
         self.storage = Storage(directory, owner)
         entries = list(iter_index(self.storage))
+        # The index file goes before its shard: one gone since it was read (a resumed run's
+        # writer removing what followed its checkpoint) takes its shard out of the dataset.
+        present = set(self.storage.names())
+        entries = [e for e in entries if _index_name(e["shard"]) in present]
         if not entries:
             raise RecorderConfigError(
                 f"Expected `directory` of {owner} to hold activation shards with index files "
@@ -202,7 +211,6 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         chunks = [chunk for chunk in every if self._keep(chunk)]
         #: Every chunk kept: one tensor of a shard (one source in one batch) with its provenance.
         self.chunks = chunks
-        present = set(self.storage.names())
         missing = sorted({c["shard"] for c in chunks} - present)
         if missing:
             raise RecorderConfigError(

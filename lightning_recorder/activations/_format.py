@@ -294,7 +294,13 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def iter_index(storage: Storage) -> Iterator[dict[str, Any]]:
-    """Every index entry of the directory (one per complete shard), in file-name order."""
+    """Every index entry of the directory (one per complete shard), in file-name order; an index
+    file removed since it was listed (a resumed run's writer removing what followed its
+    checkpoint) is left out."""
     for name in storage.names():
         if name.endswith(INDEX_SUFFIX):
-            yield decode_index(storage.read(name), name)
+            try:
+                data = storage.read(name)
+            except FileNotFoundError:
+                continue
+            yield decode_index(data, name)

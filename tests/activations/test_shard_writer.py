@@ -20,6 +20,7 @@ from torch import nn
 import lightning_recorder
 from lightning_recorder import RecorderConfigError, RecorderManager, RecorderStateError
 from lightning_recorder.activations import ActivationDataset, ShardWriter, concat_activations
+from lightning_recorder.activations._format import Storage
 
 ROOM = Path(lightning_recorder.__file__).parent / "activations"
 
@@ -637,6 +638,25 @@ def test_missing_truncated_or_damaged_files_fail_naming_the_file(tmp_path: Path)
     for read in (lambda: ActivationDataset(shard), lambda: concat_activations(shard, "h")):
         with pytest.raises(RecorderConfigError, match=r"to be a directory of .* but it is a file"):
             read()
+
+
+def test_shards_removed_while_a_dataset_opens_are_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = _four_shards(tmp_path)
+    indexes = _files(tmp_path, ".index.json")
+    read = Storage.read
+
+    def racing(self: Storage, name: str) -> bytes:
+        if name == indexes[2]:  # meanwhile a resumed run removes shards 1 (read) and 2 (listed)
+            for i in (1, 2):
+                os.remove(tmp_path / indexes[i])  # the index file first, as the writer does
+                os.remove(tmp_path / shards[i])
+        return read(self, name)
+
+    monkeypatch.setattr(Storage, "read", racing)
+    dataset = ActivationDataset(tmp_path)
+    assert torch.equal(dataset.concat(), torch.tensor([0.0, 0.0, 3.0, 3.0])[:, None].expand(4, 4))
 
 
 def _mixed_shapes(tmp_path: Path) -> None:
