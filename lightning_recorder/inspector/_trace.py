@@ -9,7 +9,8 @@ that are never called themselves (``nn.ModuleList``) get a row where torchinfo s
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -197,20 +198,16 @@ def trace(
     def post(module: nn.Module, a: Any, output: Any) -> None:
         open_calls[id(module)].pop().outputs = _shapes(output)
 
-    training = [(m, m.training) for m in net.modules()]
-    saved = [(b, b.detach().clone()) for b in net.buffers()]
-    devices = sorted(
-        {b.device.index or 0 for b in [*net.parameters(), *net.buffers()] if b.is_cuda}
-    )
     hooks = HookSet("Inspector trace")
     try:
-        for module in net.modules():
-            hooks.add(module.register_forward_pre_hook(pre, with_kwargs=True))
-            hooks.add(module.register_forward_hook(post))
-        if mode != "same":
-            net.train(mode == "train")
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            net(*args, **kwargs)
+        with _as_found(net):
+            for module in net.modules():
+                hooks.add(module.register_forward_pre_hook(pre, with_kwargs=True))
+                hooks.add(module.register_forward_hook(post))
+            if mode != "same":
+                net.train(mode == "train")
+            with torch.no_grad():
+                net(*args, **kwargs)
     except Exception as err:
         raise RecorderConfigError(
             f"Expected `input_size`/`input_data` to be valid inputs of {type(net).__name__} but "
@@ -218,12 +215,26 @@ def trace(
         ) from err
     finally:
         hooks.remove_all()
+    return _rows(net, calls)
+
+
+@contextmanager
+def _as_found(net: nn.Module) -> Iterator[None]:
+    """Leave every module's training flag, every buffer and the global random state as found."""
+    training = [(m, m.training) for m in net.modules()]
+    saved = [(b, b.detach().clone()) for b in net.buffers()]
+    devices = sorted(
+        {b.device.index or 0 for b in [*net.parameters(), *net.buffers()] if b.is_cuda}
+    )
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
         with torch.no_grad():
             for buffer, value in saved:  # e.g. BatchNorm statistics updated in train mode
                 buffer.copy_(value)
         for module, flag in training:
             module.training = flag
-    return _rows(net, calls)
 
 
 def _rows(net: nn.Module, calls: list[_Call]) -> list[LayerRow]:
@@ -344,10 +355,8 @@ def model_statistics(
         ) from None
     settings = {**_SCIO_DEFAULTS, **options}
     data: Any = dict(kwargs) if kwargs and not args else list(args)
-    devices = sorted(
-        {b.device.index or 0 for b in [*net.parameters(), *net.buffers()] if b.is_cuda}
-    )
-    with torch.random.fork_rng(devices=devices):
+    # torchinfo sets every module's flag to the network's afterwards, and keeps buffers changed
+    with _as_found(net):
         statistics = torchinfo.summary(net, input_data=data, mode=mode, **settings)
     clear = getattr(getattr(torchinfo, "torchinfo", None), "clear_cached_forward_pass", None)
     if clear is not None:

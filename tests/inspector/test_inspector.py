@@ -622,6 +622,20 @@ def test_summary_is_torchinfo_statistics_with_the_options() -> None:
     assert not live_hooks()
 
 
+def test_reading_summary_leaves_modes_and_buffers_as_found() -> None:
+    pytest.importorskip("torchinfo")
+    for mode in ("eval", "train"):
+        net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.BatchNorm1d(3), nn.Dropout(0.5))
+        net.train()
+        net[2].eval()  # a frozen normalization layer in a training network
+        stats = net[1].running_mean.clone(), net[1].num_batches_tracked.clone()
+        inspector = Inspector(net, input_size=(4, 3), mode=mode)  # type: ignore[arg-type]
+        assert inspector.summary.total_params == sum(p.numel() for p in net.parameters())
+        assert [m.training for m in net.modules()] == [True, True, True, False, True]
+        assert torch.equal(net[1].running_mean, stats[0])
+        assert torch.equal(net[1].num_batches_tracked, stats[1])
+
+
 class DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
