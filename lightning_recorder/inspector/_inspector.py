@@ -481,10 +481,10 @@ class Inspector(nn.Module):
     def summary(self) -> Any:
         """torchinfo's ``ModelStatistics`` of the network, as scio users read it.
 
-        Computed on first read (one more forward, on the inputs given at construction, under
-        ``torch.no_grad()``; every module's training flag, every buffer and the global random
-        state are restored afterwards) with scio's defaults
-        (every column, unlimited depth, variable names and depths, quiet) and the torchinfo
+        Computed on first read (one more forward, on the inputs given at construction, in its
+        ``mode``, under ``torch.no_grad()``; every module's training flag, every buffer and the
+        global random state are restored afterwards) with scio's defaults (every column,
+        unlimited depth, variable names and depths, quiet) and the torchinfo
         options given to the constructor. ``summary.summary_list`` lists torchinfo's
         ``LayerInfo`` rows (``depth``, ``depth_index``, ``module``).
 

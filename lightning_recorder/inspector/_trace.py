@@ -355,9 +355,22 @@ def model_statistics(
         ) from None
     settings = {**_SCIO_DEFAULTS, **options}
     data: Any = dict(kwargs) if kwargs and not args else list(args)
-    # torchinfo sets every module's flag to the network's afterwards, and keeps buffers changed
-    with _as_found(net):
-        statistics = torchinfo.summary(net, input_data=data, mode=mode, **settings)
+    flags = [(m, m.training) for m in net.modules()]
+
+    def same_mode(module: nn.Module, args: Any) -> None:
+        for each, flag in flags:  # undo torchinfo's net.eval() as the forward starts
+            each.training = flag
+
+    hooks = HookSet("Inspector summary")
+    try:
+        # torchinfo sets every module's flag to the network's afterwards, and keeps buffers changed
+        with _as_found(net):
+            if mode == "same":  # torchinfo knows "train" and "eval" only
+                hooks.add(net.register_forward_pre_hook(same_mode))
+            shown = "eval" if mode == "same" else mode
+            statistics = torchinfo.summary(net, input_data=data, mode=shown, **settings)
+    finally:
+        hooks.remove_all()
     clear = getattr(getattr(torchinfo, "torchinfo", None), "clear_cached_forward_pass", None)
     if clear is not None:
         clear()

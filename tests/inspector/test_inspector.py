@@ -636,6 +636,30 @@ def test_reading_summary_leaves_modes_and_buffers_as_found() -> None:
         assert torch.equal(net[1].num_batches_tracked, stats[1])
 
 
+class ModeProbe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.drop = nn.Dropout(0.5)
+        self.seen: list[tuple[bool, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.fc.training, self.drop.training))
+        return self.drop(self.fc(x))
+
+
+def test_summary_with_mode_same_runs_the_network_in_its_own_modes() -> None:
+    pytest.importorskip("torchinfo")
+    net = ModeProbe()
+    net.train()
+    net.drop.eval()
+    inspector = Inspector(net, input_size=(4, 3), mode="same")
+    assert inspector.summary.total_params == 12
+    assert net.seen == [(True, False), (True, False)]  # the traced forward, then torchinfo's
+    assert [m.training for m in net.modules()] == [True, True, False]
+    assert not live_hooks()
+
+
 class DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
