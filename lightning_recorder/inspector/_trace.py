@@ -222,7 +222,11 @@ def trace(
 def _as_found(net: nn.Module) -> Iterator[None]:
     """Leave every module's training flag, every buffer and the global random state as found."""
     training = [(m, m.training) for m in net.modules()]
-    saved = [(b, b.detach().clone()) for b in net.buffers()]
+    saved = [
+        (module, name, buffer, buffer.detach().clone())
+        for module in net.modules()
+        for name, buffer in module.named_buffers(recurse=False)
+    ]
     devices = sorted(
         {b.device.index or 0 for b in [*net.parameters(), *net.buffers()] if b.is_cuda}
     )
@@ -231,8 +235,10 @@ def _as_found(net: nn.Module) -> Iterator[None]:
             yield
     finally:
         with torch.no_grad():
-            for buffer, value in saved:  # e.g. BatchNorm statistics updated in train mode
+            for module, name, buffer, value in saved:  # e.g. BatchNorm statistics (train mode)
                 buffer.copy_(value)
+                if getattr(module, name, None) is not buffer:  # `self.steps = self.steps + 1`
+                    setattr(module, name, buffer)
         for module, flag in training:
             module.training = flag
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib.util
 import pickle
 import re
 from collections.abc import Callable
@@ -493,6 +494,33 @@ def test_traced_forward_leaves_modes_buffers_and_random_state_as_found() -> None
         assert [m.training for m in net.modules()] == [True, True, True, False]
         assert torch.equal(net[1].running_mean, stats[0])
         assert torch.equal(net[1].num_batches_tracked, stats[1])
+
+
+class Counting(nn.Module):
+    """Replaces its buffers in the forward instead of changing them in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("cache", torch.zeros(1, 3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        if self.cache.shape[0] < x.shape[0]:
+            self.cache = torch.ones(x.shape[0], 3)
+        return self.fc(x) + self.cache[: x.shape[0]]
+
+
+def test_traced_forward_and_summary_restore_buffers_the_forward_replaced() -> None:
+    net = Counting()
+    calls, cache = net.calls, net.cache
+    inspector = Inspector(net, input_size=(4, 3))
+    assert net.calls is calls and net.cache is cache
+    assert int(net.calls) == 0 and net.cache.shape == (1, 3)
+    if importlib.util.find_spec("torchinfo") is not None:
+        inspector.summary  # noqa: B018 - one more forward
+        assert net.calls is calls and int(net.calls) == 0 and net.cache.shape == (1, 3)
 
 
 # --- cleanup, module behaviour, copies ----------------------------------------------------------
