@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .._core.checks import parse_device, suggestion
 from .._core.hooks import HookSet
@@ -222,11 +223,25 @@ def trace(
 def _as_found(net: nn.Module) -> Iterator[None]:
     """Leave every module's training flag, every buffer and the global random state as found."""
     training = [(m, m.training) for m in net.modules()]
-    saved = [
-        (module, name, buffer, buffer.detach().clone())
-        for module in net.modules()
-        for name, buffer in module.named_buffers(recurse=False)
-    ]
+    saved: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+    done: set[int] = set()
+
+    def save(module: nn.Module, *args: Any) -> None:
+        if id(module) in done:  # a lazy module called again: its values before the first call
+            return
+        done.add(id(module))
+        saved.extend(
+            (module, name, buffer, buffer.detach().clone())
+            for name, buffer in module.named_buffers(recurse=False)
+        )
+
+    # A lazy module's buffers get their first value in its first forward: saved then.
+    lazy = HookSet("Inspector lazy buffers")
+    for module in net.modules():
+        if any(is_lazy(b) for b in module.buffers(recurse=False)):
+            lazy.add(module.register_forward_pre_hook(save))
+        else:
+            save(module)
     devices = sorted(
         {b.device.index or 0 for b in [*net.parameters(), *net.buffers()] if b.is_cuda}
     )
@@ -234,6 +249,7 @@ def _as_found(net: nn.Module) -> Iterator[None]:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
+        lazy.remove_all()
         with torch.no_grad():
             for module, name, buffer, value in saved:  # e.g. BatchNorm statistics (train mode)
                 buffer.copy_(value)

@@ -523,6 +523,17 @@ def test_traced_forward_and_summary_restore_buffers_the_forward_replaced() -> No
         assert net.calls is calls and int(net.calls) == 0 and net.cache.shape == (1, 3)
 
 
+def test_traced_forward_of_lazy_modules_leaves_their_new_buffers_as_initialized() -> None:
+    norm = nn.LazyBatchNorm2d()
+    net = nn.Sequential(nn.LazyConv2d(4, 3), norm, norm)  # called twice
+    inspector = Inspector(net, input_size=(2, 3, 8, 8), mode="train")
+    assert [row.params for row in inspector.layers] == [0, 112, 8, 0]
+    assert torch.equal(net[1].running_mean, torch.zeros(4))
+    assert torch.equal(net[1].running_var, torch.ones(4))
+    assert int(net[1].num_batches_tracked) == 0
+    assert not live_hooks()
+
+
 # --- cleanup, module behaviour, copies ----------------------------------------------------------
 
 
