@@ -199,6 +199,8 @@ class GraphBuilder:
         # Under torch.compile the hooks run eagerly (a graph break) instead of being traced.
         enter, leave = torch.compiler.disable(self._enter), torch.compiler.disable(self._leave)
         for module in {id(m): m for m in self.modules.values()}.values():
+            if isinstance(module, torch.jit.ScriptModule):  # torch allows it no hooks
+                continue
             hooks.add(module.register_forward_pre_hook(enter, with_kwargs=True))
             hooks.add(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
 

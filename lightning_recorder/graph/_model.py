@@ -9,6 +9,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_args
 
+import torch
 from torch import nn
 
 from .._core.checks import check_option, suggestion
@@ -377,7 +378,8 @@ class GraphRecorder:
         model: the module whose calls are recorded (wrappers such as DDP are looked through).
 
     Raises:
-        RecorderConfigError: ``model`` is not a ``torch.nn.Module``.
+        RecorderConfigError: ``model`` is not a ``torch.nn.Module``, or is scripted
+            (``torch.jit.script``; a scripted submodule is recorded as part of its caller).
 
     Examples:
         >>> import torch
@@ -393,6 +395,12 @@ class GraphRecorder:
         if not isinstance(model, nn.Module):
             raise RecorderConfigError(
                 f"Expected `model` to be a torch.nn.Module but got {type(model).__name__}."
+            )
+        if isinstance(model, torch.jit.ScriptModule):
+            raise RecorderConfigError(
+                f"Expected `model` to take module hooks but got a scripted module "
+                f"({type(model).__name__}, torch.jit.script), on which torch allows none; record "
+                "the model before scripting it."
             )
         self.model = model
         self._hooks = HookSet(f"GraphRecorder({type(model).__name__})")
@@ -458,7 +466,8 @@ def record_graph(model: nn.Module, /, *args: Any, **kwargs: Any) -> ExecutionGra
         The execution graph of the call.
 
     Raises:
-        RecorderConfigError: ``model`` is not a ``torch.nn.Module``.
+        RecorderConfigError: ``model`` is not a ``torch.nn.Module``, or is scripted
+            (``torch.jit.script``; a scripted submodule is recorded as part of its caller).
 
     Examples:
         >>> import torch

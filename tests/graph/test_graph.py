@@ -302,6 +302,27 @@ def test_compiled_models(cnn: SmallCNN) -> None:
     assert recorder.graph == eager
 
 
+def test_scripted_submodules_belong_to_their_caller_and_a_scripted_model_is_refused() -> None:
+    torch.manual_seed(0)
+    block = torch.jit.script(nn.Sequential(nn.Linear(3, 3), nn.ReLU()))
+    model = nn.Sequential(nn.Linear(3, 3), block, nn.Linear(3, 2))
+    x = torch.randn(2, 3)
+    with GraphRecorder(model) as recorder:  # torch allows a scripted module no hooks
+        out = model(x)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    graph = recorder.graph
+    assert [n.name for n in graph.find(kind="module")] == ["", "0", "2"]
+    assert [n.label for n in graph.children("module:<root>") if n.kind == "op"] == [
+        "T",
+        "Addmm",
+        "Relu",
+    ]
+    assert graph.node("param:1.0.weight").parent == "module:<root>"
+    assert not live_hooks()
+    with pytest.raises(RecorderConfigError, match=r"scripted module.*before scripting it"):
+        record_graph(torch.jit.script(nn.Linear(3, 2)), x)
+
+
 # ---------------------------------------------------------------- the computation is unchanged
 def test_outputs_and_gradients_are_identical_with_and_without_recording() -> None:
     torch.manual_seed(0)
