@@ -201,7 +201,8 @@ class Inspector(nn.Module):
             ``cache_forward_pass`` are passed to torchinfo only (see :attr:`summary`).
 
     Raises:
-        RecorderConfigError: bad arguments, or the traced forward failed.
+        RecorderConfigError: bad arguments, a scripted network (``torch.jit.script``: a
+            scripted submodule gets no row), or the traced forward failed.
         RecorderStateError: ``force_static_flow=True`` and the network's control flow is not
             static.
         TypeError: an unknown keyword argument.
@@ -239,6 +240,12 @@ class Inspector(nn.Module):
         if not isinstance(net, nn.Module):
             raise RecorderConfigError(
                 f"Expected `net` to be an nn.Module but got {type(net).__name__}."
+            )
+        if isinstance(net, torch.jit.ScriptModule):
+            raise RecorderConfigError(
+                f"Expected `net` to take module hooks but got a scripted module "
+                f"({type(net).__name__}, torch.jit.script), on which torch allows none; inspect "
+                "the network before scripting it."
             )
         check_option("mode", mode, ("eval", "train", "same"))
         check_bool(detach, "detach")

@@ -203,6 +203,8 @@ def trace(
     try:
         with _as_found(net):
             for module in net.modules():
+                if isinstance(module, torch.jit.ScriptModule):  # torch allows it no hooks
+                    continue
                 hooks.add(module.register_forward_pre_hook(pre, with_kwargs=True))
                 hooks.add(module.register_forward_hook(post))
             if mode != "same":

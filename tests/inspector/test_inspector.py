@@ -534,6 +534,27 @@ def test_traced_forward_of_lazy_modules_leaves_their_new_buffers_as_initialized(
     assert not live_hooks()
 
 
+def test_a_scripted_submodule_gets_no_row_and_a_scripted_network_is_refused() -> None:
+    torch.manual_seed(0)
+    block = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    net = nn.Sequential(nn.Linear(4, 4), block, nn.Linear(4, 2))
+    inspector = Inspector(net, input_size=(1, 4))  # torch allows a scripted module no hooks
+    assert [(row.text, row.name) for row in inspector.layers] == [
+        ("0-1", ""),
+        ("1-1", "0"),
+        ("1-2", "2"),
+    ]
+    assert "Total params: 50" in inspector.summary_text()
+    inspector.record("1-2")
+    x = torch.randn(3, 4)
+    inspector(x)
+    torch.testing.assert_close(inspector.activations["1-2"], net(x), rtol=0, atol=0)
+    inspector.release()
+    assert not live_hooks()
+    with pytest.raises(RecorderConfigError, match=r"scripted module.*before scripting it"):
+        Inspector(block, input_size=(1, 4))
+
+
 # --- cleanup, module behaviour, copies ----------------------------------------------------------
 
 
