@@ -176,7 +176,7 @@ class FeatureStatsMonitor(RecorderCallback):
             Trainer's ``log_every_n_steps`` (0, no training step logged, is an error in ``fit``
             when ``stages`` has ``"train"``).
         stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
-        stats: the statistics to log (``"numel"`` too, if wanted).
+        stats: the statistics to log, one name or a list (``"numel"`` too, if wanted).
         histograms: also write histograms to TensorBoard and W&B loggers.
         histogram_every_n_steps: write training histograms every N optimizer steps only, a
             multiple of the steps that log (``every_n_steps``, or the Trainer's
@@ -208,11 +208,11 @@ class FeatureStatsMonitor(RecorderCallback):
         keep_hooks: keep the hooks installed between logged steps (see
             :class:`~lightning_recorder.RecorderCallback`); ``None`` keeps them on a compiled
             model only.
-        logger_stats: ``{logger class name: statistic names}``: a logger whose class (or a base
-            class) is named here gets only those statistics (names from ``stats``, ``"norm"``,
-            ``"grad_norm"``, ``"update_ratio"``, ``"histogram"``; not ``"histogram"`` with
-            ``histograms=False``, nor the parameters' with ``parameters=False``); other loggers
-            get all.
+        logger_stats: ``{logger class name: statistic names}`` (one name or a list): a
+            logger whose class (or a base class) is named here gets only those statistics
+            (names from ``stats``, ``"norm"``, ``"grad_norm"``, ``"update_ratio"``,
+            ``"histogram"``; not ``"histogram"`` with ``histograms=False``, nor the parameters'
+            with ``parameters=False``); other loggers get all.
             Keeps tabular loggers such as ``CSVLogger`` readable.
         exact_histograms: keep every output until the batch ends and histogram all of its
             elements (see the attribute of that name); by default the histogram is taken over a
@@ -278,7 +278,7 @@ class FeatureStatsMonitor(RecorderCallback):
         sources: ModuleSource | Mapping[str, Any] | Sequence[ModuleSource | Mapping[str, Any]],
         every_n_steps: int | None = None,
         stages: Stage | Sequence[Stage] = ("train", "val"),
-        stats: Sequence[StatName] = DEFAULT_STATS,
+        stats: StatName | Sequence[StatName] = DEFAULT_STATS,
         histograms: bool = True,
         bins: int = 30,
         histogram_every_n_steps: int | None = None,
@@ -287,7 +287,7 @@ class FeatureStatsMonitor(RecorderCallback):
         clone: bool = False,
         name: str | None = None,
         keep_hooks: bool | None = None,
-        logger_stats: Mapping[str, Sequence[str]] | None = None,
+        logger_stats: Mapping[str, str | Sequence[str]] | None = None,
         exact_histograms: bool = False,
         histogram_sample: int = 2**12,
         pool_dataloaders: bool = False,

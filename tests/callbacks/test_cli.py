@@ -236,3 +236,22 @@ def test_documented_yaml(page: str, tmp_path: Path) -> None:
     cli = run_cli(tmp_path, config, model=DocsNet)
     names = {type(cb).__name__ for cb in cli.trainer.callbacks}
     assert {"RecorderCallback", "FeatureStatsMonitor"} & names
+
+
+def test_single_statistic_names_from_yaml(tmp_path: Path) -> None:
+    """One statistic name, as Python takes it, is taken from YAML too (not refused as no list)."""
+    monitor = {
+        "class_path": "lightning_recorder.FeatureStatsMonitor",
+        "init_args": {
+            "sources": ["body.1"],
+            "stats": "zero_fraction",
+            "logger_stats": {"TensorBoardLogger": "zero_fraction"},
+        },
+    }
+    cli = run_cli(tmp_path, {"trainer": {"callbacks": [monitor]}})
+    callback = FeatureStatsMonitor.of(cli.trainer)
+    assert callback.stats == ("zero_fraction",)
+    assert callback.logger_stats == {"TensorBoardLogger": frozenset({"zero_fraction"})}
+    got = scalars(cli.trainer.logger.log_dir)
+    assert sorted(got["stats/train/body.1/zero_fraction"]) == [1, 3]
+    assert not any(tag.endswith("/mean") or tag.endswith("/norm") for tag in got)
