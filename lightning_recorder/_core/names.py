@@ -254,27 +254,33 @@ def resolve_type(spec: str | type) -> type:
             f"{suggestion(spec, valid, 'torch.nn classes')}"
             + (f" {near}" if near.startswith("Closest") else "")
         )
+    obj = import_object(spec, "a class", "classes", lambda v: isinstance(v, type))
+    if not isinstance(obj, type):
+        raise RecorderConfigError(
+            f"Expected {spec!r} to name a class but {spec} is "
+            f"{with_article(type(obj).__name__)}, not a class."
+        )
+    return obj
+
+
+def import_object(spec: str, what: str, kinds: str, kind: Callable[[object], bool]) -> object:
+    """The object that the import path ``"pkg.module.name"`` names: ``what`` (``"a class"``) in
+    the messages; for a missing name, the closest of the module's ``kinds`` (those ``kind`` is
+    true of)."""
     module_name, _, attr = spec.rpartition(".")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise RecorderConfigError(
-            f"Expected an importable module type but could not import {module_name!r} "
-            f"(from {spec!r}): {err}"
+            f"Expected {spec!r} to name {what} but could not import {module_name!r}: {err}"
         ) from err
     if not hasattr(module, attr):
-        classes = [k for k, v in vars(module).items() if isinstance(v, type)]
+        names = [k for k, v in vars(module).items() if kind(v)]
         raise RecorderConfigError(
-            f"Expected {spec!r} to name a class but {module_name!r} has no attribute {attr!r}. "
-            f"{suggestion(attr, classes, f'classes in {module_name}')}"
+            f"Expected {spec!r} to name {what} but {module_name!r} has no attribute {attr!r}. "
+            f"{suggestion(attr, names, f'{kinds} in {module_name}')}"
         )
-    obj = getattr(module, attr)
-    if not isinstance(obj, type):
-        raise RecorderConfigError(
-            f"Expected {spec!r} to name a class but {module_name}.{attr} is "
-            f"{with_article(type(obj).__name__)}, not a class."
-        )
-    return obj
+    return getattr(module, attr)
 
 
 def _relative_hint(source: str, names: list[str]) -> str:

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._core.checks import check_option, check_tensor, suggestion
+from .._core.checks import check_option, check_tensor, suggestion, with_article
+from .._core.names import import_object
 from .._core.registry import Registry
 from ..errors import RecorderConfigError
 
@@ -546,6 +547,9 @@ def get_loss(spec: str | nn.Module | type[nn.Module] | LossFn, **options: Any) -
               ``"l1"`` (``"mae"``), ``"cosine"`` (``"cos"``), ``"attention"``
               (``"at"``, ``"attention_transfer"``), ``"kl"`` (``"kl_div"``, ``"kd"``);
               a trailing ``"loss"`` is ignored, so ``"MSELoss"`` works too;
+            * the import path of a loss class or function, ``"my_project.losses.feature_loss"``
+              (the form a YAML config of ``LightningCLI`` gives them), taken as the class or
+              function itself;
             * an :class:`torch.nn.Module` instance, returned as is;
             * an :class:`torch.nn.Module` subclass, instantiated with ``options``;
             * any other callable taking ``(student, teacher)``, returned as is (or with
@@ -571,9 +575,20 @@ def get_loss(spec: str | nn.Module | type[nn.Module] | LossFn, **options: Any) -
         >>> float(loss(torch.zeros(2), torch.tensor([1.0, -3.0])))
         3.0
     """
+    if isinstance(spec, str) and "." in spec:  # the form a YAML config gives a class or function
+        found = import_object(spec, "a loss class or function", "callables", callable)
+        if not callable(found):
+            raise RecorderConfigError(
+                f"Expected {spec!r} to name a loss class or a function taking (student, "
+                f"teacher) but {spec} is {with_article(type(found).__name__)}."
+            )
+        return get_loss(found, **options)
     if isinstance(spec, str):
         cls = LOSSES.resolve(
-            spec, "`loss` (a loss name, an nn.Module, or a callable taking (student, teacher))"
+            spec,
+            "`loss` (a loss name, the import path of a loss class or function such as "
+            "'my_project.losses.feature_loss', an nn.Module, or a callable taking (student, "
+            "teacher))",
         )
         _check_options(cls, options, f"the {_normalise(spec)!r} loss")
         return cls(**options)

@@ -255,3 +255,28 @@ def test_single_statistic_names_from_yaml(tmp_path: Path) -> None:
     got = scalars(cli.trainer.logger.log_dir)
     assert sorted(got["stats/train/body.1/zero_fraction"]) == [1, 3]
     assert not any(tag.endswith("/mean") or tag.endswith("/norm") for tag in got)
+
+
+def test_distillation_loss_function_by_import_path_from_yaml(tmp_path: Path) -> None:
+    """A loss function in YAML is its import path: the function is the loss (no unknown name)."""
+    distill = {
+        "class_path": "lightning_recorder.FeatureDistillation",
+        "init_args": {
+            "teacher": {"class_path": "helpers.models.TinyClassifier", "init_args": {"hidden": 16}},
+            "pairs": {"body.2": "body.2"},
+            "loss": {"body.2": "torch.nn.functional.l1_loss"},
+        },
+    }
+    config = {"trainer": {"callbacks": [distill], "log_every_n_steps": 1}, "model": {"lr": 0.0}}
+    cli = run_cli(tmp_path, config)
+    (callback,) = cli.trainer.callbacks[:1]
+    got = scalars(cli.trainer.logger.log_dir)["distill/body.2"]
+    x = TinyData().x.double()
+    student, teacher = cli.model.double(), callback.teacher.double()  # lr=0: both as trained
+    with torch.no_grad():
+        want = [
+            float(torch.nn.functional.l1_loss(student(x[i : i + 4]), teacher(x[i : i + 4])))
+            for i in range(0, 16, 4)
+        ]
+    assert sorted(got) == [0, 1, 2, 3]
+    assert [got[step] for step in range(4)] == pytest.approx(want, rel=1e-5)

@@ -17,8 +17,8 @@ from ...distill.losses import LossFn, get_loss
 from ...errors import RecorderConfigError
 
 LossSpec: TypeAlias = str | nn.Module | Callable[[Tensor, Tensor], Tensor]
-"""A loss name (``"mse"``, ``"l1"``, ``"cosine"``, ``"attention"``, ``"kl"``), a module or a
-callable taking ``(student, teacher)``."""
+"""A loss name (``"mse"``, ``"l1"``, ``"cosine"``, ``"attention"``, ``"kl"``), the import path of
+a loss class or function, a module or a callable taking ``(student, teacher)``."""
 
 TeacherSide: TypeAlias = str | Mapping[str, Any]
 """A pair's teacher side: a module name, or ``{"source": module name, "path": path}`` for one

@@ -106,7 +106,9 @@ class FeatureDistillation(Callback):
             ``path`` of :class:`~lightning_recorder.RecorderCallback`).
         loss: a loss for every pair, or ``{student module name: loss}``: a name (``"mse"``,
             ``"l1"``, ``"cosine"``, ``"attention"``, ``"kl"``), an ``nn.Module`` or a callable
-            taking ``(student, teacher)`` (see :func:`lightning_recorder.get_loss`).
+            taking ``(student, teacher)``, or the import path of a loss class or function (as a
+            YAML config gives it: ``"my_project.losses.feature_loss"``; see
+            :func:`lightning_recorder.get_loss`).
         weight: the weight of every term, or ``{student module name: weight}``.
         loss_options: keyword options for the named losses, e.g. ``{"temperature": 4.0}``,
             or per pair: ``{student module name: {option: value}}``.
