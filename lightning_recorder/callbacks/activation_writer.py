@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from .._core.names import import_object
 from ..activations import ShardWriter
 from ..errors import RecorderConfigError, RecorderError
 from ._lightning import Stage, fast_dev_run, predict_batch_indices, step_axis
@@ -113,8 +114,8 @@ class ActivationWriter(RecorderCallback):
         sources: module names from ``named_modules()``, glob patterns (``"features.*"``) or module
             types, one or a list; or ``{name: {"source": ..., **options}}`` with options
             ``path`` (into a structured output), ``tokens`` (positions of dimension 1 to keep),
-            ``mean`` (dimensions to average), ``transform`` (a function of the tensor) and
-            ``dtype``.
+            ``mean`` (dimensions to average), ``transform`` (a function of the tensor, or its
+            import path) and ``dtype``.
         directory: where to write: a local path or an ``fsspec`` URL.
         stages: the loops to write: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         every_n_steps: write training batches every N optimizer steps.
@@ -218,8 +219,11 @@ class ActivationWriter(RecorderCallback):
             key: {k: v for k, v in config.items() if k in ("tokens", "mean", "transform", "dtype")}
             for key, config in configs.items()
         }
-        if dtype is not None:
-            for spec in specs.values():
+        for spec in specs.values():
+            transform = spec.get("transform")
+            if isinstance(transform, str) and "." in transform:  # an import path, as YAML has
+                spec["transform"] = import_object(transform, "a function", "functions", callable)
+            if dtype is not None:
                 spec.setdefault("dtype", dtype)
         self.directory = directory
         self._writer_options: dict[str, Any] = {

@@ -280,3 +280,21 @@ def test_distillation_loss_function_by_import_path_from_yaml(tmp_path: Path) -> 
         ]
     assert sorted(got) == [0, 1, 2, 3]
     assert [got[step] for step in range(4)] == pytest.approx(want, rel=1e-5)
+
+
+def test_activation_writer_transform_by_import_path_from_yaml(tmp_path: Path) -> None:
+    """A source's ``transform`` in YAML is the import path of the function, which is applied."""
+    writer = {
+        "class_path": "lightning_recorder.ActivationWriter",
+        "init_args": {
+            "sources": {"hidden": {"source": "body.1", "transform": "torch.neg"}},
+            "directory": str(tmp_path / "acts"),
+            "stages": ["train"],
+        },
+    }
+    cli = run_cli(tmp_path, {"trainer": {"callbacks": [writer]}, "model": {"lr": 0.0}})
+    rows = ActivationDataset(tmp_path / "acts")
+    written = torch.stack([rows[i]["activation"] for i in range(len(rows))])
+    with torch.no_grad():  # lr=0: the model as it ran; four steps of four rows
+        want = -cli.model.body[:2](TinyData().x[:16])
+    torch.testing.assert_close(written, want)
