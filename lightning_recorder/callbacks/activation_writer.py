@@ -73,10 +73,22 @@ def _pick(batch: Any, key: str | int) -> Any:
     try:
         return batch[key]
     except (KeyError, IndexError, TypeError) as err:
+        dotted = isinstance(key, str) and "." in key
         raise RecorderConfigError(
             f"Expected the batch to hold the sample indices at `sample_index`={key!r} but it "
             f"does not ({type(batch).__name__})."
+            + (" A function is given by its import path, which must import." if dotted else "")
         ) from err
+
+
+def _function_or_key(name: str) -> Any:
+    """A ``sample_index`` with a dot: the function it names where it imports as one (the form a
+    YAML config gives a function), else the batch key it is."""
+    try:
+        found = import_object(name, "a function", "functions", callable)
+    except RecorderConfigError:
+        return name
+    return found if callable(found) and not isinstance(found, type) else name
 
 
 class ActivationWriter(RecorderCallback):
@@ -121,7 +133,8 @@ class ActivationWriter(RecorderCallback):
         every_n_steps: write training batches every N optimizer steps.
         dtype: cast every source without its own ``dtype`` (e.g. ``"float16"``).
         sample_index: where the sample indices of a batch are: a key or position of the batch
-            holding them, or a function ``(batch, batch_idx) -> indices``; ``None``: in
+            holding them, or a function ``(batch, batch_idx) -> indices`` (or its import path,
+            as a YAML config gives it: ``"my_project.data.indices"``); ``None``: in
             ``predict`` the dataset indices the batch sampler drew, elsewhere ``-1``.
         run: the run id in file names and index (default: a random id). A resumed fit keeps
             the checkpoint's run id (warning if another ``run`` is given).
@@ -205,6 +218,8 @@ class ActivationWriter(RecorderCallback):
                 f"Expected `every_n_steps` of {owner} to be a positive int but got None."
             )
         super().__init__(recorders, stages, every_n_steps, name=name, keep_hooks=keep_hooks)
+        if isinstance(sample_index, str) and "." in sample_index:
+            sample_index = _function_or_key(sample_index)
         valid_index = sample_index is None or (
             not isinstance(sample_index, bool)
             and (isinstance(sample_index, (str, int)) or callable(sample_index))

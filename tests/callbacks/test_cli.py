@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers.models import DocsNet, TinyClassifier, TinyData, scalars
+from helpers.models import DocsNet, TinyClassifier, TinyData, scalars, tiny_data_indices
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_recorder import (
     ActivationDataset,
+    ActivationWriter,
     FeatureStatsMonitor,
     HealthMonitor,
     RecorderCallback,
@@ -298,3 +299,44 @@ def test_activation_writer_transform_by_import_path_from_yaml(tmp_path: Path) ->
     with torch.no_grad():  # lr=0: the model as it ran; four steps of four rows
         want = -cli.model.body[:2](TinyData().x[:16])
     torch.testing.assert_close(written, want)
+
+
+def test_activation_writer_sample_index_function_by_import_path(tmp_path: Path) -> None:
+    """A ``sample_index`` function in YAML is its import path: the function gives the indices
+    (the string is not taken for a batch key), and the saved config runs again."""
+    config = {
+        "trainer": {
+            "callbacks": [
+                {
+                    "class_path": "lightning_recorder.ActivationWriter",
+                    "init_args": {
+                        "sources": ["body.1"],
+                        "directory": str(tmp_path / "acts"),
+                        "stages": ["train"],
+                        "sample_index": "helpers.models.tiny_data_indices",
+                    },
+                }
+            ]
+        }
+    }
+    cli = run_cli(tmp_path, config)
+    assert cli.trainer.callbacks[0].sample_index is tiny_data_indices
+    rows = ActivationDataset(tmp_path / "acts").provenance()
+    assert sorted(row["sample_index"] for row in rows) == list(range(100, 116))
+    saved = Path(cli.trainer.log_dir) / "config.yaml"
+    (writer,) = yaml.safe_load(saved.read_text())["trainer"]["callbacks"]
+    assert writer["init_args"]["sample_index"] == "helpers.models.tiny_data_indices"
+    again = LightningCLI(
+        TinyClassifier,
+        TinyData,
+        args=["fit", "--config", str(saved), "--trainer.max_steps=1"],
+        save_config_kwargs={"overwrite": True},
+    )
+    assert again.trainer.callbacks[0].sample_index is tiny_data_indices
+
+
+def test_activation_writer_dotted_sample_index_that_names_no_function_is_a_key(
+    tmp_path: Path,
+) -> None:
+    for key in ("meta.index", "torch.float32", "torch.nn", "torch.nn.Linear"):
+        assert ActivationWriter(["body.1"], tmp_path, sample_index=key).sample_index == key
