@@ -166,7 +166,8 @@ class DeadUnitsRule(_UnitRule):
     Args:
         window: the logged steps in a row a unit must stay inactive to count as dead.
         min_fraction: the fraction of a module's units that must be dead for the rule to fire.
-        types: the module classes whose outputs are judged (their subclasses too).
+        types: the module classes whose outputs are judged (their subclasses too), one or a
+            list.
 
     Raises:
         RecorderConfigError: an argument is invalid.
@@ -192,7 +193,7 @@ class DeadUnitsRule(_UnitRule):
         self,
         window: int = 5,
         min_fraction: float = 0.7,
-        types: Sequence[type[nn.Module]] = _RELU_FAMILY,
+        types: type[nn.Module] | Sequence[type[nn.Module]] = _RELU_FAMILY,
     ) -> None:
         super().__init__(window, min_fraction)
         self.types = _check_types(types, type(self).__name__)

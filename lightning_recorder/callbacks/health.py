@@ -183,8 +183,9 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         localize: how the module that made the first non-finite values is found: ``"replay"``
             runs a flagged step's batch again with every module hooked; ``"always"`` hooks
             every module on every step (for manual optimization); ``False``: the check only.
-        rules: the :class:`HealthRule` objects checked on logged steps; ``None``: every rule
-            that ships, with its defaults (:meth:`default_rules`); ``()``: none.
+        rules: the :class:`HealthRule` objects checked on logged steps, one or a list;
+            ``None``: every rule that ships, with its defaults (:meth:`default_rules`); ``()``:
+            none.
         evidence_dir: where bundles go; default ``<trainer.log_dir>/health``. Checked when
             ``fit`` starts: a folder that could hold no bundle (a file on its path, no write
             permission) raises :class:`~lightning_recorder.RecorderConfigError` (the default
@@ -246,7 +247,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self,
         on_nonfinite: Policy = "warn",
         localize: Localize = "replay",
-        rules: Sequence[HealthRule] | None = None,
+        rules: HealthRule | Sequence[HealthRule] | None = None,
         evidence_dir: str | os.PathLike[str] | None = None,
         alert: Callable[[HealthEvent], Any] | None = None,
         max_consecutive_skips: int = 5,

@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_recorder import (
     ActivationDataset,
     ActivationWriter,
+    DeadUnitsRule,
     FeatureStatsMonitor,
     HealthMonitor,
     RecorderCallback,
@@ -340,3 +341,20 @@ def test_activation_writer_dotted_sample_index_that_names_no_function_is_a_key(
 ) -> None:
     for key in ("meta.index", "torch.float32", "torch.nn", "torch.nn.Linear"):
         assert ActivationWriter(["body.1"], tmp_path, sample_index=key).sample_index == key
+
+
+def test_one_health_rule_and_one_dead_units_type_from_yaml(tmp_path: Path) -> None:
+    """One rule for ``rules`` and one class for ``types``, as Python takes them, from YAML."""
+    rule = {
+        "class_path": "lightning_recorder.DeadUnitsRule",
+        "init_args": {"window": 2, "types": "torch.nn.ReLU"},
+    }
+    health = {"class_path": "lightning_recorder.HealthMonitor", "init_args": {"rules": rule}}
+    monitor = {
+        "class_path": "lightning_recorder.FeatureStatsMonitor",
+        "init_args": {"sources": "body.*"},
+    }
+    cli = run_cli(tmp_path, {"trainer": {"callbacks": [monitor, health]}})
+    (dead,) = cli.trainer.callbacks[1].rules
+    assert isinstance(dead, DeadUnitsRule)
+    assert (dead.window, dead.types) == (2, (torch.nn.ReLU,))
