@@ -358,3 +358,29 @@ def test_one_health_rule_and_one_dead_units_type_from_yaml(tmp_path: Path) -> No
     (dead,) = cli.trainer.callbacks[1].rules
     assert isinstance(dead, DeadUnitsRule)
     assert (dead.window, dead.types) == (2, (torch.nn.ReLU,))
+
+
+@pytest.mark.parametrize(
+    "factory",
+    ["helpers.models.linear_connector", "lightning_recorder.build_connector"],
+)
+@pytest.mark.parametrize("per_pair", [False, True], ids=["one", "per-pair"])
+def test_distillation_connector_factory_by_import_path_from_yaml(
+    tmp_path: Path, factory: str, per_pair: bool
+) -> None:
+    """A connector factory in YAML is its import path, also one annotated to return a module."""
+    distill = {
+        "class_path": "lightning_recorder.FeatureDistillation",
+        "init_args": {
+            "teacher": {"class_path": "helpers.models.TinyClassifier", "init_args": {"hidden": 16}},
+            "pairs": {"body.0": "body.0"},
+            "connectors": {"body.0": factory} if per_pair else factory,
+        },
+    }
+    cli = run_cli(tmp_path, {"trainer": {"callbacks": [distill]}})
+    (connector,) = cli.trainer.callbacks[0].connectors.values()
+    assert isinstance(connector, torch.nn.Linear) and connector.bias is None
+    assert (connector.in_features, connector.out_features) == (8, 16)
+    saved = Path(cli.trainer.log_dir) / "config.yaml"
+    (callback,) = yaml.safe_load(saved.read_text())["trainer"]["callbacks"]
+    assert callback["init_args"]["connectors"] == distill["init_args"]["connectors"]

@@ -113,6 +113,11 @@ class DocsNet(TinyClassifier):
         return self.classifier(self.head(self.backbone(self.features(x))))
 
 
+def linear_connector(student_shape: torch.Size, teacher_shape: torch.Size) -> nn.Linear:
+    """A connector factory (annotated to return a module): a linear map without bias."""
+    return nn.Linear(student_shape[-1], teacher_shape[-1], bias=False)
+
+
 def tiny_data_indices(batch: Any, batch_idx: int) -> torch.Tensor:
     """The dataset indices of a batch of ``TinyData``'s training loader (in order, 4 a batch)."""
     return torch.arange(4 * batch_idx, 4 * batch_idx + len(batch[0])) + 100

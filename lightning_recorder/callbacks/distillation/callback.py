@@ -21,6 +21,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from ..._core.checks import with_article
+from ..._core.names import import_object
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
 from ...errors import RecorderConfigError, RecorderStateError
@@ -113,8 +115,9 @@ class FeatureDistillation(Callback):
         loss_options: keyword options for the named losses, e.g. ``{"temperature": 4.0}``,
             or per pair: ``{student module name: {option: value}}``.
         connectors: ``"auto"`` (a 1x1 convolution or linear layer where channels differ),
-            ``"identity"``, a module or a factory; one for all pairs or a mapping per pair (see
-            :func:`lightning_recorder.resolve_connector`).
+            ``"identity"``, a module or a factory (also by its import path, as a YAML config
+            gives it: ``"my_project.distill.connector"``); one for all pairs or a mapping per
+            pair (see :func:`lightning_recorder.resolve_connector`).
         resize: let automatic connectors resize student maps to the teacher's ``(H, W)``.
         clone: record copies of the paired outputs (the student's keep their graph), for a
             module whose output a later in-place operation changes (a convolution or a
@@ -198,7 +201,9 @@ class FeatureDistillation(Callback):
         weight: Mapping[str, float] | float = 1.0,
         *,
         loss_options: Mapping[str, Any] | None = None,
-        connectors: Mapping[str, ConnectorSpec] | ConnectorSpec = "auto",
+        # a string first: LightningCLI (jsonargparse) keeps an import path for the callback to
+        # import (it takes a function annotated to return a module for a class, and fails)
+        connectors: Mapping[str, str | ConnectorSpec] | str | ConnectorSpec = "auto",
         resize: bool = False,
         clone: bool = False,
         connector_lr: float | None = None,
@@ -250,7 +255,16 @@ class FeatureDistillation(Callback):
         self.shard_teacher = shard_teacher
         losses = losses_per_pair(loss, loss_options, self.pairs)
         connector_specs = per_pair(connectors, self.pairs, "connectors", "auto")
-        for spec in connector_specs.values():
+        for pair, spec in connector_specs.items():
+            if isinstance(spec, str) and "." in spec:  # an import path, as YAML gives a factory
+                found = import_object(spec, "a connector factory", "callables", callable)
+                if not callable(found):
+                    raise RecorderConfigError(
+                        f"Expected {spec!r} in `connectors` to name a connector factory "
+                        "(student_shape, teacher_shape) -> module, or a module class taking the "
+                        f"two shapes, but {spec} is {with_article(type(found).__name__)}."
+                    )
+                spec = connector_specs[pair] = found
             check_connector_spec(spec, "connectors")
         self._bank = ConnectorBank(connector_specs, resize, connector_lr)
         self._runner = StepRunner(
