@@ -65,7 +65,9 @@ __all__ = [
 ]
 
 Policy = Literal["warn", "skip", "raise"]
-Localize = Literal["replay", "always", False]
+# two Literals: to a wrong value, LightningCLI (jsonargparse) answers one Literal mixing strings
+# and False with "Expected a <class 'bool'>", and these two with both Literals and their values
+Localize = Literal["replay", "always"] | Literal[False]
 _MiB = 1 << 20
 _NO_RNG = torch.empty(0, dtype=torch.uint8)
 

@@ -384,3 +384,18 @@ def test_distillation_connector_factory_by_import_path_from_yaml(
     saved = Path(cli.trainer.log_dir) / "config.yaml"
     (callback,) = yaml.safe_load(saved.read_text())["trainer"]["callbacks"]
     assert callback["init_args"]["connectors"] == distill["init_args"]["connectors"]
+
+
+def test_wrong_localize_names_the_values_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        LightningCLI(
+            TinyClassifier,
+            TinyData,
+            args=[
+                "fit",
+                "--trainer.callbacks+=lightning_recorder.HealthMonitor",
+                "--trainer.callbacks.localize=never",
+            ],
+        )
+    err = capsys.readouterr().err
+    assert re.search(r"localize.*Literal\['replay', 'always'\].*Literal\[False\]", err, re.S)
