@@ -76,7 +76,8 @@ class DistillDelivery:
         if type(self) is DistillDelivery:
             raise RecorderConfigError(
                 "Expected a concrete delivery (FunctionOutputsDelivery or MethodOutputsDelivery) "
-                "but got the base class DistillDelivery."
+                "but got the base class DistillDelivery (a config dict names its kind with a "
+                "'type' key, e.g. {'type': 'FunctionOutputs', 'source': 'pkg.module.func'})."
             )
         if (
             not isinstance(max_keep_data, int)

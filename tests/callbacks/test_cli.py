@@ -7,9 +7,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from helpers.distill_models import Student, loader
 from helpers.models import DocsNet, TinyClassifier, TinyData, scalars, tiny_data_indices
 from lightning.pytorch.cli import LightningCLI
 
@@ -399,3 +401,44 @@ def test_wrong_localize_names_the_values_it_takes(capsys: pytest.CaptureFixture[
         )
     err = capsys.readouterr().err
     assert re.search(r"localize.*Literal\['replay', 'always'\].*Literal\[False\]", err, re.S)
+
+
+@pytest.mark.parametrize(
+    "delivery",
+    [
+        {"type": "FunctionOutputs", "source": "helpers.distill_models.jitter"},
+        {
+            "class_path": "lightning_recorder.FunctionOutputsDelivery",
+            "init_args": {"source": "helpers.distill_models.jitter"},
+        },
+    ],
+    ids=["type-key", "class-path"],
+)
+def test_distillation_delivery_from_yaml(tmp_path: Path, delivery: dict[str, Any]) -> None:
+    """A delivery in YAML as a config dict or as a class path: the student gets the teacher's
+    augmentation either way."""
+    distill = {
+        "class_path": "lightning_recorder.FeatureDistillation",
+        "init_args": {
+            "teacher": {
+                "class_path": "helpers.distill_models.Teacher",
+                "init_args": {"use_jitter": True},
+            },
+            "pairs": {"head": "head"},
+            "deliveries": {"noise": delivery},
+        },
+    }
+    config = {"trainer": {**TRAINER, "default_root_dir": str(tmp_path), "callbacks": [distill]}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = LightningCLI(Student, args=["--config", str(path), "--model.use_jitter=true"], run=False)
+    same: list[bool] = []
+    teacher = cli.trainer.callbacks[0].teacher
+
+    class SameInput(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, module: Any, *args: Any) -> None:
+            same.append(torch.equal(teacher.last_input, module.last_input))
+
+    cli.trainer.callbacks.append(SameInput())
+    cli.trainer.fit(cli.model, loader())
+    assert same == [True] * 4

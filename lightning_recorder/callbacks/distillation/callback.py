@@ -137,8 +137,9 @@ class FeatureDistillation(Callback):
         log_validation: also run the teacher on validation batches and log the terms as
             ``"val/<log_prefix>/…"`` (epoch means). Off by default: validation never runs it.
         deliveries: ``{name: {"type": "FunctionOutputs" | "MethodOutputs", "source": …,
-            "max_keep_data": …}}``: outputs recorded in the teacher's pass are replayed in the
-            student's (see :class:`lightning_recorder.DistillDeliveryManager`).
+            "max_keep_data": …}}`` or ``{name: DistillDelivery}``: outputs recorded in the
+            teacher's pass are replayed in the student's (see
+            :class:`lightning_recorder.DistillDeliveryManager`).
         log_prefix: the prefix of the logged names.
         on_nonfinite: what a non-finite (NaN or inf) teacher feature or distillation term does
             in training: ``"warn"`` (default) warns once per pair, naming it; ``"raise"`` stops
@@ -212,7 +213,7 @@ class FeatureDistillation(Callback):
         teacher_checkpoint: str | os.PathLike[str] | None = None,
         add_to_loss: bool = True,
         log_validation: bool = False,
-        deliveries: Mapping[str, Mapping[str, Any] | DistillDelivery] | None = None,
+        deliveries: Mapping[str, DistillDelivery | Mapping[str, Any]] | None = None,
         log_prefix: str = "distill",
         on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
         shard_teacher: ShardTeacher = False,
