@@ -35,6 +35,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ._health_event import HealthEvent
+from ._lightning import prefixed_tag
 
 __all__ = ["LOGGER_NAME", "Reporter"]
 
@@ -154,7 +155,8 @@ def _text(logger: Any, events: Sequence[HealthEvent], step: int) -> None:
     step: one paragraph each), or one table of rows (W&B)."""
     if isinstance(logger, TensorBoardLogger):
         text = "\n\n".join(event.message for event in events)
-        logger.experiment.add_text("health/events", text, global_step=step)
+        tag = prefixed_tag(logger, "health/events")  # after a prefix the logger makes public
+        logger.experiment.add_text(tag, text, global_step=step)
     elif isinstance(logger, WandbLogger):
         rows: list[list[Any]] = [
             [e.step, e.kind, e.module or "", e.direction or "", e.message] for e in events

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from ._health_event import HealthEvent
 from ._health_heatmap import PALETTE, png, render_indexed
 from ._health_rules import percent
-from ._lightning import logger_prefix
+from ._lightning import prefixed_tag
 from ._stats_report import StatsReport
 from ._tensorboard import summary_class
 
@@ -43,11 +43,6 @@ __all__ = ["PARAMETER_STATS", "HealthView", "layout", "table"]
 
 PARAMETER_STATS = ("grad_norm", "update_ratio", "norm")
 _COLUMNS = ["rule", "module", "since step", "finding"]
-
-
-def _prefixed(logger: Any, tag: str) -> str:
-    prefix = logger_prefix(logger)
-    return f"{prefix}{getattr(logger, 'LOGGER_JOIN_CHAR', '-')}{tag}" if prefix else tag
 
 
 def layout(
@@ -161,7 +156,7 @@ class HealthView:
                 return
             add = getattr(logger.experiment, "add_custom_scalars", None)
             if add is not None:
-                lead = _prefixed(logger, "")
+                lead = prefixed_tag(logger, "")
                 add(layout(prefix, stats, stages, parameters, lead))
 
         self._each(trainer, "custom-scalars layout", write)
@@ -247,8 +242,8 @@ class HealthView:
         def write(logger: Any) -> None:
             if isinstance(logger, TensorBoardLogger):
                 writer = logger.experiment
-                _add_images(writer, {_prefixed(logger, t): i for t, i in indexed.items()}, step)
-                writer.add_text(_prefixed(logger, "health/findings"), text, step)
+                _add_images(writer, {prefixed_tag(logger, t): i for t, i in indexed.items()}, step)
+                writer.add_text(prefixed_tag(logger, "health/findings"), text, step)
             elif isinstance(logger, WandbLogger):
                 for tag, image in indexed.items():
                     logger.log_image(key=tag, images=[PALETTE[image]], step=step)

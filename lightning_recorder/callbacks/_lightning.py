@@ -201,6 +201,13 @@ def logger_prefix(logger: Logger) -> str:
     return prefix if isinstance(prefix, str) else ""
 
 
+def prefixed_tag(logger: Logger, tag: str) -> str:
+    """``tag`` as a logger whose prefix is public (:func:`logger_prefix`) would write it: after
+    its prefix and join character, as its ``log_metrics`` does; ``tag`` itself otherwise."""
+    prefix = logger_prefix(logger)
+    return f"{prefix}{getattr(logger, 'LOGGER_JOIN_CHAR', '-')}{tag}" if prefix else tag
+
+
 def predict_batch_indices(
     trainer: pl.Trainer, batch_idx: int, dataloader_idx: int
 ) -> list[int] | None:

@@ -181,6 +181,10 @@ def test_tensorboard_gets_the_layout_the_heat_maps_and_the_findings(
     assert tables[2].startswith("**1 finding(s) in force at step 4**")
     assert "| rule | module | since step | finding |" in tables[3]
     assert f"| dead_units | `body.3` | 4 | {monitor.events[0].message} |" in tables[3]
+    # the finding's message, under the same public prefix as the table
+    events = acc.Tensors(f"{lead}health/events/text_summary")
+    assert [t.step for t in events] == [4]
+    assert events[0].tensor_proto.string_val[0].decode() == monitor.events[0].message
 
 
 def test_the_last_drawing_comes_at_the_end_of_training(tmp_path: Path) -> None:
