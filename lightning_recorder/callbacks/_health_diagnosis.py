@@ -180,7 +180,12 @@ class Diagnosis:
         if view is not None and stats is not None:
             view.start()
             view.write_layout(
-                trainer, stats.prefix, stats.stats, stats.stages, bool(stats.parameters)
+                trainer,
+                stats.prefix,
+                stats.stats,
+                stats.stages,
+                bool(stats.parameters),
+                stats.logger_stats,
             )
 
     def _rules_state(self) -> dict[str, Any]:

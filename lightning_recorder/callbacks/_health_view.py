@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,6 +36,7 @@ from ._health_event import HealthEvent
 from ._health_heatmap import PALETTE, png, render_indexed
 from ._health_rules import percent
 from ._lightning import prefixed_tag
+from ._stats_options import ALL, stats_for
 from ._stats_report import StatsReport
 from ._tensorboard import summary_class
 
@@ -46,7 +47,12 @@ _COLUMNS = ["rule", "module", "since step", "finding"]
 
 
 def layout(
-    prefix: str, stats: Sequence[str], stages: Sequence[str], parameters: bool, lead: str = ""
+    prefix: str,
+    stats: Sequence[str],
+    stages: Sequence[str],
+    parameters: bool,
+    lead: str = "",
+    allowed: frozenset[str] = ALL,
 ) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout: ``{category: {chart title: ["Multiline", [regex]]}}``.
 
@@ -54,22 +60,28 @@ def layout(
     callbacks write themselves (:func:`._lightning.logger_prefix`). Without one, the health
     counters' chart takes any leading ``<prefix>-``: they reach the logger through
     ``log_metrics``, which adds a prefix Lightning's loggers keep private.
+
+    ``allowed`` is what the logger gets of the monitor's statistics (its ``logger_stats``
+    entry): a chart per statistic it gets, none for the others, which it never receives.
     """
     head = re.escape(lead)
+    stats = [stat for stat in stats if stat in allowed]
+    parameter_stats = [stat for stat in PARAMETER_STATS if parameters and stat in allowed]
     found: dict[str, dict[str, list[Any]]] = {}
     for stage in stages:
         if stage not in ("train", "val", "test"):
             continue
         suffix = r"(/dataloader_idx_\d+)?" if stage != "train" else ""
         where = rf"^{head}{re.escape(prefix)}/{stage}/.+/"
-        found[f"layers: {stage}"] = {
-            f"{stat} of every layer ({stage})": ["Multiline", [f"{where}{stat}{suffix}$"]]
-            for stat in stats
-        }
-        if stage == "train" and parameters:
+        if stats:
+            found[f"layers: {stage}"] = {
+                f"{stat} of every layer ({stage})": ["Multiline", [f"{where}{stat}{suffix}$"]]
+                for stat in stats
+            }
+        if stage == "train" and parameter_stats:
             found["parameters: train"] = {
                 f"{stat} of every parameter": ["Multiline", [f"{where}{stat}$"]]
-                for stat in PARAMETER_STATS
+                for stat in parameter_stats
             }
     # the counters go through `log_metrics`, where a logger adds even a prefix it keeps private
     counters = "health/(rule_events|nonfinite_steps|skipped_steps|amp_skipped_steps)$"
@@ -146,8 +158,10 @@ class HealthView:
         stats: Sequence[str],
         stages: Sequence[str],
         parameters: bool,
+        logger_stats: Mapping[str, frozenset[str]],
     ) -> None:
-        """Write the custom-scalars layout to the TensorBoard loggers (rank zero)."""
+        """Write the custom-scalars layout to the TensorBoard loggers (rank zero), each with
+        the charts of the statistics it gets (``logger_stats``, as the monitor validated it)."""
         if not trainer.is_global_zero:
             return
 
@@ -157,7 +171,8 @@ class HealthView:
             add = getattr(logger.experiment, "add_custom_scalars", None)
             if add is not None:
                 lead = prefixed_tag(logger, "")
-                add(layout(prefix, stats, stages, parameters, lead))
+                allowed = stats_for(logger_stats, logger)
+                add(layout(prefix, stats, stages, parameters, lead, allowed))
 
         self._each(trainer, "custom-scalars layout", write)
 

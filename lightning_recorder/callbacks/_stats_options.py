@@ -122,6 +122,16 @@ def logger_stats(
     return found
 
 
+def stats_for(per_logger: Mapping[str, frozenset[str]], logger: object) -> frozenset[str]:
+    """The statistics ``logger`` gets under a validated ``logger_stats`` (:func:`logger_stats`):
+    those of the most derived of its classes named there, otherwise every one (:data:`ALL`)."""
+    for cls in type(logger).__mro__:
+        found = per_logger.get(cls.__name__)
+        if found is not None:
+            return found
+    return ALL
+
+
 def source_key(source: ModuleSource) -> str:
     if isinstance(source, type):
         return f"{source.__module__}.{source.__qualname__}"

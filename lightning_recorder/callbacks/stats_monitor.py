@@ -50,6 +50,7 @@ from ._stats_options import (
     source_and_path,
     source_key,
     stat_names,
+    stats_for,
     unmonitored_parameters,
     value_tensors,
 )
@@ -1169,11 +1170,7 @@ class FeatureStatsMonitor(RecorderCallback):
     def _logger_filter(self, logger: Logger) -> frozenset[str]:
         """The statistics ``logger`` gets: those of ``logger_stats`` for its class (the most
         derived class named there), otherwise every one (:data:`ALL`)."""
-        for cls in type(logger).__mro__:
-            found = self.logger_stats.get(cls.__name__)
-            if found is not None:
-                return found
-        return ALL
+        return stats_for(self.logger_stats, logger)
 
     # ------------------------------------------------------------------ evaluation epochs
     @override

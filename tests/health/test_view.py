@@ -59,9 +59,16 @@ class DeadNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def run(loggers: list[Logger], view: bool = True, steps: int = 6) -> tuple[Any, HealthMonitor]:
+def run(
+    loggers: list[Logger],
+    view: bool = True,
+    steps: int = 6,
+    logger_stats: dict[str, list[str]] | None = None,
+) -> tuple[Any, HealthMonitor]:
     # the ReLUs are monitored first: the monitor's own order (by source) is not the model's
-    stats = FeatureStatsMonitor([nn.ReLU, nn.Linear], every_n_steps=1, histograms=False)
+    stats = FeatureStatsMonitor(
+        [nn.ReLU, nn.Linear], every_n_steps=1, histograms=False, logger_stats=logger_stats
+    )
     monitor = HealthMonitor(
         rules=[DeadUnitsRule()], view=view, view_every=3, heatmap_steps=4, evidence_max_bytes=0
     )
@@ -185,6 +192,29 @@ def test_tensorboard_gets_the_layout_the_heat_maps_and_the_findings(
     events = acc.Tensors(f"{lead}health/events/text_summary")
     assert [t.step for t in events] == [4]
     assert events[0].tensor_proto.string_val[0].decode() == monitor.events[0].message
+
+
+def test_the_layout_charts_only_the_statistics_the_logger_gets(tmp_path: Path) -> None:
+    # `logger_stats` narrows what a TensorBoardLogger gets: no chart for what it never receives
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    run([logger], logger_stats={"TensorBoardLogger": ["zero_fraction", "grad_norm"]})
+    acc = accumulator(tmp_path / "run" / "version_0")
+    [config] = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(config.tensor_proto.string_val[0])
+    charts = {c.title: [ch.title for ch in c.chart] for c in layout.category}
+    assert charts == {
+        "layers: train": ["zero_fraction of every layer (train)"],
+        "parameters: train": ["grad_norm of every parameter"],
+        "layers: val": ["zero_fraction of every layer (val)"],
+        "health": ["rule findings and non-finite steps"],
+    }
+    scalars = acc.Tags()["scalars"]
+    for category in layout.category:
+        for chart in category.chart:
+            if category.title in ("layers: train", "parameters: train", "health"):
+                [regex] = chart.multiline.tag  # every chart of a trained stage has its lines
+                assert any(re.search(regex, tag) for tag in scalars), chart.title
 
 
 def test_the_last_drawing_comes_at_the_end_of_training(tmp_path: Path) -> None:
