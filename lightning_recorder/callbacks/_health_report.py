@@ -51,6 +51,21 @@ class Reporter:
         self._last_alert = -math.inf
         self._last_rule: dict[tuple[str, str | None], float] = {}
         self.suppressed_alerts = 0
+        self.start()
+
+    def start(self) -> None:
+        """A new run (``on_fit_start``): no message written at any step yet."""
+        self._text_step: int | None = None
+        self._texts: list[HealthEvent] = []
+
+    def _of_step(self, events: Sequence[HealthEvent], step: int) -> list[HealthEvent]:
+        """The events whose messages went to the loggers at ``step`` so far, ``events`` last:
+        TensorBoard shows the last text of a tag and step only, so each entry of a step repeats
+        the earlier ones (a non-finite step and a rule finding at one logged step)."""
+        if step != self._text_step:
+            self._text_step, self._texts = step, []
+        self._texts.extend(events)
+        return list(self._texts)
 
     def report(
         self,
@@ -70,11 +85,13 @@ class Reporter:
         log.log(level, event.message)
         metrics: dict[str, float] = {f"health/{k}": float(v) for k, v in counters.items()}
         metrics.update({f"health/{k}": float(v) for k, v in event.counts.items()})
+        texts = loud or event.kind == "amp_skipped"
+        shown = self._of_step([event], log_step) if texts else []
         for logger in trainer.loggers:
             try:
                 logger.log_metrics(metrics, step=log_step)
-                if loud or event.kind == "amp_skipped":
-                    _text(logger, [event], log_step)
+                if texts:
+                    _text(logger, [event], shown, log_step)
             except Exception as err:  # a logger's failure must not stop training
                 rank_zero_warn(f"HealthMonitor could not write to {type(logger).__name__}: {err}")
         if loud and self.alert is not None and event.kind != "amp_skipped":
@@ -123,11 +140,12 @@ class Reporter:
             loud.extend(_together(same) for same in sides.values())
         for event in loud:
             log.warning(event.message)
+        shown = self._of_step(loud, log_step) if loud else []
         for logger in trainer.loggers:
             try:
                 logger.log_metrics(metrics, step=log_step)
                 if loud:
-                    _text(logger, loud, log_step)
+                    _text(logger, loud, shown, log_step)
             except Exception as err:  # a logger's failure must not stop training
                 rank_zero_warn(f"HealthMonitor could not write to {type(logger).__name__}: {err}")
         if self.alert is None:
@@ -150,11 +168,14 @@ def _together(events: Sequence[HealthEvent]) -> HealthEvent:
     return dataclasses.replace(events[0], message=message)
 
 
-def _text(logger: Any, events: Sequence[HealthEvent], step: int) -> None:
-    """The messages of one step's events as one entry (TensorBoard keeps one text per tag and
-    step: one paragraph each), or one table of rows (W&B)."""
+def _text(
+    logger: Any, events: Sequence[HealthEvent], shown: Sequence[HealthEvent], step: int
+) -> None:
+    """The messages of ``events`` for a logger: for TensorBoard, which shows one text per tag
+    and step, one entry of every message of the step so far (``shown``, one paragraph each);
+    for W&B, one table of the rows of ``events``."""
     if isinstance(logger, TensorBoardLogger):
-        text = "\n\n".join(event.message for event in events)
+        text = "\n\n".join(event.message for event in shown)
         tag = prefixed_tag(logger, "health/events")  # after a prefix the logger makes public
         logger.experiment.add_text(tag, text, global_step=step)
     elif isinstance(logger, WandbLogger):

@@ -400,6 +400,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._names = {id(p): n for n, p in named_parameters(pl_module).items()}
         self._window, self._timelines, self._pending = [], [], []
         self._sentinel.reset()
+        self._reporter.start()
         self._step_window, self._reported, self._streak_before = [], set(), {}
         self._replays = False
         if self.localize == "replay":

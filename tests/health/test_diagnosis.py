@@ -289,6 +289,28 @@ def test_alerts_are_rate_limited_per_rule_and_module(
     assert {e.step: e.value for e in acc.Scalars("health/rule_events")} == {0: 2, 3: 3, 4: 4}
 
 
+def test_a_finding_and_a_non_finite_step_at_one_step_share_the_text_tensorboard_shows(
+    tmp_path: Path,
+) -> None:
+    """TensorBoard shows the last text of a tag and step: the entry written for the finding
+    holds the message of the non-finite step reported before it at the same step."""
+    monitor = HealthMonitor(
+        "skip", rules=[Scripted({2: ["body.0"]})], alert_interval_s=0, evidence_max_bytes=0
+    )
+    injector = Injector({2: Fault("body.1", "forward", "nan", 2)})
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    fit(Net("mlp"), [injector, monitor], steps=4, log_every_n_steps=1, logger=logger)
+    assert [(e.kind, e.step) for e in monitor.events] == [("nonfinite", 2), ("scripted", 2)]
+    acc = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = [t for t in acc.Tensors("health/events/text_summary") if t.step == 2]
+    last = texts[-1].tensor_proto.string_val[0].decode()
+    assert last == "\n\n".join(e.message for e in monitor.events)
+    # the counters written last at the step are the step's
+    last_count = [e.value for e in acc.Scalars("health/rule_events") if e.step == 2][-1]
+    assert last_count == 1
+
+
 def test_update_ratio_findings_on_both_sides_of_the_band_make_a_message_each(
     caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
