@@ -24,7 +24,7 @@ logger makes it public (:func:`logger_prefix`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any, Literal, get_args
 
@@ -97,6 +97,44 @@ def _made_state_key(callback: Any) -> str:
 #: property's call there cost a step more than it does in a warm loop (the caches are cold
 #: after the step's tensor work): about 0.2 % of a small CNN's step, in the side-by-side runs.
 STATE_KEY = cached_property(_made_state_key)
+
+
+def unclaimed_state(
+    callback: pl.Callback,
+    trainer: pl.Trainer,
+    checkpoint: dict[str, Any],
+    takes: Callable[[pl.Callback], bool],
+    fits: Callable[[dict[str, Any]], bool],
+) -> tuple[str, dict[str, Any]] | None:
+    """The state another configuration of ``callback``'s class saved in ``checkpoint``, for
+    ``callback`` to take in ``on_load_checkpoint`` (Lightning then finds none of its own).
+
+    Lightning restores a callback's state by its ``state_key``, made of options that a resumed
+    run may change. ``None`` unless the checkpoint holds no state under ``callback``'s key and
+    exactly one state of its class that no callback of the Trainer claims and that ``fits``,
+    and ``callback`` is the one callback of its class without a state of its own that ``takes``
+    it (two would both take it). Only a fit resumes: ``None`` in the other loops."""
+    states = checkpoint.get("callbacks") or {}
+    if trainer.state.fn != "fit" or callback.state_key in states or not takes(callback):
+        return None
+    cls = type(callback)
+    callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    claimed = {other.state_key for other in callbacks}
+    takers = [
+        other
+        for other in callbacks
+        if type(other) is cls and other.state_key not in states and takes(other)
+    ]
+    found = [
+        (key, state)
+        for key, state in states.items()
+        if isinstance(key, str)
+        and key.startswith(f"{cls.__qualname__}{{")
+        and key not in claimed
+        and isinstance(state, dict)
+        and fits(state)
+    ]
+    return found[0] if len(found) == 1 and takers == [callback] else None
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -15,7 +15,13 @@ from typing_extensions import override
 from .._core.names import import_object
 from ..activations import ShardWriter
 from ..errors import RecorderConfigError, RecorderError
-from ._lightning import Stage, fast_dev_run, predict_batch_indices, step_axis
+from ._lightning import (
+    Stage,
+    fast_dev_run,
+    predict_batch_indices,
+    step_axis,
+    unclaimed_state,
+)
 from .recorder import RecorderCallback
 
 __all__ = ["ActivationWriter"]
@@ -117,7 +123,9 @@ class ActivationWriter(RecorderCallback):
     renamed, so after a crash the index files list exactly the complete shards. Saving a
     checkpoint writes everything queued first; a fit resumed from that checkpoint keeps the run
     id and removes what was written after it (those steps run again), so no row is written
-    twice (``validate``, ``test`` and ``predict`` with a ``ckpt_path`` remove nothing). A run
+    twice (``validate``, ``test`` and ``predict`` with a ``ckpt_path`` remove nothing); so does
+    a writer resumed with other ``sources`` or ``stages`` into the same directory, with a
+    warning (one given another ``name`` writes a new run). A run
     that is not resumed adds its rows to the shards its run id already has in
     ``directory`` (the same ``run`` given again, or this writer used for another loop), with
     a warning.
@@ -412,7 +420,44 @@ class ActivationWriter(RecorderCallback):
         # shards written after this point get the next generation number.
         self._write_done_batch()
         generation = self.writer.checkpoint()
-        return {**super().state_dict(), "run": self.run, "generation": generation}
+        return {
+            **super().state_dict(),
+            "run": self.run,
+            "generation": generation,
+            "directory": os.fspath(self.directory),
+        }
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # A writer resumed with other sources or stages (another `state_key`) into the
+        # directory of the checkpoint's writer continues its run there: a new run would write
+        # the steps after the checkpoint a second time.
+        directory = os.fspath(self.directory)
+        found = unclaimed_state(
+            self,
+            trainer,
+            checkpoint,
+            takes=lambda other: (
+                isinstance(other, ActivationWriter)
+                and other.name is None
+                and os.fspath(other.directory) == directory
+            ),
+            fits=lambda state: state.get("directory") == directory,
+        )
+        if found is None:
+            return
+        key, state = found
+        self.load_state_dict(state)
+        if self._restored is not None:
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint holds no state for this writer's "
+                f"sources and stages, so it continues run {self._restored[0]!r} of the "
+                f"checkpoint's {key} in {directory!r} (replacing what that run wrote after the "
+                "checkpoint), so that no step is written twice. Give it another `name` to write a "
+                "new run instead."
+            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -382,6 +382,42 @@ def test_resume_with_another_run_id_warns_that_it_continues_the_checkpoints(
     assert max(Counter((r["global_step"], r["sample_index"]) for r in rows).values()) == 1
 
 
+def test_resume_with_another_source_continues_the_run_of_the_checkpoint(tmp_path: Path) -> None:
+    """A writer resumed with other sources or stages (so another ``state_key``) into the same
+    directory takes the checkpoint's run there, with a warning: no row is written twice."""
+    loader, acts = DataLoader(Indexed(images(16)), batch_size=4), tmp_path / "acts"
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    first = ActivationWriter("pool", acts, stages="train", sample_index=1)
+    quiet = {**QUIET, "enable_checkpointing": True}
+    pl.Trainer(**quiet, callbacks=[first, checkpoints], max_steps=4).fit(Net(), loader)
+    resumed = ActivationWriter(["pool", "conv"], acts, stages=("train", "val"), sample_index=1)
+    other = ActivationWriter("pool", tmp_path / "elsewhere", stages="train")  # not that directory
+    trainer = pl.Trainer(**QUIET, callbacks=[resumed, other], max_steps=4)
+    with pytest.warns(UserWarning, match=r"continues run '\w+' of the checkpoint's Activation"):
+        trainer.fit(Net(), loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    assert resumed.run == first.run and other.run != first.run
+    rows = ActivationDataset(acts, sources="pool").provenance()
+    assert {r["run"] for r in rows} == {first.run}
+    keys = Counter((r["global_step"], r["sample_index"]) for r in rows)
+    assert max(keys.values()) == 1 and sorted(Counter(s for s, _ in keys).values()) == [4] * 4
+    conv = ActivationDataset(acts, sources="conv").provenance()
+    assert sorted({r["global_step"] for r in conv}) == [2, 3]  # written from the resume on
+    # two writers into that directory could both take it: neither does (nor one with a `name`)
+    pair = [ActivationWriter("conv", acts, stages="train"), ActivationWriter("act", acts)]
+    named = ActivationWriter("pool", acts, stages="val", name="new")
+    trainer = pl.Trainer(**QUIET, callbacks=[*pair, named], max_steps=4)
+    trainer.fit(Net(), loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    assert first.run not in {pair[0].run, pair[1].run, named.run}
+    # `validate` with a checkpoint continues no run: it takes nothing, and says nothing
+    checking = ActivationWriter(["pool", "conv"], acts, stages="val")
+    trainer = pl.Trainer(**QUIET, callbacks=[checking])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.validate(Net(), loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    assert not [w for w in seen if "continues run" in str(w.message)]
+    assert checking.run != first.run
+
+
 def test_resume_on_fewer_processes_removes_the_stale_shards_of_the_ranks_gone(
     tmp_path: Path,
 ) -> None:
