@@ -48,7 +48,7 @@ from ._health_sentinel import Sentinel, to_host_later
 from ._health_trace import Trace
 from ._health_verdict import Timeline
 from ._health_view import PARAMETER_STATS, HealthView
-from ._lightning import STATE_KEY, fast_dev_run, step_axis
+from ._lightning import STATE_KEY, fast_dev_run, step_axis, unclaimed_state
 from ._optimizer_steps import StepsInProgress
 
 __all__ = [
@@ -539,6 +539,30 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             "streaks": dict(self._streaks),
             **self._rules_state(),
         }
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # A monitor resumed with another `on_nonfinite` or `localize` (another `state_key`)
+        # goes on with the checkpoint's monitor: its counters, rules and findings still apply.
+        found = unclaimed_state(
+            self,
+            trainer,
+            checkpoint,
+            takes=lambda other: isinstance(other, HealthMonitor),
+            fits=lambda state: "counters" in state,
+        )
+        if found is None:
+            return
+        key, state = found
+        self.load_state_dict(state)
+        rank_zero_warn(
+            f"{type(self).__name__}: the checkpoint holds no state for this monitor's "
+            f"`on_nonfinite` and `localize`, so it takes the state of the checkpoint's {key} "
+            "(its counters, its rules' windows and counts, the findings in force) and goes on "
+            "as that monitor would."
+        )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

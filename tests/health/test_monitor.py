@@ -798,6 +798,40 @@ def test_a_resumed_run_goes_on_with_the_rules_counts_and_findings(tmp_path: Path
     assert [(e.step, e.module) for e in again.events] == [(2, m) for m in layers]
 
 
+def test_a_run_resumed_with_another_on_nonfinite_goes_on_with_the_checkpoints_state(
+    tmp_path: Path,
+) -> None:
+    """``on_nonfinite`` and ``localize`` make the monitor's ``state_key``: a run resumed with
+    others takes the checkpoint's monitor state, with a warning, as the same monitor would."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_recorder import FeatureStatsMonitor, UpdateRatioRule
+
+    def run(resume: str | None, on_nonfinite: Any) -> HealthMonitor:
+        torch.manual_seed(0)
+        stats = FeatureStatsMonitor([nn.Linear], every_n_steps=1, histograms=False)
+        rules = [UpdateRatioRule(patience=3)]
+        monitor = HealthMonitor(on_nonfinite, rules=rules, evidence_max_bytes=0)
+        saving = ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)
+        options = {**QUIET, "enable_checkpointing": True, "log_every_n_steps": 1}
+        trainer = pl.Trainer(callbacks=[stats, monitor, saving], max_steps=6, **options)
+        ckpt = None if resume is None else str(tmp_path / resume)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.fit(Net("mlp", lr=0.0), data("mlp", 24), ckpt_path=ckpt)
+        taken = [str(w.message) for w in seen if "takes the state of" in str(w.message)]
+        assert len(taken) == (resume is not None)
+        assert all("checkpoint's HealthMonitor{'on_nonfinite': '" in m for m in taken)
+        return monitor
+
+    layers = ["body.0", "body.2", "body.5", "body.7"]  # lr=0: no weight moves
+    assert [(e.step, e.module) for e in run(None, "warn").events] == [(2, m) for m in layers]
+    mid = run("epoch=0-step=2.ckpt", "skip")  # two of the three steps of patience restored
+    assert [(e.step, e.module) for e in mid.events] == [(2, m) for m in layers]
+    after = run("epoch=0-step=4.ckpt", "raise")  # fired before: in force, quiet, counted once
+    assert after.events == [] and after.counters["rule_events"] == 4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
