@@ -105,6 +105,7 @@ def unclaimed_state(
     checkpoint: dict[str, Any],
     takes: Callable[[pl.Callback], bool],
     fits: Callable[[dict[str, Any]], bool],
+    fit_only: bool = True,
 ) -> tuple[str, dict[str, Any]] | None:
     """The state another configuration of ``callback``'s class saved in ``checkpoint``, for
     ``callback`` to take in ``on_load_checkpoint`` (Lightning then finds none of its own).
@@ -113,9 +114,12 @@ def unclaimed_state(
     run may change. ``None`` unless the checkpoint holds no state under ``callback``'s key and
     exactly one state of its class that no callback of the Trainer claims and that ``fits``,
     and ``callback`` is the one callback of its class without a state of its own that ``takes``
-    it (two would both take it). Only a fit resumes: ``None`` in the other loops."""
+    it (two would both take it); with ``fit_only``, ``None`` in the loops other than ``fit``
+    (which load a checkpoint's states but resume nothing)."""
     states = checkpoint.get("callbacks") or {}
-    if trainer.state.fn != "fit" or callback.state_key in states or not takes(callback):
+    if fit_only and trainer.state.fn != "fit":
+        return None
+    if callback.state_key in states or not takes(callback):
         return None
     cls = type(callback)
     callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]

@@ -358,6 +358,43 @@ def test_resume_restores_connectors_and_their_optimizer_state(tmp_path: Path) ->
         torch.testing.assert_close(got, want)
 
 
+def test_resume_with_another_log_prefix_restores_connectors_and_their_optimizer_state(
+    tmp_path: Path,
+) -> None:
+    """``log_prefix`` makes the callback's ``state_key``: a fit resumed with another takes the
+    connectors the checkpoint holds for the same pairs, with a warning, and trains on as the
+    same callback would."""
+    torch.manual_seed(0)
+    teacher = Teacher()
+    student_a, conn_a, state_a, _ = _run(teacher, 2, None, None)
+    path = tmp_path / "epoch1.ckpt"
+    _run(teacher, 1, None, path)
+    torch.manual_seed(0)
+    student = Student(lr=0.01, optimizer="adam", step_lr=True)
+    distill = FeatureDistillation(copy.deepcopy(teacher), PAIRS, log_prefix="kd")
+    trainer = pl.Trainer(callbacks=[distill], max_epochs=2, **trainer_kwargs())
+    with pytest.warns(UserWarning, match=r"takes the connectors of the checkpoint's Feature"):
+        trainer.fit(student, loader(), ckpt_path=path)
+    conn_c = distill.connectors["features.2"].weight
+    torch.testing.assert_close(conn_c, conn_a)
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(trainer.optimizers[0].state[conn_c][key], state_a[key])
+    for got, want in zip(student.parameters(), student_a.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    # `validate` with the checkpoint measures the checkpoint's connectors too
+    losses = []
+    for prefix in ("distill", "kd"):
+        distill = FeatureDistillation(
+            copy.deepcopy(teacher), PAIRS, log_prefix=prefix, log_validation=True
+        )
+        trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the notice of the other prefix
+            (logged,) = trainer.validate(Student(), loader(), ckpt_path=path, verbose=False)
+        losses.append(logged[f"val/{prefix}/features.2"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
 def test_resume_with_another_connector_says_the_checkpoint_holds_other_weights(
     tmp_path: Path,
 ) -> None:

@@ -26,7 +26,7 @@ from ..._core.names import import_object
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
 from ...errors import RecorderConfigError, RecorderStateError
-from .._lightning import STATE_KEY, attached_trainer
+from .._lightning import STATE_KEY, attached_trainer, unclaimed_state
 from ._bank import ConnectorBank
 from ._config import (
     LossSpec,
@@ -448,9 +448,35 @@ class FeatureDistillation(Callback):
         # optimizer states match what configure_optimizers creates (with or without this
         # callback), and FSDP2 strategies, which name every optimized parameter after the
         # model's, never meet a parameter outside the model.
-        state = self._bank.state_dict()
+        state = {**self._bank.state_dict(), "mapping": dict(self.pairs)}
         self._bank.hide()
         return state
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # A run resumed with another `log_prefix` (another `state_key`) goes on with the
+        # connectors the checkpoint holds for the same pairs, in the same order (that of
+        # their optimizer states).
+        pairs = list(self.pairs.items())
+        found = unclaimed_state(
+            self,
+            trainer,
+            checkpoint,
+            takes=lambda other: isinstance(other, FeatureDistillation),
+            fits=lambda state: list(dict(state.get("mapping") or {}).items()) == pairs,
+            fit_only=False,  # `validate(ckpt_path=...)` with `log_validation` uses them too
+        )
+        if found is None:
+            return
+        key, state = found
+        self.load_state_dict(state)
+        rank_zero_warn(
+            f"{type(self).__name__}: the checkpoint holds no state for this callback's "
+            f"`log_prefix` {self.log_prefix!r}, so it takes the connectors of the checkpoint's "
+            f"{key} (the same pairs: their weights and optimizer state) and trains on with them."
+        )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
