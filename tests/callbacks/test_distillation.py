@@ -1231,6 +1231,34 @@ def test_resume_under_bf16_true_restores_the_connector_in_bfloat16(tmp_path: Pat
     assert distill.connectors["features.2"].weight.shape == weight.shape
 
 
+@pytest.mark.parametrize(
+    ("saved_in", "resumed_in", "dtype"),
+    [("bf16-true", "32-true", torch.float32), ("32-true", "bf16-true", torch.bfloat16)],
+)
+def test_resume_in_another_precision_restores_the_connector_in_the_students_dtype(
+    tmp_path: Path, saved_in: str, resumed_in: str, dtype: torch.dtype
+) -> None:
+    # A restored connector kept the dtype of the run that saved it and failed on the features
+    # of a student in another precision, saying to give a connector built for their shapes.
+    teacher, _ = seeded()
+    path = tmp_path / "step1.ckpt"
+    callbacks: list[pl.Callback] = [FeatureDistillation(copy.deepcopy(teacher), PAIRS)]
+    first = fit(Student(), callbacks, max_steps=1, precision=saved_in)
+    first.save_checkpoint(path)
+    distill = FeatureDistillation(teacher, PAIRS)
+    second = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=2, precision=resumed_in))
+    second.fit(Student(), loader(), ckpt_path=path)
+    assert second.global_step == 2 and torch.isfinite(second.callback_metrics["distill/total"])
+    saved = torch.load(path, weights_only=True)["callbacks"]
+    (state,) = [v for k, v in saved.items() if k.startswith("FeatureDistillation")]
+    weight = distill.connectors["features.2"].weight
+    assert weight.dtype == dtype
+    want = state["pairs"]["features.2"]["weights"]["weight"].to(dtype)
+    # the loaded weights after one step (which moves them by under 1e-3 here), not new ones
+    # (drawn within +-0.41 for this 1x1 convolution of 6 channels)
+    torch.testing.assert_close(weight.detach(), want, rtol=0, atol=0.01)
+
+
 def test_callback_pickles_and_deep_copies_before_fit() -> None:
     # ddp_spawn pickles the callbacks into the worker processes.
     deliveries = {"noise": {"type": "FunctionOutputs", "source": "helpers.distill_models.jitter"}}

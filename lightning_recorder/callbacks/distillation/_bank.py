@@ -173,11 +173,17 @@ class ConnectorBank:
         self._optimizer = optimizer
         self._schedulers = schedulers
 
-    def restore(self, device: Any) -> None:
-        """Build the connectors saved in a loaded state and attach them to the optimizer."""
+    def restore(self, device: Any, student: nn.Module | None = None) -> None:
+        """Build the connectors saved in a loaded state and attach them to the optimizer: in
+        the dtype of ``student``'s floating-point parameters where they have one (that of its
+        features, as a connector built from them: a checkpoint of a run in another precision
+        is cast, as Lightning casts the student's weights), else in the dtype they were saved
+        in."""
         pending = self._pending
         if pending is None:
             return
+        found = {p.dtype for p in student.parameters() if p.is_floating_point()} if student else {}
+        run_dtype = next(iter(found)) if len(found) == 1 else None
         with torch.inference_mode(False), torch.no_grad():
             for pair, saved in pending["pairs"].items():
                 if pair in self.specs:
@@ -185,9 +191,9 @@ class ConnectorBank:
                         self.modules[pair].load_state_dict(saved["weights"])
                     else:
                         s_shape, t_shape = saved["student_shape"], saved["teacher_shape"]
-                        # in the dtype it was saved in (that of the run's student)
                         dtypes = [w.dtype for w in saved["weights"].values()]
                         dtype = dtypes[0] if dtypes and dtypes[0].is_floating_point else None
+                        dtype = run_dtype or dtype
                         self._build(pair, [1, *s_shape], [1, *t_shape], device, dtype)
                     self.restored.add(pair)
         self.attach()

@@ -360,7 +360,7 @@ class FeatureDistillation(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the checkpoint's optimizer state is restored: connectors join the optimizer now.
-        self._bank.restore(pl_module.device)
+        self._bank.restore(pl_module.device, pl_module)
         self._bank.attach()
 
     @override
@@ -402,7 +402,7 @@ class FeatureDistillation(Callback):
                 trainer, pl_module, validation=True, shard_teacher=self.shard_teacher
             )
             self._check_student(pl_module)
-            self._bank.restore(pl_module.device)
+            self._bank.restore(pl_module.device, pl_module)
 
     @override
     def on_validation_batch_start(
@@ -487,7 +487,7 @@ class FeatureDistillation(Callback):
             # connectors take the checkpoint's weights and optimizer state now, and their group
             # leaves the optimizer while the Trainer restores the optimizer states (saved
             # without it) until the next training batch starts.
-            self._bank.restore(module.device)
+            self._bank.restore(module.device, module)
             self._bank.hide()
 
     @override
