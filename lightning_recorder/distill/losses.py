@@ -4,7 +4,9 @@ Every loss takes ``(student, teacher)`` and returns a scalar. The teacher side i
 detached inside the loss, so no gradient ever reaches the teacher. Features of two dtypes are
 compared in the promoted one, and float16 and bfloat16 features (mixed or half precision) in
 float32, also under autocast: the loss is a ``float32`` scalar then. Integer and bool features
-(an argmax, a mask) are refused with a :class:`~lightning_recorder.errors.RecorderConfigError`.
+(an argmax, a mask) are refused with a :class:`~lightning_recorder.errors.RecorderConfigError`,
+and so are complex features by the losses that have no complex form (``mse_loss``,
+``cosine_loss``, ``kl_div_loss``; ``l1_loss`` and ``attention_transfer_loss`` compare magnitudes).
 Each loss exists twice, as a function (``mse_loss``) and as an :class:`torch.nn.Module` that
 calls it (``MSELoss``), and :func:`get_loss` turns a short name, a module or a callable into a
 loss.
@@ -89,9 +91,12 @@ def _shape(x: Tensor) -> tuple[int, ...]:
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _prepare(student: object, teacher: object) -> tuple[Tensor, Tensor]:
-    """Check both are floating-point tensors, detach the teacher, bring both to one dtype
-    (float32 for float16 and bfloat16 features)."""
+def _prepare(
+    student: object, teacher: object, real_only: str | None = None
+) -> tuple[Tensor, Tensor]:
+    """Check both are floating-point tensors (real ones for the loss ``real_only`` names, which
+    has no complex form), detach the teacher, bring both to one dtype (float32 for float16 and
+    bfloat16 features)."""
     student = check_tensor(student, "student")
     teacher = check_tensor(teacher, "teacher").detach()
     for name, x in (("student", student), ("teacher", teacher)):
@@ -100,6 +105,12 @@ def _prepare(student: object, teacher: object) -> tuple[Tensor, Tensor]:
                 f"Expected the {name} features to have a floating-point dtype but got "
                 f"{x.dtype}: an integer or bool output (an argmax, a mask) has no gradient and "
                 "no distance to learn from. Pair modules whose outputs are features or logits."
+            )
+        if real_only and x.is_complex():
+            raise RecorderConfigError(
+                f"Expected real {name} features for {real_only} but got {x.dtype}: it has no "
+                "complex form. Compare their real and imaginary parts (`torch.view_as_real(x)`) "
+                "or their magnitude (`x.abs()`), or use l1_loss."
             )
     dtype = torch.promote_types(student.dtype, teacher.dtype)
     if dtype in _HALF:
@@ -177,7 +188,7 @@ def mse_loss(student: Tensor, teacher: Tensor) -> Tensor:
         >>> float(mse_loss(torch.zeros(2, 3), torch.full((2, 3), 2.0)))
         4.0
     """
-    student, teacher = _prepare(student, teacher)
+    student, teacher = _prepare(student, teacher, "mse_loss")
     _same_shape(student, teacher)
     return F.mse_loss(student, teacher)
 
@@ -230,7 +241,7 @@ def cosine_loss(student: Tensor, teacher: Tensor, dim: int | None = None) -> Ten
         >>> float(cosine_loss(s, t))  # orthogonal (1) and parallel (0) rows
         0.5
     """
-    student, teacher = _prepare(student, teacher)
+    student, teacher = _prepare(student, teacher, "cosine_loss")
     _same_shape(student, teacher)
     d = _channel_dim(student, dim, "cosine_loss")
     return (1.0 - F.cosine_similarity(student, teacher, dim=d)).mean()
@@ -337,7 +348,7 @@ def kl_div_loss(
         0.6931471824645996
     """
     t_ = _check_positive("temperature", temperature)
-    student, teacher = _prepare(student, teacher)
+    student, teacher = _prepare(student, teacher, "kl_div_loss")
     _same_shape(student, teacher, "Both must be logits over the same classes.")
     d = _channel_dim(student, dim, "kl_div_loss")
     classes = student.shape[d]

@@ -308,6 +308,33 @@ def test_integer_and_bool_features_are_refused(loss: Callable[[Tensor, Tensor], 
             loss(student, teacher)
 
 
+@pytest.mark.parametrize("loss", [mse_loss, cosine_loss, kl_div_loss])
+def test_complex_features_are_refused_where_the_loss_has_no_complex_form(
+    loss: Callable[[Tensor, Tensor], Tensor],
+) -> None:
+    # mse and kl failed inside torch (not implemented for 'ComplexFloat'), cosine with a
+    # RuntimeError about the common dtype
+    z = torch.randn(4, 6, dtype=torch.complex64)
+    for student, teacher, side in ((z, z.real, "student"), (z.real, z, "teacher")):
+        with pytest.raises(
+            RecorderConfigError,
+            match=rf"Expected real {side} features for {loss.__name__} but got "
+            r"torch\.complex64: .*torch\.view_as_real",
+        ):
+            loss(student, teacher)
+
+
+@pytest.mark.parametrize("loss", [l1_loss, attention_transfer_loss])
+def test_complex_features_are_compared_by_magnitude(
+    loss: Callable[[Tensor, Tensor], Tensor],
+) -> None:
+    z = torch.randn(2, 3, 4, 4, dtype=torch.complex128, requires_grad=True)
+    w = torch.randn(2, 3, 4, 4, dtype=torch.complex128)
+    value = loss(z, w)
+    value.backward()
+    assert value.dtype == torch.float64 and z.grad is not None
+
+
 def test_feature_shape_mismatch_suggests_a_connector() -> None:
     with pytest.raises(RecorderConfigError, match="build_connector"):
         mse_loss(torch.zeros(2, 8, 4, 4), torch.zeros(2, 16, 4, 4))
