@@ -29,9 +29,16 @@ from torch import nn
 from ..errors import RecorderConfigError, UnknownSourceError
 from .checks import suggestion, with_article
 
-# Attribute names that wrappers (DDP, torch.compile, FSDP, activation checkpointing) insert
-# between a model and its submodules. A user names ``conv1``, not ``module._orig_mod.conv1``.
-WRAPPER_PREFIXES = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+# Attribute names that wrappers (DDP, torch.compile, FSDP, activation checkpointing, Lightning
+# Fabric's ``fabric.setup``) insert between a model and its submodules. A user names ``conv1``,
+# not ``module._orig_mod.conv1``.
+WRAPPER_PREFIXES = (
+    "module",
+    "_orig_mod",
+    "_fsdp_wrapped_module",
+    "_checkpoint_wrapped_module",
+    "_forward_module",
+)
 _WRAPPER_SET = frozenset(WRAPPER_PREFIXES)
 _GLOB_CHARS = frozenset("*?[")
 REGEX_PREFIX = "re:"

@@ -506,6 +506,30 @@ def test_wrapper_prefixes_are_ignored() -> None:
     prefixed.release()
 
 
+def test_fabric_setup_model_names_resolve() -> None:
+    # `fabric.setup` wraps the model in a module whose child is `_forward_module`: "conv2" was
+    # an UnknownSourceError suggesting "_forward_module.conv2"
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = ToyModel()
+    wrapped = fabric.setup_module(model)
+    manager = RecorderManager(
+        {
+            "out": {"type": "ModuleOutputs", "source": "conv2"},
+            "weight": {"type": "ParameterGrad", "source": "conv1.weight"},
+        }
+    )
+    manager.initialize(wrapped)
+    assert list(manager.get_recorder("out").streams) == ["conv2"]
+    with manager:
+        out = wrapped(torch.randn(1, 1, 1, 1))
+        fabric.backward(out.sum())
+    assert torch.equal(manager.get_recorder("out").get_record_data(), out)
+    assert torch.equal(manager.get_recorder("weight").get_record_data(), model.conv1.weight.grad)
+    manager.release()
+
+
 def test_compiled_model_names_resolve() -> None:
     model = ToyModel()
     compiled = torch.compile(model, backend="eager")
