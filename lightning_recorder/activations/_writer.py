@@ -108,6 +108,19 @@ def _where(source: str, module: str) -> str:
     return f"source {source!r} (module {module!r})"
 
 
+def _provenance_int(name: str, value: object) -> int:
+    """``value`` as an int (an int, a NumPy integer, an integer 0-d tensor), else an error: a
+    float, ``None`` or a string would be truncated, or fail the readers that sort the rows."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise RecorderConfigError(
+        f"Expected `{name}` to be an int but got {type(value).__name__} {value!r}."
+    )
+
+
 class ShardWriter:
     """Write activations to sharded safetensors files from a background thread.
 
@@ -273,13 +286,19 @@ class ShardWriter:
             Whether the batch was queued (false only when ``queue_full="drop"`` dropped it).
 
         Raises:
-            RecorderConfigError: the tensor cannot be stored, or ``sample_index`` has the wrong
-                length.
+            RecorderConfigError: the tensor cannot be stored, ``sample_index`` has the wrong
+                length, or a name is not a str or a provenance number not an int.
             RecorderStateError: the writer is closed, the queue is full under
                 ``queue_full="raise"``, or the thread failed (its error is the cause).
         """
         self._check_alive()
         base = self._base(stage, global_step, epoch, batch_idx, dataloader_idx)
+        for name, value in (("source", source), ("module", module)):
+            if not isinstance(value, str):
+                raise RecorderConfigError(
+                    f"Expected `{name}` to be a str but got {type(value).__name__} {value!r}."
+                )
+        call = _provenance_int("call", call)
         chunk = self._chunk(source, module, tensor, base, self._index(sample_index), call)
         return self._put(("chunks", [chunk]), chunk[1].nbytes)
 
@@ -323,12 +342,17 @@ class ShardWriter:
     def _base(
         stage: str, global_step: int, epoch: int, batch_idx: int, dataloader_idx: int
     ) -> dict[str, Any]:
+        if not isinstance(stage, str):
+            raise RecorderConfigError(
+                'Expected `stage` to be a str ("train", "val", "test" or "predict") '
+                f"but got {type(stage).__name__} {stage!r}."
+            )
         return {
             "stage": stage,
-            "global_step": int(global_step),
-            "epoch": int(epoch),
-            "batch_idx": int(batch_idx),
-            "dataloader_idx": int(dataloader_idx),
+            "global_step": _provenance_int("global_step", global_step),
+            "epoch": _provenance_int("epoch", epoch),
+            "batch_idx": _provenance_int("batch_idx", batch_idx),
+            "dataloader_idx": _provenance_int("dataloader_idx", dataloader_idx),
         }
 
     @staticmethod

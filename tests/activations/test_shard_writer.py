@@ -471,6 +471,35 @@ def test_bad_arguments(tmp_path: Path) -> None:
         writer.write("x", "m", torch.zeros(2))
 
 
+def test_provenance_of_another_type_is_refused_when_written(tmp_path: Path) -> None:
+    # a stage of 3 was written and the dataset failed to open (TypeError sorting the rows), a
+    # global_step of 1.5 was stored as 1, an epoch of None failed inside int()
+    writer = ShardWriter(tmp_path, run="r")
+    for option, value, kind in (
+        ("stage", 3, "a str"),
+        ("global_step", 1.5, "an int"),
+        ("epoch", None, "an int"),
+        ("batch_idx", "1", "an int"),
+        ("dataloader_idx", True, "an int"),
+        ("call", 0.0, "an int"),
+    ):
+        with pytest.raises(
+            RecorderConfigError, match=rf"Expected `{option}` to be {kind}.* but got .*{value!r}"
+        ):
+            writer.write("x", "m", torch.zeros(2), **{option: value})
+    with pytest.raises(RecorderConfigError, match=r"Expected `stage` to be a str"):
+        writer.write_records(RecorderManager(), stage=None)  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `source` to be a str but got int 1"):
+        writer.write(1, "m", torch.zeros(2))  # type: ignore[arg-type]
+    with pytest.raises(RecorderConfigError, match=r"Expected `module` to be a str but got None"):
+        writer.write("x", None, torch.zeros(2))  # type: ignore[arg-type]
+    # integers of NumPy and integer 0-d tensors are ints
+    writer.write("x", "m", torch.zeros(2), global_step=np.int64(3), epoch=torch.tensor(2))
+    writer.close()
+    (row,) = ActivationDataset(tmp_path).provenance()[:1]
+    assert (row["stage"], row["global_step"], row["epoch"]) == ("predict", 3, 2)
+
+
 def test_dataset_filters_and_errors(tmp_path: Path) -> None:
     with pytest.raises(RecorderConfigError, match=r"has none"):
         ActivationDataset(tmp_path)
