@@ -6,7 +6,8 @@ compared in the promoted one, and float16 and bfloat16 features (mixed or half p
 float32, also under autocast: the loss is a ``float32`` scalar then. Integer and bool features
 (an argmax, a mask) are refused with a :class:`~lightning_recorder.errors.RecorderConfigError`,
 and so are complex features by the losses that have no complex form (``mse_loss``,
-``cosine_loss``, ``kl_div_loss``; ``l1_loss`` and ``attention_transfer_loss`` compare magnitudes).
+``cosine_loss``, ``kl_div_loss``; ``l1_loss`` and ``attention_transfer_loss`` compare magnitudes)
+and features on two devices (a teacher left on the CPU).
 Each loss exists twice, as a function (``mse_loss``) and as an :class:`torch.nn.Module` that
 calls it (``MSELoss``), and :func:`get_loss` turns a short name, a module or a callable into a
 loss.
@@ -95,8 +96,8 @@ def _prepare(
     student: object, teacher: object, real_only: str | None = None
 ) -> tuple[Tensor, Tensor]:
     """Check both are floating-point tensors (real ones for the loss ``real_only`` names, which
-    has no complex form), detach the teacher, bring both to one dtype (float32 for float16 and
-    bfloat16 features)."""
+    has no complex form) on one device, detach the teacher, bring both to one dtype (float32
+    for float16 and bfloat16 features)."""
     student = check_tensor(student, "student")
     teacher = check_tensor(teacher, "teacher").detach()
     for name, x in (("student", student), ("teacher", teacher)):
@@ -112,6 +113,12 @@ def _prepare(
                 "complex form. Compare their real and imaginary parts (`torch.view_as_real(x)`) "
                 "or their magnitude (`x.abs()`), or use l1_loss."
             )
+    if student.device != teacher.device:
+        raise RecorderConfigError(
+            f"Expected the student and teacher features on one device but got student on "
+            f"{student.device} and teacher on {teacher.device}; move the teacher model to the "
+            "student's device, or its features with `teacher.to(student.device)`."
+        )
     dtype = torch.promote_types(student.dtype, teacher.dtype)
     if dtype in _HALF:
         dtype = torch.float32

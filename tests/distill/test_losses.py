@@ -335,6 +335,26 @@ def test_complex_features_are_compared_by_magnitude(
     assert value.dtype == torch.float64 and z.grad is not None
 
 
+@pytest.mark.parametrize(
+    "loss", [mse_loss, l1_loss, cosine_loss, kl_div_loss, attention_transfer_loss]
+)
+def test_features_on_two_devices_are_refused_naming_both(
+    loss: Callable[[Tensor, Tensor], Tensor],
+) -> None:
+    # failed inside torch: "Tensor on device meta is not on the expected device cpu!"
+    here, there = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4, device="meta")
+    for student, teacher, s_dev, t_dev in (
+        (here, there, "cpu", "meta"),
+        (there, here, "meta", "cpu"),
+    ):
+        with pytest.raises(
+            RecorderConfigError,
+            match=rf"one device but got student on {s_dev} and teacher on {t_dev}; move the "
+            r"teacher model to the student's device",
+        ):
+            loss(student, teacher)
+
+
 def test_feature_shape_mismatch_suggests_a_connector() -> None:
     with pytest.raises(RecorderConfigError, match="build_connector"):
         mse_loss(torch.zeros(2, 8, 4, 4), torch.zeros(2, 16, 4, 4))
