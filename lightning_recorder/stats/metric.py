@@ -95,7 +95,19 @@ class StreamStates(_Quiet):
         super().__init__(**kwargs)
         shape = () if streams is None else (streams,)
         self.add_state("packed", default=empty_states(*shape), dist_reduce_fx=_merge_ranks)
+        self._packed_shape = self.packed.shape
         self._fresh = True  # nothing merged in since the last reset
+
+    def _check_packed(self, packed: object, what: str) -> None:
+        """Raise unless ``packed`` is a state of this metric's shape (a state of another metric,
+        or of a checkpoint of another layout, loaded or merged in, failed later in torch)."""
+        shape = tuple(self._packed_shape)
+        if not isinstance(packed, Tensor) or packed.shape != self._packed_shape:
+            got = tuple(packed.shape) if isinstance(packed, Tensor) else type(packed).__name__
+            raise RecorderConfigError(
+                f"Expected {what} of {type(self).__name__} to be a packed state of shape {shape} "
+                f"(the `packed` state of a {type(self).__name__} of this layout) but got {got}."
+            )
 
     def update(self, states: Tensor) -> None:
         """Merge packed states (the shape of the metric's) into the metric's."""
@@ -119,12 +131,27 @@ class StreamStates(_Quiet):
         return self.packed
 
     def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
-        """Add the states of another metric of this kind (or its ``metric_state``) to these."""
+        """Add the states of another metric of this kind (or its ``metric_state``) to these.
+
+        Raises:
+            RecorderConfigError: if the incoming ``packed`` state has another shape.
+        """
+        state = incoming_state.metric_state if isinstance(incoming_state, Metric) else None
+        if isinstance(incoming_state, dict):
+            state = incoming_state
+        if state is not None and "packed" in state:
+            self._check_packed(state["packed"], "the merged state")
         super().merge_state(incoming_state)  # nothing cached to go stale (compute_with_cache=False)
         self._fresh = False
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        key = prefix + "packed"
+        if key in state_dict:
+            self._check_packed(state_dict[key], f"the loaded state {key!r}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.packed = self.packed.to(F64)  # a state saved in another dtype
         self._fresh = False  # a loaded state (a checkpoint) is added to, not replaced
 
 

@@ -569,6 +569,41 @@ def test_update_after_load_state_dict_adds_to_the_loaded_state() -> None:
     assert_stats(restored.compute(), reference([x, y]))
 
 
+def test_a_state_of_another_shape_is_refused_when_loaded_or_merged() -> None:
+    """A state of another layout loaded silently and failed later in torch (compute: an
+    IndexError, update: a RuntimeError of torch.stack); merging one failed in torch.stack."""
+    from lightning_recorder.stats.metric import StreamStates
+
+    x = torch.randn(20)
+    metric = FeatureStats()
+    metric.persistent(True)
+    metric.update(x)
+    # a state of the wrong width, and one of several streams (a StreamStates(2) saved)
+    for state in ({"packed": torch.zeros(3)}, {"packed": torch.zeros(2, WIDTH)}):
+        with pytest.raises(
+            RecorderConfigError,
+            match=rf"Expected the loaded state 'packed' of FeatureStats to be a packed state of "
+            rf"shape \({WIDTH},\) .* but got \(",
+        ):
+            metric.load_state_dict(state)
+    with pytest.raises(
+        RecorderConfigError, match=r"the merged state of FeatureStats .* got \(3,\)"
+    ):
+        metric.merge_state({"packed": torch.zeros(3, dtype=torch.float64)})
+    two = StreamStates(2)
+    with pytest.raises(
+        RecorderConfigError, match=rf"of shape \(2, {WIDTH}\) .* got \(3, {WIDTH}\)"
+    ):
+        two.merge_state(StreamStates(3))
+    assert_stats(metric.compute(), reference([x]))  # the refused states left it unchanged
+    # a state saved in float32 is taken in float64
+    restored = FeatureStats()
+    restored.load_state_dict({"packed": metric.packed.float()})
+    assert restored.packed.dtype == torch.float64
+    restored.update(x)
+    assert restored.compute()["numel"].item() == 2 * x.numel()
+
+
 class _Moves(torch.overrides.TorchFunctionMode):
     """Records every torch call whose result lies on another device than its first argument."""
 
