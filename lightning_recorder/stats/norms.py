@@ -118,8 +118,8 @@ def update_ratio(before: Tensor, after: Tensor, eps: float = 1e-12) -> Tensor:
         A 0-d tensor, as :func:`tensor_norm`.
 
     Raises:
-        RecorderConfigError: if the shapes differ, an argument is not a real tensor, or ``eps``
-            is negative.
+        RecorderConfigError: if the shapes or devices differ, an argument is not a real
+            tensor, or ``eps`` is negative.
 
     Examples:
         >>> update_ratio(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.5])).item()
@@ -130,6 +130,11 @@ def update_ratio(before: Tensor, after: Tensor, eps: float = 1e-12) -> Tensor:
         raise RecorderConfigError(
             f"Expected `after` to have the shape of `before`, {tuple(b.shape)}, "
             f"but got {tuple(a.shape)}."
+        )
+    if a.device != b.device:
+        raise RecorderConfigError(
+            f"Expected `after` on the device of `before`, {b.device}, but got {a.device}; move "
+            "the copy taken before the step there (`before.to(after.device)`)."
         )
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise RecorderConfigError(f"Expected `eps` to be a non-negative number but got {eps!r}.")

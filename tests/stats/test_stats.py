@@ -460,6 +460,13 @@ def test_norms() -> None:
         update_ratio(a, a, eps=-1.0)
     with pytest.raises(RecorderConfigError, match=r"Expected `before` to be a torch.Tensor but"):
         update_ratio(1.0, a)  # type: ignore[arg-type]
+    # a copy kept on another device failed inside torch ("Tensor on device cpu is not on the
+    # expected device meta!")
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"Expected `after` on the device of `before`, cpu, but got meta; move the copy",
+    ):
+        update_ratio(zero, torch.ones(3, device="meta"))
 
 
 def test_docstring_examples() -> None:
