@@ -319,17 +319,44 @@ class ShardWriter:
 
         Call it after the forward, before the records are reset. Records of one stream in one
         forward are its calls (``call`` 0, 1, …). The batch's tensors are queued together.
+        ``names`` (recorder names of the manager, ``None`` for all) keeps the records of those
+        recorders only; the other arguments are those of :meth:`write`.
 
         Returns:
             The number of tensors queued (0 when ``queue_full="drop"`` dropped the batch).
+
+        Raises:
+            RecorderConfigError: ``manager`` has no ``streams()``, ``names`` is not a collection
+                of the manager's recorder names, or as :meth:`write`.
         """
         self._check_alive()
-        wanted = None if names is None else set(names)
+        if not callable(getattr(manager, "streams", None)):
+            raise RecorderConfigError(
+                "Expected `manager` to be a RecorderManager (or anything with its `streams()`) "
+                f"but got {type(manager).__name__}; initialize a RecorderManager on the model and "
+                "pass it."
+            )
+        if names is not None and (isinstance(names, str) or not isinstance(names, Iterable)):
+            raise RecorderConfigError(
+                "Expected `names` to be a collection of recorder names (a list of str) or None "
+                f"but got {type(names).__name__} {names!r}"
+                + (f"; pass [{names!r}] for one recorder." if isinstance(names, str) else ".")
+            )
         base = self._base(stage, global_step, epoch, batch_idx, dataloader_idx)
         index = self._index(sample_index)
+        streams = list(manager.streams())
+        wanted = None if names is None else set(names)
+        if wanted is not None:
+            known = {source for source, _ in streams}
+            unknown = wanted - known
+            if unknown:
+                raise RecorderConfigError(
+                    f"Expected `names` to be among the manager's recorders {sorted(known)} but "
+                    f"got {sorted(unknown, key=str)}."
+                )
         chunks = [
             self._chunk(source, stream.name, record, base, index, call)
-            for source, stream in manager.streams()
+            for source, stream in streams
             if wanted is None or source in wanted
             for call, record in enumerate(stream.data_buffer)
         ]

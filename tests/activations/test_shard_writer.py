@@ -500,6 +500,34 @@ def test_provenance_of_another_type_is_refused_when_written(tmp_path: Path) -> N
     assert (row["stage"], row["global_step"], row["epoch"]) == ("predict", 3, 2)
 
 
+def test_write_records_refuses_names_it_would_match_nothing_with(tmp_path: Path) -> None:
+    # a str (iterated letter by letter) or a misspelt name wrote nothing and returned 0; an int
+    # failed with a TypeError, a model instead of the manager with an AttributeError
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU())
+    manager = RecorderManager({"hidden": {"type": "ModuleOutputs", "source": "1"}})
+    manager.initialize(model)
+    with manager:
+        model(torch.randn(3, 6))
+    writer = ShardWriter(tmp_path, run="r")
+    with pytest.raises(RecorderConfigError, match=r"got str 'hidden'; pass \['hidden'\] for one"):
+        writer.write_records(manager, names="hidden")
+    with pytest.raises(RecorderConfigError, match=r"or None but got int 5\.$"):
+        writer.write_records(manager, names=5)  # type: ignore[arg-type]
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"Expected `names` to be among the manager's recorders \['hidden'\] but got "
+        r"\['hiden'\]\.$",
+    ):
+        writer.write_records(manager, names=["hiden"])
+    with pytest.raises(RecorderConfigError, match=r"a RecorderManager .* but got Sequential"):
+        writer.write_records(model)  # type: ignore[arg-type]
+    assert writer.write_records(manager, names=[]) == 0
+    assert writer.write_records(manager, names=("hidden",)) == 1
+    writer.close()
+    manager.release()
+    assert concat_activations(tmp_path, "hidden").shape == (3, 8)
+
+
 def test_dataset_filters_and_errors(tmp_path: Path) -> None:
     with pytest.raises(RecorderConfigError, match=r"has none"):
         ActivationDataset(tmp_path)
