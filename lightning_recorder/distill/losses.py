@@ -331,7 +331,8 @@ def kl_div_loss(
     of ``(N, C)`` logits (``reduction="batchmean"``), every token of ``(N, L, C)`` logits, every
     pixel of ``(N, C, H, W)`` logits. Multiplying by ``T**2`` keeps the gradients' scale
     independent of the temperature. Unlike :class:`torch.nn.KLDivLoss`, both inputs are raw
-    logits.
+    logits. A class the teacher gives no probability (a logit of ``-inf``: a masked vocabulary)
+    adds nothing (``0 * log 0 = 0``), also where the student masks it too.
 
     Args:
         student: student logits, 2-D or more.
@@ -361,7 +362,12 @@ def kl_div_loss(
     classes = student.shape[d]
     log_s = F.log_softmax(student.movedim(d, -1).reshape(-1, classes) / t_, dim=-1)
     log_t = F.log_softmax(teacher.movedim(d, -1).reshape(-1, classes) / t_, dim=-1)
-    return F.kl_div(log_s, log_t, reduction="batchmean", log_target=True) * (t_ * t_)
+    # sum p_t * (log p_t - log p_s), with 0 * log 0 = 0: a class the teacher gives no
+    # probability (a logit of -inf, a masked vocabulary) adds nothing, where F.kl_div made the
+    # whole loss NaN; a NaN logit still gives NaN
+    p_t = log_t.exp()
+    terms = torch.where(p_t == 0, 0.0, p_t * (log_t - log_s))
+    return terms.sum() / log_s.shape[0] * (t_ * t_)
 
 
 # --------------------------------------------------------------------------- modules

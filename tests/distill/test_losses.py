@@ -176,6 +176,28 @@ def test_kl_temperature_scaling() -> None:
     assert high < low
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kl_classes_the_teacher_masks_add_nothing(shape: tuple[int, ...]) -> None:
+    # a teacher logit of -inf (a masked vocabulary) made the loss NaN (0 * log 0 in F.kl_div),
+    # also where the student masks the same class
+    student, teacher = (t.double() for t in _pair(shape, seed=3))
+    c = 2 if len(shape) == 3 else 1
+    teacher.select(c, 0).fill_(-math.inf)
+    both = student.clone()
+    both.select(c, 0).fill_(-math.inf)
+    p_t = F.softmax(_to_rows(teacher) / 2.0, dim=1)[:, 1:]
+    for s in (student, both):
+        log_s = F.log_softmax(_to_rows(s) / 2.0, dim=1)[:, 1:]
+        expected = (p_t * (p_t.log() - log_s)).sum() / p_t.shape[0] * 4.0
+        torch.testing.assert_close(kl_div_loss(s, teacher, temperature=2.0), expected)
+    leaf = student.clone().requires_grad_()
+    kl_div_loss(leaf, teacher).backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+    # a NaN logit is not a masked class: the loss stays NaN
+    teacher.select(c, 1).fill_(math.nan)
+    assert kl_div_loss(student, teacher).isnan()
+
+
 def test_kl_explicit_dim() -> None:
     s, t = _pair((3, 4, 5), seed=5)  # classes on dim 1 this time
     expected = _manual_kl(s.transpose(1, 2), t.transpose(1, 2), 2.0)
