@@ -123,6 +123,14 @@ class SourceSpec:
                     f"Expected `mean` of {self.where} to name dimensions of its activations, "
                     f"which have {dims} (shape {tuple(tensor.shape)}), but got {outside[0]}."
                 )
+            to_rows = [d for d in self.mean if not tensor.is_nested and d % dims == 0]
+            if to_rows:  # a negative dim that counts back to the rows (-1 of a vector)
+                raise RecorderConfigError(
+                    f"Expected `mean` of {self.where} to name dimensions other than 0 (the rows) "
+                    f"but {to_rows[0]} is dimension 0 of its activations of shape "
+                    f"{tuple(tensor.shape)}; record an output with dimensions beyond the rows, or "
+                    "leave `mean` out for it."
+                )
             if not (tensor.is_floating_point() or tensor.is_complex()):
                 tensor = tensor.float()  # torch takes no mean of integers (a mask: a fraction)
             tensor = tensor.mean(dim=self.mean)

@@ -136,6 +136,25 @@ def test_source_options_tokens_mean_transform_dtype(tmp_path: Path) -> None:
     assert torch.equal(concat_activations(tmp_path, "pair"), x[:, [0, -1]].flatten(1))
 
 
+def test_a_negative_mean_dimension_that_counts_back_to_the_rows_is_refused(
+    tmp_path: Path,
+) -> None:
+    # `mean: -1` of a vector (or -2 of a matrix) averaged the rows of the batch into one row,
+    # written without a word when no sample index was given
+    writer = ShardWriter(tmp_path, run="r", sources={"s": {"mean": -1}, "m": {"mean": [-1, -2]}})
+    for source, tensor, dim in (("s", torch.randn(4), -1), ("m", torch.randn(4, 3), -2)):
+        with pytest.raises(
+            RecorderConfigError,
+            match=rf"Expected `mean` of source '{source}' to name dimensions other "
+            rf"than 0 \(the rows\) but {dim} is dimension 0 of its activations of shape "
+            rf"\({', '.join(map(str, tensor.shape))},?\)",
+        ):
+            writer.write(source, "x", tensor)
+    writer.write("s", "x", torch.ones(4, 3))  # dimension -1 of a matrix is its columns
+    writer.close()
+    assert torch.equal(concat_activations(tmp_path, "s"), torch.ones(4))
+
+
 def test_mean_of_integer_and_bool_activations_is_taken_in_float32(tmp_path: Path) -> None:
     """torch takes no mean of integers: a mask's mean is the fraction of its true values."""
     mask = torch.tensor([[True, False, True, True], [False, False, False, True]])
