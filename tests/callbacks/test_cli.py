@@ -55,6 +55,18 @@ def run_cli(
     )
 
 
+def writer_config(tmp_path: Path, sample_index: Any) -> dict[str, Any]:
+    """A config of one ActivationWriter of ``body.1`` in training, with ``sample_index``."""
+    init_args = {
+        "sources": ["body.1"],
+        "directory": str(tmp_path / "acts"),
+        "stages": ["train"],
+        "sample_index": sample_index,
+    }
+    writer = {"class_path": "lightning_recorder.ActivationWriter", "init_args": init_args}
+    return {"trainer": {"callbacks": [writer]}}
+
+
 def test_both_callbacks_from_yaml(tmp_path: Path) -> None:
     config = yaml.safe_load(
         """
@@ -181,21 +193,7 @@ def test_activation_writer_sample_index_survives_the_saved_config(
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return super().training_step((batch["x"], batch["labels"]), batch_idx)
 
-    config = {
-        "trainer": {
-            "callbacks": [
-                {
-                    "class_path": "lightning_recorder.ActivationWriter",
-                    "init_args": {
-                        "sources": ["body.1"],
-                        "directory": str(tmp_path / "acts"),
-                        "stages": ["train"],
-                        "sample_index": where,
-                    },
-                }
-            ]
-        }
-    }
+    config = writer_config(tmp_path, where)
     model, data = (TinyClassifier, TinyData) if where == 1 else (KeyedClassifier, Keyed)
     cli = run_cli(tmp_path, config, model=model, data=data)
     saved = Path(cli.trainer.log_dir) / "config.yaml"
@@ -307,21 +305,7 @@ def test_activation_writer_transform_by_import_path_from_yaml(tmp_path: Path) ->
 def test_activation_writer_sample_index_function_by_import_path(tmp_path: Path) -> None:
     """A ``sample_index`` function in YAML is its import path: the function gives the indices
     (the string is not taken for a batch key), and the saved config runs again."""
-    config = {
-        "trainer": {
-            "callbacks": [
-                {
-                    "class_path": "lightning_recorder.ActivationWriter",
-                    "init_args": {
-                        "sources": ["body.1"],
-                        "directory": str(tmp_path / "acts"),
-                        "stages": ["train"],
-                        "sample_index": "helpers.models.tiny_data_indices",
-                    },
-                }
-            ]
-        }
-    }
+    config = writer_config(tmp_path, "helpers.models.tiny_data_indices")
     cli = run_cli(tmp_path, config)
     assert cli.trainer.callbacks[0].sample_index is tiny_data_indices
     rows = ActivationDataset(tmp_path / "acts").provenance()
