@@ -141,7 +141,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
     Raises:
         RecorderConfigError: the directory holds no activation index, or a filter is invalid
             or names none of the values of the directory's rows (a run id or a step never
-            written).
+            written), or the filters keep no row together.
 
     Examples:
         >>> import tempfile
@@ -209,6 +209,16 @@ class ActivationDataset(Dataset[dict[str, Any]]):
                     f"{sorted(wanted)}."
                 )
         chunks = [chunk for chunk in every if self._keep(chunk)]
+        if not chunks and all(self.filters.values()):  # each filter keeps rows, not together
+            others = "; ".join(
+                f"`{key}` {sorted(wanted)} where the other filters keep "
+                f"{sorted({c[_FIELDS[key]] for c in every if self._keep(c, but=key)})}"
+                for key, wanted in self.filters.items()
+            )
+            raise RecorderConfigError(
+                f"Expected the filters of {owner} together to keep some rows but no row "
+                f"matches them all: {others}. Change one of them to a value the others keep."
+            )
         #: Every chunk kept: one tensor of a shard (one source in one batch) with its provenance.
         self.chunks = chunks
         missing = sorted({c["shard"] for c in chunks} - present)
@@ -240,8 +250,9 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         rows.sort()
         self._rows = [(row[-2], row[-1]) for row in rows]
 
-    def _keep(self, chunk: dict[str, Any]) -> bool:
-        return all(chunk[_FIELDS[k]] in v for k, v in self.filters.items())
+    def _keep(self, chunk: dict[str, Any], but: str | None = None) -> bool:
+        """Whether ``chunk`` passes every filter (those but ``but``)."""
+        return all(chunk[_FIELDS[k]] in v for k, v in self.filters.items() if k != but)
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -601,6 +601,23 @@ def test_a_filter_naming_no_row_is_refused_with_the_values_there(tmp_path: Path)
             concat_activations(tmp_path, "a", **{key: wrong})
 
 
+def test_filters_that_each_keep_rows_but_none_together_are_refused(tmp_path: Path) -> None:
+    with ShardWriter(tmp_path) as writer:
+        writer.write("a", "m1", torch.zeros(2, 2), stage="train")
+        writer.write("b", "m2", torch.zeros(2, 3), stage="val")
+    match = (
+        r"together to keep some rows but no row matches them all: `stages` \['val'\] where "
+        r"the other filters keep \['train'\]; `sources` \['a'\] where the other filters keep "
+        r"\['b'\]"
+    )
+    with pytest.raises(RecorderConfigError, match=match):
+        ActivationDataset(tmp_path, "a", stages="val")
+    with pytest.raises(RecorderConfigError, match=match):
+        concat_activations(tmp_path, "a", sources="a", stages="val")
+    assert len(ActivationDataset(tmp_path, "a", stages="train")) == 2
+    assert len(ActivationDataset(tmp_path, steps=[])) == 0  # an empty list keeps no row
+
+
 def test_provenance_is_every_item_without_its_activation(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(3, 3))
     manager = RecorderManager({"lin": {"type": "ModuleOutputs", "source": "0", "detach": True}})
