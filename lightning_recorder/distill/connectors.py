@@ -179,13 +179,17 @@ def resolve_connector(
             :class:`torch.nn.Module`: used as is; any other callable: a factory called as
             ``spec(student_feature.shape, teacher_feature.shape)`` that returns a module
             (:func:`build_connector` itself, or a class whose constructor takes two shapes).
-        student_feature: an example of the student features (only its shape and device are
-            used).
+        student_feature: an example of the student features (only its shape, device and
+            dtype are used).
         teacher_feature: an example of the teacher features (only its shape is used).
         resize: passed to :func:`build_connector` for ``None``/``"auto"``; ignored otherwise.
 
     Returns:
-        The connector, on ``student_feature``'s device.
+        The connector, on ``student_feature``'s device and, unless ``spec`` is a module (used
+        as it is), in its floating-point dtype: a student cast with ``.double()`` or
+        ``.to(torch.bfloat16)`` has features that a connector of the default dtype cannot
+        take. Under autocast on that device (mixed precision) the connector stays in the
+        default dtype: autocast casts.
 
     Raises:
         RecorderConfigError: an unknown name (with the closest one), a factory that does not
@@ -211,7 +215,11 @@ def resolve_connector(
             )
     with torch.inference_mode(False):
         module = _resolve(spec, student_feature.shape, teacher_feature.shape, resize)
-        return module.to(student_feature.device)
+        device = student_feature.device
+        autocast = device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type)
+        if student_feature.is_floating_point() and not autocast and not isinstance(spec, nn.Module):
+            return module.to(device=device, dtype=student_feature.dtype)
+        return module.to(device)
 
 
 def check_connector_spec(spec: object, name: str = "connectors") -> None:

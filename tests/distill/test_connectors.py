@@ -270,3 +270,19 @@ def test_resolve_bad_spec_and_feature_types() -> None:
         RecorderConfigError, match=r"Expected `teacher_feature` to be a torch\.Tensor but got tuple"
     ):
         resolve_connector("auto", torch.zeros(1, 2), (1, 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("spec", ["auto", build_connector])
+def test_resolve_connector_takes_the_dtype_of_the_student_features(
+    dtype: torch.dtype, spec: ConnectorSpec
+) -> None:
+    s, t = torch.randn(2, 16, 4, 4, dtype=dtype), torch.randn(2, 32, 4, 4, dtype=dtype)
+    connector = resolve_connector(spec, s, t)
+    assert {p.dtype for p in connector.parameters()} == {dtype}
+    assert connector(s).dtype == dtype  # the first call no longer fails inside torch
+    given = nn.Linear(16, 32)  # a module given is used as it is
+    assert resolve_connector(given, s, t).weight.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: the default dtype
+        connector = resolve_connector(spec, s.bfloat16(), t)
+        assert {p.dtype for p in connector.parameters()} == {torch.float32}

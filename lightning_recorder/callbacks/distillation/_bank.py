@@ -94,12 +94,9 @@ class ConnectorBank:
         module = self.modules.get(pair)
         if module is not None:
             return module
-        # In the student's precision: a student cast with .double() or .to(torch.bfloat16) has
-        # features of its dtype, which a connector of the default dtype cannot take; under
-        # autocast (mixed precision) the connector stays in the default dtype, autocast casts.
+        # In the student's precision, as resolve_connector decides (not under autocast).
         device = student.device
-        autocast = device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type)
-        dtype = student.dtype if student.is_floating_point() and not autocast else None
+        dtype = student.dtype if student.is_floating_point() else None
         with torch.inference_mode(False), torch.no_grad():
             self._build(pair, list(student.shape), list(teacher.shape), device, dtype)
             if distributed_active():
@@ -121,14 +118,12 @@ class ConnectorBank:
         dtype: torch.dtype | None = None,
     ) -> None:
         """Build from full shapes (batch dim first); only the other dims are kept. ``dtype``:
-        the connector's (a module given as the spec is used as it is), else the default."""
+        the student features' (see :func:`resolve_connector`), else the default."""
         # A forked random stream: building a connector does not change the training's randomness.
         with torch.random.fork_rng(devices=[]):
-            example_s = torch.empty(s_shape, device=device)
+            example_s = torch.empty(s_shape, device=device, dtype=dtype)
             example_t = torch.empty(t_shape, device=device)
             module = resolve_connector(self.specs[pair], example_s, example_t, resize=self.resize)
-        if dtype is not None and not isinstance(self.specs[pair], nn.Module):
-            module = module.to(dtype=dtype)
         pending = (self._pending or {}).get("pairs", {}).get(pair)
         if pending is not None and pending["weights"]:
             try:
