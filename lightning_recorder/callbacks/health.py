@@ -213,6 +213,9 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             ``"grad_norm"``, ``"update_ratio"``, ``"norm"`` (rows: weight tensors); each
             once.
         heatmap_steps: the logged steps a heat map shows (its columns), the latest ones.
+        name: distinguishes two monitors with the same ``on_nonfinite`` and ``localize``
+            (checkpoint state): two monitors of one Trainer need different names unless one
+            of these differs.
 
     Raises:
         RecorderConfigError: an argument is invalid.
@@ -262,6 +265,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         view_every: int = 10,
         heatmap_stats: Sequence[str] = ("zero_fraction", "std", "grad_norm"),
         heatmap_steps: int = 100,
+        name: str | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -304,12 +308,15 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
                 f"Expected `exclude` of {owner} to be a list of glob patterns such as "
                 f"['*.input.attn_mask'] but got {exclude!r}."
             )
+        if name is not None and not isinstance(name, str):
+            raise RecorderConfigError(f"Expected `name` of {owner} to be a str but got {name!r}.")
         if evidence_dir is not None and not isinstance(evidence_dir, (str, os.PathLike)):
             raise RecorderConfigError(
                 f"Expected `evidence_dir` of {owner} to be a path or None but got {evidence_dir!r}."
             )
         self.on_nonfinite: Policy = on_nonfinite
         self.localize: Localize = localize
+        self.name = name
         self.evidence_dir = evidence_dir
         self.max_consecutive_skips = max_consecutive_skips
         self.exclude = tuple(exclude)
@@ -362,6 +369,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     state_key = STATE_KEY  # made once by _make_state_key, then an instance attribute
 
     def _make_state_key(self) -> str:
+        if self.name is not None:
+            return self._generate_state_key(name=self.name)
         return self._generate_state_key(on_nonfinite=self.on_nonfinite, localize=self.localize)
 
     # ------------------------------------------------------------------ lifecycle
@@ -544,7 +553,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # A monitor resumed with another `on_nonfinite` or `localize` (another `state_key`)
+        # A monitor resumed with another `on_nonfinite`, `localize` or `name` (another `state_key`)
         # goes on with the checkpoint's monitor: its counters, rules and findings still apply.
         found = unclaimed_state(
             self,
@@ -557,9 +566,10 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             return
         key, state = found
         self.load_state_dict(state)
+        made_of = "`on_nonfinite` and `localize`" if self.name is None else "`name`"
         rank_zero_warn(
             f"{type(self).__name__}: the checkpoint holds no state for this monitor's "
-            f"`on_nonfinite` and `localize`, so it takes the state of the checkpoint's {key} "
+            f"{made_of}, so it takes the state of the checkpoint's {key} "
             "(its counters, its rules' windows and counts, the findings in force) and goes on "
             "as that monitor would."
         )

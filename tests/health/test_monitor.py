@@ -832,6 +832,48 @@ def test_a_run_resumed_with_another_on_nonfinite_goes_on_with_the_checkpoints_st
     assert after.events == [] and after.counters["rule_events"] == 4
 
 
+def test_two_named_monitors_run_together_and_each_resumes_with_its_own_state(
+    tmp_path: Path,
+) -> None:
+    """Two monitors with the same ``on_nonfinite`` and ``localize`` but other rules, told apart
+    by ``name``: both run in one Trainer, and a resumed run gives each its own state."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_recorder import FeatureStatsMonitor, UpdateRatioRule
+
+    def run(resume: str | None) -> tuple[HealthMonitor, HealthMonitor]:
+        torch.manual_seed(0)
+        stats = FeatureStatsMonitor([nn.Linear], every_n_steps=1, histograms=False)
+        fast = HealthMonitor(rules=[UpdateRatioRule(patience=3)], evidence_max_bytes=0, name="a")
+        slow = HealthMonitor(rules=[UpdateRatioRule(patience=5)], evidence_max_bytes=0, name="b")
+        saving = ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)
+        options = {**QUIET, "enable_checkpointing": True, "log_every_n_steps": 1}
+        trainer = pl.Trainer(callbacks=[stats, fast, slow, saving], max_steps=6, **options)
+        ckpt = None if resume is None else str(tmp_path / resume)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.fit(Net("mlp", lr=0.0), data("mlp", 24), ckpt_path=ckpt)
+        assert not [w for w in seen if "takes the state of" in str(w.message)]
+        return fast, slow
+
+    layers = ["body.0", "body.2", "body.5", "body.7"]  # lr=0: no weight moves
+    fast, slow = run(None)
+    assert (fast.state_key, slow.state_key) == (
+        "HealthMonitor{'name': 'a'}",
+        "HealthMonitor{'name': 'b'}",
+    )
+    assert [(e.step, e.module) for e in fast.events] == [(2, m) for m in layers]
+    assert [(e.step, e.module) for e in slow.events] == [(4, m) for m in layers]
+    states = torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=False)["callbacks"]
+    assert states[fast.state_key]["counters"]["rule_events"] == 4
+    assert states[slow.state_key]["counters"]["rule_events"] == 0
+    # resumed after step 3: `a`'s findings are in force (quiet), `b` fires where it did
+    fast, slow = run("epoch=0-step=4.ckpt")
+    assert fast.events == [] and fast.counters["rule_events"] == 4
+    assert [(e.step, e.module) for e in slow.events] == [(4, m) for m in layers]
+    assert slow.counters["rule_events"] == 4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -850,6 +892,7 @@ def test_a_run_resumed_with_another_on_nonfinite_goes_on_with_the_checkpoints_st
         ({"evidence_dir": 3}, r"`evidence_dir` of HealthMonitor to be a path or None"),
         ({"alert_interval_s": -1.0}, r"`alert_interval_s` of HealthMonitor to be a finite non"),
         ({"evidence_checkpoint": "yes"}, r"`evidence_checkpoint` of HealthMonitor to be a bool"),
+        ({"name": 3}, r"`name` of HealthMonitor to be a str but got 3"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
