@@ -179,6 +179,7 @@ class Diagnosis:
         stats, view = self._stats, self._view
         if view is not None and stats is not None:
             view.start()
+            view.warn_unshown(trainer)
             view.write_layout(
                 trainer,
                 stats.prefix,

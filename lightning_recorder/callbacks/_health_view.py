@@ -38,7 +38,7 @@ from ._health_rules import percent
 from ._lightning import prefixed_tag
 from ._stats_options import ALL, stats_for
 from ._stats_report import StatsReport
-from ._tensorboard import summary_class
+from ._tensorboard import histogram_loggers, summary_class
 
 __all__ = ["PARAMETER_STATS", "HealthView", "layout", "table"]
 
@@ -127,6 +127,7 @@ class HealthView:
 
     def __init__(self, stats: Sequence[str], every: int, steps: int) -> None:
         self.stats, self.every, self.steps = tuple(stats), every, steps
+        self._unshown_warned = False
         self.start()
 
     def start(self) -> None:
@@ -136,6 +137,22 @@ class HealthView:
         )
         self._seen = 0
         self._warned = False
+
+    def warn_unshown(self, trainer: pl.Trainer) -> None:
+        """Warn once (rank zero) when the Trainer has loggers and none of them can show the
+        view (TensorBoard and W&B can): it would be drawn for nobody."""
+        able, others = histogram_loggers(trainer.loggers)
+        if able or not others or self._unshown_warned:
+            return
+        self._unshown_warned = True
+        names = [type(lg).__name__ for lg in others]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        rank_zero_warn(
+            f"HealthMonitor draws its health view (custom scalars, heat maps, findings table) "
+            f"for TensorBoard and W&B loggers only, and the Trainer has none: {listed} "
+            f"{'gets' if len(names) == 1 else 'get'} the scalars only. To silence "
+            "this warning, pass view=False, or add a TensorBoardLogger to see the view."
+        )
 
     # ------------------------------------------------------------------ writing
     def _each(self, trainer: pl.Trainer, what: str, write: Any) -> None:

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,25 @@ def test_view_false_draws_nothing_and_the_rules_still_report(tmp_path: Path) -> 
     assert "custom_scalars__config__" not in acc.Tags()["tensors"]
     assert "health/findings/text_summary" not in acc.Tags()["tensors"]
     assert [t.step for t in acc.Tensors("health/events/text_summary")] == [4]
+
+
+@pytest.mark.parametrize("view", [True, False])
+def test_a_view_no_logger_can_show_is_warned_about_once(tmp_path: Path, view: bool) -> None:
+    """Only a CSVLogger (Lightning's default without tensorboard): the view would be drawn for
+    nobody, which one warning says, naming ``view=False``; with it, or a TensorBoardLogger
+    beside, nothing is said."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run([CSVLogger(tmp_path / "csv")], view=view)
+    said = [str(w.message) for w in seen if "health view" in str(w.message)]
+    assert len(said) == view
+    assert all("CSVLogger gets the scalars only" in m and "view=False" in m for m in said)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run([CSVLogger(tmp_path / "csv"), TensorBoardLogger(tmp_path, name="run", version=0)])
+    assert not [w for w in seen if "health view" in str(w.message)]
 
 
 def test_wandb_gets_the_heat_maps_and_the_findings_table(
