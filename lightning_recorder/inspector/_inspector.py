@@ -42,6 +42,8 @@ output)."""
 
 class LabelMap(Mapping[Label, Any]):
     """A read-only mapping keyed by layer labels; ``m[(1, 3)]`` and ``m["1-3"]`` are the same.
+    ``m["x"]`` raises :class:`~lightning_recorder.RecorderConfigError` (no label), while
+    ``"x" in m`` is ``False`` and ``m.get("x")`` is ``None``, as for any mapping.
 
     ``versions``: the version counters of recorded outputs, checked on every read.
     """
@@ -68,6 +70,22 @@ class LabelMap(Mapping[Label, Any]):
                 "rest of the forward then uses a copy and the record stays intact."
             )
         return value
+
+    def _held(self, key: object) -> Label | None:
+        """``key``'s label when the map holds it (a key that is no label is not held: a
+        Mapping's ``in`` and ``get`` answer for any key)."""
+        try:
+            label = parse_label(key)
+        except RecorderConfigError:
+            return None
+        return label if label in self._items else None
+
+    def __contains__(self, key: object) -> bool:
+        return self._held(key) is not None
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        label = self._held(key)
+        return default if label is None else self[label]
 
     def __iter__(self) -> Iterator[Label]:
         return iter(self._items)

@@ -243,6 +243,24 @@ def test_label_errors() -> None:
             rnet.activations["1-2"]
 
 
+def test_activations_answer_in_and_get_for_any_key_as_a_mapping() -> None:
+    """``in`` and ``get`` answer ``False`` and the default for a key that is no label (as any
+    Mapping does); only ``[...]`` with one raises the clear error."""
+    with Inspector(toynet(), input_size=(1, 5)) as rnet:
+        rnet.record("1-1")
+        rnet(torch.randn(2, 5))
+        held = rnet.activations
+        assert (1, 1) in held and "1-1" in held and [1, 1] in held
+        assert "1-2" not in held and (1, 3) not in held
+        for key in ("x", "1.3", "0", (1,), (1, True), 13, None, (1, 2, 3)):
+            assert key not in held
+            assert held.get(key) is None and held.get(key, "none") == "none"
+        assert held.get("1-1") is held[(1, 1)] and held.get("1-2", 0) == 0
+        assert list(held.keys()) == [(1, 1)] and dict(held.items()) == {(1, 1): held["1-1"]}
+        with pytest.raises(RecorderConfigError, match=r"Expected a layer label such as"):
+            held["x"]
+
+
 # --- forward: recording, post-processing, dont_record -----------------------------------------
 
 
