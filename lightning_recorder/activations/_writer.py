@@ -330,6 +330,26 @@ class ShardWriter:
                 of the manager's recorder names, or as :meth:`write`.
         """
         self._check_alive()
+        chunks = self._record_chunks(
+            manager, stage, global_step, epoch, batch_idx, dataloader_idx, sample_index, names
+        )
+        if not chunks:
+            return 0
+        queued = self._put(("chunks", chunks), sum(c[1].nbytes for c in chunks))
+        return len(chunks) if queued else 0
+
+    def _record_chunks(
+        self,
+        manager: _Manager,
+        stage: str,
+        global_step: int,
+        epoch: int,
+        batch_idx: int,
+        dataloader_idx: int,
+        sample_index: Sequence[int] | torch.Tensor | None,
+        names: Iterable[str] | None,
+    ) -> list[tuple[_Meta, torch.Tensor, Any]]:
+        """Validate and prepare the records of :meth:`write_records` without queueing them."""
         if not callable(getattr(manager, "streams", None)):
             raise RecorderConfigError(
                 "Expected `manager` to be a RecorderManager (or anything with its `streams()`) "
@@ -354,16 +374,12 @@ class ShardWriter:
                     f"Expected `names` to be among the manager's recorders {sorted(known)} but "
                     f"got {sorted(unknown, key=str)}."
                 )
-        chunks = [
+        return [
             self._chunk(source, stream.name, record, base, index, call)
             for source, stream in streams
             if wanted is None or source in wanted
             for call, record in enumerate(stream.data_buffer)
         ]
-        if not chunks:
-            return 0
-        queued = self._put(("chunks", chunks), sum(c[1].nbytes for c in chunks))
-        return len(chunks) if queued else 0
 
     @staticmethod
     def _base(

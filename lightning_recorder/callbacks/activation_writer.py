@@ -116,8 +116,9 @@ class ActivationWriter(RecorderCallback):
     holding them, or a function ``(batch, batch_idx) -> indices``; without it they are ``-1``.
 
     **fast_dev_run.** Under ``Trainer(fast_dev_run=...)``, where Lightning writes no logs or
-    checkpoints, the sources are recorded but nothing is written (an info message says so), and
-    a ``ckpt_path`` removes nothing.
+    checkpoints, the sources are recorded and their tensors checked as for a write (rows against
+    the sample indices, a dtype the shards store), but nothing is written (an info message says
+    so), and a ``ckpt_path`` removes nothing.
 
     **Crash and resume.** A shard and then its index file are written under temporary names and
     renamed, so after a crash the index files list exactly the complete shards. Saving a
@@ -398,11 +399,22 @@ class ActivationWriter(RecorderCallback):
     def _after_batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool
     ) -> None:
-        if fast_dev_run(trainer):  # see `_on_attach`
-            return
         _, batch_idx, dataloader_idx = self._batch
         # train: optimizer steps done before this batch, Lightning's step axis
         step = step_axis(trainer) if stage == "train" else trainer.global_step
+        indices = self._indices(trainer, stage)
+        if fast_dev_run(trainer):  # see `_on_attach`: checked as for a write, but not written
+            self.writer._record_chunks(
+                self.manager,
+                stage,
+                step,
+                trainer.current_epoch,
+                batch_idx,
+                dataloader_idx,
+                indices,
+                None,
+            )
+            return
         self.writer.write_records(
             self.manager,
             stage=stage,
@@ -410,7 +422,7 @@ class ActivationWriter(RecorderCallback):
             epoch=trainer.current_epoch,
             batch_idx=batch_idx,
             dataloader_idx=dataloader_idx,
-            sample_index=self._indices(trainer, stage),
+            sample_index=indices,
         )
 
     # ------------------------------------------------------------------ checkpointing

@@ -565,6 +565,19 @@ def test_a_run_id_with_shards_already_written_warns_that_rows_are_added(tmp_path
     assert not [w for w in caught if "already holds" in str(w.message)]
 
 
+def test_fast_dev_run_checks_the_tensors_as_a_write_would(tmp_path: Path) -> None:
+    """The smoke test writes nothing but still catches what would stop the real run."""
+    loader = DataLoader(TensorDataset(images(8)), batch_size=4)
+    bad_rows = ActivationWriter("head", tmp_path, sample_index=lambda batch, idx: [0, 1, 2])
+    with pytest.raises(RecorderConfigError, match=r"one row per sample"):
+        pl.Trainer(**QUIET, fast_dev_run=True, callbacks=[bad_rows]).predict(Net(), loader)
+    to_complex = {"source": "head", "transform": lambda t: t.to(torch.complex64)}
+    bad_dtype = ActivationWriter({"head": to_complex}, tmp_path)
+    with pytest.raises(RecorderConfigError, match=r"complex64"):
+        pl.Trainer(**QUIET, fast_dev_run=True, callbacks=[bad_dtype]).predict(Net(), loader)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("fast_dev_run", [True, 2])
 def test_fast_dev_run_writes_no_shard_and_says_so(
     tmp_path: Path, fast_dev_run: bool | int, caplog: pytest.LogCaptureFixture
