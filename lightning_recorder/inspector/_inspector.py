@@ -205,6 +205,8 @@ class Inspector(nn.Module):
         dtypes: with ``input_size``, one dtype per input (default ``float32``; integer dtypes
             give zeros, e.g. token ids).
         device: with ``input_size``, where the inputs are made (default: the network's).
+            ``dtypes`` or ``device`` with ``input_data`` raises
+            :class:`~lightning_recorder.RecorderConfigError`: its tensors are used as they are.
         mode: ``"eval"``, ``"train"`` or ``"same"`` (the network's current mode) for the trace.
         detach: store detached activations (default ``False``: they keep their autograd graph,
             so a loss may use them).

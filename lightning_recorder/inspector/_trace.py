@@ -109,6 +109,13 @@ def example_inputs(
             f"of arguments or a dict of keyword arguments) but got {given}."
         )
     if input_data is not None:
+        for name, value, to in (("dtypes", dtypes, "dtype"), ("device", device, "device")):
+            if value is not None:
+                raise RecorderConfigError(
+                    f"Expected `{name}` only with `input_size` but got {name}={value!r} with "
+                    "`input_data`, whose tensors are used as they are; leave it out, or "
+                    f"convert `input_data` first (`x.to({to}=...)`)."
+                )
         if isinstance(input_data, torch.Tensor):
             return (input_data,), {}
         if isinstance(input_data, Mapping):

@@ -787,3 +787,16 @@ def test_device_dtypes_and_input_size_errors() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RecorderConfigError, match=r"`device`.*'cuda:0'.*not available"):
             Inspector(Nested(), input_size=(1, 2), device="cuda:0")
+
+
+def test_dtypes_or_device_with_input_data_is_refused_not_ignored() -> None:
+    """``input_data`` is traced as given: a ``dtypes`` or ``device`` beside it would do nothing."""
+    x = torch.ones(1, 2)
+    with pytest.raises(RecorderConfigError, match=r"`dtypes` only with `input_size`.*to\(dtype"):
+        Inspector(Nested(), input_data=x, dtypes=[torch.float64])
+    with pytest.raises(RecorderConfigError, match=r"`device` only with `input_size`.*to\(device"):
+        Inspector(Nested(), input_data=x, device="cpu")
+    net = Nested()
+    with pytest.raises(RecorderConfigError):
+        Inspector(net, input_data=(x,), dtypes=[torch.float32])
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())
