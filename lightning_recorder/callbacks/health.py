@@ -94,6 +94,17 @@ def _check_exclude(patterns: Sequence[str], modules: Collection[str]) -> None:
         )
 
 
+def _never_matches(pattern: str) -> bool:
+    """Whether an ``exclude`` pattern without glob characters can name no tensor of any model:
+    every name is ``"<module>.input.<argument>[.<path>]"``, ``"<module>.output[.<path>]"``,
+    ``"batch"`` or ``"batch.<path>"``."""
+    if any(c in pattern for c in "*?["):
+        return False
+    if pattern == "batch" or pattern.startswith("batch."):
+        return False
+    return re.search(r"\.input\.|\.output(?=\.|$)", pattern) is None
+
+
 def _names_batch(pattern: str) -> bool:
     """Whether an ``exclude`` pattern may name a tensor of the batch (``"batch"``,
     ``"batch.<path>"``): a module named ``batchnorm`` is a module."""
@@ -308,6 +319,21 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
                 f"Expected `exclude` of {owner} to be a list of glob patterns such as "
                 f"['*.input.attn_mask'] but got {exclude!r}."
             )
+        for pattern in exclude:
+            if _never_matches(pattern):
+                like = (
+                    f"{pattern}.*"
+                    if pattern.endswith(".input")
+                    else f"*.input.{pattern}"
+                    if "." not in pattern
+                    else "*.input.attn_mask"
+                )
+                raise RecorderConfigError(
+                    f"Expected every pattern of `exclude` of {owner} to name tensors as "
+                    f"'<module>.input.<argument>[.<path>]', '<module>.output[.<path>]' or "
+                    f"'batch[.<path>]', or to hold a glob character, but {pattern!r} can never "
+                    f"match a tensor's name; write e.g. {like!r}."
+                )
         if name is not None and not isinstance(name, str):
             raise RecorderConfigError(f"Expected `name` of {owner} to be a str but got {name!r}.")
         if evidence_dir is not None and not isinstance(evidence_dir, (str, os.PathLike)):

@@ -923,6 +923,17 @@ def test_an_exclude_pattern_of_a_module_named_like_the_batch_is_checked(tmp_path
         fit(TwoLinear(bad=-1), [HealthMonitor(exclude=patterns, rules=())], 1, classes())
 
 
+def test_an_exclude_pattern_that_can_never_match_is_refused_when_made() -> None:
+    # without a glob character, a pattern lacking '.input.<argument>', '.output' or 'batch'
+    # names no tensor of any model: it was taken and left nothing out
+    cases = [("attn_mask", "'*.input.attn_mask'"), ("l1.input", "'l1.input.*'"), ("enc.mask", "")]
+    for pattern, like in cases:
+        with pytest.raises(RecorderConfigError, match=rf"{pattern!r} can never match.*{like}"):
+            HealthMonitor(exclude=["*.input.x", pattern])
+    for ok in ("batch", "batch.x", "l1.output", "l1.output.x", "l1.input.x", "*mask", "l?"):
+        HealthMonitor(exclude=[ok])
+
+
 def test_max_consecutive_skips_without_skip_is_said_to_have_no_effect() -> None:
     # it counts skipped steps: with "warn" or "raise" it was taken and ignored without a word
     for policy in ("warn", "raise"):
