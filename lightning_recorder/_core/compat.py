@@ -18,6 +18,9 @@ runs).
 * :func:`in_functorch`, :func:`functorch_values`, :func:`functorch_off` — whether a
   ``torch.func`` transform (``vmap``, ``grad``) runs, the tensor its wrapper holds (the whole
   batch of a ``vmap``), and a context in which its interpreters do not see torch operations.
+* :func:`pending_grad_scale` — the scale an AMP grad scaler left on the gradients of an
+  optimizer that unscales them in its own step (``fused=True``), as a tensor (``get_scale()``
+  would synchronise with the device).
 
 Two helpers read nothing private and live here to be found with them:
 :func:`distributed_active` (the one "is a process group running" test) and :func:`dtensor_type`.
@@ -194,3 +197,24 @@ def functorch_off() -> Any:
     """A context in which the ``torch.func`` transforms do not see torch operations (work on
     unwrapped tensors the transformed function does not use)."""
     return torch._C._DisableFuncTorch()
+
+
+def pending_grad_scale(optimizer: Any, scaler: Any) -> torch.Tensor | None:
+    """The scale the gradients of ``optimizer`` still carry before its step, or ``None`` when
+    they carry none.
+
+    A ``torch.amp.GradScaler`` unscales the gradients before the step (``scaler.unscale_``,
+    which Lightning calls before ``on_before_optimizer_step``) except for an optimizer that
+    unscales them inside its own step (``Adam``/``AdamW``/``SGD``/``Adagrad`` with
+    ``fused=True``: torch marks it ``_step_supports_amp_scaling``, as Lightning reads it):
+    there the gradients seen before the step are multiplied by the scale. Returned as the
+    scaler's own tensor, on its device, so that no synchronisation is needed.
+    """
+    if scaler is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+        return None
+    state = scaler._per_optimizer_states.get(id(optimizer))  # .get: creates no entry
+    if state is not None and state.get("stage") is torch.amp.grad_scaler.OptState.UNSCALED:
+        return None  # the user unscaled them (scaler.unscale_(optimizer))
+    return scaler._get_scale_async()

@@ -45,6 +45,13 @@ def norms(tensors: list[Tensor]) -> list[Tensor]:
     return foreach_norm(upcast(tensors)) if tensors else []
 
 
+def unscaled(grad_norms: list[Tensor], grad_scale: Tensor | None) -> list[Tensor]:
+    """Gradient norms with the scale an AMP grad scaler left on the gradients divided out."""
+    if grad_scale is None:
+        return grad_norms
+    return [norm / grad_scale.to(norm.device) for norm in grad_norms]
+
+
 class ParameterStats:
     """Norms, gradient norms and update ratios of ``params`` (``DTensor`` s if ``sharded``:
     their norms are collectives, every rank computes them in the same order)."""
@@ -84,9 +91,13 @@ class ParameterStats:
             )
         return found[1]
 
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_step(
+        self, optimizer: torch.optim.Optimizer, grad_scale: Tensor | None = None
+    ) -> None:
         """Record the gradient norms and values of the parameters ``optimizer`` is about to
-        update (those with a gradient)."""
+        update (those with a gradient). ``grad_scale``: the scale the gradients still carry
+        (an AMP grad scaler with an optimizer that unscales them in its own step), divided
+        out of their norms."""
         names = [n for n in self._names_of(optimizer) if self.params[n].grad is not None]
         if not names:
             return
@@ -99,7 +110,7 @@ class ParameterStats:
                 found = norms(grads)
                 if self.sharded:
                     found = full_values(found)  # collectives, on every rank in the same order
-                self._grad_norms.update(zip(names, found, strict=True))
+                self._grad_norms.update(zip(names, unscaled(found, grad_scale), strict=True))
                 return
             self._steps.enter(optimizer)
             buffers = []
@@ -122,7 +133,7 @@ class ParameterStats:
             if self.sharded:
                 found = full_values(found)  # collectives, on every rank in the same order
             k = len(names)
-            self._grad_norms.update(zip(names, found[:k], strict=True))
+            self._grad_norms.update(zip(names, unscaled(found[:k], grad_scale), strict=True))
             self._before_norms.update(zip(names, found[k:], strict=True))
         self._stepped.extend(n for n in names if n not in self._stepped)
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from .._core.checks import check_bool, check_positive_int, suggestion
-from .._core.compat import distributed_active
+from .._core.compat import distributed_active, pending_grad_scale
 from .._core.names import (
     absent_module_type,
     canonical_name,
@@ -923,7 +923,9 @@ class FeatureStatsMonitor(RecorderCallback):
         if self._active != "train" or params is None:
             return
         if trainer.is_global_zero or params.sharded:  # sharded norms: collectives on every rank
-            params.before_step(optimizer)
+            # a fused optimizer under fp16 AMP: Lightning leaves the gradients scaled
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            params.before_step(optimizer, pending_grad_scale(optimizer, scaler))
 
     def _log_train(self, trainer: pl.Trainer, states: Tensor, kept: list[list[Tensor]]) -> None:
         """Log a training step: its histograms, statistics and parameter norms reach the host in

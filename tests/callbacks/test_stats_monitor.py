@@ -1848,3 +1848,40 @@ def test_small_and_large_outputs_in_one_step(tmp_path: Path, mixed: bool) -> Non
     }
     expected_nums = {"large": 128 * 256, "small": 320, "mixed": 128 * 256 + 256}
     assert nums == {name: expected_nums[name] for name in model.names}
+
+
+class SumLinear(pl.LightningModule):
+    """``Linear(4, 1)`` trained on the sum of its outputs: the gradients are the inputs' sum
+    (weight) and the batch size (bias)."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fused = fused
+        self.lin = nn.Linear(4, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.lin(batch).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3, fused=self.fused)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_grad_norm_under_fp16_amp_is_unscaled_also_for_a_fused_optimizer(
+    tmp_path: Path, fused: bool
+) -> None:
+    """A fused optimizer unscales the gradients inside its step, so Lightning leaves them
+    scaled before it: the logged gradient norms are still those of the unscaled gradients."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    precision = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    logger = TensorBoardLogger(tmp_path, name="amp")
+    monitor = FeatureStatsMonitor(["lin"], every_n_steps=1, histograms=False)
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_steps=1, plugins=[precision], callbacks=[monitor]
+    )
+    x = features(8, seed=3)
+    trainer.fit(SumLinear(fused), DataLoader(x, batch_size=8))
+    got = scalars(logger.log_dir)
+    weight = x.half().double().sum(0).norm().item()  # autocast multiplies in float16
+    assert got["stats/train/lin.weight/grad_norm"][0] == pytest.approx(weight, rel=5e-3)
+    assert got["stats/train/lin.bias/grad_norm"][0] == pytest.approx(8.0, rel=1e-6)
