@@ -23,6 +23,7 @@ import fnmatch
 import importlib
 import re
 from collections.abc import Callable, Iterable, Mapping
+from typing import cast
 
 from torch import nn
 
@@ -261,19 +262,13 @@ def resolve_type(spec: str | type) -> type:
             f"{suggestion(spec, valid, 'torch.nn classes')}"
             + (f" {near}" if near.startswith("Closest") else "")
         )
-    obj = import_object(spec, "a class", "classes", lambda v: isinstance(v, type))
-    if not isinstance(obj, type):
-        raise RecorderConfigError(
-            f"Expected {spec!r} to name a class but {spec} is "
-            f"{with_article(type(obj).__name__)}, not a class."
-        )
-    return obj
+    return cast(type, import_object(spec, "a class", "classes", lambda v: isinstance(v, type)))
 
 
 def import_object(spec: str, what: str, kinds: str, kind: Callable[[object], bool]) -> object:
-    """The object that the import path ``"pkg.module.name"`` names: ``what`` (``"a class"``) in
-    the messages; for a missing name, the closest of the module's ``kinds`` (those ``kind`` is
-    true of)."""
+    """The object that the import path ``"pkg.module.name"`` names, one that ``kind`` is true
+    of: ``what`` (``"a class"``) in the messages; for a missing name, the closest of the
+    module's ``kinds`` (those ``kind`` is true of)."""
     module_name, _, attr = spec.rpartition(".")
     try:
         module = importlib.import_module(module_name)
@@ -287,7 +282,12 @@ def import_object(spec: str, what: str, kinds: str, kind: Callable[[object], boo
             f"Expected {spec!r} to name {what} but {module_name!r} has no attribute {attr!r}. "
             f"{suggestion(attr, names, f'{kinds} in {module_name}')}"
         )
-    return getattr(module, attr)
+    found = getattr(module, attr)
+    if not kind(found):
+        raise RecorderConfigError(
+            f"Expected {spec!r} to name {what} but {spec} is {with_article(type(found).__name__)}."
+        )
+    return found
 
 
 def _relative_hint(source: str, names: list[str]) -> str:

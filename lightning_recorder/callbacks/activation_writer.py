@@ -91,10 +91,13 @@ def _function_or_key(name: str) -> Any:
     """A ``sample_index`` with a dot: the function it names where it imports as one (the form a
     YAML config gives a function), else the batch key it is."""
     try:
-        found = import_object(name, "a function", "functions", callable)
+        return import_object(name, "a function", "functions", _is_function)
     except RecorderConfigError:
         return name
-    return found if callable(found) and not isinstance(found, type) else name
+
+
+def _is_function(value: object) -> bool:
+    return callable(value) and not isinstance(value, type)
 
 
 class ActivationWriter(RecorderCallback):

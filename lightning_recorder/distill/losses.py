@@ -40,13 +40,13 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._core.checks import check_option, check_tensor, suggestion, with_article
+from .._core.checks import check_option, check_tensor, suggestion
 from .._core.names import import_object
 from .._core.registry import Registry
 from ..errors import RecorderConfigError
@@ -600,13 +600,8 @@ def get_loss(spec: str | nn.Module | type[nn.Module] | LossFn, **options: Any) -
         3.0
     """
     if isinstance(spec, str) and "." in spec:  # the form a YAML config gives a class or function
-        found = import_object(spec, "a loss class or function", "callables", callable)
-        if not callable(found):
-            raise RecorderConfigError(
-                f"Expected {spec!r} to name a loss class or a function taking (student, "
-                f"teacher) but {spec} is {with_article(type(found).__name__)}."
-            )
-        return get_loss(found, **options)
+        what = "a loss class or a function taking (student, teacher)"
+        return get_loss(cast(LossFn, import_object(spec, what, "callables", callable)), **options)
     if isinstance(spec, str):
         cls = LOSSES.resolve(
             spec,

@@ -21,7 +21,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from ..._core.checks import with_article
 from ..._core.names import import_object
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
@@ -258,14 +257,11 @@ class FeatureDistillation(Callback):
         connector_specs = per_pair(connectors, self.pairs, "connectors", "auto")
         for pair, spec in connector_specs.items():
             if isinstance(spec, str) and "." in spec:  # an import path, as YAML gives a factory
-                found = import_object(spec, "a connector factory", "callables", callable)
-                if not callable(found):
-                    raise RecorderConfigError(
-                        f"Expected {spec!r} in `connectors` to name a connector factory "
-                        "(student_shape, teacher_shape) -> module, or a module class taking the "
-                        f"two shapes, but {spec} is {with_article(type(found).__name__)}."
-                    )
-                spec = connector_specs[pair] = found
+                what = (
+                    "a connector factory (student_shape, teacher_shape) -> module, or a module "
+                    "class taking the two shapes,"
+                )
+                spec = connector_specs[pair] = import_object(spec, what, "callables", callable)
             check_connector_spec(spec, "connectors")
         self._bank = ConnectorBank(connector_specs, resize, connector_lr)
         self._runner = StepRunner(
