@@ -98,9 +98,7 @@ def _never_matches(pattern: str) -> bool:
     """Whether an ``exclude`` pattern without glob characters can name no tensor of any model:
     every name is ``"<module>.input.<argument>[.<path>]"``, ``"<module>.output[.<path>]"``,
     ``"batch"`` or ``"batch.<path>"``."""
-    if any(c in pattern for c in "*?["):
-        return False
-    if pattern == "batch" or pattern.startswith("batch."):
+    if any(c in pattern for c in "*?[") or _names_batch(pattern):
         return False
     return re.search(r"\.input\.|\.output(?=\.|$)", pattern) is None
 
