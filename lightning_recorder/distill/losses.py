@@ -257,7 +257,15 @@ def cosine_loss(student: Tensor, teacher: Tensor, dim: int | None = None) -> Ten
 def _attention_map(x: Tensor, p: float) -> Tensor:
     """``mean_c |x|^p`` flattened per sample and L2-normalised: (N, positions)."""
     c = 2 if x.ndim == 3 else 1
-    return F.normalize(x.abs().pow(p).mean(dim=c).flatten(1), dim=1)
+    magnitude = x.abs()
+    if p < 1:
+        # |x|^p has an infinite slope at 0 for p < 1, which made the gradient of every zero
+        # feature (a ReLU's) NaN: a zero feature gets a zero gradient, as |x| has at 0
+        nonzero = magnitude != 0  # a NaN feature stays NaN
+        powered = torch.where(nonzero, torch.where(nonzero, magnitude, 1.0).pow(p), 0.0)
+    else:
+        powered = magnitude.pow(p)
+    return F.normalize(powered.mean(dim=c).flatten(1), dim=1)
 
 
 def attention_transfer_loss(
@@ -275,7 +283,8 @@ def attention_transfer_loss(
     Args:
         student: student features ``(N, C_s, H, W)`` or tokens ``(N, L, C_s)``.
         teacher: teacher features ``(N, C_t, H, W)`` or ``(N, L, C_t)`` (detached inside).
-        p: the exponent applied to ``|f|`` (2 in the paper).
+        p: the exponent applied to ``|f|`` (2 in the paper). For ``p < 1``, whose slope is
+            infinite at 0, a zero feature (a ReLU's) gets a zero gradient.
         distance: ``"mse"`` averages the squared differences of the maps over samples and
             positions (the authors' code); ``"l2"`` averages the per-sample L2 norm of the
             difference (the paper's formula).

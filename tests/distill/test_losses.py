@@ -124,6 +124,33 @@ def test_attention_transfer_known_value() -> None:
     assert attention_transfer_loss(s, t).item() == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("p", [0.5, 1.0, 2.0])
+def test_attention_transfer_gradient_is_finite_at_zero_features(p: float) -> None:
+    # ReLU features hold exact zeros, where |x| ** p has an infinite slope for p < 1: the
+    # gradient of every zero feature was NaN, and the optimizer spread it to the weights
+    gen = torch.Generator().manual_seed(8)
+    student = torch.randn(2, 4, 3, 3, generator=gen, dtype=torch.float64).relu()
+    teacher = torch.randn(2, 8, 3, 3, generator=gen, dtype=torch.float64)
+    assert (student == 0).any()
+    leaf = student.clone().requires_grad_()
+    value = attention_transfer_loss(leaf, teacher, p=p)
+    diff = _manual_attention(student, p) - _manual_attention(teacher, p)
+    torch.testing.assert_close(value.detach(), (diff**2).mean(), rtol=1e-12, atol=0)
+    value.backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+    assert (leaf.grad[student == 0] == 0).all()
+    # at the other features the gradient is the analytic one (central differences, float64)
+    mask = student != 0
+    values = student[mask].clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda v: attention_transfer_loss(student.masked_scatter(mask, v), teacher, p=p),
+        (values,),
+    )
+    # a NaN feature is not a zero one: the loss stays NaN
+    student[0, 0, 0, 0] = math.nan
+    assert attention_transfer_loss(student, teacher, p=p).isnan()
+
+
 def test_attention_transfer_p2_equals_reference_implementation() -> None:
     """The authors' code: at(x) = normalize(x.pow(2).mean(1).view(N, -1)); (at(s)-at(t))^2 mean."""
     s, t = torch.randn(4, 8, 6, 6), torch.randn(4, 16, 6, 6)
