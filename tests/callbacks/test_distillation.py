@@ -753,6 +753,26 @@ def test_loss_options_for_every_named_loss_or_per_pair() -> None:
         FeatureDistillation(Teacher(), PAIRS, loss="mse", loss_options={"temperature": 2.0})
 
 
+def test_loss_options_that_no_loss_takes_are_refused() -> None:
+    # one mapping of options with only modules and callables as losses configured nothing: a
+    # KLDivLoss() kept temperature 1 without a word, while the per-pair form raised or bound
+    def scaled(student: Tensor, teacher: Tensor, scale: float = 1.0) -> Tensor:
+        return mse_loss(student, teacher) * scale
+
+    for loss in (KLDivLoss(), {"features.2": scaled, "head": KLDivLoss()}):
+        with pytest.raises(
+            RecorderConfigError,
+            match=r"Expected `loss_options` for a loss given by its name or class, but the loss "
+            r"of every pair is a module or a callable, used as it is, so 'temperature' would "
+            r"configure nothing\. Configure the module itself \(`KLDivLoss\(temperature=4\.0\)`\)",
+        ):
+            FeatureDistillation(Teacher(), PAIRS, loss=loss, loss_options={"temperature": 4.0})
+    distill = FeatureDistillation(
+        Teacher(), {"features.2": "features.2"}, scaled, loss_options={"features.2": {"scale": 2}}
+    )
+    assert distill._runner.losses["features.2"].keywords == {"scale": 2}  # type: ignore[union-attr]
+
+
 class TeacherInside(Student):
     def __init__(self, teacher: nn.Module) -> None:
         super().__init__()

@@ -285,7 +285,8 @@ def losses_per_pair(
 
     ``options`` are keyword options for the *named* losses (and loss classes): either one mapping
     for all of them (``{"temperature": 4.0}``), or one per pair (``{"head": {"temperature":
-    4.0}}``). Modules and callables are used as they are.
+    4.0}}``). Modules and callables are used as they are; one mapping when no pair's loss is
+    named (options that would configure nothing) is an error.
     """
     specs = per_pair(loss, pairs, "loss", None)
     options = dict(options or {})
@@ -293,4 +294,12 @@ def losses_per_pair(
         per = {p: dict(options.get(p, {})) for p in pairs}
     else:
         per = {p: options if isinstance(specs[p], (str, type)) else {} for p in pairs}
+        if options and not any(per.values()):  # options no loss takes: an error, not a no-op
+            raise RecorderConfigError(
+                "Expected `loss_options` for a loss given by its name or class, but the loss of "
+                "every pair is a module or a callable, used as it is, so "
+                f"{', '.join(map(repr, sorted(options)))} would configure nothing. Configure "
+                "the module itself (`KLDivLoss(temperature=4.0)`), or give the options per pair "
+                "(`{pair: {option: value}}`) to bind them to a function."
+            )
     return {p: get_loss(specs[p], **per[p]) for p in pairs}

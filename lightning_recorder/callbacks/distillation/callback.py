@@ -112,7 +112,8 @@ class FeatureDistillation(Callback):
             :func:`lightning_recorder.get_loss`).
         weight: the weight of every term, or ``{student module name: weight}``.
         loss_options: keyword options for the named losses, e.g. ``{"temperature": 4.0}``,
-            or per pair: ``{student module name: {option: value}}``.
+            or per pair: ``{student module name: {option: value}}``. Loss modules and
+            callables are used as they are: one mapping when no pair's loss is named is an error.
         connectors: ``"auto"`` (a 1x1 convolution or linear layer where channels differ),
             ``"identity"``, a module or a factory (also by its import path, as a YAML config
             gives it: ``"my_project.distill.connector"``); one for all pairs or a mapping per
