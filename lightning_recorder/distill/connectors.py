@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._core.checks import check_bool, suggestion
-from ..errors import RecorderConfigError
+from ..errors import RecorderConfigError, RecorderError
 
 __all__ = ["ConnectorSpec", "build_connector", "resolve_connector"]
 
@@ -192,8 +192,10 @@ def resolve_connector(
         default dtype: autocast casts.
 
     Raises:
-        RecorderConfigError: an unknown name (with the closest one), a factory that does not
-            return a module, a spec of another type, or the errors of :func:`build_connector`.
+        RecorderConfigError: an unknown name (with the closest one), a factory that raises
+            when called with the two shapes (a module class such as ``torch.nn.Linear``, whose
+            constructor takes sizes) or does not return a module, a spec of another type, or the
+            errors of :func:`build_connector`.
 
     Examples:
         >>> import torch
@@ -265,7 +267,20 @@ def _resolve(spec: object, s: torch.Size, t: torch.Size, resize: bool) -> nn.Mod
     if isinstance(spec, nn.Module):
         return spec
     if callable(spec):
-        module = spec(s, t)
+        try:
+            module = spec(s, t)
+        except (RecorderError, torch.OutOfMemoryError):
+            raise
+        except Exception as err:  # a module class (torch.nn.Linear) takes sizes, not shapes
+            name = getattr(spec, "__qualname__", None) or repr(spec)
+            raise RecorderConfigError(
+                f"Expected the connector factory {name} to build a module from the student and "
+                f"teacher feature shapes, called as {name}({tuple(s)}, {tuple(t)}), but it raised "
+                f"{type(err).__name__}: {err}. A factory takes (student_shape, teacher_shape); "
+                "for a module class whose constructor takes other arguments (the sizes of "
+                "torch.nn.Linear or torch.nn.Conv2d), pass a module built for these shapes, or "
+                "'auto'."
+            ) from err
         if not isinstance(module, nn.Module):
             raise RecorderConfigError(
                 "Expected the connector factory to return an nn.Module but got "

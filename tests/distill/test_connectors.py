@@ -253,6 +253,26 @@ def test_resolve_factory_must_return_a_module() -> None:
         resolve_connector(factory, torch.zeros(1, 2), torch.zeros(1, 2))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("spec", [nn.Linear, nn.Conv2d])
+def test_resolve_a_module_class_taking_sizes_names_the_factory_call(spec: type[nn.Module]) -> None:
+    # a module class given as the connector failed inside torch at the first step ("empty():
+    # argument 'size' must be tuple of ints, but found element of type torch.Size")
+    name = spec.__name__
+    with pytest.raises(
+        RecorderConfigError,
+        match=rf"Expected the connector factory {name} to build a module from the student and "
+        rf"teacher feature shapes, called as {name}\(\(2, 8\), \(2, 16\)\), but it raised "
+        r"TypeError: .*pass a module built for these shapes, or 'auto'\.$",
+    ) as info:
+        resolve_connector(spec, torch.zeros(2, 8), torch.zeros(2, 16))
+    assert isinstance(info.value.__cause__, TypeError)
+    # the errors of build_connector, as a factory, are its own
+    with pytest.raises(
+        RecorderConfigError, match=r"^Expected the student and teacher feature maps"
+    ):
+        resolve_connector(build_connector, torch.zeros(2, 8, 4, 4), torch.zeros(2, 16, 2, 2))
+
+
 def test_resolve_unknown_name_suggests_closest() -> None:
     with pytest.raises(
         RecorderConfigError,
