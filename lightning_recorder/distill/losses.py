@@ -353,8 +353,10 @@ def kl_div_loss(
         The temperature-scaled KL divergence.
 
     Raises:
-        RecorderConfigError: the shapes differ, the logits are 1-D, ``dim`` is out of range or
-            ``temperature`` is not positive.
+        RecorderConfigError: the shapes differ, the logits are 1-D or have fewer than 2 classes
+            (one logit per sample: give the two classes' logits, ``[0, x]``, whose softmax is
+            ``1 - sigmoid(x), sigmoid(x)``), ``dim`` is out of range or ``temperature`` is not
+            positive.
 
     Examples:
         >>> import torch
@@ -369,6 +371,14 @@ def kl_div_loss(
     _same_shape(student, teacher, "Both must be logits over the same classes.")
     d = _channel_dim(student, dim, "kl_div_loss")
     classes = student.shape[d]
+    if classes < 2:  # a softmax over one class is 1: the loss would be 0, with no gradient
+        raise RecorderConfigError(
+            f"Expected kl_div_loss logits with at least 2 classes on dim {d} but got shape "
+            f"{_shape(student)}: a softmax over one class is 1 whatever the logit, so the loss "
+            "would be 0 and train nothing. For one logit per sample (a binary classifier), give "
+            f"both classes' logits, `torch.cat([torch.zeros_like(x), x], dim={d})` (their "
+            "softmax is 1 - sigmoid(x), sigmoid(x)), or pass `dim` to name the class dim."
+        )
     log_s = F.log_softmax(student.movedim(d, -1).reshape(-1, classes) / t_, dim=-1)
     log_t = F.log_softmax(teacher.movedim(d, -1).reshape(-1, classes) / t_, dim=-1)
     # sum p_t * (log p_t - log p_s), with 0 * log 0 = 0: a class the teacher gives no

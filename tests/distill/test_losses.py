@@ -225,6 +225,27 @@ def test_kl_classes_the_teacher_masks_add_nothing(shape: tuple[int, ...]) -> Non
     assert kl_div_loss(student, teacher).isnan()
 
 
+@pytest.mark.parametrize(("shape", "dim"), [((8, 1), 1), ((2, 1, 4, 4), 1), ((2, 5, 1), 2)])
+def test_kl_of_one_class_is_refused_with_the_binary_form(shape: tuple[int, ...], dim: int) -> None:
+    # one logit per sample (a binary classifier) gave a loss of 0 and no gradient without a word
+    student, teacher = _pair(shape, seed=9)
+    with pytest.raises(
+        RecorderConfigError,
+        match=rf"Expected kl_div_loss logits with at least 2 classes on dim {dim} but got shape "
+        + re.escape(str(shape))
+        + rf": a softmax over one class is 1 .*`torch\.cat\(\[torch\.zeros_like\(x\), x\], "
+        rf"dim={dim}\)`",
+    ):
+        KLDivLoss(temperature=2.0)(student, teacher)
+    # the form the message gives is the binary KL divergence of sigmoid(s / T) and sigmoid(t / T)
+    s2, t2 = (torch.cat([torch.zeros_like(x), x], dim=dim).double() for x in (student, teacher))
+    p_s, p_t = torch.sigmoid(student.double() / 2.0), torch.sigmoid(teacher.double() / 2.0)
+    binary = p_t * (p_t / p_s).log() + (1 - p_t) * ((1 - p_t) / (1 - p_s)).log()
+    torch.testing.assert_close(
+        kl_div_loss(s2, t2, temperature=2.0), binary.mean() * 4.0, rtol=1e-10, atol=0
+    )
+
+
 def test_kl_explicit_dim() -> None:
     s, t = _pair((3, 4, 5), seed=5)  # classes on dim 1 this time
     expected = _manual_kl(s.transpose(1, 2), t.transpose(1, 2), 2.0)
