@@ -239,7 +239,8 @@ def cosine_loss(student: Tensor, teacher: Tensor, dim: int | None = None) -> Ten
         ``mean(1 - cos(student, teacher))``.
 
     Raises:
-        RecorderConfigError: the shapes differ, the features are 1-D, or ``dim`` is out of range.
+        RecorderConfigError: the shapes differ, the features are 1-D or have one channel (the
+            cosine of two numbers is -1 or 1, with no gradient), or ``dim`` is out of range.
 
     Examples:
         >>> import torch
@@ -251,6 +252,13 @@ def cosine_loss(student: Tensor, teacher: Tensor, dim: int | None = None) -> Ten
     student, teacher = _prepare(student, teacher, "cosine_loss")
     _same_shape(student, teacher)
     d = _channel_dim(student, dim, "cosine_loss")
+    if student.shape[d] < 2:  # the cosine of two numbers is their signs' agreement
+        raise RecorderConfigError(
+            f"Expected cosine_loss features with at least 2 channels on dim {d} but got shape "
+            f"{_shape(student)}: the cosine of two numbers is -1 or 1, so the loss would be 0 or "
+            "2 with no gradient and train nothing. Compare one channel with mse_loss or "
+            "l1_loss, or pass `dim` to name the channel dim."
+        )
     return (1.0 - F.cosine_similarity(student, teacher, dim=d)).mean()
 
 

@@ -88,6 +88,21 @@ def test_cosine_explicit_dim_and_known_value() -> None:
     torch.testing.assert_close(CosineLoss(dim=-2)(s, t), expected)
 
 
+@pytest.mark.parametrize(("shape", "dim"), [((8, 1), 1), ((2, 1, 4, 4), 1), ((2, 5, 1), 2)])
+def test_cosine_of_one_channel_is_refused(shape: tuple[int, ...], dim: int) -> None:
+    # the cosine of two numbers is -1 or 1: the loss was 0 or 2 with no gradient, without a word
+    student, teacher = _pair(shape, seed=10)
+    with pytest.raises(
+        RecorderConfigError,
+        match=rf"Expected cosine_loss features with at least 2 channels on dim {dim} but got "
+        + re.escape(f"shape {shape}: the cosine of two numbers is -1 or 1")
+        + r".*mse_loss or l1_loss, or pass `dim`",
+    ):
+        CosineLoss()(student, teacher)
+    if len(shape) == 4:  # another dim of the same features holds several values
+        assert torch.isfinite(cosine_loss(student, teacher, dim=2))
+
+
 def _manual_attention(x: Tensor, p: float) -> Tensor:
     n = x.shape[0]
     rows = []
