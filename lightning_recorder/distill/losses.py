@@ -302,8 +302,9 @@ def attention_transfer_loss(
 
     Raises:
         RecorderConfigError: the features are not 3-D or 4-D-or-more, the ranks, batch sizes or
-            spatial sizes differ (the message names both shapes), ``p`` is not positive, or
-            ``distance`` is unknown.
+            spatial sizes differ (the message names both shapes), a sample has one position
+            (pooled ``(N, C, 1, 1)`` maps, one token: its normalised map is 1), ``p`` is not
+            positive, or ``distance`` is unknown.
 
     Examples:
         >>> import torch
@@ -332,6 +333,15 @@ def attention_transfer_loss(
             f"but got student {_shape(student)} and teacher {_shape(teacher)}. Attention "
             "transfer compares maps position by position: pair layers of the same resolution "
             "or resize one of them (torch.nn.functional.interpolate)."
+        )
+    positions = math.prod(s_key[1:])
+    if positions < 2:  # one position's normalised map is 1: nothing to compare or learn
+        raise RecorderConfigError(
+            "Expected attention transfer features with at least 2 positions per sample but got "
+            f"student {_shape(student)} and teacher {_shape(teacher)}: the attention map of one "
+            "position is 1 once normalised, so the loss would be 0 with no gradient and train "
+            "nothing. Pair layers with a spatial size (or several tokens) rather than pooled "
+            "features, or compare pooled features with mse_loss or cosine_loss."
         )
     diff = _attention_map(student, p) - _attention_map(teacher, p)
     if distance == "mse":

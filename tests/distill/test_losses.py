@@ -456,6 +456,24 @@ def test_attention_spatial_mismatch_names_both_shapes() -> None:
         attention_transfer_loss(torch.zeros(2, 8, 4, 4), torch.zeros(3, 8, 4, 4))
 
 
+@pytest.mark.parametrize(
+    ("s_shape", "t_shape"), [((4, 8, 1, 1), (4, 32, 1, 1)), ((4, 1, 16), (4, 1, 64))]
+)
+def test_attention_of_one_position_is_refused(
+    s_shape: tuple[int, ...], t_shape: tuple[int, ...]
+) -> None:
+    # one position's normalised map is 1: pooled maps or one token gave 0 with no gradient,
+    # without a word
+    student, teacher = torch.randn(s_shape), torch.randn(t_shape)
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"Expected attention transfer features with at least 2 positions per sample but "
+        + re.escape(f"got student {s_shape} and teacher {t_shape}: the attention map of one")
+        + r".*mse_loss or cosine_loss\.$",
+    ):
+        AttentionTransferLoss(distance="l2")(student, teacher)
+
+
 def test_attention_rank_errors() -> None:
     with pytest.raises(RecorderConfigError, match=r"same rank.*\(2, 8\) and teacher \(2, 8\)"):
         attention_transfer_loss(torch.zeros(2, 8), torch.zeros(2, 8))
