@@ -773,6 +773,31 @@ def test_loss_options_that_no_loss_takes_are_refused() -> None:
     assert distill._runner.losses["features.2"].keywords == {"scale": 2}  # type: ignore[union-attr]
 
 
+def _no_return(student: Tensor, teacher: Tensor) -> None:
+    mse_loss(student, teacher)  # the `return` forgotten
+
+
+@pytest.mark.parametrize(
+    ("loss", "name", "got"),
+    [
+        (nn.MSELoss(reduction="none"), r"MSELoss\(\)", r"a tensor of shape \(8, 3\)"),
+        (lambda s, t: mse_loss(s, t).item(), "<lambda>", r"float [\d.]+"),
+        (_no_return, "_no_return", "NoneType None"),
+    ],
+)
+def test_a_loss_that_returns_no_single_value_names_the_pair(loss: Any, name: str, got: str) -> None:
+    # failed inside the callback (AttributeError: 'float' object has no attribute 'detach';
+    # TypeError on None * weight) or in a self.log call the user never wrote
+    student = Student()
+    with pytest.raises(
+        RecorderConfigError,
+        match=rf"Expected the loss of pair 'head' -> 'head' \({name}\) to return a tensor of one "
+        rf"element but got {got}\. .*reduce it \(`\.mean\(\)`\)",
+    ):
+        fit(student, [FeatureDistillation(Teacher(), {"head": "head"}, loss=loss)], max_steps=1)
+    assert "training_step" not in student.__dict__ and not live_hooks()
+
+
 class TeacherInside(Student):
     def __init__(self, teacher: nn.Module) -> None:
         super().__init__()

@@ -341,13 +341,29 @@ class StepRunner:
                     f"but {connector!r} raised {type(err).__name__}: {err}. Give a connector "
                     "built for these shapes, or leave this pair's connector to 'auto'."
                 ) from err
+            loss = self.losses[pair]
             try:
-                terms[pair] = self.losses[pair](mapped, t) * self.weights[pair]
+                value = loss(mapped, t)
             except RecorderConfigError as err:  # e.g. the mapped feature is not the teacher's shape
                 built = self._built_for_other_shapes(pair, t_name, s, t)
                 if built is None:
                     raise
                 raise built from err
+            if not isinstance(value, Tensor) or value.numel() != 1:
+                # a custom loss that forgot `return`, returned `.item()` or did not reduce
+                got = (
+                    f"a tensor of shape {shape_of(value)}"
+                    if isinstance(value, Tensor)
+                    else f"{type(value).__name__} {value!r}"
+                )
+                name = getattr(loss, "__qualname__", None) or repr(loss)
+                raise RecorderConfigError(
+                    f"Expected the loss of pair {pair!r} -> {t_name!r} ({name}) to return a "
+                    f"tensor of one element but got {got}. A loss takes (student, teacher) and "
+                    "returns the loss tensor itself: reduce it (`.mean()`), and return it rather "
+                    "than `.item()`."
+                )
+            terms[pair] = value * self.weights[pair]
         if self.on_nonfinite != "ignore" and self.phase == "train":
             self._flag_nonfinite(terms)
         return terms
