@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import os
 import pickle
 import subprocess
@@ -1358,6 +1359,27 @@ def test_nonfinite_raise_stops_the_run_and_ignore_checks_nothing() -> None:
         warnings.filterwarnings("ignore", message=".*(val_dataloader|LeafSpec|log_every_n).*")
         fit(student, [quiet], max_steps=2)
     assert quiet._runner._nonfinite is None  # no flags kept
+
+
+def test_a_teacher_masking_a_class_is_no_fault_where_the_term_stays_finite() -> None:
+    # kl_div_loss leaves out a class the teacher gives -inf (a masked vocabulary), but the check
+    # reported "the distillation loss is non-finite" for it, and on_nonfinite="raise" stopped
+    def mask_first_class(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        return out.index_fill(1, torch.tensor([0]), float("-inf"))
+
+    teacher, student = seeded()
+    teacher.head.register_forward_hook(mask_first_class)
+    distill = FeatureDistillation(teacher, {"head": "head"}, loss="kl", on_nonfinite="raise")
+    trainer = fit(student, [distill], max_steps=2)
+    assert math.isfinite(float(trainer.logged_metrics["distill/head"]))
+    # where the term is not finite (mse of a -inf), the teacher is named as its cause
+    teacher, student = seeded()
+    teacher.head.register_forward_hook(mask_first_class)
+    distill = FeatureDistillation(teacher, {"head": "head"}, loss="mse", on_nonfinite="raise")
+    with pytest.raises(
+        RecorderStateError, match=r"in the teacher features of pair 'head' -> 'head' \(training "
+    ):
+        fit(student, [distill], max_steps=2)
 
 
 def test_nonfinite_flags_stay_on_the_device_until_a_logging_step() -> None:

@@ -418,17 +418,17 @@ class StepRunner:
         )
 
     def _flag_nonfinite(self, terms: Mapping[str, Tensor]) -> None:
-        """Or this step's non-finite flags into the device-side flags (no host sync)."""
+        """Or this step's non-finite flags into the device-side flags (no host sync): per pair,
+        (a non-finite term with non-finite teacher features, a non-finite term). A teacher
+        feature that is not finite while the term is (a logit of -inf, a masked class that
+        kl_div_loss leaves out) is no fault."""
         teacher = self._recorders["train"][1]
         rows = []
         with torch.no_grad():
             for pair, t_name in self.labels.items():
                 t = feature(teacher.get_recorder(pair).get_record_data(), "teacher", t_name)
-                rows.append(
-                    torch.stack(
-                        [~torch.isfinite(t).all(), ~torch.isfinite(terms[pair].detach()).all()]
-                    )
-                )
+                bad_term = ~torch.isfinite(terms[pair].detach()).all()
+                rows.append(torch.stack([bad_term & ~torch.isfinite(t).all(), bad_term]))
             flags = torch.stack(rows)
         self._nonfinite = flags if self._nonfinite is None else self._nonfinite | flags
 

@@ -141,10 +141,12 @@ class FeatureDistillation(Callback):
             teacher's pass are replayed in the student's (see
             :class:`lightning_recorder.DistillDeliveryManager`).
         log_prefix: the prefix of the logged names.
-        on_nonfinite: what a non-finite (NaN or inf) teacher feature or distillation term does
-            in training: ``"warn"`` (default) warns once per pair, naming it; ``"raise"`` stops
-            the run with a :class:`~lightning_recorder.errors.RecorderStateError`;
-            ``"ignore"`` checks nothing. The check costs no host sync on a step that Lightning
+        on_nonfinite: what a non-finite (NaN or inf) distillation term does in training (the
+            message says whether the teacher's features were non-finite too; a teacher feature
+            that is not finite while the term is, a masked class's ``-inf`` logit, is no fault):
+            ``"warn"`` (default) warns once per pair, naming it; ``"raise"`` stops the run with
+            a :class:`~lightning_recorder.errors.RecorderStateError`; ``"ignore"`` checks
+            nothing. The check costs no host sync on a step that Lightning
             does not log: the flags stay on the device and are read every
             ``log_every_n_steps`` steps (when Lightning reads logged values anyway) and at the
             end of each epoch; on the CPU they are read after every step. So on an accelerator
@@ -165,7 +167,7 @@ class FeatureDistillation(Callback):
             it in the student), the teacher cannot take the student's input (pass
             ``teacher_input=``), ``shard_teacher`` is set without a strategy that has a device
             mesh, or the teacher is sharded but no process group is running.
-        RecorderStateError: with ``on_nonfinite="raise"``, a non-finite teacher feature or term.
+        RecorderStateError: with ``on_nonfinite="raise"``, a non-finite distillation term.
 
     Examples:
         >>> import lightning.pytorch as pl, torch
