@@ -22,8 +22,9 @@ runs).
   optimizer that unscales them in its own step (``fused=True``), as a tensor (``get_scale()``
   would synchronise with the device).
 
-Two helpers read nothing private and live here to be found with them:
-:func:`distributed_active` (the one "is a process group running" test) and :func:`dtensor_type`.
+Three helpers read nothing private and live here to be found with them:
+:func:`distributed_active` (the one "is a process group running" test), :func:`dtensor_type`
+and :func:`autocast_enabled` (the one "does autocast cast on this device" test).
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ def uncompiled(module: nn.Module) -> nn.Module:
 def distributed_active(group: Any = None) -> bool:
     """Whether a ``torch.distributed`` process group is running with more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def autocast_enabled(device: torch.device) -> bool:
+    """Whether autocast is on for ``device``'s type: any device type autocast supports (CPU,
+    CUDA, MPS, XPU, ...), ``False`` for one it does not (``meta``), where torch would raise."""
+    kind = device.type
+    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
 
 
 def foreach_norm(

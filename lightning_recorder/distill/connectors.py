@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._core.checks import check_bool, suggestion
+from .._core.compat import autocast_enabled
 from ..errors import RecorderConfigError, RecorderError
 
 __all__ = ["ConnectorSpec", "build_connector", "resolve_connector"]
@@ -218,8 +219,10 @@ def resolve_connector(
     with torch.inference_mode(False):
         module = _resolve(spec, student_feature.shape, teacher_feature.shape, resize)
         device = student_feature.device
-        autocast = device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type)
-        if student_feature.is_floating_point() and not autocast and not isinstance(spec, nn.Module):
+        # under autocast (mixed precision) on that device the connector stays in the default
+        # dtype: autocast casts
+        cast = not autocast_enabled(device) and not isinstance(spec, nn.Module)
+        if student_feature.is_floating_point() and cast:
             return module.to(device=device, dtype=student_feature.dtype)
         return module.to(device)
 

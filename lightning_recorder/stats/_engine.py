@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from .._core.checks import switched_on
+from .._core.compat import autocast_enabled
 from . import _cpu_kernel
 from ._histogram import bucket_keys, count_keys, row_bases, sample_keys, sample_table, tally
 from ._state import F64, SHIFT_SAMPLE, empty_states, merge, rows_state, zeros_state
@@ -508,7 +509,7 @@ def _plain(x: Tensor) -> contextlib.AbstractContextManager[Any]:
     graphs are compiled in one and run in another), and no graph recorded. (Nothing to enter,
     the common case, costs nothing.)"""
     grad = torch.is_grad_enabled()
-    autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+    autocast = autocast_enabled(x.device)
     if not (grad or autocast):
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()

@@ -51,6 +51,15 @@ RULES = (
     ),
     Rule(
         "torch",
+        (2, 4),
+        "dependencies",
+        "lightning_recorder/**/*.py",
+        r"torch\.amp\.is_autocast_available\(",
+        "torch.amp.is_autocast_available is new in torch 2.4; the statistics engine calls it at "
+        "every logging step",
+    ),
+    Rule(
+        "torch",
         (2, 3),
         "dependencies",
         "lightning_recorder/**/*.py",
