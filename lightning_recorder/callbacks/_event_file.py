@@ -293,3 +293,18 @@ class ChecksummedSummaryWriter(SummaryWriter):
             events.add_event(
                 Event(step=purge_step, session_log=SessionLog(status=SessionLog.START))
             )
+
+    def close(self) -> None:
+        """``SummaryWriter.close``: write what is queued and close every writer. Where writing
+        fails (a full disk), every writer is closed all the same, its thread ended and its file
+        closed, and the error is raised: ``SummaryWriter`` stops at the first writer whose flush
+        fails, and leaves the rest open."""
+        writers: list[Any] = list((self.all_writers or {}).values())
+        try:
+            super().close()
+        except BaseException:
+            for writer in writers:
+                with contextlib.suppress(Exception):  # the first error is the one to see
+                    writer.close()
+            self.file_writer = self.all_writers = None
+            raise

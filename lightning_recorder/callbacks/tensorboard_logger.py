@@ -145,10 +145,11 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     @override
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        super().finalize(status)  # Lightning's: its own writer (if any), hparams.yaml
-        if self._events is not None:
-            self._events.flush()
-            self._events.close()
+        try:
+            super().finalize(status)  # Lightning's: its own writer (if any), hparams.yaml
+        finally:
+            if self._events is not None:  # writes what is queued; closed even when that fails
+                self._events.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import doctest
 import inspect
 import io
+import os
 import pickle
 import re
 import sys
@@ -322,6 +323,44 @@ def test_logger_writes_a_test_after_fit_through_its_own_writer(tmp_path: Path) -
         assert header.source_metadata.writer == "lightning_recorder", path.name
     assert set(scalars(logger.log_dir)["stats/test/probe/mean"]) == {2}
     assert no_writer_thread()
+
+
+def _open_event_files() -> list[str]:
+    """The event files this process holds open (Linux: its file descriptors)."""
+    found = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed since it was listed (the listing's own descriptor)
+            continue
+        if "tfevents" in target:
+            found.append(target)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="lists open files from /proc")
+def test_a_disk_that_fails_during_the_fit_leaves_no_writer_thread_or_open_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checksum = c_checksum()
+    assert checksum is not None
+    calls = []
+
+    def fails_later(data: bytes) -> int:  # the writer thread's step before the disk: it fails
+        calls.append(data)
+        if len(calls) > 6:  # the header and two more records pass
+            raise OSError("disk full")
+        return checksum(data)
+
+    monkeypatch.setattr(tensorboard_logger, "_c_checksum", lambda: fails_later)
+    before = _open_event_files()
+    with pytest.raises(RecorderStateError, match=r"writer thread failed: OSError\('disk full'"):
+        _fit(TensorBoardLogger(tmp_path, name="full"), steps=6)
+    # finalize("failed") ended the thread and closed the file, though flushing them failed
+    assert no_writer_thread()
+    assert _open_event_files() == before
+    (path,) = event_files(tmp_path / "full" / "version_0")
+    assert len(records(path)) == 3  # what was written before the failure holds
 
 
 def test_logger_without_the_wheel_is_lightnings_logger(
