@@ -194,8 +194,10 @@ class Evidence:
                 json.dump(meta, f, indent=1, default=str)
             written = sum(p.stat().st_size for p in tmp.iterdir())
             os.replace(tmp, final)
-        except (OSError, RuntimeError, ValueError, ImportError) as err:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as err:  # OSError, safetensors' SafetensorError (a full disk), ...
+            shutil.rmtree(tmp, ignore_errors=True)  # a bundle is whole or absent
+            if not isinstance(err, Exception):  # KeyboardInterrupt: the run stops
+                raise
             fix = (
                 "Install safetensors (`pip install safetensors`), the format of its tensors, "
                 if isinstance(err, ImportError)  # a dependency, missing or broken here

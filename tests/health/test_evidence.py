@@ -11,8 +11,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import safetensors.torch
 import torch
 from helpers.models import QUIET
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
@@ -203,6 +205,24 @@ def test_a_bundle_that_cannot_be_written_warns_and_training_goes_on(tmp_path: Pa
     assert "no evidence written" in event.message
     assert blocker.read_text().startswith("a file")  # left as it was, nothing beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_directory"]
+
+
+def test_a_disk_that_fails_while_a_bundle_is_written_warns_and_leaves_no_part_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(tensors: dict[str, Tensor], filename: str, **kwargs: Any) -> None:
+        Path(filename).write_bytes(b"\0" * 64)  # a part written, then the disk is full
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    evidence = tmp_path / "evidence"
+    monitor = HealthMonitor("skip", evidence_dir=evidence, rules=())
+    batches = [(torch.cat(_parts(s, math.nan)), _target(s)) for s in range(STEPS)]
+    with pytest.warns(UserWarning, match=r"could not write the evidence bundle .*No space left"):
+        _fit(monitor, batches)  # training went on
+    (event,) = monitor.events
+    assert event.action == "skipped" and event.evidence is None
+    assert list(evidence.iterdir()) == []  # no half-written bundle
 
 
 def test_a_folder_that_cannot_hold_bundles_is_refused_when_the_run_starts(tmp_path: Path) -> None:
