@@ -196,28 +196,34 @@ class Storage:
             ) from err
 
     def write_atomic(self, name: str, write: Callable[[Any], object], fsync: bool) -> None:
-        """Write a file through ``write(handle)`` under a temporary name, then rename it."""
+        """Write a file through ``write(handle)`` under a temporary name, then rename it; a write
+        that fails (a full disk) removes the temporary file and raises."""
         final = self.join(name)
         tmp = final + TMP_SUFFIX
-        if self.local:
-            with open(tmp, "wb") as handle:
-                write(handle)
-                if fsync:
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            os.replace(tmp, final)
-        else:
-            with self.fs.open(tmp, "wb") as handle:
-                write(handle)
-            self.fs.mv(tmp, final)
+        try:
+            if self.local:
+                with open(tmp, "wb") as handle:
+                    write(handle)
+                    if fsync:
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                os.replace(tmp, final)
+            else:
+                with self.fs.open(tmp, "wb") as handle:
+                    write(handle)
+                self.fs.mv(tmp, final)
+        except BaseException:
+            self.remove(name + TMP_SUFFIX)
+            raise
 
     def write_tensors(
         self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], fsync: bool
     ) -> int:
         """Write ``tensors`` (contiguous, on the CPU) as the safetensors file ``name``, by
         safetensors' own writer, as :meth:`write_atomic` writes a file: under a temporary name,
-        then renamed. A local file is written from the tensors' memory (``save_file``); another
-        filesystem gets the file's bytes (``save``). Returns the file's size in bytes."""
+        then renamed, the temporary file removed if that fails. A local file is written from the
+        tensors' memory (``save_file``); another filesystem gets the file's bytes (``save``).
+        Returns the file's size in bytes."""
         from safetensors.torch import save, save_file  # imported when first written
 
         tensors = _unshared(tensors)
@@ -227,14 +233,18 @@ class Storage:
             return len(data)
         final = self.join(name)
         tmp = final + TMP_SUFFIX
-        save_file(tensors, tmp, metadata=metadata)
-        if fsync:
-            fd = os.open(tmp, os.O_RDWR)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.replace(tmp, final)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            if fsync:
+                fd = os.open(tmp, os.O_RDWR)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:  # a full disk: no part of the file is left
+            self.remove(name + TMP_SUFFIX)
+            raise
         return os.path.getsize(final)
 
     def names(self) -> list[str]:

@@ -756,7 +756,13 @@ class ShardWriter:
             "chunks": chunks,
         }
         index = encode_index(entry)
-        storage.write_atomic(name + INDEX_SUFFIX, lambda handle: handle.write(index), self.fsync)
+        try:
+            storage.write_atomic(
+                name + INDEX_SUFFIX, lambda handle: handle.write(index), self.fsync
+            )
+        except BaseException:  # a shard no index lists is never read: none is left
+            storage.remove(shard)
+            raise
         if self.fsync:
             storage.sync_directory()
         self.rows_written += sum(len(c["sample_index"]) for c in chunks)

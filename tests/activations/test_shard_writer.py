@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 import lightning_recorder
@@ -434,6 +436,39 @@ def test_thread_error_reaches_the_caller(tmp_path: Path) -> None:
     with pytest.raises(RecorderStateError, match=r"failed to write a shard: No space left"):
         writer.close()
     assert writer._thread is not None and not writer._thread.is_alive()
+
+
+def test_a_write_that_fails_leaves_no_part_of_its_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The index file cannot take its place (a folder of its name): the shard it would list goes
+    # too, with the index's temporary file.
+    blocked = tmp_path / "blocked"
+    writer = ShardWriter(blocked, run="idx", max_shard_bytes=1)
+    writer.write("s", "m", torch.zeros(2, 3), batch_idx=0)
+    writer.flush()
+    (blocked / "idx-rank00000-000001.index.json").mkdir()
+    writer.write("s", "m", torch.ones(2, 3), batch_idx=1)
+    with pytest.raises(RecorderStateError, match="failed to write a shard"):
+        writer.close()
+    assert sorted(p.name for p in blocked.iterdir()) == [
+        "idx-rank00000-000000.index.json",
+        "idx-rank00000-000000.safetensors",
+        "idx-rank00000-000001.index.json",  # the folder in the way
+    ]
+
+    # The disk fills up while a shard is written: its temporary file goes.
+    def full_disk(tensors: dict[str, torch.Tensor], filename: str, **kwargs: object) -> None:
+        Path(filename).write_bytes(b"\0" * 64)  # a part written, then the disk is full
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    full = tmp_path / "full"
+    writer = ShardWriter(full, run="full", max_shard_bytes=1)
+    writer.write("s", "m", torch.zeros(2, 3))
+    with pytest.raises(RecorderStateError, match="No space left on device"):
+        writer.close()
+    assert list(full.iterdir()) == []
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
