@@ -280,6 +280,30 @@ def test_two_teachers_chain_and_unwind() -> None:
     assert "training_step" not in student.__dict__
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["fit", "exception"])
+def test_one_teacher_shared_by_two_callbacks_is_put_back_as_it_was(fails: bool) -> None:
+    """Each callback freezes the teacher; the flags from before the first come back, whichever
+    callback lets go first, after a fit and after an exception."""
+    torch.manual_seed(0)
+    teacher, student = Teacher(), Boom() if fails else Student()
+    teacher.features[0].requires_grad_(False)  # a teacher in train mode with a frozen part
+    flags = [p.requires_grad for p in teacher.parameters()]
+    assert teacher.training and not all(flags) and any(flags)
+    callbacks: list[pl.Callback] = [
+        FeatureDistillation(teacher, {"head": "head"}, loss="l1", log_prefix="kd1"),
+        FeatureDistillation(teacher, {"features.2": "features.2"}, log_prefix="kd2"),
+    ]
+    if fails:
+        with pytest.raises(RuntimeError, match="boom in training_step"):
+            fit(student, callbacks, max_steps=3)
+    else:
+        trainer = fit(student, callbacks, max_steps=2)
+        assert {"kd1/head", "kd2/features.2"} <= set(trainer.logged_metrics)
+    assert teacher.training
+    assert [p.requires_grad for p in teacher.parameters()] == flags
+    assert "training_step" not in student.__dict__ and live_hooks() == []
+
+
 def test_two_teachers_with_one_log_prefix_are_refused_before_anything_is_installed() -> None:
     """One ``distill/total`` would overwrite the other: refused when the fit sets up."""
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ freed). Entering and leaving are idempotent: Lightning's batch hooks do not alwa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -32,6 +33,38 @@ from ._bank import ConnectorBank
 from ._config import TeacherSide, feature, teacher_config, teacher_label
 from ._patch import StudentInputHook
 from ._shard import ShardTeacher, is_sharded, shard
+
+# The teachers frozen for a fit (no gradients, eval mode), by id: the teacher (weakly), its train
+# mode and requires_grad flags from before the first runner froze it, and the runners holding it.
+# Several FeatureDistillation callbacks may share one teacher and let go of it in any order.
+_FROZEN: dict[int, tuple[weakref.ref[nn.Module], tuple[bool, list[bool]], set[int]]] = {}
+
+
+def _freeze(teacher: nn.Module, runner: object) -> tuple[bool, list[bool]]:
+    """Freeze ``teacher`` for ``runner``; return its flags from before it was first frozen."""
+    found = _FROZEN.get(id(teacher))
+    if found is None or found[0]() is not teacher:  # not frozen (or another module's id)
+        flags = (teacher.training, [p.requires_grad for p in teacher.parameters()])
+        found = _FROZEN[id(teacher)] = (weakref.ref(teacher), flags, set())
+    found[2].add(id(runner))
+    teacher.requires_grad_(False)
+    teacher.eval()
+    return found[1]
+
+
+def _thaw(teacher: nn.Module, runner: object) -> None:
+    """``runner`` lets go of ``teacher``; the last runner to let go puts its flags back."""
+    found = _FROZEN.get(id(teacher))
+    if found is None or found[0]() is not teacher:
+        return
+    _, (training, flags), holders = found
+    holders.discard(id(runner))
+    if holders:
+        return
+    del _FROZEN[id(teacher)]
+    for param, flag in zip(teacher.parameters(), flags, strict=False):
+        param.requires_grad_(flag)
+    teacher.train(training)
 
 
 class StepRunner:
@@ -126,12 +159,7 @@ class StepRunner:
                 )
         try:
             teacher = self.teacher
-            self._teacher_flags = (
-                teacher.training,
-                [p.requires_grad for p in teacher.parameters()],
-            )
-            teacher.requires_grad_(False)
-            teacher.eval()
+            self._teacher_flags = _freeze(teacher, self)
             shard(teacher, shard_teacher, trainer)
             self._teacher_sharded = is_sharded(teacher)
             teacher.to(pl_module.device)
@@ -194,10 +222,7 @@ class StepRunner:
         self._recorders = {}
         self.deliveries.release()
         if self._teacher_flags is not None:
-            training, flags = self._teacher_flags
-            for param, flag in zip(self.teacher.parameters(), flags, strict=False):
-                param.requires_grad_(flag)
-            self.teacher.train(training)
+            _thaw(self.teacher, self)
             self._teacher_flags = None
         self.module = None
 
