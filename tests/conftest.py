@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,3 +34,11 @@ def no_leftover_hooks_or_patches() -> Iterator[None]:
         remove_live_hooks()  # so that one leak does not fail the tests that follow
     assert hooks_after == hooks_before, f"hooks left behind: {hooks_after}"
     assert patches_after == patches_before, f"patches left behind: {patches_after}"
+
+
+@pytest.fixture
+def restore_sigint() -> Iterator[None]:
+    """Lightning ignores SIGINT after a KeyboardInterrupt; put the handler back."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)

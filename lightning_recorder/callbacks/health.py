@@ -402,6 +402,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # steps in a row are those of this fit (a resumed fit loads the checkpoint's after setup)
+        self._streaks = {}
         root = self.evidence_dir
         if root is None:  # every rank asks: log_dir is broadcast from rank 0
             root = Path(trainer.log_dir or trainer.default_root_dir) / "health"

@@ -191,6 +191,33 @@ def test_max_consecutive_skips_then_raise(tmp_path: Path) -> None:
     assert [e.action for e in monitor.events] == ["skipped", "skipped", "raised"]
 
 
+class Interrupt(pl.Callback):
+    """Ctrl-C at the start of batch ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            raise KeyboardInterrupt
+
+
+def test_a_new_fit_counts_only_its_own_steps_in_a_row(restore_sigint: None) -> None:
+    faults = {s: Fault("body.0", "forward", "nan", s) for s in range(2)}
+    monitor = HealthMonitor("skip", max_consecutive_skips=2, evidence_max_bytes=0)
+    with pytest.raises(SystemExit):  # interrupted after two skipped steps in a row
+        fit(Net("mlp"), [Injector(faults), monitor, Interrupt(2)], steps=4)
+    # A new fit (not resumed) whose first step is non-finite: skipped, not refused as the third
+    # in a row
+    fit(Net("mlp"), [Injector({0: Fault("body.0", "forward", "nan", 0)}), monitor], steps=3)
+    assert [(e.step, e.action) for e in monitor.events] == [
+        (0, "skipped"),
+        (1, "skipped"),
+        (0, "skipped"),
+    ]
+    assert monitor.state_dict()["streaks"] == {0: 0}
+
+
 def test_a_clean_run_reports_nothing(tmp_path: Path) -> None:
     monitor = HealthMonitor("raise", evidence_dir=tmp_path)
     fit(Net("transformer"), [monitor], steps=3)

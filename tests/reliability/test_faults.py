@@ -14,8 +14,6 @@ resume from a mid-epoch checkpoint) check the data the same way.
 from __future__ import annotations
 
 import csv
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -261,14 +259,6 @@ FAULTS: dict[str, tuple[type[BaseException], dict[str, Any]]] = {
     "another_callback": (Boom, {"callback": Boom("another callback")}),
     "keyboard_interrupt": (SystemExit, {"callback": KeyboardInterrupt()}),
 }
-
-
-@pytest.fixture
-def restore_sigint() -> Iterator[None]:
-    """Lightning ignores SIGINT after a KeyboardInterrupt; put the handler back."""
-    handler = signal.getsignal(signal.SIGINT)
-    yield
-    signal.signal(signal.SIGINT, handler)
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
