@@ -18,7 +18,7 @@ of :func:`.._core.structures.shape_of` (``-1`` for a nested tensor's ragged dime
 
 Both are standard formats (``safetensors.torch.load_file`` and ``json.load``): no
 ``lightning_recorder`` is needed to read them. A bundle is written under a temporary name and
-renamed when complete, so a directory that exists is whole. All bundles of a run share one
+renamed when complete, so a directory that exists is whole. All bundles of a fit share one
 budget of bytes (``max_bytes``): tensors that do not fit are left out, largest first, and
 described instead; when nothing but the description fits, only ``event.json`` is written; when
 the budget is spent, nothing is.

@@ -258,7 +258,7 @@ class Decisions:
     def _checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int
     ) -> str | None:
-        """Save a checkpoint before the bad update, once a run, when the parameters and the
+        """Save a checkpoint before the bad update, once a fit, when the parameters and the
         optimizer state fit in ``evidence_max_bytes`` (a test that gives the same answer on
         every rank: ``save_checkpoint`` is a collective). It counts against the budget."""
         self._checkpointed = True

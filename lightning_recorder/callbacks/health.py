@@ -210,9 +210,9 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             ``["*.input.attn_mask"]``: names are ``"<module>.output[.<path>]"``,
             ``"<module>.input.<argument>"`` and ``"batch.<path>"``; a pattern whose module part
             matches no module of the model is refused when ``fit`` starts.
-        evidence_max_bytes: the bytes all bundles of a run may take; 0 writes none.
-        evidence_checkpoint: also save a Trainer checkpoint before the first bad update (when
-            the model and optimizer state fit in ``evidence_max_bytes``).
+        evidence_max_bytes: the bytes all bundles of a fit may take; 0 writes none.
+        evidence_checkpoint: also save a Trainer checkpoint before the first bad update of each
+            fit (when the model and optimizer state fit in ``evidence_max_bytes``).
         alert_interval_s: the least time between two alerts, in seconds (for rule findings:
             between two messages of one rule about one module).
         view: draw the health view (custom scalars, heat maps, findings table).
@@ -404,6 +404,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             return
         # steps in a row are those of this fit (a resumed fit loads the checkpoint's after setup)
         self._streaks = {}
+        # each fit has its own evidence budget and its own checkpoint before its first bad update
+        self._evidence.used, self._checkpointed = 0, False
         root = self.evidence_dir
         if root is None:  # every rank asks: log_dir is broadcast from rank 0
             root = Path(trainer.log_dir or trainer.default_root_dir) / "health"

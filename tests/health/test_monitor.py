@@ -744,6 +744,29 @@ def test_a_second_run_into_the_same_directory_keeps_the_first_checkpoint(tmp_pat
         assert all(torch.equal(state[n], p) for n, p in before.items())
 
 
+def test_each_fit_of_one_monitor_has_its_own_evidence_budget_and_checkpoint(
+    tmp_path: Path,
+) -> None:
+    def one_fit(monitor: HealthMonitor, folder: str) -> HealthEvent:
+        monitor.evidence_dir = tmp_path / folder
+        fit(Net("mlp"), [Injector({1: Fault("body.2", "forward", "nan", 1)}), monitor], steps=2)
+        return monitor.events[-1]
+
+    sizes = HealthMonitor("skip", evidence_checkpoint=True)
+    one_fit(sizes, "sizes")
+    spent = sum(f.stat().st_size for f in (tmp_path / "sizes").rglob("*") if f.is_file())
+    # Room for the evidence of one fit (its files, less the checkpoint's metadata: two thirds of
+    # them), besides the 1 MiB a bundle keeps for its event.json; not for that of two fits.
+    budget = (1 << 20) + spent * 2 // 3
+    monitor = HealthMonitor("skip", evidence_checkpoint=True, evidence_max_bytes=budget)
+    for folder in ("first", "second"):
+        event = one_fit(monitor, folder)
+        assert event.evidence is not None and Path(event.evidence).parent == tmp_path / folder
+        meta = json.loads((Path(event.evidence) / "event.json").read_text())
+        assert meta["tensors"] and not meta["omitted"]
+        assert meta["checkpoint"] == str(tmp_path / folder / "step00000001-before-update.ckpt")
+
+
 # ---------------------------------------------------------------------------- AMP, rules, state
 def test_steps_the_grad_scaler_skips_are_not_alarms() -> None:
     from lightning.pytorch.plugins import MixedPrecision
