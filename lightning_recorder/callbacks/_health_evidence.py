@@ -140,10 +140,11 @@ class Evidence:
 
     def free(self, path: Path) -> Path:
         """``path``, or a name beside it that no bundle has (a resumed run reaching the same
-        step again, a second run into the same ``evidence_dir``)."""
+        step again, a second run into the same ``evidence_dir``), with the same extension
+        (``.ckpt`` for a checkpoint)."""
         final = path
         while final.exists():
-            final = final.with_name(f"{path.name}-{uuid.uuid4().hex[:6]}")
+            final = final.with_name(f"{path.stem}-{uuid.uuid4().hex[:6]}{path.suffix}")
         return final
 
     def write(

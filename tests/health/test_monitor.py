@@ -739,6 +739,8 @@ def test_a_second_run_into_the_same_directory_keeps_the_first_checkpoint(tmp_pat
         paths.append(meta["checkpoint"])
         params.append(shots.states[0]["params"])
     assert paths[0] != paths[1]
+    assert Path(paths[1]).name.startswith("step00000001-before-update-")
+    assert Path(paths[1]).suffix == ".ckpt"  # found as a checkpoint by its extension
     for path, before in zip(paths, params, strict=True):
         state = torch.load(path, weights_only=False)["state_dict"]
         assert all(torch.equal(state[n], p) for n, p in before.items())
