@@ -227,8 +227,9 @@ class Diagnosis:
 
     def _detach_rules(self) -> None:
         self._restored = None  # loaded by `validate` or `test`: not for a later fit
-        if self._stats is not None:
+        if self._stats is not None:  # a later run of the monitor without this one is as before
             self._stats.unsubscribe(self._on_report)
+            self._stats.untrack_channels(self._track)
         self._report = None
         self._trainer = self._module = None
 

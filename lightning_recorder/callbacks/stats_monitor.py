@@ -440,6 +440,12 @@ class FeatureStatsMonitor(RecorderCallback):
         if selector not in self._selectors:
             self._selectors.append(selector)
 
+    def untrack_channels(self, selector: ChannelSelector) -> None:
+        """Stop asking ``selector`` from the next run on (nothing happens if it was not given to
+        :meth:`track_channels`)."""
+        if selector in self._selectors:
+            self._selectors.remove(selector)
+
     def _tags(self, stage: Stage, name: str, stats: tuple[str, ...]) -> tuple[str, ...]:
         """:meth:`tag` of each of ``stats`` (cached: every logged step writes the same tags)."""
         key = (stage, name, stats)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers.health_models import Fault, Injector, Net, data
 from helpers.models import QUIET
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -216,6 +216,28 @@ def test_a_new_fit_counts_only_its_own_steps_in_a_row(restore_sigint: None) -> N
         (0, "skipped"),
     ]
     assert monitor.state_dict()["streaks"] == {0: 0}
+
+
+@pytest.mark.parametrize("interrupted", [False, True], ids=["fit", "interrupted"])
+def test_a_monitor_leaves_nothing_on_the_feature_stats_monitor_after_its_fit(
+    interrupted: bool, tmp_path: Path, restore_sigint: None
+) -> None:
+    """The dead-unit and saturation rules ask the FeatureStatsMonitor for per-channel extremes;
+    a later fit of that FeatureStatsMonitor without the HealthMonitor computes none."""
+    stats = FeatureStatsMonitor(["body.3", "body.4", "body.6"], every_n_steps=1)
+    monitor = HealthMonitor(evidence_max_bytes=0)
+    reports: list[Any] = []
+    stats.subscribe(reports.append)
+    if interrupted:
+        with pytest.raises(SystemExit):
+            fit(Net("mlp"), [stats, monitor, Interrupt(1)], steps=3, logger=CSVLogger(tmp_path))
+    else:
+        fit(Net("mlp"), [stats, monitor], steps=1, logger=CSVLogger(tmp_path))
+    # the channels of the ReLU (dead units) and the Sigmoid (saturation), for the rules
+    assert len(reports) == 1 and set(reports[0].channels) == {"body.4", "body.6"}
+    reports.clear()
+    fit(Net("mlp"), [stats], steps=2, logger=CSVLogger(tmp_path))
+    assert len(reports) == 2 and all(r.channels == {} for r in reports)
 
 
 def test_a_clean_run_reports_nothing(tmp_path: Path) -> None:
