@@ -1439,6 +1439,44 @@ def test_teacher_that_cannot_take_the_student_input_points_to_teacher_input() ->
     assert distill._runner.module is None
 
 
+class TeacherFailure(RuntimeError):
+    """An error of the teacher's own, raised after it took the student's input once."""
+
+
+class FailsAtCall(Teacher):
+    def __init__(self, call: int, error: Exception) -> None:
+        super().__init__()
+        self.failing_call, self.error = call, error
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.calls + 1 == self.failing_call:  # `calls`: Teacher's count of its calls
+            raise self.error
+        return super().forward(x)
+
+
+@pytest.mark.parametrize(
+    "error", [TeacherFailure("the teacher's own failure"), torch.OutOfMemoryError("no memory")]
+)
+def test_an_error_of_a_teacher_that_took_the_input_before_is_raised_as_it_is(
+    error: Exception,
+) -> None:
+    """Only a failure on the teacher's first input can be a student's input it cannot take: a
+    later error (a data-dependent failure of its own, out of memory) reaches the user with its
+    own type and message, not relabelled as a configuration error about the input; out of
+    memory never is."""
+    torch.manual_seed(0)
+    distill = FeatureDistillation(FailsAtCall(2, error), PAIRS)
+    with pytest.raises(type(error), match=str(error)) as raised:
+        fit(Student(), [distill], max_steps=3)
+    assert not isinstance(raised.value, RecorderConfigError)
+    assert distill._runner.module is None and live_hooks() == []
+    if isinstance(error, torch.OutOfMemoryError):  # not relabelled at the first call either
+        torch.manual_seed(0)
+        distill = FeatureDistillation(FailsAtCall(1, error), PAIRS)
+        with pytest.raises(torch.OutOfMemoryError):
+            fit(Student(), [distill], max_steps=1)
+
+
 def _encoder(nested: bool) -> nn.TransformerEncoder:
     layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
     return nn.TransformerEncoder(layer, 1, enable_nested_tensor=nested)

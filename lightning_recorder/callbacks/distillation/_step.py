@@ -117,6 +117,7 @@ class StepRunner:
         self._recorders: dict[str, tuple[RecorderManager, RecorderManager]] = {}
         self._teacher_flags: tuple[bool, list[bool]] | None = None
         self._teacher_ran = False
+        self._teacher_took_input = False  # the teacher ran once in this fit
         self._teacher_sharded = False
         self._replaying = False
 
@@ -160,6 +161,7 @@ class StepRunner:
         try:
             teacher = self.teacher
             self._teacher_flags = _freeze(teacher, self)
+            self._teacher_took_input = False
             shard(teacher, shard_teacher, trainer)
             self._teacher_sharded = is_sharded(teacher)
             teacher.to(pl_module.device)
@@ -281,6 +283,9 @@ class StepRunner:
         except RecorderError:
             raise
         except Exception as err:
+            if self._teacher_took_input or isinstance(err, torch.OutOfMemoryError):
+                # the teacher took this kind of input before: its error is its own, as it is
+                raise
             name = type(teacher).__name__
             if own_input:
                 hint = (
@@ -321,7 +326,7 @@ class StepRunner:
             recorders.stop()
             if len(deliveries):
                 deliveries.__exit__(None, None, None)
-        self._teacher_ran = True
+        self._teacher_ran = self._teacher_took_input = True
         if len(deliveries):  # the student's pass replays what the teacher's pass recorded
             deliveries.override_data = True
             deliveries.__enter__()

@@ -164,8 +164,9 @@ class FeatureDistillation(Callback):
         RecorderConfigError: an argument is invalid (checked here), or, when fitting, a module
             name is unknown, shapes cannot be connected, the teacher is the student, a submodule
             of it, or shares a trainable parameter with it (freezing the teacher would freeze
-            it in the student), the teacher cannot take the student's input (pass
-            ``teacher_input=``), ``shard_teacher`` is set without a strategy that has a device
+            it in the student), the teacher cannot take the student's input at its
+            first call (pass ``teacher_input=``; a later error of the teacher is raised as it
+            is), ``shard_teacher`` is set without a strategy that has a device
             mesh, or the teacher is sharded but no process group is running.
         RecorderStateError: with ``on_nonfinite="raise"``, a non-finite distillation term.
 
