@@ -138,10 +138,10 @@ class Trace:
         self._values: dict[int, Value] = {}
         self.active = True
         if batch is not None:
-            named = ((f"batch.{p}" if p else "batch", t) for p, t in tensor_paths(batch))
-            self.timeline.batch = [
-                (name, quick_counts(t)) for name, t in named if not self._excluded(name)
-            ]
+            named = [(f"batch.{p}" if p else "batch", t) for p, t in tensor_paths(batch)]
+            kept = [(name, t) for name, t in named if not self._excluded(name)]
+            self.timeline.batch = [(name, quick_counts(t)) for name, t in kept]
+            self.timeline.batch_types = {name: (str(t.dtype), shape_of(t)) for name, t in kept}
         return self.timeline
 
     def end_forward(self, loss: torch.Tensor | None) -> None:

@@ -201,6 +201,8 @@ class Timeline:
     forward_end: int = -1  # entries before it are the forward's; the loss comes there
     loss_counts: Counts = ZERO
     batch: list[tuple[str, Counts]] = field(default_factory=list)  # the batch's tensors
+    # the batch's tensors' dtypes and shapes, by name
+    batch_types: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     # the parameters' gradients: (module, name, dtype, shape, counts)
     params: list[tuple[str, str, torch.dtype, tuple[int, ...], Counts]] = field(
         default_factory=list
@@ -303,6 +305,11 @@ class Timeline:
         return found
 
     def _loss(self) -> Finding:
+        if self.bad_batch:  # the loss took values of the batch that no module saw (a target)
+            name = self.bad_batch[0]
+            dtype, shape = self.batch_types.get(name, (None, None))
+            counts = as_dict(dict(self.batch)[name])
+            return Finding(True, None, "forward", name, counts, dtype, shape, False, True)
         return Finding(True, None, "loss", "loss", as_dict(self.loss_counts))
 
     def _finding(

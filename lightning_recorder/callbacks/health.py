@@ -135,9 +135,10 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     names the first module whose forward output, or whose backward gradient, was non-finite —
     with its direction, the tensor's path, dtype, shape and counts, and whether the module made
     the values from finite ones (``producer``). A batch that holds NaN itself is reported with
-    ``module=None``. ``localize="always"`` hooks every module on every step instead (for what
-    cannot be replayed: manual optimization steps inside ``training_step``); it costs about one
-    extra pass over every module output and gradient per step. ``False``: the check only.
+    ``module=None`` (also when only the loss reads the tensor, as a target).
+    ``localize="always"`` hooks every module on every step instead (for what cannot be
+    replayed: manual optimization steps inside ``training_step``); it costs about one extra
+    pass over every module output and gradient per step. ``False``: the check only.
 
     **What happens then** (``on_nonfinite``): ``"warn"`` reports and lets the update happen
     (the parameters will usually become non-finite; later steps of that run are counted, not

@@ -121,3 +121,39 @@ def test_a_bad_batch_is_not_blamed_on_a_module() -> None:
     )
     assert event.path == "batch.0" and event.counts["nan"] == 1
     assert event.message.startswith("The batch itself holds non-finite values (`batch.0`)")
+
+
+class _Regressor(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, target = batch
+        return (self.body(x).squeeze(-1) - target).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("localize", ["replay", "always"])
+def test_a_bad_target_in_the_batch_is_blamed_on_the_batch_not_the_loss(localize: Any) -> None:
+    """A target no module sees makes the loss non-finite: the data is named, not the loss."""
+    x, target = torch.randn(12, 4), torch.randn(12)
+    target[6] = float("inf")  # batch 1
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, target), batch_size=4, shuffle=False
+    )
+    monitor = HealthMonitor("skip", localize, rules=(), evidence_max_bytes=0)
+    pl.Trainer(**QUIET, logger=False, max_steps=3, callbacks=[monitor]).fit(_Regressor(), loader)
+    [event] = monitor.events
+    assert (event.step, event.module, event.direction, event.producer, event.path) == (
+        1,
+        None,
+        "forward",
+        False,
+        "batch.1",
+    )
+    assert event.counts == {"nan": 0, "posinf": 1, "neginf": 0}
+    assert (event.dtype, event.shape) == ("torch.float32", (4,))
+    assert event.message.startswith("The batch itself holds non-finite values (`batch.1`)")
