@@ -19,9 +19,10 @@ of :func:`.._core.structures.shape_of` (``-1`` for a nested tensor's ragged dime
 Both are standard formats (``safetensors.torch.load_file`` and ``json.load``): no
 ``lightning_recorder`` is needed to read them. A bundle is written under a temporary name and
 renamed when complete, so a directory that exists is whole. All bundles of a fit share one
-budget of bytes (``max_bytes``): tensors that do not fit are left out, largest first, and
-described instead; when nothing but the description fits, only ``event.json`` is written; when
-the budget is spent, nothing is.
+budget of bytes (``max_bytes``), ``event.json`` and the safetensors header included: tensors
+that do not fit (in the order given, the most important first) are left out and described
+instead; when nothing but the description fits, only ``event.json`` is written; when not even
+that fits, nothing is.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from ._health_verdict import exact_counts
 
 __all__ = ["Evidence", "describe_batch"]
 
-_JSON_RESERVE = 1 << 20  # bytes kept for event.json
+_FILE_BYTES = 16  # a safetensors file's header length and the header's padding
+_OVER = "over the evidence budget"
 
 
 def layout_of(t: torch.Tensor) -> str | None:
@@ -96,6 +98,18 @@ def stored_as(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         coo = (t if t.layout == torch.sparse_coo else t.to_sparse_coo()).coalesce()
         return {f"{key}.indices": coo.indices(), f"{key}.values": coo.values()}
     return {key: t.dequantize() if t.is_quantized else t}
+
+
+def _header_bytes(key: str, part: torch.Tensor) -> int:
+    """No less than what ``part`` adds to the header of a safetensors file: its name, dtype,
+    shape and offsets, in JSON."""
+    entry = {key: {"dtype": "F8_E4M3", "shape": list(part.shape), "data_offsets": [2**64] * 2}}
+    return len(json.dumps(entry))
+
+
+def _json(meta: dict[str, Any]) -> str:
+    """``event.json``'s text."""
+    return json.dumps(meta, indent=1, default=str)
 
 
 def _storable(t: torch.Tensor) -> torch.Tensor:
@@ -155,13 +169,11 @@ class Evidence:
         Returns the bundle's directory, or ``None`` when the budget is spent or writing failed
         (then with a warning that says why: evidence never stops training).
         """
-        left = self.max_bytes - self.used - _JSON_RESERVE
-        if left < 0:
-            return None
         kept: dict[str, torch.Tensor] = {}
         index: dict[str, Any] = {}
         omitted: dict[str, Any] = {}
         rows = exact_counts([t for _, t in tensors.values()])
+        entries = []
         for (key, (role, t)), row in zip(tensors.items(), rows, strict=True):
             parts = stored_as(key, t)
             size = sum(p.numel() * p.element_size() for p in parts.values())
@@ -176,12 +188,22 @@ class Evidence:
             }
             if list(parts) != [key] or t.is_quantized:
                 info["stored_as"] = list(parts)
-            if size <= left:
+            entries.append((key, parts, size, info))
+        # event.json with every tensor left out: the most it takes (a kept tensor's entry is
+        # shorter), counted before any tensor
+        every = {key: {**info, "bytes": size, "why": _OVER} for key, _, size, info in entries}
+        description = len(_json({**meta, "tensors": {}, "omitted": every}))
+        left = self.max_bytes - self.used - description - _FILE_BYTES
+        if left < 0:
+            return None
+        for key, parts, size, info in entries:
+            cost = size + sum(_header_bytes(k, p) for k, p in parts.items())
+            if cost <= left:
                 kept.update((k, _storable(p)) for k, p in parts.items())
-                left -= size
+                left -= cost
                 index[key] = info
             else:
-                omitted[key] = {**info, "bytes": size, "why": "over the evidence budget"}
+                omitted[key] = {**info, "bytes": size, "why": _OVER}
         meta = {**meta, "tensors": index, "omitted": omitted}
         final = self.free(path)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -191,8 +213,7 @@ class Evidence:
                 from safetensors.torch import save_file
 
                 save_file(kept, str(tmp / "tensors.safetensors"))
-            with open(tmp / "event.json", "w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=1, default=str)
+            (tmp / "event.json").write_text(_json(meta), encoding="utf-8")
             written = sum(p.stat().st_size for p in tmp.iterdir())
             os.replace(tmp, final)
         except BaseException as err:  # OSError, safetensors' SafetensorError (a full disk), ...

@@ -724,7 +724,8 @@ def test_alert_is_rate_limited_and_may_fail_without_stopping_training() -> None:
 
 # ---------------------------------------------------------------------------- evidence
 def test_evidence_stays_within_its_budget(tmp_path: Path) -> None:
-    monitor = HealthMonitor("skip", evidence_dir=tmp_path, evidence_max_bytes=(1 << 20) + 600)
+    # event.json (about 17 kB here) fits; the tensors do not all fit beside it
+    monitor = HealthMonitor("skip", evidence_dir=tmp_path, evidence_max_bytes=20_000)
     faults = {s: Fault("body.0", "forward", "nan", s) for s in (0, 1)}
     fit(Net("resnet"), [Injector(faults), monitor], steps=2)
     first, second = monitor.events
@@ -734,7 +735,22 @@ def test_evidence_stays_within_its_budget(tmp_path: Path) -> None:
     )
     assert second.evidence is None and "no evidence written" in second.message
     total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
-    assert total <= (1 << 20) + 600
+    assert total <= 20_000
+
+
+def test_a_budget_under_a_mebibyte_holds_bundles_that_fit(tmp_path: Path) -> None:
+    monitor = HealthMonitor("skip", evidence_dir=tmp_path, evidence_max_bytes=100_000)
+    faults = {s: Fault("body.0", "forward", "nan", s) for s in (0, 1)}
+    fit(Net("resnet"), [Injector(faults), monitor], steps=2)
+    assert len(monitor.events) == 2
+    for event in monitor.events:  # two bundles of about 37 kB each, whole
+        assert event.evidence is not None
+        meta = json.loads((Path(event.evidence) / "event.json").read_text())
+        assert meta["omitted"] == {} and "batch.0" in load_file(
+            Path(event.evidence) / "tensors.safetensors"
+        )
+    total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert total <= 100_000
 
 
 def test_checkpoint_before_the_bad_update(tmp_path: Path) -> None:
