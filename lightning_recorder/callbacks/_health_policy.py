@@ -111,8 +111,15 @@ class Decisions:
         return run
 
     def _decides_now(self, trainer: pl.Trainer) -> bool:
-        """Whether the check is read before the optimizer step (else lazily, at the next)."""
-        return self.on_nonfinite != "warn" or self._replays or _scaler(trainer) is not None
+        """Whether the check is read before the optimizer step (else lazily, at the next): a
+        checkpoint before the first bad update must be saved before that update."""
+        checkpoint = self.evidence_checkpoint and not self._checkpointed and self._evidence.enabled
+        return (
+            self.on_nonfinite != "warn"
+            or self._replays
+            or checkpoint
+            or _scaler(trainer) is not None
+        )
 
     def _decide(
         self,

@@ -122,10 +122,11 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     **The check (every step).** Before each optimizer step the loss and every parameter
     gradient are checked for NaN and ±Inf with one fused multi-tensor norm per device and dtype
     (no per-tensor synchronisation). With ``"skip"`` or ``"raise"``, or with ``"warn"`` and
-    ``localize="replay"``, the result is read before the optimizer step: one host
-    synchronisation per step on a GPU (none on the CPU). Otherwise it is copied without waiting
-    and read at the next step: a clean step never synchronises. Steps that the AMP grad scaler
-    skips itself (``precision="16-mixed"``: gradients overflowed, loss finite) are reported as
+    ``localize="replay"`` (or ``evidence_checkpoint=True``, until its checkpoint is saved),
+    the result is read before the optimizer step: one host synchronisation per step on a GPU
+    (none on the CPU). Otherwise it is copied without waiting and read at the next step: a
+    clean step never synchronises. Steps that the AMP grad scaler skips itself
+    (``precision="16-mixed"``: gradients overflowed, loss finite) are reported as
     ``kind="amp_skipped"``, not as alarms.
 
     **Where it came from.** ``localize="replay"`` (default): on a flagged step, before the
@@ -213,7 +214,9 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             matches no module of the model is refused when ``fit`` starts.
         evidence_max_bytes: the bytes all bundles of a fit may take; 0 writes none.
         evidence_checkpoint: also save a Trainer checkpoint before the first bad update of each
-            fit (when the model and optimizer state fit in ``evidence_max_bytes``).
+            fit (when the model and optimizer state fit in ``evidence_max_bytes``); with
+            ``"warn"`` and no replay, the check is read before each optimizer step until it is
+            saved.
         alert_interval_s: the least time between two alerts, in seconds (for rule findings:
             between two messages of one rule about one module).
         view: draw the health view (custom scalars, heat maps, findings table).

@@ -765,6 +765,22 @@ def test_checkpoint_before_the_bad_update(tmp_path: Path) -> None:
     assert meta["checkpoint"].endswith("step00000001-before-update.ckpt")
 
 
+@pytest.mark.parametrize("localize", ["always", False])
+def test_checkpoint_before_the_bad_update_without_replays(localize: Any, tmp_path: Path) -> None:
+    """With "warn" and no replay the check is read at the next step, after the update: until
+    the checkpoint is saved it is read before the update instead."""
+    model = Net("mlp")
+    shots = Snapshots()
+    monitor = HealthMonitor("warn", localize, evidence_dir=tmp_path, evidence_checkpoint=True)
+    faults = {s: Fault("body.2", "forward", "nan", s) for s in (1, 2)}
+    fit(model, [Injector(faults), monitor, shots], steps=3)
+    ckpt = torch.load(tmp_path / "step00000001-before-update.ckpt", weights_only=False)
+    state = ckpt["state_dict"]
+    assert all(torch.equal(state[n], p) for n, p in shots.states[0]["params"].items())
+    assert [p.name for p in tmp_path.glob("*.ckpt")] == ["step00000001-before-update.ckpt"]
+    assert monitor.events[0].step == 1
+
+
 def test_a_second_run_into_the_same_directory_keeps_the_first_checkpoint(tmp_path: Path) -> None:
     paths, params = [], []
     for seed in (0, 1):
