@@ -163,16 +163,18 @@ class Decisions:
         self.counters["nonfinite_steps"] += 1
         replayed = self._replays and (self.on_nonfinite != "warn" or streak == 1)
         finding: Finding | None = None
-        micro = window[-1] if window else None
+        micro = _about(window, reading)
         if replayed or timelines:  # a weight that was non-finite already: no module made it
             finding = _poisoned(list(named_parameters(pl_module).items()))
         if finding is not None:
             replayed = False
         elif replayed:
             summarize = self._evidence.enabled
-            finding, micro = replay(trainer, pl_module, window, self.exclude, scaler, summarize)
+            finding, about = replay(trainer, pl_module, window, self.exclude, scaler, summarize)
+            micro = about if finding.reproduced else micro
         elif timelines:
-            finding, micro = _first(timelines, window)
+            finding, about = _first(timelines, window)
+            micro = about if finding.reproduced else micro
         rank, found = trainer.global_rank, None
         if finding is not None:  # every rank is here: the decision was reduced
             batch_idx = micro.batch_idx if micro is not None else None
@@ -318,11 +320,12 @@ class Decisions:
         streak = self._run_of(key, bad=True)
         self.counters["nonfinite_steps"] += 1
         finding: Finding | None = None
-        micro = pending.window[-1] if pending.window else None
+        micro = _about(pending.window, pending.reading)
         for line, packed in zip(pending.timelines, pending.packed, strict=True):
             line.unpack(packed.tolist() if packed is not None else None)
         if pending.timelines:
-            finding, micro = _first(pending.timelines, pending.window)
+            finding, about = _first(pending.timelines, pending.window)
+            micro = about if finding.reproduced else micro
         found = None
         if finding is not None:
             found = {**finding.plain(), "batch_idx": micro.batch_idx if micro else None}
@@ -375,6 +378,15 @@ def _poisoned(named: Sequence[tuple[str, torch.Tensor]]) -> Finding | None:
     dtype, shape = str(param.dtype), tuple(param.shape)
     tensors = [(local, param.detach())]
     return Finding(True, module, "parameter", local, counts, dtype, shape, tensors=tensors)
+
+
+def _about(window: Sequence[MicroBatch], reading: Reading) -> MicroBatch | None:
+    """The micro-batch a step's event is about when no module is named: the one whose loss was
+    the first non-finite, else the last."""
+    first = reading.about_first_bad_loss()
+    if isinstance(first, MicroBatch):
+        return first
+    return window[-1] if window else None
 
 
 def _first(

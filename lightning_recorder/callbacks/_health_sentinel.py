@@ -87,6 +87,7 @@ class Reading:
     event: Any = None
     meta: dict[str, Any] = field(default_factory=dict)
     kept: list[tuple[str, weakref.ref[torch.Tensor], Versions]] = field(default_factory=list)
+    about: list[Any] = field(default_factory=list)  # what each loss was computed on
 
     def flag(self) -> torch.Tensor:
         """A 0-dim bool tensor on the device: whether anything is not finite."""
@@ -121,6 +122,13 @@ class Reading:
         """Whether the copied values hold a non-finite one (after :meth:`ready`)."""
         assert self.host is not None
         return not bool(torch.isfinite(self.host).all())
+
+    def about_first_bad_loss(self) -> Any:
+        """What the first loss whose values are not all finite was computed on (:attr:`about`),
+        or ``None`` (reads the host copy once :meth:`later` made one)."""
+        values = self.host if self.host is not None else self.values
+        bad = torch.isfinite(values[: len(self.losses)]).logical_not().nonzero().flatten()
+        return self.about[int(bad[0])] if bad.numel() and self.about else None
 
     def counts(self) -> tuple[Counted, list[str]]:
         """The element counts of the step (:func:`step_counts` over the losses and the checked
@@ -181,13 +189,16 @@ class Sentinel:
 
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
+        self.about: list[Any] = []  # what each loss was computed on (its micro-batch)
 
-    def add_loss(self, loss: torch.Tensor) -> None:
-        """Note a loss about to be back-propagated (one per micro-batch or manual backward)."""
+    def add_loss(self, loss: torch.Tensor, about: Any = None) -> None:
+        """Note a loss about to be back-propagated (one per micro-batch or manual backward),
+        and what it was computed on."""
         self.losses.append(loss.detach())
+        self.about.append(about)
 
     def reset(self) -> None:
-        self.losses = []
+        self.losses, self.about = [], []
 
     def read(self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> Reading:
         """Check the noted losses and the gradients of ``named`` parameters (those with one)."""
@@ -200,7 +211,8 @@ class Sentinel:
             loss.float().sum().reshape(1).to(device, non_blocking=True) for loss in self.losses
         ]
         values = torch.cat([*losses, norms])
-        return Reading(values, list(self.losses), [with_grad[k][0] for k in order], with_grad)
+        names = [with_grad[k][0] for k in order]
+        return Reading(values, list(self.losses), names, with_grad, about=list(self.about))
 
 
 def step_counts(

@@ -504,7 +504,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        self._sentinel.add_loss(loss)
+        self._sentinel.add_loss(loss, self._window[-1] if self._window else None)
         if self._trace is not None:
             self._trace.end_forward(loss)
 

@@ -345,6 +345,22 @@ def test_gradient_accumulation_finds_the_micro_batch(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("policy", ["warn", "skip"])
+def test_without_localisation_the_event_is_about_the_micro_batch_whose_loss_was_bad(
+    policy: Any, tmp_path: Path
+) -> None:
+    """Read at once ("skip") or lazily ("warn"): the event and its bundle are about micro-batch
+    2, whose loss was NaN, not about the step's last micro-batch."""
+    monitor = HealthMonitor(policy, localize=False, evidence_dir=tmp_path)
+    loader = data("trapped", 24, marked=(2,))  # batches 2 and 3 make optimizer step 1
+    fit(Net("trapped"), [monitor], steps=2, loader=loader, accumulate_grad_batches=2)
+    event = monitor.events[0]
+    assert (event.step, event.batch_idx) == (1, 2)
+    assert event.evidence is not None
+    batch = load_file(Path(event.evidence) / "tensors.safetensors")["batch.0"]
+    assert torch.equal(batch, loader.dataset.tensors[0][8:12])  # type: ignore[attr-defined]
+
+
 class _BadWeightGradient(pl.Callback):
     """At optimizer step ``step`` the gradient of ``name`` is NaN (a hook on the parameter):
     non-finite in that parameter only, passed on to no other gradient."""
@@ -447,6 +463,28 @@ def classes(n: int = 24) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+class _TwoBackwards(TwoLinear):
+    """Manual optimization: two losses back-propagated, then one step, per batch."""
+
+    def __init__(self) -> None:
+        super().__init__(bad=1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(super().training_step(batch, batch_idx))
+        self.manual_backward(self.l1(batch[0]).square().mean())
+        optimizer.step()  # type: ignore[union-attr]
+
+
+def test_without_localisation_a_manual_step_is_about_the_batch_of_its_bad_loss() -> None:
+    monitor = HealthMonitor("skip", localize=False, rules=(), evidence_max_bytes=0)
+    fit(_TwoBackwards(), [monitor], steps=3, loader=classes())
+    [event] = monitor.events
+    assert (event.step, event.batch_idx) == (1, 1)
 
 
 @pytest.mark.parametrize("policy", ["warn", "skip"])  # read lazily / before the optimizer step
