@@ -71,7 +71,9 @@ class HealthEvent:
             An event of the code between submodules names, under ``"submodule"``, the
             submodule whose input held the values (``"output"`` for ``"output.input.x"``), or
             backward whose output's gradient (``"input_layernorm"`` for
-            ``"input_layernorm.output"``).
+            ``"input_layernorm.output"``). A skipped step whose forward left non-finite values
+            in floating-point buffers (BatchNorm's running statistics) names them under
+            ``"nonfinite_buffers"``: a skip discards the update, not what the forward wrote.
 
     Examples:
         >>> event = HealthEvent("nonfinite", step=3, batch_idx=3, rank=0, module="net.2",
@@ -206,6 +208,20 @@ def _unlocalised(event: HealthEvent) -> str:
     return sentence + " (not localised)"
 
 
+def _buffers(event: HealthEvent) -> str:
+    """What a skipped step could not undo: the buffers its forward left non-finite."""
+    names = event.details.get("nonfinite_buffers")
+    if not names:
+        return ""
+    listed = ", ".join(f"`{name}`" for name in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f", but its forward left non-finite values in the buffers {listed}{more}, which "
+        "evaluation reads: reset them (BatchNorm's `reset_running_stats()`) or load a checkpoint "
+        "from before this step"
+    )
+
+
 def describe(event: HealthEvent) -> str:
     """The event in one sentence: what, where (module, direction), when (step, batch, rank),
     how much, what was done and where the evidence is."""
@@ -218,7 +234,7 @@ def describe(event: HealthEvent) -> str:
         sentence += f": {_tensor(event)}"
     tail = []
     if event.action in _ACTIONS:
-        tail.append(_ACTIONS[event.action])
+        tail.append(_ACTIONS[event.action] + _buffers(event))
     if event.evidence:
         tail.append(f"evidence in {event.evidence}")
     elif event.kind == "nonfinite":

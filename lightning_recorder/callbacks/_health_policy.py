@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 
-from .._core.names import named_parameters
+from .._core.names import canonical_name, named_parameters
 from ..errors import NonFiniteError
 from ._health_event import HealthEvent
 from ._health_evidence import Evidence
@@ -191,6 +191,9 @@ class Decisions:
             extra["checkpoint"] = self._checkpoint(trainer, pl_module, step)
         if action == "skipped":  # counted before the report, which logs the counters
             self.counters["skipped_steps"] += 1
+            left = _nonfinite_buffers(pl_module)  # the forward updated them: no skip undoes it
+            if left:
+                event.details["nonfinite_buffers"] = left
         self._finish(trainer, event, action, micro, finding, check, extra, loud, log_step)
         if action == "skipped":
             for _, p in named:
@@ -365,6 +368,17 @@ def _scaler(trainer: pl.Trainer) -> Any:
     """The AMP grad scaler of the run (``precision="16-mixed"``), or ``None``."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def _nonfinite_buffers(pl_module: pl.LightningModule) -> list[str]:
+    """The floating-point buffers that hold non-finite values (BatchNorm's running statistics
+    after a forward over a bad batch), by name."""
+    named = [
+        (canonical_name(name), b)
+        for name, b in pl_module.named_buffers()
+        if b is not None and b.is_floating_point()
+    ]
+    return [name for name, _, _ in nonfinite_parameters(named)]
 
 
 def _poisoned(named: Sequence[tuple[str, torch.Tensor]]) -> Finding | None:

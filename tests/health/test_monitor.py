@@ -101,6 +101,36 @@ def test_skip_changes_neither_parameters_nor_optimizer_state(
     assert monitor.counters["skipped_steps"] == 1 and monitor.counters["nonfinite_steps"] == 1
 
 
+class _Normed(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.body(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_skipped_step_says_which_buffers_its_forward_left_non_finite() -> None:
+    """The update is skipped, but BatchNorm's running statistics took the bad batch in the
+    forward: evaluation reads them, and the event says so."""
+    x = torch.randn(12, 4)
+    x[5, 1] = math.nan  # batch 1
+    monitor = HealthMonitor("skip", rules=(), evidence_max_bytes=0)
+    model = _Normed()
+    fit(model, [monitor], steps=3, loader=DataLoader(TensorDataset(x), batch_size=4))
+    [event] = monitor.events
+    names = ["body.1.running_mean", "body.1.running_var"]
+    assert event.details["nonfinite_buffers"] == names
+    assert not torch.isfinite(model.body[1].running_mean).all()  # the skip did not undo them
+    assert "the update was skipped, but its forward left non-finite values in the buffers " in (
+        event.message
+    )
+    assert "`body.1.running_mean`, `body.1.running_var`" in event.message
+
+
 @pytest.mark.parametrize("algorithm", ["value", "norm"])
 def test_skip_works_with_gradient_clipping(algorithm: str, tmp_path: Path) -> None:
     """Lightning clips right after the check: a skipped step leaves no gradient, and clipping by
