@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -270,11 +271,13 @@ class Decisions:
     def _checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int
     ) -> str | None:
-        """Save a checkpoint before the bad update, once a fit, when the parameters and the
-        optimizer state fit in ``evidence_max_bytes`` (a test that gives the same answer on
-        every rank: ``save_checkpoint`` is a collective). It counts against the budget."""
+        """Save a checkpoint before the bad update, once a fit, when the parameters, the
+        buffers and the optimizer state fit in ``evidence_max_bytes`` (a test that gives the
+        same answer on every rank: ``save_checkpoint`` is a collective). It counts against the
+        budget: the file's size where this rank sees it."""
         self._checkpointed = True
-        size = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        tensors = [*pl_module.parameters(), *pl_module.buffers()]
+        size = sum(t.numel() * t.element_size() for t in tensors)
         for optimizer in trainer.optimizers:
             for state in optimizer.state.values():
                 size += sum(
@@ -287,7 +290,7 @@ class Decisions:
         # not over the checkpoint of an earlier run; rank zero's choice, which writes it
         path = trainer.strategy.broadcast(self._evidence.free(path))
         trainer.save_checkpoint(path)
-        self._evidence.used += size
+        self._evidence.used += Path(path).stat().st_size if Path(path).is_file() else size
         return str(path)
 
     def _emit(self, trainer: pl.Trainer, event: HealthEvent, log_step: int, loud: bool) -> None:

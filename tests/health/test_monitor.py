@@ -821,6 +821,29 @@ def test_a_budget_under_a_mebibyte_holds_bundles_that_fit(tmp_path: Path) -> Non
     assert total <= 100_000
 
 
+class _Tabled(TwoLinear):
+    """TwoLinear with a large buffer (a lookup table): 400 kB the parameters do not count."""
+
+    def __init__(self) -> None:
+        super().__init__(bad=1)
+        self.register_buffer("table", torch.zeros(100_000))
+
+
+def test_a_checkpoint_counts_the_buffers_against_the_evidence_budget(tmp_path: Path) -> None:
+    monitor = HealthMonitor(
+        "skip",
+        rules=(),
+        evidence_dir=tmp_path,
+        evidence_max_bytes=100_000,
+        evidence_checkpoint=True,
+    )
+    fit(_Tabled(), [monitor], steps=2, loader=classes())
+    assert monitor.events and monitor.events[0].evidence is not None  # the bundle fits
+    assert list(tmp_path.glob("*.ckpt")) == []  # the checkpoint, with its table, does not
+    total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert total <= 100_000
+
+
 def test_checkpoint_before_the_bad_update(tmp_path: Path) -> None:
     model = Net("mlp")
     shots = Snapshots()
