@@ -75,7 +75,7 @@ class ParameterStats:
         for the next logged step; others are freed)."""
         self._grad_norms: dict[str, Tensor] = {}
         self._before_norms: dict[str, Tensor] = {}
-        self._stepped: list[str] = []
+        self._stepped: dict[str, None] = {}  # an ordered set: a lookup per name, not a scan
         self.close()  # the batch's steps are over
         self._before = {name: copy for name, copy in self._before.items() if copy.is_cpu}
 
@@ -135,7 +135,7 @@ class ParameterStats:
             k = len(names)
             self._grad_norms.update(zip(names, unscaled(found[:k], grad_scale), strict=True))
             self._before_norms.update(zip(names, found[k:], strict=True))
-        self._stepped.extend(n for n in names if n not in self._stepped)
+        self._stepped.update(dict.fromkeys(names))
 
     def tensors(self) -> tuple[list[str], list[Tensor]]:
         """The names of the stepped parameters and, on the device: the norm of every monitored

@@ -1710,6 +1710,35 @@ def test_parameter_copies_off_the_cpu_are_freed_after_each_logged_step() -> None
     assert not stats._before
 
 
+class CountedName(str):
+    """A parameter name that counts the comparisons made with it."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        CountedName.compared += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_parameter_steps_are_noted_in_time_linear_in_the_parameters() -> None:
+    """The parameters stepped in a logged step are noted with a lookup each, not by scanning
+    those noted before: a model with thousands of parameter tensors paid a time quadratic in
+    their number on every logged step (about 0.6 s a step for 10,000 tensors)."""
+    from lightning_recorder.callbacks._parameter_stats import ParameterStats
+
+    params = {CountedName(f"layers.{k}.weight"): nn.Parameter(torch.ones(1)) for k in range(400)}
+    for param in params.values():
+        param.grad = torch.ones(1)
+    stats = ParameterStats(dict(params), sharded=False)
+    CountedName.compared = 0
+    stats.before_step(torch.optim.SGD(params.values(), lr=0.1))
+    assert CountedName.compared < 4 * len(params)  # a scan made 400 * 399 / 2 comparisons
+    stepped, found = stats.tensors()
+    assert stepped == list(params) and len(found) == 4 * len(params)
+
+
 class Pair(nn.Module):
     """Returns two tensors of different scale: a mixed statistic would match neither."""
 
