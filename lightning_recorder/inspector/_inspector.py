@@ -283,6 +283,11 @@ class Inspector(nn.Module):
         self._statistics: Any = None
         self._layers = tuple(trace(net, args, kwargs, mode))
         self._rows = {row.label: row for row in self._layers}
+        calls: dict[str, list[Label]] = {}
+        for row in self._layers:
+            if row.called:
+                calls.setdefault(row.name, []).append(row.label)
+        self._calls = {name: tuple(labels) for name, labels in calls.items()}  # in call order
         self._recording: tuple[Label, ...] = ()
         self._activations: dict[Label, Any] = {}
         self._versions: dict[Label, Versions] = {}
@@ -323,7 +328,7 @@ class Inspector(nn.Module):
             for name in dict.fromkeys(self._rows[label].name for label in recording):
                 module = self.net.get_submodule(name)
                 self._hooked[name] = weakref.ref(module)
-                calls = tuple(row.label for row in self._layers if row.name == name and row.called)
+                calls = self._calls.get(name, ())
                 self._hooks.add(module.register_forward_pre_hook(_StartHook(self, name, calls)))
                 end = _EndHook(self, name, calls, recorded)
                 self._hooks.add(module.register_forward_hook(end))

@@ -7,7 +7,7 @@ import gc
 import importlib.util
 import pickle
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from lightning_recorder.errors import (
     RecordModifiedError,
     UnknownSourceError,
 )
-from lightning_recorder.inspector import Inspector
+from lightning_recorder.inspector import Inspector, LayerRow
 
 
 def toynet() -> nn.Sequential:
@@ -213,6 +213,35 @@ def test_a_module_called_twice_gets_one_label_per_call() -> None:
     assert list(rnet.recorded_modules.values()) == [net.fc, net.act]
     assert list(rnet.recorded_params) == ["fc.weight", "fc.bias"]
     rnet.release()
+
+
+class CountedWalks(tuple[LayerRow, ...]):
+    """The rows of a summary, counting the walks over them."""
+
+    walks = 0
+
+    def __iter__(self) -> Iterator[LayerRow]:
+        CountedWalks.walks += 1
+        return super().__iter__()
+
+
+def test_recording_every_layer_does_not_walk_the_summary_once_per_layer() -> None:
+    """record() found each chosen module's calls by walking every row of the summary, a time
+    quadratic in the layers when a deep network is recorded whole (1.3 s for 8,000 layers);
+    the calls of each module are now known from the traced forward."""
+    net = nn.Sequential(Shared(), *[nn.Linear(2, 2) for _ in range(40)])
+    with Inspector(net, input_size=(1, 4)) as rnet:
+        rnet._layers = CountedWalks(rnet._layers)
+        CountedWalks.walks = 0
+        rnet.record(*[row.label for row in rnet.layers if row.called])
+        assert CountedWalks.walks <= 2  # was once per recorded module (46)
+        x = torch.randn(2, 4)
+        rnet(x)
+        first = net[0].fc(x)
+        second = net[0].fc(torch.tanh(first))  # the shared layer's two calls, each its own label
+        torch.testing.assert_close(rnet.activations["2-1"], first)
+        torch.testing.assert_close(rnet.activations["2-3"], second)
+        assert len(rnet.activations) == len([row for row in rnet.layers if row.called])
 
 
 def test_labels_are_parsed_from_tuples_lists_and_strings() -> None:
