@@ -672,15 +672,17 @@ class FeatureStatsMonitor(RecorderCallback):
     def _chosen_parameters(
         self, pl_module: pl.LightningModule, streams: dict[str, RecordStream]
     ) -> dict[str, torch.nn.Parameter]:
-        prefixes = tuple(dict.fromkeys(s.name + "." for s in streams.values()))
+        monitored = {s.name for s in streams.values()}
         every = named_parameters(pl_module)
         # A parameter shared with another module (tied weights: GPT-2's `lm_head.weight` is its
         # `transformer.wte.weight`) is inside by any of its names, and named by its first one.
-        ids = {
-            id(param)
-            for name, param in pl_module.named_parameters(remove_duplicate=False)
-            if canonical_name(name).startswith(prefixes)
-        }
+        # Inside: a monitored module's name ends at one of its dots (a lookup per dot, not a
+        # comparison with every monitored module).
+        ids = set()
+        for name, param in pl_module.named_parameters(remove_duplicate=False):
+            name = canonical_name(name)
+            if any(name[:k] in monitored for k, char in enumerate(name) if char == "."):
+                ids.add(id(param))
         inside = {name: param for name, param in every.items() if id(param) in ids}
         if self._param_patterns is None:
             return inside
