@@ -76,6 +76,16 @@ def closest(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
     return matches
 
 
+def listing(items: Sequence[str], shown: int = 5) -> str:
+    """``items`` (as written) joined by commas, the first ``shown`` of them and how many more.
+
+    >>> listing(["'a'", "'b'", "'c'"], shown=2)
+    "'a', 'b' and 1 more"
+    """
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
 def suggestion(name: str, candidates: Iterable[str], what: str) -> str:
     """A sentence that lists close matches for ``name`` (or a few valid names if none).
 

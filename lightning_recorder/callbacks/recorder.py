@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import Self, override
 
-from .._core.checks import check_positive_int
+from .._core.checks import check_positive_int, listing
 from .._core.names import named_modules
 from .._core.registry import option_names
 from ..errors import NoRecordError, NotInitializedError, RecorderConfigError, RecorderStateError
@@ -29,6 +29,12 @@ from ._lightning import (
 )
 
 __all__ = ["RecorderCallback"]
+
+
+def _listed(names: list[str], one: str, several: str) -> str:
+    """``names`` (without repeats, the first five) after ``one`` or ``several``."""
+    names = list(dict.fromkeys(names))
+    return f"{one if len(names) == 1 else several} {listing([repr(n) for n in names])}"
 
 
 class RecorderCallback(Callback):
@@ -463,7 +469,8 @@ class RecorderCallback(Callback):
         )
 
     def _report_silent_modules(self) -> None:
-        """Warn once per module that recorded in earlier training steps and not in this one.
+        """Warn once per module that recorded in earlier training steps and not in this one,
+        in one warning per step for all of them (a mixture of experts leaves many out).
 
         The usual cause is a module replaced in the model after the recorders were installed
         (``model.body[0] = nn.Linear(...)``): the hooks stay on the old object.
@@ -472,6 +479,8 @@ class RecorderCallback(Callback):
         if module is None:
             return
         current: dict[str, Any] | None = None
+        replaced: list[tuple[str, str]] = []  # (recorder, module) of this step
+        stopped: list[tuple[str, str]] = []
         for rec_name, hooked, name, stream in self._hooked_streams():
             key = (rec_name, name)
             if stream.num_calls:
@@ -481,26 +490,37 @@ class RecorderCallback(Callback):
                 continue
             if current is None:
                 current = named_modules(module)
-            replaced = name in hooked and current.get(name) is not hooked[name]
+            was_replaced = name in hooked and current.get(name) is not hooked[name]
             self._silent.add(key)  # checked once: the walk above is not repeated
-            if not replaced and key not in self._called:
-                continue  # never called so far: a module unused in training is not news
-            if replaced:
-                why = (
-                    f"the module {name!r} was replaced in the model (or removed) after the "
-                    "recorders were installed at the start of the run, and the hooks are on "
-                    "the old module. Replace modules before fit, or in configure_model"
+            if was_replaced:
+                replaced.append(key)
+            elif (
+                key in self._called
+            ):  # never called so far: a module unused in training is not news
+                stopped.append(key)
+        for found, why in (
+            (
+                replaced,
+                "{modules} replaced in the model (or removed) after the recorders were "
+                "installed at the start of the run, and the hooks are on the old module. Replace "
+                "modules before fit, or in configure_model",
+            ),
+            (
+                stopped,
+                "{modules} recorded in earlier training steps but not called in this one (a "
+                "branch not taken, an expert of a mixture not routed to, or a module the forward "
+                "no longer uses)",
+            ),
+        ):
+            if found:
+                recorders = _listed([rec for rec, _ in found], "recorder", "recorders")
+                modules = _listed([name for _, name in found], "the module", "the modules")
+                verb = "was" if modules.startswith("the module ") else "were"
+                rank_zero_warn(
+                    f"{self!r}: {recorders} recorded nothing in training step "
+                    f"{self._train_step}: {why.format(modules=f'{modules} {verb}')}. Each "
+                    "module is reported once."
                 )
-            else:
-                why = (
-                    f"the module {name!r} recorded in earlier training steps but was not "
-                    "called in this one (a branch not taken, or a module the forward no "
-                    "longer uses)"
-                )
-            rank_zero_warn(
-                f"{self!r}: recorder {rec_name!r} recorded nothing in training step "
-                f"{self._train_step}: {why}. Reported once."
-            )
 
     def _hooked_streams(self) -> Iterator[tuple[str, dict[str, nn.Module], str, RecordStream]]:
         """``(recorder name, its hooked modules, stream name, stream)`` of every stream of the

@@ -68,13 +68,38 @@ def test_a_module_that_stops_being_called_is_reported_once() -> None:
     with pytest.warns(UserWarning, match=r"recorded nothing") as caught:
         fit(callback, Skipping())
     messages = silent_warnings(caught.list)
-    # body.0, body.1 and body.2 each stop: one warning per stream, each naming its module.
-    assert sorted(m.split("the module ")[1].split(" ")[0] for m in messages) == [
-        "'body.0'",
-        "'body.1'",
-        "'body.2'",
-    ]
-    assert all("was not called in this one" in m for m in messages)
+    # body.0, body.1 and body.2 stop in the same step: one warning naming each of them
+    assert len(messages) == 1, messages
+    assert "the modules 'body.0', 'body.1', 'body.2' were recorded in earlier" in messages[0]
+    assert "not called in this one" in messages[0] and "training step 2" in messages[0]
+
+
+def test_modules_that_stop_being_called_are_reported_in_one_warning_a_step_each_once() -> None:
+    """A mixture of experts routes each step to a few of its experts: the ones left out are
+    reported in one warning per step (not one per expert), each expert once, the first five
+    named and the others counted."""
+
+    class Mixture(ProbeNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(4, 2) for _ in range(24))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.nan_to_num(self.probe(x), 0.0, 0.0, 0.0)
+            step = int(self.global_step)  # step 0 routes to all, then to a different half
+            chosen = range(24) if step == 0 else range(step % 2, 24, 2)
+            return sum((self.experts[k](h) for k in chosen), torch.zeros(()))
+
+    callback = RecorderCallback({"moe": {"type": "ModuleOutputs", "source": "experts.*"}})
+    with pytest.warns(UserWarning, match=r"recorded nothing") as caught:
+        fit(callback, Mixture())
+    messages = silent_warnings(caught.list)
+    # step 1 leaves the 12 even experts out, step 2 the 12 odd ones (already reported: none)
+    assert len(messages) == 2, messages
+    assert "training step 1: the modules 'experts.0', 'experts.2', 'experts.4'," in messages[0]
+    assert "'experts.8' and 7 more were recorded in earlier" in messages[0]
+    assert "training step 2: the modules 'experts.1', 'experts.3'," in messages[1]
+    assert "an expert of a mixture not routed to" in messages[1]
 
 
 def test_a_module_never_called_in_training_is_not_reported() -> None:
