@@ -18,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .._core.checks import listing
+
 __all__ = ["COUNT_KEYS", "Direction", "HealthEvent", "describe", "format_counts"]
 
 Direction = Literal["forward", "backward", "loss", "parameter"]
@@ -195,9 +197,7 @@ def _unlocalised(event: HealthEvent) -> str:
     """What the always-on check saw, when no module was named."""
     parts = ["the loss"] if event.direction == "loss" else []
     if event.parameters:
-        names = ", ".join(f"`{p}`" for p in event.parameters[:3])
-        more = len(event.parameters) - 3
-        parts.append(f"the gradients of {names}" + (f" and {more} more" if more > 0 else ""))
+        parts.append(f"the gradients of {listing([f'`{p}`' for p in event.parameters], 3)}")
     what = " and ".join(parts) or "the loss or the gradients"
     sentence = f"{what[0].upper()}{what[1:]} were non-finite"
     if event.reproduced is False:
@@ -213,10 +213,9 @@ def _buffers(event: HealthEvent) -> str:
     names = event.details.get("nonfinite_buffers")
     if not names:
         return ""
-    listed = ", ".join(f"`{name}`" for name in names[:3])
-    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    listed = listing([f"`{name}`" for name in names], 3)
     return (
-        f", but its forward left non-finite values in the buffers {listed}{more}, which "
+        f", but its forward left non-finite values in the buffers {listed}, which "
         "evaluation reads: reset them (BatchNorm's `reset_running_stats()`) or load a checkpoint "
         "from before this step"
     )

@@ -34,6 +34,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from .._core.checks import listing
 from ._health_event import HealthEvent
 from ._lightning import prefixed_tag
 
@@ -163,8 +164,7 @@ def _together(events: Sequence[HealthEvent]) -> HealthEvent:
     if len(events) == 1:
         return events[0]
     others = [f"`{e.module}`" if e.module else "the model" for e in events[1:]]
-    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-    message = f"{events[0].message} The same on {shown}."
+    message = f"{events[0].message} The same on {listing(others)}."
     return dataclasses.replace(events[0], message=message)
 
 

@@ -11,7 +11,7 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from .._core.checks import suggestion
+from .._core.checks import listing, suggestion
 from .._core.names import check_regex, is_glob
 from .._core.structures import iter_tensors, parse_path
 from ..errors import RecorderConfigError
@@ -68,12 +68,10 @@ def unmonitored_parameters(pattern: str, names: Sequence[str], owner: str) -> st
     what would be right (monitor those modules, or drop the entry)."""
     shown = 5
     owners = list(dict.fromkeys(name.rpartition(".")[0] for name in names))
-    of = ", ".join(repr(m) if m else "the LightningModule itself" for m in owners[:shown])
-    of += f" and {len(owners) - shown} more" if len(owners) > shown else ""
+    of = listing([repr(m) if m else "the LightningModule itself" for m in owners], shown)
     head = f"`parameters` of {owner} selects among the parameters of the monitored modules, but "
     if is_glob(pattern):
-        listed = ", ".join(map(repr, names[:shown]))
-        listed += f" and {len(names) - shown} more" if len(names) > shown else ""
+        listed = listing([repr(name) for name in names], shown)
         head += (
             f"the pattern {pattern!r} matches only parameters of modules that are not monitored: "
             f"{listed} (of {of})."
