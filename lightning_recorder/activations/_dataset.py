@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import operator
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -270,7 +271,23 @@ class ActivationDataset(Dataset[dict[str, Any]]):
     def _chunk_tensor(self, chunk: dict[str, Any]) -> torch.Tensor:
         return self._shard(chunk["shard"]).tensor(chunk["key"])
 
+    def _row_number(self, idx: object) -> int:
+        """``idx`` as an int (an int, a NumPy integer, an integer 0-d tensor), else an error: a
+        slice, a list or a float would fail deep in the row lookup, a bool read row 0 or 1."""
+        if not isinstance(idx, bool):
+            try:
+                return operator.index(idx)  # type: ignore[arg-type]
+            except TypeError:
+                pass
+        raise RecorderConfigError(
+            f"Expected the index of a row of {type(self).__name__} to be an int (a negative one "
+            f"counts from the end) but got {type(idx).__name__} {repr(idx)[:80]}. Take several "
+            "rows with torch.utils.data.Subset(dataset, indices) or a DataLoader, or one source's "
+            "rows as one tensor with dataset.concat(source)."
+        )
+
     def __getitem__(self, idx: int) -> dict[str, Any]:
+        idx = self._row_number(idx)
         if not -len(self._rows) <= idx < len(self._rows):
             raise NoRecordError(f"Expected an index in [0, {len(self._rows)}) but got {idx}.")
         number, row = self._rows[idx]

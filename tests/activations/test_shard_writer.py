@@ -810,6 +810,20 @@ def test_dataset_in_a_dataloader(tmp_path: Path) -> None:
     assert torch.cat([b["sample_index"] for b in batches]).tolist() == list(range(10))
 
 
+def test_a_row_index_that_is_not_an_int_is_refused_naming_the_ways_to_take_rows(
+    tmp_path: Path,
+) -> None:
+    x = torch.arange(8.0).view(4, 2)
+    with ShardWriter(tmp_path) as writer:
+        writer.write("s", "m", x, sample_index=range(4))
+    dataset = ActivationDataset(tmp_path)
+    for idx in (-1, np.int64(-4), torch.tensor(2)):  # integers, negative ones from the end
+        assert torch.equal(dataset[idx]["activation"], x[int(idx)])
+    for idx in (slice(0, 2), [0, 1], np.array([0, 1]), 1.0, True, torch.tensor(1.0)):
+        with pytest.raises(RecorderConfigError, match=r"to be an int .*Subset.*concat"):
+            dataset[idx]
+
+
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_writing_to_an_item_changes_no_later_read(tmp_path: Path, where: str) -> None:
     directory = str(tmp_path) if where == "local" else f"memory://{tmp_path.name}-items"
