@@ -289,7 +289,10 @@ class ActivationDataset(Dataset[dict[str, Any]]):
     def __getitem__(self, idx: int) -> dict[str, Any]:
         idx = self._row_number(idx)
         if not -len(self._rows) <= idx < len(self._rows):
-            raise NoRecordError(f"Expected an index in [0, {len(self._rows)}) but got {idx}.")
+            raise NoRecordError(
+                f"Expected an index in [-{len(self._rows)}, {len(self._rows)}) (a negative one "
+                f"counts from the end) but got {idx}."
+            )
         number, row = self._rows[idx]
         chunk = self.chunks[number]
         return {

@@ -20,7 +20,12 @@ from safetensors import SafetensorError
 from torch import nn
 
 import lightning_recorder
-from lightning_recorder import RecorderConfigError, RecorderManager, RecorderStateError
+from lightning_recorder import (
+    NoRecordError,
+    RecorderConfigError,
+    RecorderManager,
+    RecorderStateError,
+)
 from lightning_recorder.activations import ActivationDataset, ShardWriter, concat_activations
 from lightning_recorder.activations._format import Storage
 
@@ -822,6 +827,17 @@ def test_a_row_index_that_is_not_an_int_is_refused_naming_the_ways_to_take_rows(
     for idx in (slice(0, 2), [0, 1], np.array([0, 1]), 1.0, True, torch.tensor(1.0)):
         with pytest.raises(RecorderConfigError, match=r"to be an int .*Subset.*concat"):
             dataset[idx]
+
+
+def test_a_row_index_out_of_range_names_the_range_of_both_signs(tmp_path: Path) -> None:
+    with ShardWriter(tmp_path) as writer:
+        writer.write("s", "m", torch.zeros(4, 2), sample_index=range(4))
+    dataset = ActivationDataset(tmp_path)
+    assert dataset[-4]["sample_index"] == 0
+    for idx in (4, -5):
+        with pytest.raises(NoRecordError, match=r"index in \[-4, 4\) \(a negative one counts"):
+            dataset[idx]
+    assert len(list(dataset)) == 4  # iteration stops at the IndexError
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
