@@ -403,7 +403,8 @@ class ShardWriter:
         if sample_index is None:
             return None
         if isinstance(sample_index, torch.Tensor):
-            if sample_index.is_floating_point() or sample_index.is_complex():
+            wrong = sample_index.is_floating_point() or sample_index.is_complex()
+            if wrong or sample_index.dtype == torch.bool:  # a mask: 0 and 1, not indices
                 raise RecorderConfigError(
                     "Expected the sample indices (`sample_index`) to be integer dataset "
                     f"indices but got a tensor of {sample_index.dtype}; pass the indices "
@@ -414,6 +415,8 @@ class ShardWriter:
         index: list[int] = []
         for item in sample_index:
             try:
+                if isinstance(item, bool):  # a mask's values: 0 and 1, not indices
+                    raise TypeError
                 index.append(operator.index(item))
             except TypeError:
                 raise RecorderConfigError(

@@ -499,6 +499,9 @@ def test_sample_indices_that_are_not_integers_are_refused(tmp_path: Path) -> Non
     with ShardWriter(tmp_path / "plain") as plain:
         with pytest.raises(RecorderConfigError, match=r"integer dataset indices .* 1\.5 \(float\)"):
             plain.write("s", "m", torch.zeros(2, 3), sample_index=[0, 1.5])
+        for mask in (torch.tensor([True, False]), [True, False]):  # a mask reads as 1 and 0
+            with pytest.raises(RecorderConfigError, match=r"integer dataset indices .*bool"):
+                plain.write("s", "m", torch.zeros(2, 3), sample_index=mask)
         plain.write("s", "m", torch.zeros(2, 3), sample_index=torch.tensor([4, 5]))
     assert concat_activations(tmp_path / "plain", "s").shape == (2, 3)
     assert [row["sample_index"] for row in ActivationDataset(tmp_path / "plain")] == [4, 5]
