@@ -281,6 +281,24 @@ class ActivationWriter(RecorderCallback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        url = self.writer.storage.url
+        for other in trainer.callbacks:  # type: ignore[attr-defined]
+            same = (
+                isinstance(other, ActivationWriter)
+                and other is not self
+                and self._given_run is not None
+                and other._given_run == self._given_run
+                and other.writer.storage.url == url
+            )
+            if same:  # both would number their shards alike and replace each other's
+                raise RecorderConfigError(
+                    f"Expected each {type(self).__name__} writing into {url!r} to have its own "
+                    f"`run` but the writers of sources {sorted(self._configs)} and "
+                    f"{sorted(other._configs)} both have run={self._given_run!r}: they would "
+                    "give their shards the same names and overwrite each other's rows. Give one "
+                    "another `run` (or none, for a fresh id), or write all the sources with one "
+                    "writer."
+                )
         super().setup(trainer, pl_module, stage)
         if self.run is None:  # one id for all ranks, chosen by rank 0
             self.run = trainer.strategy.broadcast(self.writer.run, src=0)

@@ -568,6 +568,29 @@ def test_a_run_id_with_shards_already_written_warns_that_rows_are_added(tmp_path
     assert not [w for w in caught if "already holds" in str(w.message)]
 
 
+def test_two_writers_of_one_run_into_one_directory_are_refused_before_writing(
+    tmp_path: Path,
+) -> None:
+    """Two writers of one run and rank number their shards alike: each would replace the
+    other's shards (rows lost without a word, or a failed rename)."""
+    data = DataLoader(TensorDataset(images(40)), batch_size=5)
+    options: dict[str, Any] = {"run": "exp", "max_shard_bytes": 200, "fsync": False}
+    writers = [
+        ActivationWriter("conv", tmp_path, **options),
+        ActivationWriter("head", tmp_path, **options),
+    ]
+    trainer = pl.Trainer(**QUIET, callbacks=writers)
+    with pytest.raises(RecorderConfigError, match=r"own `run` .*\['conv'\] and \['head'\]"):
+        trainer.predict(Net(), data, return_predictions=False)
+    assert not list(tmp_path.iterdir())  # nothing written
+    writers[1] = ActivationWriter("head", tmp_path, **{**options, "run": "other"})
+    pl.Trainer(**QUIET, callbacks=writers).predict(Net(), data, return_predictions=False)
+    assert Counter(c["source"] for c in ActivationDataset(tmp_path).provenance()) == {
+        "conv": 40,
+        "head": 40,
+    }
+
+
 def test_fast_dev_run_checks_the_tensors_as_a_write_would(tmp_path: Path) -> None:
     """The smoke test writes nothing but still catches what would stop the real run."""
     loader = DataLoader(TensorDataset(images(8)), batch_size=4)
