@@ -618,12 +618,16 @@ class FeatureStatsMonitor(RecorderCallback):
         self._bucket_counts = BucketCounts(len(streams), self.bins).to(device)
         self._trainer = trainer
         # Compile the statistics for the dtypes the outputs will have, now and in the
-        # background: never inside a training step (eager until it is ready).
+        # background: never inside a training step (eager until it is ready). Under
+        # torch.use_deterministic_algorithms(True) (Trainer(deterministic=True)) the run waits
+        # for it here: the eager and compiled kernels differ in the last bits, so which one a
+        # step takes must not depend on how soon the background work ends.
         dtypes = {p.dtype for p in pl_module.parameters() if p.is_floating_point()}
         precision = str(getattr(trainer, "precision", "32"))
         dtypes |= {torch.float32}
         dtypes |= {d for k, d in _PRECISION_DTYPES.items() if precision.startswith(k)}
-        warm_up(device, sorted(dtypes, key=str))
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        warm_up(device, sorted(dtypes, key=str), wait=deterministic)
         # The statistics in the hook: each recorder's capture is the monitor's.
         self._in_hook = not (self.exact_histograms or is_compiled(pl_module))
         if self._in_hook:

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers.benchmarks import load_benchmark
+from helpers.device_checks import deterministic_algorithms
 from helpers.docs import DOCS, python_blocks, run_page
 from helpers.models import (
     QUIET,
@@ -1783,6 +1784,35 @@ def test_the_parameters_of_the_monitored_modules_are_found_in_time_linear_in_the
     assert CountedPrefixes.checked < 4 * 402  # every name against every module: 402 * 200
     expected = [f"layers.{k}.{kind}" for k in range(200) for kind in ("weight", "bias")]
     assert list(reports[0].parameters) == expected
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_under_deterministic_algorithms_the_run_waits_for_the_engine_at_its_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deterministic: bool
+) -> None:
+    """The engine's kernels run eagerly until its background compile is done, then compiled,
+    and the two differ in the last bits: with Trainer(deterministic=True) two runs of one script
+    logged histograms that differed with how soon the compile ended. There the run waits for it
+    when it starts (before any step; never inside one); elsewhere it does not wait."""
+    calls: list[bool] = []
+    warm_up = monitor_module.warm_up
+
+    def recorded(*args: Any, wait: bool = False, **kwargs: Any) -> None:
+        calls.append(wait)
+        warm_up(*args, wait=wait, **kwargs)
+
+    monkeypatch.setattr(monitor_module, "warm_up", recorded)
+    monitor = FeatureStatsMonitor(["body.0"], every_n_steps=1, histograms=False)
+    with deterministic_algorithms():  # Lightning leaves the flags it sets: restored after
+        trainer = pl.Trainer(
+            **QUIET,
+            logger=CSVLogger(tmp_path),
+            max_steps=1,
+            callbacks=[monitor],
+            deterministic=deterministic,
+        )
+        trainer.fit(ProbeNet(), loader(features(4)))
+    assert calls == [deterministic]
 
 
 class Pair(nn.Module):

@@ -478,23 +478,12 @@ def read_events(logdir: Path) -> tuple[dict[str, list[Any]], dict[str, list[Any]
 
 
 # ---------------------------------------------------------------------------- determinism
-class _SettledEngine(pl.Callback):
-    """Waits, before the first step, for what the monitor's attach started in the engine's
-    background thread (the graphs run again, the CPU kernel loaded): until that is done a
-    kernel runs eagerly, after it compiled, so without the wait a fit's path, and its last bits,
-    would depend on the machine's load."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine._COMPILER.warm((), wait=True)
-
-
 def _deterministic_fit(logdir: Path, device: torch.device) -> tuple[dict, dict]:
     torch.manual_seed(0)
     model = ConvNet()
     monitor = FeatureStatsMonitor(["features.0", "features.2", "head"], every_n_steps=2)
-    callbacks: list[pl.Callback] = [monitor, _SettledEngine()]
     run = trainer(
-        logdir, accelerator_of(device), 4, callbacks, deterministic=True, log_every_n_steps=2
+        logdir, accelerator_of(device), 4, [monitor], deterministic=True, log_every_n_steps=2
     )
     run.fit(model, loader(batches(4, (16, 3, 12, 12), device)))
     assert monitor.logged_steps == 2
