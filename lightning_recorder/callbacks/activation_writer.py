@@ -369,7 +369,8 @@ class ActivationWriter(RecorderCallback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._failing = True  # write what is queued; the run's own error is the one to see
+        if self._module is None or self._module is pl_module:  # not another run's writer
+            self._failing = True  # write what is queued; the run's own error is the one to see
         super().on_exception(trainer, pl_module, exception)
 
     # ------------------------------------------------------------------ per batch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -181,6 +182,7 @@ class RecorderCallback(Callback):
         #: handed over (``_after_batch``, for subclasses); ``(None, 0, 0)`` otherwise.
         self._batch: tuple[Any, int, int] = (None, 0, 0)
         self._module: pl.LightningModule | None = None  # the module the recorders are on
+        self._thread = ""  # the name of the thread whose run installed them
         self._called: set[tuple[str, str]] = set()  # (recorder, stream) recorded in training
         self._silent: set[tuple[str, str]] = set()  # (recorder, stream) already reported
         self._train_step = 0  # the optimizer step of the current training batch
@@ -299,6 +301,7 @@ class RecorderCallback(Callback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._check_free(pl_module)  # before anything of the run holding it changes
         every = self.every_n_steps or getattr(trainer, "log_every_n_steps", None)
         # Lightning then logs no training step (a loop without training has nothing to follow)
         if every == 0 and "train" in self.stages and stage == "fit":
@@ -318,16 +321,29 @@ class RecorderCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._detach()
+        # not the recorders of another run still going
+        if self._module is None or self._module is pl_module:
+            self._detach()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._detach()
+        if self._module is None or self._module is pl_module:
+            self._detach()
+
+    def _check_free(self, pl_module: pl.LightningModule) -> None:
+        """Raise if the recorders are installed on another module by a run still going."""
+        if self._manager is not None and pl_module is not self._module:
+            raise RecorderStateError(
+                f"Expected {self!r} to serve one run at a time, but it is still installed on "
+                f"another {type(self._module).__name__} by a run that has not ended (in thread "
+                f"{self._thread!r}); give each Trainer its own callback."
+            )
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._manager is not None:
+            self._check_free(pl_module)
             return
         keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
         configs = self._configs_for(pl_module)
@@ -337,6 +353,7 @@ class RecorderCallback(Callback):
         manager.initialize(pl_module)  # releases what it installed if a source is missing
         self._manager = manager
         self._module = pl_module
+        self._thread = threading.current_thread().name
         self._called, self._silent = set(), set()
         self._suspend_idle = not keep
         # Compiled: the recorders stay on in every batch (records of unchosen batches are

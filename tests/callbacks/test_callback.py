@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import functools
 import gc
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -228,6 +229,58 @@ def test_a_forward_that_raises_leaves_no_hook() -> None:
         trainer(max_steps=4, callbacks=[cb]).fit(model, loader(features(16)))
     assert live_hooks() == []
     assert not cb.recording
+
+
+def test_a_callback_in_a_second_run_at_once_raises_and_leaves_the_first_recording() -> None:
+    # A sweep in threads that hands one callback object to two Trainers: the second run's start
+    # is refused, naming the thread of the first, whose recorders stay on its model. (It used to
+    # go on silently: the second model was never hooked, and its run stopped and then released
+    # the first run's recorders.)
+    cb = RecorderCallback(FEAT)
+    inside, tried = threading.Event(), threading.Event()
+    errors: dict[str, BaseException] = {}
+    reads: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hold(module: ProbeNet, batch_idx: int) -> None:
+        if batch_idx == 1:
+            inside.set()
+            assert tried.wait(240)  # only a deadlock would reach it
+        with torch.no_grad():
+            expected = module.body[0](module.probe(module.batch))
+        reads.append((RecorderCallback.of(module).get_record_data("feat").detach(), expected))
+
+    class Keep(ProbeNet):
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            self.batch = batch[0]
+            return super().training_step(batch, batch_idx)
+
+    first, second = Keep(), ProbeNet()
+    first.step_hook = hold
+
+    def run(name: str, module: ProbeNet) -> None:
+        try:
+            trainer(max_steps=3, callbacks=[cb]).fit(module, loader(features(16)))
+        except BaseException as err:  # handed to the main thread
+            errors[name] = err
+        finally:
+            if name == "B":
+                tried.set()
+
+    a = threading.Thread(target=run, args=("A", first), name="A", daemon=True)
+    b = threading.Thread(target=run, args=("B", second), name="B", daemon=True)
+    a.start()
+    assert inside.wait(240)
+    b.start()
+    for worker in (b, a):
+        worker.join(240)
+        assert not worker.is_alive()
+    assert list(errors) == ["B"]
+    with pytest.raises(RecorderStateError, match=r"one run at a time.*in thread 'A'.*its own"):
+        raise errors["B"]
+    assert len(reads) == 3  # the first run recorded each of its steps, before and after
+    for record, expected in reads:
+        torch.testing.assert_close(record, expected, rtol=1e-6, atol=1e-7)
+    assert live_hooks() == [] and not cb.recording
 
 
 def test_unknown_module_fails_at_start_with_closest_names() -> None:
