@@ -33,8 +33,10 @@ from .._core.structures import (
     Versions,
     copied_snapshot,
     follow_path,
+    iter_tensors,
     make_tensor_transform,
     make_transform,
+    map_tensors,
     modified,
     parse_path,
     snapshot,
@@ -81,6 +83,11 @@ def _no_owner() -> None:
     return None
 
 
+def _without_graph(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached from the graph that made it (a leaf as it is)."""
+    return t if t.grad_fn is None else t.detach()
+
+
 class RecordStream:
     """The records of one source, in call order.
 
@@ -105,6 +112,14 @@ class RecordStream:
         # Copied tensors count their versions afresh: the copy keeps which records were
         # modified in place, and snapshots the others again.
         state = {slot: getattr(self, slot) for slot in self.__slots__ if slot != "_owner"}
+        # A graph cannot be copied: a record with one (a forward with gradients) is copied
+        # detached, with its values.
+        state["_records"] = [
+            map_tensors(record, _without_graph)
+            if any(t.grad_fn is not None for t in iter_tensors(record))
+            else record
+            for record in self._records
+        ]
         state["_versions"] = [
             modified(record, versions)
             for record, versions in zip(self._records, self._versions, strict=True)

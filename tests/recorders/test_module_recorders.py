@@ -232,6 +232,36 @@ def test_model_pickles_and_deep_copies_after_recording() -> None:
     manager.release()
 
 
+def test_a_model_holding_records_of_a_forward_with_gradients_copies_them_detached() -> None:
+    # An EMA copy of a model that holds its manager, taken in a training step: the records
+    # carry the step's graph, which cannot be copied (deepcopy raised torch's "Only Tensors
+    # created explicitly by the user" error). The copy gets their values, detached.
+    model = ToyModel()
+    manager = RecorderManager(
+        {
+            "out": {"type": "ModuleOutputs", "source": "conv1"},
+            "inp": {"type": "ModuleInputs", "source": "conv2"},
+        }
+    )
+    manager.initialize(model)
+    with manager:
+        model(torch.randn(1, 1, 2, 2))
+    holder = nn.ModuleDict({"model": model})
+    holder.manager = manager  # a plain attribute
+    original = manager.get_recorder("out").get_record_data()
+    assert original.grad_fn is not None
+    for copied in (copy.deepcopy(holder), pickle.loads(pickle.dumps(holder))):
+        for name in ("out", "inp"):
+            record = copied.manager.get_recorder(name).get_record_data()
+            record = record if isinstance(record, torch.Tensor) else record[0]
+            expected = manager.get_recorder(name).get_record_data()
+            expected = expected if isinstance(expected, torch.Tensor) else expected[0]
+            assert record.grad_fn is None
+            torch.testing.assert_close(record, expected.detach(), rtol=0, atol=0)  # a copy
+    assert manager.get_recorder("out").get_record_data() is original  # the original keeps it
+    manager.release()
+
+
 class _Holding(nn.Module):
     """A model that holds the recorder of its own layer (as a LightningModule may)."""
 
