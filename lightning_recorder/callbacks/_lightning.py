@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
 from .._core.compat import is_compiled as compiled_by_torch
-from ..errors import RecorderConfigError
+from ..errors import RecorderConfigError, RecorderStateError
 
 Stage = Literal["train", "val", "test", "predict"]
 """A loop of the Trainer, as it appears in tags: ``train``, ``val``, ``test`` or ``predict``."""
@@ -84,6 +84,18 @@ def attached_trainer(module: object) -> pl.Trainer | None:
         return module.trainer
     except RuntimeError:  # "... is not attached to a `Trainer`"
         return None
+
+
+def check_one_run(callback: object, running: object, pl_module: object, thread: str) -> None:
+    """Raise if ``callback`` is installed on ``running``, a module other than ``pl_module``,
+    by a run that has not ended (started in the thread named ``thread``): a callback serves one
+    run at a time, and a second Trainer's run would change what the first one's uses."""
+    if running is not None and running is not pl_module:
+        raise RecorderStateError(
+            f"Expected {callback!r} to serve one run at a time, but it is still installed on "
+            f"another {type(running).__name__} by a run that has not ended (in thread "
+            f"{thread!r}); give each Trainer its own callback."
+        )
 
 
 def _made_state_key(callback: Any) -> str:

@@ -22,6 +22,7 @@ from ..recorders import BaseRecorder, RecorderManager, RecordStream, recorder_ty
 from ._lightning import (
     STATE_KEY,
     Stage,
+    check_one_run,
     check_stages,
     completes_step,
     is_compiled,
@@ -301,7 +302,8 @@ class RecorderCallback(Callback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._check_free(pl_module)  # before anything of the run holding it changes
+        # before anything of a run still holding the callback changes
+        check_one_run(self, self._module, pl_module, self._thread)
         every = self.every_n_steps or getattr(trainer, "log_every_n_steps", None)
         # Lightning then logs no training step (a loop without training has nothing to follow)
         if every == 0 and "train" in self.stages and stage == "fit":
@@ -332,18 +334,9 @@ class RecorderCallback(Callback):
         if self._module is None or self._module is pl_module:
             self._detach()
 
-    def _check_free(self, pl_module: pl.LightningModule) -> None:
-        """Raise if the recorders are installed on another module by a run still going."""
-        if self._manager is not None and pl_module is not self._module:
-            raise RecorderStateError(
-                f"Expected {self!r} to serve one run at a time, but it is still installed on "
-                f"another {type(self._module).__name__} by a run that has not ended (in thread "
-                f"{self._thread!r}); give each Trainer its own callback."
-            )
-
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._manager is not None:
-            self._check_free(pl_module)
+            check_one_run(self, self._module, pl_module, self._thread)
             return
         keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
         configs = self._configs_for(pl_module)

@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,57 @@ def test_term_is_added_to_the_returned_loss_and_logged() -> None:
     # The callback's float32 sum against the float64 sum of the two float32 terms: half an ulp
     # (6e-8 relative) apart at most.
     assert float(logged["distill/total"]) == pytest.approx(total, rel=1e-6)
+
+
+class Hold(pl.Callback):
+    """Holds the run at the start of its second batch until ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, m: Any, batch: Any, idx: int) -> None:
+        if idx == 1:
+            self.inside.set()
+            assert self.go.wait(240)  # only a deadlock would reach it
+
+
+def test_a_second_run_at_once_is_refused_and_the_first_keeps_its_terms() -> None:
+    # One callback handed to two Trainers running at once (a sweep in threads): the second run
+    # used to take the teacher and the step patch over, and the first then failed with "no step
+    # is running"; the second is now refused at its start, naming the first run's thread.
+    teacher, student = seeded()
+    connector = nn.Conv2d(6, 12, 1, bias=False)
+    distill = FeatureDistillation(
+        teacher,
+        PAIRS,
+        loss={"features.2": "mse", "head": KLDivLoss(temperature=4.0)},
+        weight={"features.2": 0.5, "head": 2.0},
+        connectors={"features.2": connector, "head": "identity"},
+    )
+    expect, hold = ExpectTerm(teacher, connector), Hold()
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str, module: pl.LightningModule, callbacks: list[pl.Callback]) -> None:
+        try:
+            fit(module, callbacks, max_steps=3)
+        except BaseException as err:  # handed to the main thread
+            errors[name] = err
+        finally:
+            hold.go.set()
+
+    a = threading.Thread(target=run, args=("A", student, [distill, expect, hold]), name="A")
+    b = threading.Thread(target=run, args=("B", Student(), [distill]), name="B")
+    a.start()
+    assert hold.inside.wait(240)
+    b.start()
+    for worker in (b, a):
+        worker.join(240)
+        assert not worker.is_alive()
+    assert list(errors) == ["B"]
+    with pytest.raises(RecorderStateError, match=r"one run at a time.*in thread 'A'.*its own"):
+        raise errors["B"]
+    assert expect.checked == 3  # each step of the first run had its term
+    assert live_hooks() == [] and not is_patched(student)
 
 
 def test_auto_connector_is_built_trained_and_kept_out_of_the_student() -> None:

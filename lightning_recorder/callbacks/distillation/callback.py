@@ -10,6 +10,7 @@ they are. See the distillation guide in the docs for the YAML form.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ from ..._core.names import import_object
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
 from ...errors import RecorderConfigError, RecorderStateError
-from .._lightning import STATE_KEY, attached_trainer, unclaimed_state
+from .._lightning import STATE_KEY, attached_trainer, check_one_run, unclaimed_state
 from ._bank import ConnectorBank
 from ._config import (
     LossSpec,
@@ -281,6 +282,7 @@ class FeatureDistillation(Callback):
         if teacher_checkpoint is not None:
             load_teacher(teacher, teacher_checkpoint)
         self._patch: StepPatch | None = None
+        self._thread = ""  # the name of the thread whose run installed it
 
     state_key = STATE_KEY  # made once by _make_state_key, then an instance attribute
 
@@ -302,6 +304,7 @@ class FeatureDistillation(Callback):
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_one_run(self, self._runner.module, pl_module, self._thread)
         same = [
             cb
             for cb in trainer.callbacks  # type: ignore[attr-defined]
@@ -328,6 +331,7 @@ class FeatureDistillation(Callback):
         self._runner.install(
             trainer, pl_module, validation=self.log_validation, shard_teacher=self.shard_teacher
         )
+        self._thread = threading.current_thread().name
         if self._patch is None:
             self._patch = StepPatch(self, pl_module)
         optimizers = trainer.optimizers
@@ -504,13 +508,17 @@ class FeatureDistillation(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._uninstall()
+        running = self._runner.module
+        if running is None or running is pl_module:  # not the install of another run going on
+            self._uninstall()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._uninstall()
+        running = self._runner.module
+        if running is None or running is pl_module:
+            self._uninstall()
 
     # ------------------------------------------------------------------ the training step
     def _training_step(
