@@ -86,13 +86,14 @@ def attached_trainer(module: object) -> pl.Trainer | None:
         return None
 
 
-def check_one_run(callback: object, running: object, pl_module: object, thread: str) -> None:
-    """Raise if ``callback`` is installed on ``running``, a module other than ``pl_module``,
-    by a run that has not ended (started in the thread named ``thread``): a callback serves one
-    run at a time, and a second Trainer's run would change what the first one's uses."""
+def check_one_run(owner: str, running: object, pl_module: object, thread: str) -> None:
+    """Raise if the callback ``owner`` (as the message names it) is installed on ``running``, a
+    module other than ``pl_module``, by a run that has not ended (started in the thread named
+    ``thread``): a callback serves one run at a time, and a second Trainer's run would change
+    what the first one's uses."""
     if running is not None and running is not pl_module:
         raise RecorderStateError(
-            f"Expected {callback!r} to serve one run at a time, but it is still installed on "
+            f"Expected {owner} to serve one run at a time, but it is still installed on "
             f"another {type(running).__name__} by a run that has not ended (in thread "
             f"{thread!r}); give each Trainer its own callback."
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -48,7 +49,7 @@ from ._health_sentinel import Sentinel, to_host_later
 from ._health_trace import Trace
 from ._health_verdict import Timeline
 from ._health_view import PARAMETER_STATS, HealthView
-from ._lightning import STATE_KEY, fast_dev_run, step_axis, unclaimed_state
+from ._lightning import STATE_KEY, check_one_run, fast_dev_run, step_axis, unclaimed_state
 from ._optimizer_steps import StepsInProgress
 
 __all__ = [
@@ -364,6 +365,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._timelines: list[Timeline] = []
         self._pending: list[Pending] = []
         self._names: dict[int, str] = {}
+        self._fitting: pl.LightningModule | None = None  # the module of the fit in progress
+        self._thread = ""  # the name of the thread that fit runs in
         self._replays = False
         self._streaks: dict[int, int] = {}
         self._steps = StepsInProgress()
@@ -406,6 +409,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        check_one_run(type(self).__name__, self._fitting, pl_module, self._thread)
+        self._fitting, self._thread = pl_module, threading.current_thread().name
         # steps in a row are those of this fit (a resumed fit loads the checkpoint's after setup)
         self._streaks = {}
         # each fit has its own evidence budget and its own checkpoint before its first bad update
@@ -475,13 +480,20 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._detach()
+        self._end_run(pl_module)
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._detach()
+        self._end_run(pl_module)
+
+    def _end_run(self, pl_module: pl.LightningModule) -> None:
+        """Release what the run of ``pl_module`` installed (not what another fit still going
+        on, which refused this run, installed)."""
+        if self._fitting is None or self._fitting is pl_module:
+            self._fitting = None
+            self._detach()
 
     # ------------------------------------------------------------------ per batch
     @override

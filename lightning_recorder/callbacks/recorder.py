@@ -303,7 +303,7 @@ class RecorderCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # before anything of a run still holding the callback changes
-        check_one_run(self, self._module, pl_module, self._thread)
+        check_one_run(repr(self), self._module, pl_module, self._thread)
         every = self.every_n_steps or getattr(trainer, "log_every_n_steps", None)
         # Lightning then logs no training step (a loop without training has nothing to follow)
         if every == 0 and "train" in self.stages and stage == "fit":
@@ -336,7 +336,7 @@ class RecorderCallback(Callback):
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._manager is not None:
-            check_one_run(self, self._module, pl_module, self._thread)
+            check_one_run(repr(self), self._module, pl_module, self._thread)
             return
         keep = is_compiled(pl_module) if self.keep_hooks is None else self.keep_hooks
         configs = self._configs_for(pl_module)

@@ -304,7 +304,7 @@ class FeatureDistillation(Callback):
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        check_one_run(self, self._runner.module, pl_module, self._thread)
+        check_one_run(repr(self), self._runner.module, pl_module, self._thread)
         same = [
             cb
             for cb in trainer.callbacks  # type: ignore[attr-defined]
