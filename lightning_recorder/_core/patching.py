@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..errors import InvalidSourceError
+from ..errors import InvalidSourceError, RecorderStateError
 from .checks import suggestion
 
 _MISSING = object()
@@ -224,6 +224,14 @@ def acquire(target: Target, sink: Sink) -> None:
     key = (id(target.owner), target.attr)
     patch = _ACTIVE.get(key)
     if patch is None:
+        if inspect.getattr_static(target.owner, target.attr, _MISSING) is not target.raw:
+            raise RecorderStateError(
+                f"Expected {target.path!r} to be the code found when the recorder was "
+                "initialized, but it was replaced since (a module reloaded, a notebook cell "
+                "defining it again, another library's patch): recording would run the old code "
+                "in its place. Call release() and then initialize() on the recorder (or its "
+                "manager) to record the new one."
+            )
         original = target.owner.__dict__.get(target.attr, _MISSING)
         box: list[Patch] = []
         installed = _make_wrapper(target, box)

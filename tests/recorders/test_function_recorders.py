@@ -18,6 +18,7 @@ from lightning_recorder import (
     NoRecordError,
     NotInitializedError,
     RecorderConfigError,
+    RecorderStateError,
 )
 from lightning_recorder._core.patching import active_patches
 
@@ -381,3 +382,28 @@ def test_binder_overloads_and_callables_without_signature() -> None:
     assert method((), {}).names == ()
     # A builtin with neither a signature nor a schema: positions, then sorted keywords.
     assert Binder(max)((3, 1), {"key": abs}).names == ("args[0]", "args[1]", "key")
+
+
+def test_a_function_replaced_after_initialize_is_refused_not_run_as_its_old_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # importlib.reload (or a notebook cell run again) defines the function anew in its module.
+    # Entering the recorder used to install a wrapper around the old function: inside the
+    # context the program silently ran the code from before the reload.
+    mod = types.ModuleType("reloaded_user_code")
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    source = "def scale(x):\n    return x * {}\n\n\ndef f(x):\n    return scale(x) + 1\n"
+    exec(source.format(2), mod.__dict__)
+    rec = FunctionOutputsRecorder("reloaded_user_code.scale").initialize()
+    exec(source.format(3), mod.__dict__)  # what a reload does: the module's code run again
+    stale = r"'reloaded_user_code\.scale' .* replaced since .* release\(\) and then initialize"
+    with pytest.raises(RecorderStateError, match=stale), rec:
+        mod.f(torch.ones(1))
+    assert not rec.recording and active_patches() == []
+    assert mod.f(torch.ones(1)).item() == 4.0  # the new code, left in place
+    rec.release()
+    rec.initialize()
+    with rec:
+        out = mod.f(torch.ones(1))
+    assert out.item() == 4.0 and rec.get_record_data().item() == 3.0
+    rec.release()
