@@ -65,7 +65,8 @@ def tensor_paths(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
         yield from tensor_paths(item, f"{prefix}.{key}" if prefix else str(key))
 
 
-_ARGUMENT_NAMES: dict[type, list[str]] = {}
+# weakly: a class defined anew (a notebook cell run again) lets the old one go
+_ARGUMENT_NAMES: weakref.WeakKeyDictionary[type, list[str]] = weakref.WeakKeyDictionary()
 
 
 def _argument_names(module: nn.Module) -> list[str]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -343,3 +345,26 @@ def test_nested_tensors_are_counted_and_named_with_their_shape() -> None:
         found = run(model, torch.randn(3, 2, 4), backward=False)
     assert (found.module, found.direction, found.path) == ("1", "forward", "output")
     assert found.shape == (2, -1, 4) and sum(found.counts.values()) == 12
+
+
+def test_a_traced_class_is_not_kept_alive_after_its_model_is_gone() -> None:
+    # A notebook cell defining the model's classes run again: the trace's cache of each class's
+    # forward arguments held every old class (and what its methods refer to) for good.
+    def traced_class() -> weakref.ref[type]:
+        class Cell(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = nn.Linear(3, 3)
+
+            def forward(self, x: Tensor) -> Tensor:
+                return self.layer(x)
+
+        model = nn.Sequential(Cell())
+        trace = Trace(model, keep=True)
+        trace.install()
+        trace.remove()
+        return weakref.ref(Cell)
+
+    ref = traced_class()
+    gc.collect()
+    assert ref() is None
