@@ -397,6 +397,14 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         """
         return _default_rules()
 
+    def __repr__(self) -> str:
+        rules = ", ".join(type(rule).__name__ for rule in self.rules)
+        extra = "" if self.name is None else f", name={self.name!r}"
+        return (
+            f"{type(self).__name__}(on_nonfinite={self.on_nonfinite!r}, "
+            f"localize={self.localize!r}, rules=[{rules}]{extra})"
+        )
+
     state_key = STATE_KEY  # made once by _make_state_key, then an instance attribute
 
     def _make_state_key(self) -> str:

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_recorder import (
+    DeadUnitsRule,
     FeatureDistillation,
     FeatureStatsMonitor,
     HealthEvent,
@@ -1120,6 +1121,18 @@ def test_two_named_monitors_run_together_and_each_resumes_with_its_own_state(
     assert fast.events == [] and fast.counters["rule_events"] == 4
     assert [(e.step, e.module) for e in slow.events] == [(4, m) for m in layers]
     assert slow.counters["rule_events"] == 4
+
+
+def test_a_monitor_reads_as_its_options() -> None:
+    """Printed (a Trainer's callbacks in a notebook, a message naming it), a monitor says what
+    it is, as the other callbacks do, not ``<... object at 0x...>``."""
+    monitor = HealthMonitor(on_nonfinite="skip", rules=[DeadUnitsRule()], name="probe")
+    assert repr(monitor) == (
+        "HealthMonitor(on_nonfinite='skip', localize='replay', rules=[DeadUnitsRule], name='probe')"
+    )
+    assert repr(HealthMonitor(rules=[])) == (
+        "HealthMonitor(on_nonfinite='warn', localize='replay', rules=[])"
+    )
 
 
 @pytest.mark.parametrize(
