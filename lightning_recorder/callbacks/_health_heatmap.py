@@ -254,10 +254,13 @@ def render_indexed(
         _write(canvas, label_w + grid_w + 6, y, note, _ALARM_BASE, note_w - 10)
     if steps:
         y = top + grid_h + 2
-        _write(canvas, label_w, y, f"step {steps[0]}", _TEXT_BASE)
-        last = f"step {steps[-1]}"
+        first, last = f"step {steps[0]}", f"step {steps[-1]}"
         x = label_w + grid_w - _text_width(last)
-        if x > label_w + 60:
+        fits = x > label_w + _text_width(first) + 12  # the last step under the last column
+        if len(steps) > 1 and not fits:  # too few columns for two labels: one for both
+            first = f"steps {steps[0]} to {steps[-1]}"
+        _write(canvas, label_w, y, first, _TEXT_BASE)
+        if len(steps) > 1 and fits:
             _write(canvas, x, y, last, _TEXT_BASE)
     if footer:
         _write(canvas, label_w, top + grid_h + 16, footer, _ALARM_BASE, width - label_w - 4)

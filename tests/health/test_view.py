@@ -317,3 +317,20 @@ def test_a_narrow_map_is_wide_enough_for_its_whole_title() -> None:
         kind = {"zero_fraction": "0 to 1", "grad_norm": "log scale", "mean": "linear scale"}[stat]
         text = f"{stat}: rows are layers in model order, columns logged steps ({kind})"
         assert image.shape[1] >= 4 + _glyphs(text, 10_000).shape[1], stat
+
+
+@pytest.mark.parametrize("columns", [2, 4, 8, 20])
+def test_the_first_and_last_step_are_written_under_the_map_however_few_its_columns(
+    columns: int,
+) -> None:
+    from lightning_recorder.callbacks._health_heatmap import render_indexed
+
+    def steps_band(steps: list[int]) -> np.ndarray:
+        image = render_indexed(np.ones((1, len(steps))), "std", ["a"], steps)
+        return image[-16:]  # under the cells: the steps (no footer)
+
+    steps = list(range(10, 10 + columns))
+    band = steps_band(steps)
+    # another first step, another last step: other text under the map
+    assert not np.array_equal(band, steps_band([11, *steps[1:]]))
+    assert not np.array_equal(band, steps_band([*steps[:-1], 99]))
