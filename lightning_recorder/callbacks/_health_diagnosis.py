@@ -178,7 +178,7 @@ class Diagnosis:
         self._orders, self._drawn = {}, -1
         stats, view = self._stats, self._view
         if view is not None and stats is not None:
-            view.start()
+            view.start(stats.stats)  # a statistic the monitor does not log: no map
             view.warn_unshown(trainer)
             view.write_layout(
                 trainer,

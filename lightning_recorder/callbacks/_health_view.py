@@ -130,7 +130,10 @@ class HealthView:
         self._unshown_warned = False
         self.start()
 
-    def start(self) -> None:
+    def start(self, logged: Sequence[str] | None = None) -> None:
+        """Start a run whose monitor logs the statistics ``logged`` (``None``: every one); a
+        statistic it does not log draws no heat map."""
+        self._logged = None if logged is None else frozenset(logged)
         self._steps: deque[int] = deque(maxlen=self.steps)
         self._columns: deque[dict[str, tuple[tuple[str, ...], np.ndarray]]] = deque(
             maxlen=self.steps
@@ -201,7 +204,7 @@ class HealthView:
             if stat in PARAMETER_STATS:
                 rows = tuple(n for n, f in report.parameters.items() if n in weights and stat in f)
                 values = np.array([report.parameters[n][stat] for n in rows], dtype=np.float64)
-            elif stat in report.stats:
+            elif stat in report.stats and (self._logged is None or stat in self._logged):
                 rows = report.modules
                 values = np.array(report.stats[stat], dtype=np.float64)
             else:

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,16 @@ def run(
     view: bool = True,
     steps: int = 6,
     logger_stats: dict[str, list[str]] | None = None,
+    logged: Sequence[str] | None = None,
 ) -> tuple[Any, HealthMonitor]:
     # the ReLUs are monitored first: the monitor's own order (by source) is not the model's
+    chosen = {} if logged is None else {"stats": logged}
     stats = FeatureStatsMonitor(
-        [nn.ReLU, nn.Linear], every_n_steps=1, histograms=False, logger_stats=logger_stats
+        [nn.ReLU, nn.Linear],
+        every_n_steps=1,
+        histograms=False,
+        logger_stats=logger_stats,
+        **chosen,
     )
     monitor = HealthMonitor(
         rules=[DeadUnitsRule()], view=view, view_every=3, heatmap_steps=4, evidence_max_bytes=0
@@ -216,6 +223,15 @@ def test_the_layout_charts_only_the_statistics_the_logger_gets(tmp_path: Path) -
             if category.title in ("layers: train", "parameters: train", "health"):
                 [regex] = chart.multiline.tag  # every chart of a trained stage has its lines
                 assert any(re.search(regex, tag) for tag in scalars), chart.title
+
+
+def test_a_statistic_the_monitor_does_not_log_draws_no_heat_map(tmp_path: Path) -> None:
+    """The docs promise it: with the monitor's `stats` narrowed to leave `std` out, the default
+    heat maps (zero_fraction, std, grad_norm) are drawn but for `std`."""
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    run([logger], logged=["mean", "zero_fraction"])
+    images = accumulator(tmp_path / "run" / "version_0").Tags()["images"]
+    assert sorted(images) == ["health/heatmap/grad_norm", "health/heatmap/zero_fraction"]
 
 
 def test_the_last_drawing_comes_at_the_end_of_training(tmp_path: Path) -> None:
