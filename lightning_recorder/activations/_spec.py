@@ -64,6 +64,11 @@ class SourceSpec:
     __slots__ = ("dtype", "mean", "tokens", "transform", "where")
 
     def __init__(self, options: Mapping[str, Any], where: str) -> None:
+        if not isinstance(options, Mapping):
+            raise RecorderConfigError(
+                f"Expected the options of {where} to be a dict such as {{'dtype': 'float16'}} "
+                f"(among {', '.join(OPTIONS)}) but got {options!r}."
+            )
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise RecorderConfigError(

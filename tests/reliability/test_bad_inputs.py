@@ -30,6 +30,7 @@ from torch import nn
 
 import lightning_recorder as lr
 from lightning_recorder import bulk, graph, inspector, stats
+from lightning_recorder.activations import ShardWriter
 from lightning_recorder.errors import (
     DuplicateNameError,
     InvalidSourceError,
@@ -2387,6 +2388,15 @@ case(
     RecorderConfigError,
     r"'dlb'.*Closest delivery names: 'dbl'",
 )
+
+# -------------------------------------------------------------------------------- ShardWriter
+for suffix, value in [("int", 5), ("none", None), ("list", ["dtype"])]:
+    case(
+        f"ShardWriter-sources-options-{suffix}",
+        lambda v=value: ShardWriter(scratch(), sources={"hidden": v}),
+        RecorderConfigError,
+        r"options of source 'hidden' to be a dict such as \{'dtype': 'float16'\}",
+    )
 
 # ----------------------------------------------------------------------------------- Arguments
 case(
