@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from .._core.checks import check_int, check_number
 from ..errors import RecorderConfigError
 
 if TYPE_CHECKING:
@@ -54,7 +56,10 @@ class TensorBoardLogger(LightningTensorBoardLogger):
             ``filename_suffix``, ``purge_step``, ``comment``.
 
     Raises:
-        RecorderConfigError: a keyword argument is not a ``SummaryWriter`` option.
+        RecorderConfigError: ``save_dir`` is not a path, or a keyword argument is not a
+            ``SummaryWriter`` option or not of its type (``max_queue`` and ``purge_step`` a
+            non-negative int, ``flush_secs`` a positive number, ``comment`` and
+            ``filename_suffix`` a str).
 
     Examples:
         >>> import tempfile
@@ -84,6 +89,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
                 f"options ({', '.join(map(repr, _WRITER_OPTIONS))}) but got "
                 f"{', '.join(map(repr, unknown))}."
             )
+        _check_options(save_dir, kwargs, type(self).__name__)
         super().__init__(
             save_dir,
             name=name,
@@ -155,6 +161,28 @@ class TensorBoardLogger(LightningTensorBoardLogger):
         state = super().__getstate__()
         state["_events"] = None  # a writer thread and an open file do not travel
         return state
+
+
+def _check_options(save_dir: object, options: dict[str, Any], owner: str) -> None:
+    """Refuse a ``save_dir`` that is not a path and a ``SummaryWriter`` option of the wrong type
+    or range when the logger is made: the writer is only opened when the run starts, where
+    TensorBoard's writer thread would fail on them (or spin, flushing without pause)."""
+    if not isinstance(save_dir, (str, os.PathLike)):
+        raise RecorderConfigError(
+            f"Expected `save_dir` of {owner} to be a path or a URL such as 's3://bucket/logs' "
+            f"but got {save_dir!r}."
+        )
+    for name in ("comment", "filename_suffix"):
+        if name in options and not isinstance(options[name], str):
+            raise RecorderConfigError(
+                f"Expected `{name}` of {owner} to be a str but got {options[name]!r}."
+            )
+    if "purge_step" in options:
+        check_int(options["purge_step"], "purge_step", owner, minimum=0, allow_none=True)
+    if "max_queue" in options:
+        check_int(options["max_queue"], "max_queue", owner, minimum=0)
+    if "flush_secs" in options:
+        check_number(options["flush_secs"], "flush_secs", owner, positive=True, allow_zero=False)
 
 
 def _c_checksum() -> Checksum | None:

@@ -996,6 +996,23 @@ case(
     RecorderConfigError,
     r"SummaryWriter options .*'flush_secs'.* but got 'flush_sec'",
 )
+for suffix, kw, match in [
+    ("save_dir-none", {"save_dir": None}, r"`save_dir` of TensorBoardLogger to be a path.*None"),
+    ("save_dir-int", {"save_dir": 5}, r"`save_dir` of TensorBoardLogger to be a path.*got 5"),
+    ("flush_secs-str", {"flush_secs": "30"}, r"`flush_secs`.*positive number but got '30'"),
+    ("flush_secs-zero", {"flush_secs": 0}, r"`flush_secs`.*positive number but got 0"),
+    ("max_queue-float", {"max_queue": 2.5}, r"`max_queue`.*non-negative int but got 2.5"),
+    ("max_queue-negative", {"max_queue": -1}, r"`max_queue`.*non-negative int but got -1"),
+    ("purge_step-str", {"purge_step": "10"}, r"`purge_step`.*non-negative int or None"),
+    ("filename_suffix-int", {"filename_suffix": 5}, r"`filename_suffix`.*str but got 5"),
+    ("comment-none", {"comment": None}, r"`comment`.*str but got None"),
+]:
+    case(
+        f"TensorBoardLogger-{suffix}",
+        lambda k=kw: lr.TensorBoardLogger(**{"save_dir": scratch(), **k}),
+        RecorderConfigError,
+        match,
+    )
 case(
     "FeatureStatsMonitor-exact_histograms-str",
     lambda: fsm(exact_histograms="yes"),
