@@ -216,14 +216,26 @@ class RecorderCallback(Callback):
 
         Raises:
             RecorderConfigError: ``where`` is neither a Trainer nor a LightningModule.
-            RecorderStateError: none, or more than one, matches.
+            RecorderStateError: none, or more than one, matches, or the module is not attached
+                to a Trainer.
         """
         if not isinstance(where, (pl.Trainer, pl.LightningModule)):
             raise RecorderConfigError(
                 f"Expected `where` of {cls.__name__}.of to be a Trainer or a LightningModule "
                 f"(`self` inside `training_step`) but got {type(where).__name__}."
             )
-        trainer = where if isinstance(where, pl.Trainer) else where.trainer
+        if isinstance(where, pl.Trainer):
+            trainer = where
+        else:
+            try:
+                trainer = where.trainer
+            except RuntimeError:  # Lightning's: the module is not attached to a Trainer
+                raise RecorderStateError(
+                    f"Expected the {type(where).__name__} given to {cls.__name__}.of to be "
+                    "attached to a Trainer but it is not (a step called outside `fit`, "
+                    "`validate`, `test` or `predict`): call it from a step the Trainer runs, or "
+                    "pass the Trainer."
+                ) from None
         found = [cb for cb in trainer.callbacks if isinstance(cb, cls)]  # type: ignore[attr-defined]
         if name is not None:
             found = [cb for cb in found if cb.name == name]

@@ -918,6 +918,13 @@ case(
     NotInitializedError,
     r"no recorders outside a run.*when fit, validate",
 )
+for cls in (lr.RecorderCallback, lr.FeatureStatsMonitor):
+    case(
+        f"{cls.__name__}-of-module-without-trainer",
+        lambda c=cls: c.of(probe_net()),
+        RecorderStateError,
+        r"ProbeNet given to \w+\.of to be attached to a Trainer but it is not.*pass the Trainer",
+    )
 case(
     "RecorderCallback-get_record_data-before-fit",
     lambda: rc().get_record_data("feat"),
