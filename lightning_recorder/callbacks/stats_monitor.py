@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -430,7 +431,9 @@ class FeatureStatsMonitor(RecorderCallback):
         ``None``. It costs one more pass over each tracked output on logged steps.
 
         Raises:
-            RecorderConfigError: ``selector`` is not callable.
+            RecorderConfigError: ``selector`` is not callable; when the run starts, it returned
+                something else than these; on a logged step, its dimension is not one of the
+                outputs'.
         """
         if not callable(selector):
             raise RecorderConfigError(
@@ -611,7 +614,7 @@ class FeatureStatsMonitor(RecorderCallback):
                 for selector in self._selectors:
                     dim = None if module is None else selector(key, module)
                     if dim is not None and dim is not False:
-                        self._collector.channels[index] = None if dim is True else int(dim)
+                        self._collector.channels[index] = _channel_dim(dim, selector, key)
                         break
         self._metrics, self._eval_tables = {}, {}
         self._batch_states = StreamStates(len(streams)).to(device)
@@ -1236,6 +1239,20 @@ class FeatureStatsMonitor(RecorderCallback):
         sources = ", ".join(repr(item_key(s)) for s in self.sources)
         extra = "" if self.name is None else f", name={self.name!r}"
         return f"{type(self).__name__}([{sources}]{extra})"
+
+
+def _channel_dim(dim: object, selector: Callable[..., Any], series: str) -> int | None:
+    """What a ``track_channels`` selector returned (neither ``None`` nor ``False``) as the
+    collector's channel dimension: ``None`` for ``True`` (the default dimension), else the int."""
+    if dim is True:
+        return None
+    try:
+        return operator.index(dim)  # type: ignore[arg-type]
+    except TypeError:
+        raise RecorderConfigError(
+            f"Expected the `track_channels` selector {selector!r} to return True, False, None or "
+            f"a dimension (an int) for {series!r} but got {type(dim).__name__} {dim!r}."
+        ) from None
 
 
 def _stat_of(tag: str) -> str:

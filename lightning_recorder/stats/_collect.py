@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .._core.compat import functorch_off, functorch_values, in_functorch
+from ..errors import RecorderConfigError
 from . import _cpu_kernel
 from ._engine import (
     block_rows,
@@ -340,6 +341,12 @@ class Collector:
         dim = self.channels[stream]
         if dim is None:
             dim = 1 if x.dim() >= 4 else x.dim() - 1
+        if x.dim() and not -x.dim() <= dim < x.dim():
+            raise RecorderConfigError(
+                f"Expected the dimension a `track_channels` selector returned to be one of the "
+                f"module's outputs, which have {x.dim()} (shape {tuple(x.shape)}), so from "
+                f"{-x.dim()} to {x.dim() - 1}, but got {dim}."
+            )
         dim %= x.dim()
         others = [d for d in range(x.dim()) if d != dim]
         v = x if x.dtype == F64 else x.float()

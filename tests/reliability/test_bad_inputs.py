@@ -157,8 +157,10 @@ def fit(
     *,
     logger: bool = False,
     distill: bool = False,
+    **trainer_kw: Any,
 ) -> None:
-    """One training step of a tiny model with ``callback``."""
+    """One training step of a tiny model with ``callback`` (``trainer_kw``: more Trainer
+    arguments)."""
     if model is None:
         model = student() if distill else probe_net()
     data = distill_loader(8, 4) if distill else probe_loader(features(8))
@@ -173,6 +175,7 @@ def fit(
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[callback],
+        **trainer_kw,
     )
     trainer.fit(model, data)
 
@@ -1092,6 +1095,28 @@ case(
     UnknownSourceError,
     r"'prob'.*Closest module names: 'probe'",
 )
+
+
+def tracking(selected: Any) -> lr.FeatureStatsMonitor:
+    """A monitor of ``body.0`` (outputs of shape (4, 8)) whose channel selector returns
+    ``selected``."""
+    monitor = fsm("body.0")
+    monitor.track_channels(lambda series, module: selected)
+    return monitor
+
+
+for suffix, selected, match in [
+    ("str", "x", r"selector .* to return True, False, None or a dimension.*'body.0'.*str 'x'"),
+    ("float", 1.7, r"selector .* to return True, False, None or a dimension.*float 1.7"),
+    ("dim-too-large", 7, r"dimension a `track_channels` selector.*shape \(4, 8\).*-2 to 1.*7"),
+    ("dim-too-small", -3, r"dimension a `track_channels` selector.*-2 to 1, but got -3"),
+]:
+    case(
+        f"FeatureStatsMonitor-track_channels-{suffix}-at-fit",
+        lambda v=selected: fit(tracking(v), logger=True, log_every_n_steps=1),
+        RecorderConfigError,
+        match,
+    )
 case(
     "FeatureStatsMonitor-no-logger-at-fit",
     lambda: fit(fsm("probe"), logger=False),
