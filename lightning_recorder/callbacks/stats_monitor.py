@@ -319,6 +319,7 @@ class FeatureStatsMonitor(RecorderCallback):
                 self._paths.setdefault(key, path)
             configs.setdefault(key, config)
         chosen_stats = stat_names(stats, owner)
+        check_bool(clone, "clone", owner)
         check_positive_int(bins, "bins", owner)
         check_bool(exact_histograms, "exact_histograms", owner)
         check_positive_int(histogram_sample, "histogram_sample", owner)

@@ -1059,6 +1059,7 @@ def test_sources_that_must_match(tmp_path: Path, sources: list[Any], match: str)
         ({"stats": ["mean", "median"]}, "hold only 'mean'.*but got 'median'"),
         ({"bins": 0}, "`bins` of FeatureStatsMonitor to be a positive int"),
         ({"histograms": "yes"}, "`histograms` of FeatureStatsMonitor to be a bool"),
+        ({"clone": "yes"}, "`clone` of FeatureStatsMonitor to be a bool"),
         ({"parameters": 1}, "`parameters` of FeatureStatsMonitor to be a bool"),
         ({"prefix": "stats/"}, "`prefix` .* without a leading, trailing or doubled '/'"),
         ({"prefix": "/stats"}, "`prefix` .* without a leading, trailing or doubled '/'"),
