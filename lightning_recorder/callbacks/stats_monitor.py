@@ -193,7 +193,8 @@ class FeatureStatsMonitor(RecorderCallback):
         parameters: also log the norms, gradient norms and update ratios of the parameters
             inside the monitored modules: ``True`` every one of them, a name, glob or ``"re:"``
             pattern (or a list of them, names as in ``named_parameters()`` of the LightningModule)
-            those it selects among them, ``False`` none. A parameter shared with another module
+            those it selects among them (training statistics: a name or pattern needs ``"train"``
+            in ``stages``), ``False`` none. A parameter shared with another module
             (tied weights) is logged once, under its first name in ``named_parameters()``.
         prefix: the first component of every tag. A logger's own ``prefix`` comes before it
             where the logger applies it: in ``log_metrics`` (W&B, CSV and other loggers) and
@@ -225,7 +226,8 @@ class FeatureStatsMonitor(RecorderCallback):
             per stage (default: one series per dataloader, as Lightning logs metrics).
 
     Raises:
-        RecorderConfigError: an argument is invalid (at construction); the Trainer has no logger
+        RecorderConfigError: an argument is invalid (at construction, as is a ``parameters``
+            name or pattern without ``"train"`` in ``stages``); the Trainer has no logger
             (or runs with ``barebones=True``) in a loop that runs one of ``stages``,
             ``logger_stats`` names no logger of it,
             ``histogram_every_n_steps`` is not a multiple of the Trainer's
@@ -357,6 +359,13 @@ class FeatureStatsMonitor(RecorderCallback):
         super().__init__(
             configs, stages=stages, every_n_steps=every_n_steps, name=name, keep_hooks=keep_hooks
         )
+        if patterns is not None and "train" not in self.stages:
+            raise RecorderConfigError(
+                f"Expected `stages` of {owner} to hold 'train' with `parameters` "
+                f"{parameters!r}, since parameter statistics are taken at the optimizer steps "
+                f"of training, but got stages={list(self.stages)!r}, where none would be logged. "
+                "Add 'train' to `stages`, or leave `parameters` out."
+            )
         self.sources = list(items)
         self.stats: tuple[StatName, ...] = chosen_stats
         self.histograms = histograms

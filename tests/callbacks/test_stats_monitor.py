@@ -1069,6 +1069,10 @@ def test_sources_that_must_match(tmp_path: Path, sources: list[Any], match: str)
         ({"histogram_sample": 0}, "`histogram_sample` of FeatureStatsMonitor to be a positive"),
         ({"every_n_steps": -1}, "`every_n_steps` of FeatureStatsMonitor"),
         ({"stages": ["training"]}, "`stages` of FeatureStatsMonitor to hold only"),
+        (
+            {"stages": ["val"], "parameters": "body.*.weight"},
+            r"`stages` of FeatureStatsMonitor to hold 'train' with `parameters` 'body\.\*\.weight'",
+        ),
         ({"sources": {"source": "probe", "path": "x..y"}}, r"single dots.*'x\.\.y'.*empty item"),
         ({"sources": {"source": "probe", "path": "0."}}, r"single dots.*'0\.'.*empty item"),
     ],
