@@ -183,10 +183,10 @@ class FeatureStatsMonitor(RecorderCallback):
         histogram_every_n_steps: write training histograms every N optimizer steps only, a
             multiple of the steps that log (``every_n_steps``, or the Trainer's
             ``log_every_n_steps``), as W&B's ``watch(log_freq=...)`` writes its histograms less
-            often than scalars; ``None`` (the default) writes them on every logged step. The
-            other logged steps neither sample the outputs nor count buckets (about 1.4 ms of a
-            logged step's 3 ms on the benchmarks' small CNN). Evaluation histograms are unchanged
-            (one per evaluation epoch).
+            often than scalars (it needs ``"train"`` in ``stages``); ``None`` (the default)
+            writes them on every logged step. The other logged steps neither sample the outputs
+            nor count buckets (about 1.4 ms of a logged step's 3 ms on the benchmarks' small
+            CNN). Evaluation histograms are unchanged (one per evaluation epoch).
         bins: the number of histogram buckets (30 by default, as TensorBoard's own histogram
             summary, ``tensorboard.summary.histogram``); at most 512 when histograms go to a
             ``WandbLogger`` (a ``wandb.Histogram`` holds no more).
@@ -365,6 +365,14 @@ class FeatureStatsMonitor(RecorderCallback):
                 f"{parameters!r}, since parameter statistics are taken at the optimizer steps "
                 f"of training, but got stages={list(self.stages)!r}, where none would be logged. "
                 "Add 'train' to `stages`, or leave `parameters` out."
+            )
+        if histogram_every_n_steps is not None and "train" not in self.stages:
+            raise RecorderConfigError(
+                f"Expected `histogram_every_n_steps` of {owner} to be None without 'train' in "
+                f"`stages` (it spaces out training histograms; an evaluation epoch writes one "
+                f"histogram) but got {histogram_every_n_steps!r} with "
+                f"stages={list(self.stages)!r}; add 'train' to `stages`, or leave "
+                "histogram_every_n_steps out."
             )
         self.sources = list(items)
         self.stats: tuple[StatName, ...] = chosen_stats

@@ -1070,6 +1070,10 @@ def test_sources_that_must_match(tmp_path: Path, sources: list[Any], match: str)
         ({"every_n_steps": -1}, "`every_n_steps` of FeatureStatsMonitor"),
         ({"stages": ["training"]}, "`stages` of FeatureStatsMonitor to hold only"),
         (
+            {"stages": ["val"], "histogram_every_n_steps": 100},
+            r"`histogram_every_n_steps` of FeatureStatsMonitor to be None without 'train'",
+        ),
+        (
             {"stages": ["val"], "parameters": "body.*.weight"},
             r"`stages` of FeatureStatsMonitor to hold 'train' with `parameters` 'body\.\*\.weight'",
         ),
