@@ -215,7 +215,7 @@ class FeatureStatsMonitor(RecorderCallback):
             logger whose class (or a base class) is named here gets only those statistics
             (names from ``stats``, ``"norm"``, ``"grad_norm"``, ``"update_ratio"``,
             ``"histogram"``; not ``"histogram"`` with ``histograms=False``, nor the parameters'
-            with ``parameters=False``); other loggers get all.
+            with ``parameters=False`` or without ``"train"`` in ``stages``); other loggers get all.
             Keeps tabular loggers such as ``CSVLogger`` readable.
         exact_histograms: keep every output until the batch ends and histogram all of its
             elements (see the attribute of that name); by default the histogram is taken over a
@@ -347,9 +347,6 @@ class FeatureStatsMonitor(RecorderCallback):
                 "pass histograms=True, or leave histogram_every_n_steps out."
             )
         patterns = parameter_patterns(parameters, owner)
-        per_logger = logger_stats_option(
-            logger_stats, chosen_stats, owner, histograms is True, parameters is not False
-        )
         if not isinstance(prefix, str) or "" in prefix.split("/"):
             raise RecorderConfigError(
                 f"Expected `prefix` of {owner} to be a non-empty str without a leading, trailing "
@@ -366,6 +363,14 @@ class FeatureStatsMonitor(RecorderCallback):
                 f"of training, but got stages={list(self.stages)!r}, where none would be logged. "
                 "Add 'train' to `stages`, or leave `parameters` out."
             )
+        # parameter statistics are training statistics: none without the train stage
+        per_logger = logger_stats_option(
+            logger_stats,
+            chosen_stats,
+            owner,
+            histograms is True,
+            parameters is not False and "train" in self.stages,
+        )
         if histogram_every_n_steps is not None and "train" not in self.stages:
             raise RecorderConfigError(
                 f"Expected `histogram_every_n_steps` of {owner} to be None without 'train' in "

@@ -1414,13 +1414,14 @@ def test_logger_stats_errors(logger_stats: Any, match: str) -> None:
     [
         ({"histograms": False}, "histogram"),
         ({"parameters": False}, "norm"),
+        ({"stages": ["val"]}, "grad_norm"),  # parameter statistics are training statistics
     ],
 )
 def test_logger_stats_cannot_ask_for_what_the_monitor_does_not_compute(
     kwargs: dict[str, Any], wanted: str
 ) -> None:
-    # histograms=False writes no histogram, parameters=False no norm: asking a logger for one
-    # is an error, not a wish left unmet without a word
+    # histograms=False writes no histogram, parameters=False (or no train stage) no norm: asking
+    # a logger for one is an error, not a wish left unmet without a word
     with pytest.raises(
         RecorderConfigError, match=rf"`logger_stats\['TensorBoardLogger'\]`.*but got '{wanted}'"
     ):
