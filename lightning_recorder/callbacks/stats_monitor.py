@@ -566,7 +566,8 @@ class FeatureStatsMonitor(RecorderCallback):
         names = [type(lg).__name__ for lg in loggers]
         verb = "gets" if len(names) == 1 else "get"
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-        offered = (*self.stats, *(PARAM_STATS if self.parameters is not False else ()))
+        takes_parameters = self.parameters is not False and "train" in self.stages
+        offered = (*self.stats, *(PARAM_STATS if takes_parameters else ()))
         entries = {
             type(lg).__name__: [n for n in offered if n in self._logger_filter(lg)]
             for lg in loggers

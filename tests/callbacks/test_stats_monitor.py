@@ -1385,6 +1385,22 @@ def test_histogram_warning_suggests_the_logger_stats_entry_without_histogram(
         trainer.fit(ProbeNet(), loader(features(8)))
 
 
+def test_histogram_warning_of_a_monitor_without_train_suggests_no_parameter_statistics(
+    tmp_path: Path,
+) -> None:
+    # parameter statistics are training statistics: the suggested entry must be one the
+    # monitor accepts
+    monitor = FeatureStatsMonitor("body.0", stages=["val"], stats=["mean", "std"])
+    with pytest.warns(UserWarning, match=r"\(logger_stats=\{'CSVLogger': \['mean', 'std'\]\}\)"):
+        trainer = pl.Trainer(
+            **QUIET, logger=CSVLogger(tmp_path, name="csv"), max_steps=1, callbacks=[monitor]
+        )
+        trainer.fit(ProbeNet(), loader(features(8)), loader(features(4)))
+    FeatureStatsMonitor(
+        "body.0", stages=["val"], stats=["mean", "std"], logger_stats={"CSVLogger": ["mean", "std"]}
+    )
+
+
 def test_logger_stats_without_histogram_writes_none(tmp_path: Path) -> None:
     tb_logger = TensorBoardLogger(tmp_path, name="tb")
     monitor = FeatureStatsMonitor(
