@@ -103,6 +103,19 @@ def suggestion(name: str, candidates: Iterable[str], what: str) -> str:
     return f"Valid {what} include: {shown}{more}."
 
 
+def closest_hint(name: object, candidates: Iterable[str], what: str) -> str:
+    """``" Closest <what>: ..."`` for a misspelt ``name`` with close matches, else ``""`` (for a
+    message that already lists every valid value).
+
+    >>> closest_hint("stdd", ["std", "mean"], "names")
+    " Closest names: 'std'."
+    """
+    if not isinstance(name, str):
+        return ""
+    near = suggestion(name, candidates, what)
+    return f" {near}" if near.startswith("Closest") else ""
+
+
 def check_option(
     name: str, value: object, allowed: Iterable[object], owner: str | None = None
 ) -> None:
@@ -211,23 +224,32 @@ def check_callable(value: object, name: str, what: str) -> None:
         )
 
 
+def dtype_of(dtype: object, what: str = "`dtype`") -> torch.dtype:
+    """The ``torch.dtype`` ``dtype`` is or names (``"float16"``, ``"torch.bfloat16"``), else an
+    error about ``what`` (the option, as the message names it) with the closest dtype names."""
+    value = dtype
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype.removeprefix("torch."), None)
+    if isinstance(value, torch.dtype):
+        return value
+    names = [k for k, v in vars(torch).items() if isinstance(v, torch.dtype)]
+    raise RecorderConfigError(
+        f"Expected {what} to be a torch.dtype or its name (e.g. 'float16') but got {dtype!r}."
+        + closest_hint(dtype, names, "dtype names")
+    )
+
+
 def parse_dtype(dtype: torch.dtype | str | None, name: str = "dtype") -> torch.dtype | None:
     """A floating-point ``torch.dtype`` from a dtype or its name (``"float16"``,
     ``"torch.bfloat16"``): the dtype recorded floating-point tensors are cast to."""
-    value: object = dtype
-    if isinstance(dtype, str):
-        value = getattr(torch, dtype.removeprefix("torch."), None)
     if dtype is None:
         return None
-    if isinstance(value, torch.dtype):
-        if value.is_floating_point:
-            return value
-        raise RecorderConfigError(
-            f"Expected `{name}` to be a floating-point dtype such as 'float16' or 'bfloat16' "
-            f"(recorded floating-point tensors are cast to it) but got {value}."
-        )
+    value = dtype_of(dtype, f"`{name}`")
+    if value.is_floating_point:
+        return value
     raise RecorderConfigError(
-        f"Expected `{name}` to be a torch.dtype or its name (e.g. 'float16') but got {dtype!r}."
+        f"Expected `{name}` to be a floating-point dtype such as 'float16' or 'bfloat16' "
+        f"(recorded floating-point tensors are cast to it) but got {value}."
     )
 
 

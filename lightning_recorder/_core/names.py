@@ -28,7 +28,7 @@ from typing import cast
 from torch import nn
 
 from ..errors import RecorderConfigError, UnknownSourceError
-from .checks import suggestion, with_article
+from .checks import closest_hint, suggestion, with_article
 
 # Attribute names that wrappers (DDP, torch.compile, FSDP, activation checkpointing, Lightning
 # Fabric's ``fabric.setup``) insert between a model and its submodules. A user names ``conv1``,
@@ -255,12 +255,11 @@ def resolve_type(spec: str | type) -> type:
             return class_named(spec)
         valid = [k for k, v in vars(nn).items() if isinstance(v, type)]
         others = {cls.__name__ for cls in _module_subclasses()} - set(valid)
-        near = suggestion(spec, others, "module classes defined")
         raise RecorderConfigError(
             f"Expected a module type such as 'torch.nn.Conv2d' but got {spec!r}, which is not a "
             f"class in torch.nn nor the name of a module class defined so far. "
             f"{suggestion(spec, valid, 'torch.nn classes')}"
-            + (f" {near}" if near.startswith("Closest") else "")
+            + closest_hint(spec, others, "module classes defined")
         )
     return cast(type, import_object(spec, "a class", "classes", lambda v: isinstance(v, type)))
 
@@ -314,9 +313,7 @@ def _unknown(source: str, items: Mapping[str, object], names: list[str], what: s
     text = f"{head} {suggestion(source, names, what + ' names')}"
     if what == "module" and not is_glob(source):
         classes = class_names(items[n] for n in names)
-        near = suggestion(source.rsplit(".", 1)[-1], classes, "class names")
-        if near.startswith("Closest"):
-            text += f" {near}"
+        text += closest_hint(source.rsplit(".", 1)[-1], classes, "class names")
     if not is_glob(source):
         text += _relative_hint(canonical_name(source), names)
     return text

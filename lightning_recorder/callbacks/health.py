@@ -29,6 +29,7 @@ from .._core.checks import (
     check_int,
     check_number,
     check_option,
+    closest_hint,
     suggestion,
 )
 from .._core.names import named_modules, named_parameters
@@ -306,9 +307,11 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         check_int(heatmap_steps, "heatmap_steps", owner)
         known = (*STAT_NAMES, *PARAMETER_STATS)
         if not _names(heatmap_stats) or not all(s in known for s in heatmap_stats):
+            unknown = [s for s in heatmap_stats if s not in known] if _names(heatmap_stats) else []
+            hint = closest_hint(unknown[0], known, "names") if len(unknown) == 1 else ""
             raise RecorderConfigError(
                 f"Expected `heatmap_stats` of {owner} to be a list of names among "
-                f"{', '.join(map(repr, known))} but got {heatmap_stats!r}."
+                f"{', '.join(map(repr, known))} but got {heatmap_stats!r}.{hint}"
             )
         repeated = sorted(s for s, n in Counter(heatmap_stats).items() if n > 1)
         if repeated:

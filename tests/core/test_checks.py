@@ -7,6 +7,7 @@ import warnings
 import pytest
 
 from lightning_recorder._core import checks
+from lightning_recorder.errors import RecorderConfigError
 from lightning_recorder.stats import compile_status
 
 SWITCH = "LIGHTNING_RECORDER_SWITCH_OF_THIS_TEST"
@@ -37,3 +38,13 @@ def test_a_value_that_is_neither_on_nor_off_is_taken_as_on_with_one_warning(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once per value
         assert checks.switched_on("LIGHTNING_RECORDER_COMPILE")
+
+
+def test_a_misspelt_name_gets_the_closest_valid_ones() -> None:
+    """Where a message lists what is valid, a misspelt name also gets its close matches."""
+    with pytest.raises(RecorderConfigError, match=r"'float61'\. Closest dtype names: 'float64'"):
+        checks.parse_dtype("float61")
+    with pytest.raises(RecorderConfigError, match=r"got 3\.$"):  # no name: nothing to match
+        checks.parse_dtype(3)  # type: ignore[arg-type]
+    assert checks.closest_hint("stdd", ["std", "mean"], "names") == " Closest names: 'std'."
+    assert checks.closest_hint("zzz", ["std", "mean"], "names") == ""

@@ -1149,6 +1149,7 @@ def test_a_monitor_reads_as_its_options() -> None:
         ({"exclude": 5}, r"`exclude` of HealthMonitor to be a list of glob patterns .* got 5"),
         ({"heatmap_stats": 5}, r"`heatmap_stats` of HealthMonitor to be a list of names .* got 5"),
         ({"heatmap_stats": "std"}, r"`heatmap_stats` of HealthMonitor to be a list of names"),
+        ({"heatmap_stats": ["stdd"]}, r"but got \['stdd'\]\. Closest names: 'std'\.$"),
         ({"heatmap_stats": ["std", "mean", "std"]}, r"each name of `heatmap_stats` .* 'std' more"),
         ({"evidence_dir": 3}, r"`evidence_dir` of HealthMonitor to be a path or None"),
         ({"alert_interval_s": -1.0}, r"`alert_interval_s` of HealthMonitor to be a finite non"),
