@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-import operator
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import NoRecordError, RecorderConfigError
-from ._format import INDEX_SUFFIX, SHARD_SUFFIX, Storage, iter_index
+from ._format import INDEX_SUFFIX, SHARD_SUFFIX, Storage, as_index, iter_index
 
 # Each filter of ActivationDataset and the provenance field it keeps rows by.
 _FIELDS = {
@@ -274,11 +273,9 @@ class ActivationDataset(Dataset[dict[str, Any]]):
     def _row_number(self, idx: object) -> int:
         """``idx`` as an int (an int, a NumPy integer, an integer 0-d tensor), else an error: a
         slice, a list or a float would fail deep in the row lookup, a bool read row 0 or 1."""
-        if not isinstance(idx, bool):
-            try:
-                return operator.index(idx)  # type: ignore[arg-type]
-            except TypeError:
-                pass
+        found = as_index(idx)
+        if found is not None:
+            return found
         raise RecorderConfigError(
             f"Expected the index of a row of {type(self).__name__} to be an int (a negative one "
             f"counts from the end) but got {type(idx).__name__} {repr(idx)[:80]}. Take several "

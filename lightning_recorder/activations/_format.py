@@ -29,6 +29,7 @@ its first dimension; row ``i`` is sample ``sample_index[i]`` and has shape ``sha
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 import uuid
@@ -66,6 +67,17 @@ STORABLE = frozenset(
 )
 #: Their torch names, for messages.
 STORABLE_NAMES = ", ".join(sorted(str(d).removeprefix("torch.") for d in STORABLE))
+
+
+def as_index(value: object) -> int | None:
+    """``value`` as an int where it is one (an int, a NumPy integer, an integer 0-d tensor),
+    else ``None``: a bool (a mask's 0 or 1), a float, a string, ``None`` or a slice is not."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def new_run_id() -> str:

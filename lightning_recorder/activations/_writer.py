@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import operator
 import os
 import sys
 import threading
@@ -23,6 +22,7 @@ from ._format import (
     TMP_SUFFIX,
     VERSION,
     Storage,
+    as_index,
     check_run_id,
     check_storable,
     decode_index,
@@ -111,14 +111,12 @@ def _where(source: str, module: str) -> str:
 def _provenance_int(name: str, value: object) -> int:
     """``value`` as an int (an int, a NumPy integer, an integer 0-d tensor), else an error: a
     float, ``None`` or a string would be truncated, or fail the readers that sort the rows."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            pass
-    raise RecorderConfigError(
-        f"Expected `{name}` to be an int but got {type(value).__name__} {value!r}."
-    )
+    found = as_index(value)
+    if found is None:
+        raise RecorderConfigError(
+            f"Expected `{name}` to be an int but got {type(value).__name__} {value!r}."
+        )
+    return found
 
 
 class ShardWriter:
@@ -414,16 +412,14 @@ class ShardWriter:
             return [int(i) for i in sample_index.reshape(-1).tolist()]
         index: list[int] = []
         for item in sample_index:
-            try:
-                if isinstance(item, bool):  # a mask's values: 0 and 1, not indices
-                    raise TypeError
-                index.append(operator.index(item))
-            except TypeError:
+            found = as_index(item)  # a mask's values (bools), 0 and 1, are not indices
+            if found is None:
                 raise RecorderConfigError(
                     "Expected the sample indices (`sample_index`) to be integer dataset "
                     f"indices but got {item!r} ({type(item).__name__}); pass the indices "
                     "themselves (an integer tensor or a sequence of ints)."
-                ) from None
+                )
+            index.append(found)
         return index
 
     def _chunk(
