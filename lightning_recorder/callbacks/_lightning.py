@@ -86,12 +86,18 @@ def attached_trainer(module: object) -> pl.Trainer | None:
         return None
 
 
+def serves(running: object, pl_module: object) -> bool:
+    """Whether the run of ``pl_module`` may use, or release, what a callback installed on
+    ``running`` (``None``: nothing installed): a callback serves one run at a time, and a second
+    Trainer's run, refused at its start, leaves the first one's as they are."""
+    return running is None or running is pl_module
+
+
 def check_one_run(owner: str, running: object, pl_module: object, thread: str) -> None:
-    """Raise if the callback ``owner`` (as the message names it) is installed on ``running``, a
-    module other than ``pl_module``, by a run that has not ended (started in the thread named
-    ``thread``): a callback serves one run at a time, and a second Trainer's run would change
-    what the first one's uses."""
-    if running is not None and running is not pl_module:
+    """Raise unless the run of ``pl_module`` :func:`serves` what the callback ``owner`` (as the
+    message names it) installed on ``running`` in a run that has not ended (started in the
+    thread named ``thread``)."""
+    if not serves(running, pl_module):
         raise RecorderStateError(
             f"Expected {owner} to serve one run at a time, but it is still installed on "
             f"another {type(running).__name__} by a run that has not ended (in thread "

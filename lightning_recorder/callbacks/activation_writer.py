@@ -19,6 +19,7 @@ from ._lightning import (
     Stage,
     fast_dev_run,
     predict_batch_indices,
+    serves,
     step_axis,
     unclaimed_state,
 )
@@ -369,7 +370,7 @@ class ActivationWriter(RecorderCallback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self._module is None or self._module is pl_module:  # not another run's writer
+        if serves(self._module, pl_module):  # not another run's writer
             self._failing = True  # write what is queued; the run's own error is the one to see
         super().on_exception(trainer, pl_module, exception)
 

@@ -50,7 +50,14 @@ from ._health_sentinel import Sentinel, to_host_later
 from ._health_trace import Trace
 from ._health_verdict import Timeline
 from ._health_view import PARAMETER_STATS, HealthView
-from ._lightning import STATE_KEY, check_one_run, fast_dev_run, step_axis, unclaimed_state
+from ._lightning import (
+    STATE_KEY,
+    check_one_run,
+    fast_dev_run,
+    serves,
+    step_axis,
+    unclaimed_state,
+)
 from ._optimizer_steps import StepsInProgress
 
 __all__ = [
@@ -502,7 +509,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     def _end_run(self, pl_module: pl.LightningModule) -> None:
         """Release what the run of ``pl_module`` installed (not what another fit still going
         on, which refused this run, installed)."""
-        if self._fitting is None or self._fitting is pl_module:
+        if serves(self._fitting, pl_module):
             self._fitting = None
             self._detach()
 

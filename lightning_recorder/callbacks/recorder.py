@@ -27,6 +27,7 @@ from ._lightning import (
     completes_step,
     is_compiled,
     is_due,
+    serves,
     step_axis,
 )
 
@@ -335,15 +336,14 @@ class RecorderCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # not the recorders of another run still going
-        if self._module is None or self._module is pl_module:
+        if serves(self._module, pl_module):  # not the recorders of another run still going
             self._detach()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self._module is None or self._module is pl_module:
+        if serves(self._module, pl_module):
             self._detach()
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

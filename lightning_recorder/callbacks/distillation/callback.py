@@ -26,7 +26,7 @@ from ..._core.names import import_object
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
 from ...errors import RecorderConfigError, RecorderStateError
-from .._lightning import STATE_KEY, attached_trainer, check_one_run, unclaimed_state
+from .._lightning import STATE_KEY, attached_trainer, check_one_run, serves, unclaimed_state
 from ._bank import ConnectorBank
 from ._config import (
     LossSpec,
@@ -508,16 +508,14 @@ class FeatureDistillation(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        running = self._runner.module
-        if running is None or running is pl_module:  # not the install of another run going on
+        if serves(self._runner.module, pl_module):  # not the install of another run going on
             self._uninstall()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        running = self._runner.module
-        if running is None or running is pl_module:
+        if serves(self._runner.module, pl_module):
             self._uninstall()
 
     # ------------------------------------------------------------------ the training step
