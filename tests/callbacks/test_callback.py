@@ -5,7 +5,6 @@ from __future__ import annotations
 import doctest
 import functools
 import gc
-import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -17,6 +16,7 @@ import pytest
 import torch
 from helpers.docs import DOCS, python_blocks, run_page
 from helpers.models import QUIET, ProbeNet, features, loader
+from helpers.two_runs import Hold, check_second_run_refused
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.compile import from_compiled, to_uncompiled
 
@@ -236,15 +236,10 @@ def test_a_callback_in_a_second_run_at_once_raises_and_leaves_the_first_recordin
     # is refused, naming the thread of the first, whose recorders stay on its model. (It used to
     # go on silently: the second model was never hooked, and its run stopped and then released
     # the first run's recorders.)
-    cb = RecorderCallback(FEAT)
-    inside, tried = threading.Event(), threading.Event()
-    errors: dict[str, BaseException] = {}
+    cb, hold = RecorderCallback(FEAT), Hold()
     reads: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def hold(module: ProbeNet, batch_idx: int) -> None:
-        if batch_idx == 1:
-            inside.set()
-            assert tried.wait(240)  # only a deadlock would reach it
+    def read(module: ProbeNet, batch_idx: int) -> None:
         with torch.no_grad():
             expected = module.body[0](module.probe(module.batch))
         reads.append((RecorderCallback.of(module).get_record_data("feat").detach(), expected))
@@ -254,29 +249,13 @@ def test_a_callback_in_a_second_run_at_once_raises_and_leaves_the_first_recordin
             self.batch = batch[0]
             return super().training_step(batch, batch_idx)
 
-    first, second = Keep(), ProbeNet()
-    first.step_hook = hold
-
-    def run(name: str, module: ProbeNet) -> None:
-        try:
-            trainer(max_steps=3, callbacks=[cb]).fit(module, loader(features(16)))
-        except BaseException as err:  # handed to the main thread
-            errors[name] = err
-        finally:
-            if name == "B":
-                tried.set()
-
-    a = threading.Thread(target=run, args=("A", first), name="A", daemon=True)
-    b = threading.Thread(target=run, args=("B", second), name="B", daemon=True)
-    a.start()
-    assert inside.wait(240)
-    b.start()
-    for worker in (b, a):
-        worker.join(240)
-        assert not worker.is_alive()
-    assert list(errors) == ["B"]
-    with pytest.raises(RecorderStateError, match=r"one run at a time.*in thread 'A'.*its own"):
-        raise errors["B"]
+    first = Keep()
+    first.step_hook = read
+    check_second_run_refused(
+        lambda: trainer(max_steps=3, callbacks=[cb, hold]).fit(first, loader(features(16))),
+        lambda: trainer(max_steps=3, callbacks=[cb]).fit(ProbeNet(), loader(features(16))),
+        hold,
+    )
     assert len(reads) == 3  # the first run recorded each of its steps, before and after
     for record, expected in reads:
         torch.testing.assert_close(record, expected, rtol=1e-6, atol=1e-7)

@@ -9,7 +9,6 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from helpers.distill_models import N_CLASSES, Student, Teacher, loader, trainer_kwargs
 from helpers.docs import python_blocks, run_page
+from helpers.two_runs import Hold, check_second_run_refused
 from lightning.pytorch.callbacks import LearningRateFinder
 from torch import Tensor, nn
 
@@ -82,16 +82,22 @@ class ExpectTerm(pl.Callback):
         self.checked += 1
 
 
-def test_term_is_added_to_the_returned_loss_and_logged() -> None:
-    teacher, student = seeded()
+def two_pairs(teacher: Teacher) -> tuple[nn.Conv2d, FeatureDistillation]:
+    """MSE through a 1x1 connector on `features.2` (weight 0.5) and KL at T=4 on `head`
+    (weight 2): the connector and the callback."""
     connector = nn.Conv2d(6, 12, 1, bias=False)
-    distill = FeatureDistillation(
+    return connector, FeatureDistillation(
         teacher,
         PAIRS,
         loss={"features.2": "mse", "head": KLDivLoss(temperature=4.0)},
         weight={"features.2": 0.5, "head": 2.0},
         connectors={"features.2": connector, "head": "identity"},
     )
+
+
+def test_term_is_added_to_the_returned_loss_and_logged() -> None:
+    teacher, student = seeded()
+    connector, distill = two_pairs(teacher)
     expect = ExpectTerm(teacher, connector)
     trainer = fit(student, [distill, expect], max_steps=3)
     assert expect.checked == 3
@@ -104,53 +110,18 @@ def test_term_is_added_to_the_returned_loss_and_logged() -> None:
     assert float(logged["distill/total"]) == pytest.approx(total, rel=1e-6)
 
 
-class Hold(pl.Callback):
-    """Holds the run at the start of its second batch until ``go`` is set."""
-
-    def __init__(self) -> None:
-        self.inside, self.go = threading.Event(), threading.Event()
-
-    def on_train_batch_start(self, trainer: pl.Trainer, m: Any, batch: Any, idx: int) -> None:
-        if idx == 1:
-            self.inside.set()
-            assert self.go.wait(240)  # only a deadlock would reach it
-
-
 def test_a_second_run_at_once_is_refused_and_the_first_keeps_its_terms() -> None:
     # One callback handed to two Trainers running at once (a sweep in threads): the second run
     # used to take the teacher and the step patch over, and the first then failed with "no step
     # is running"; the second is now refused at its start, naming the first run's thread.
     teacher, student = seeded()
-    connector = nn.Conv2d(6, 12, 1, bias=False)
-    distill = FeatureDistillation(
-        teacher,
-        PAIRS,
-        loss={"features.2": "mse", "head": KLDivLoss(temperature=4.0)},
-        weight={"features.2": 0.5, "head": 2.0},
-        connectors={"features.2": connector, "head": "identity"},
-    )
+    connector, distill = two_pairs(teacher)
     expect, hold = ExpectTerm(teacher, connector), Hold()
-    errors: dict[str, BaseException] = {}
-
-    def run(name: str, module: pl.LightningModule, callbacks: list[pl.Callback]) -> None:
-        try:
-            fit(module, callbacks, max_steps=3)
-        except BaseException as err:  # handed to the main thread
-            errors[name] = err
-        finally:
-            hold.go.set()
-
-    a = threading.Thread(target=run, args=("A", student, [distill, expect, hold]), name="A")
-    b = threading.Thread(target=run, args=("B", Student(), [distill]), name="B")
-    a.start()
-    assert hold.inside.wait(240)
-    b.start()
-    for worker in (b, a):
-        worker.join(240)
-        assert not worker.is_alive()
-    assert list(errors) == ["B"]
-    with pytest.raises(RecorderStateError, match=r"one run at a time.*in thread 'A'.*its own"):
-        raise errors["B"]
+    check_second_run_refused(
+        lambda: fit(student, [distill, expect, hold], max_steps=3),
+        lambda: fit(Student(), [distill], max_steps=3),
+        hold,
+    )
     assert expect.checked == 3  # each step of the first run had its term
     assert live_hooks() == [] and not is_patched(student)
 

@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import pickle
-import threading
 import warnings
 from collections.abc import Collection
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import torch
 from helpers.health_models import Fault, Injector, Net, data
 from helpers.models import QUIET
+from helpers.two_runs import Hold, check_second_run_refused
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -34,7 +34,6 @@ from lightning_recorder import (
     NonFiniteError,
     RecorderConfigError,
     RecorderError,
-    RecorderStateError,
     UnknownSourceError,
 )
 from lightning_recorder.callbacks._health_event import describe
@@ -152,18 +151,6 @@ def test_skip_works_with_gradient_clipping(algorithm: str, tmp_path: Path) -> No
     assert trainer.gradient_clip_algorithm == algorithm
 
 
-class Hold(pl.Callback):
-    """Holds the run at the start of its second batch until ``go`` is set."""
-
-    def __init__(self) -> None:
-        self.inside, self.go = threading.Event(), threading.Event()
-
-    def on_train_batch_start(self, trainer: pl.Trainer, m: Any, batch: Any, idx: int) -> None:
-        if idx == 1:
-            self.inside.set()
-            assert self.go.wait(240)  # only a deadlock would reach it
-
-
 def test_a_second_run_at_once_is_refused_and_the_first_still_finds_its_fault(
     tmp_path: Path,
 ) -> None:
@@ -172,28 +159,12 @@ def test_a_second_run_at_once_is_refused_and_the_first_still_finds_its_fault(
     # its end; it is now refused at its start, naming the first run's thread.
     monitor, hold = HealthMonitor("skip", evidence_dir=tmp_path), Hold()
     first = Net("mlp")
-    errors: dict[str, BaseException] = {}
-
-    def run(name: str, model: Net, callbacks: list[pl.Callback]) -> None:
-        try:
-            fit(model, callbacks, steps=4)
-        except BaseException as err:  # handed to the main thread
-            errors[name] = err
-        finally:
-            hold.go.set()
-
     injector = Injector({2: Fault("body.2", "forward", "nan", 2)})
-    a = threading.Thread(target=run, args=("A", first, [injector, monitor, hold]), name="A")
-    b = threading.Thread(target=run, args=("B", Net("mlp"), [monitor]), name="B")
-    a.start()
-    assert hold.inside.wait(240)
-    b.start()
-    for worker in (b, a):
-        worker.join(240)
-        assert not worker.is_alive()
-    assert list(errors) == ["B"]
-    with pytest.raises(RecorderStateError, match=r"one run at a time.*in thread 'A'.*its own"):
-        raise errors["B"]
+    check_second_run_refused(
+        lambda: fit(first, [injector, monitor, hold], steps=4),
+        lambda: fit(Net("mlp"), [monitor], steps=4),
+        hold,
+    )
     assert [(e.step, e.module, e.direction, e.action) for e in monitor.events] == [
         (2, "body.2", "forward", "skipped")
     ]
