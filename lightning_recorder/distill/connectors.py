@@ -137,13 +137,43 @@ def build_connector(
             " Token sequences are not resized; pass your own connector module."
         )
     if len(s) == 4 and s[2:] != t[2:] and not resize:
-        raise RecorderConfigError(
-            "Expected the student and teacher feature maps to have the same spatial size (H, W) "
-            f"but got {shapes}. Pass `resize=True` to interpolate the student map to the "
-            "teacher's size inside the connector."
-        )
+        raise _spatial_size_error(shapes)
     with torch.inference_mode(False):
         return _build(s, t)
+
+
+def _spatial_size_error(shapes: str) -> RecorderConfigError:
+    return RecorderConfigError(
+        "Expected the student and teacher feature maps to have the same spatial size (H, W) "
+        f"but got {shapes}. Pass `resize=True` to interpolate the student map to the "
+        "teacher's size inside the connector."
+    )
+
+
+def is_auto(spec: object) -> bool:
+    """Whether ``spec`` asks for the automatic connector (``None`` or ``"auto"``)."""
+    return spec is None or (isinstance(spec, str) and spec.strip().lower() == "auto")
+
+
+def position_connector(
+    student_shape: Sequence[int], teacher_shape: Sequence[int], *, resize: bool = False
+) -> nn.Module:
+    """The automatic connector, without parameters, of a loss that compares positions whatever
+    the channel counts (attention transfer): an identity, or for ``(N, C, H, W)`` maps whose
+    ``(H, W)`` differ, with ``resize=True``, the bilinear resize of :func:`build_connector`.
+
+    Raises:
+        RecorderConfigError: maps of different ``(H, W)`` without ``resize=True`` (the error of
+            :func:`build_connector`). Other shapes the loss cannot compare are left to it.
+    """
+    check_bool(resize, "resize")
+    s = _as_shape("student_shape", student_shape)
+    t = _as_shape("teacher_shape", teacher_shape)
+    if len(s) == len(t) == 4 and s[2:] != t[2:]:
+        if not resize:
+            raise _spatial_size_error(f"student {s} and teacher {t}")
+        return _Resize((t[2], t[3]))
+    return nn.Identity()
 
 
 def _build(s: tuple[int, ...], t: tuple[int, ...]) -> nn.Module:

@@ -286,7 +286,10 @@ def attention_transfer_loss(
 
     The attention map of features ``f`` is ``mean over channels of |f| ** p``, flattened per
     sample and divided by its L2 norm. Only the positions must match: the student and the
-    teacher may have different channel counts, so no connector is needed.
+    teacher may have different channel counts, so no connector is needed; with
+    :class:`~lightning_recorder.FeatureDistillation`, ``connectors="auto"`` gives a pair of this
+    loss none (an identity, or with ``resize=True`` a bilinear resize of the student map to the
+    teacher's ``(H, W)``), no learned parameters.
 
     Args:
         student: student features ``(N, C_s, H, W)`` or tokens ``(N, L, C_s)``.

@@ -24,10 +24,13 @@ from lightning.pytorch.callbacks import LearningRateFinder
 from torch import Tensor, nn
 
 from lightning_recorder import (
+    AttentionTransferLoss,
     FeatureDistillation,
     KLDivLoss,
     MSELoss,
     TeacherInput,
+    attention_transfer_loss,
+    build_connector,
     distillation_loss,
     kl_div_loss,
     mse_loss,
@@ -982,6 +985,162 @@ def test_spatial_mismatch_fails_naming_both_shapes_or_is_resized() -> None:
     distill = FeatureDistillation(strided, pairs, resize=True)
     fit(Student(), [distill], max_steps=1)
     assert distill.connectors["features.2"](torch.zeros(2, 6, 8, 8)).shape == (2, 12, 4, 4)
+
+
+# --------------------------------------------------------------------------- attention transfer
+class StridedTeacher(Teacher):
+    """features.2: (N, 12, 4, 4), half the student's (H, W)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features[2] = nn.Conv2d(8, 12, 3, stride=2, padding=1)
+
+
+class TermStudent(Student):
+    """Adds the distillation term itself (``add_to_loss=False``) and keeps each step's term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.terms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        term = distillation_loss(self)
+        self.terms.append(float(term.detach()))
+        return loss + term
+
+
+class ExpectAttention(pl.Callback):
+    """Attention transfer of the raw ``features.2`` maps, recomputed by hand in float64 before
+    each step (the student map resized bilinearly to the teacher's (H, W) where they differ)."""
+
+    def __init__(self, teacher: Teacher) -> None:
+        self.teacher = teacher
+        self.expected: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, m: Any, batch: Any, idx: int) -> None:
+        x, _ = batch
+        with torch.no_grad():
+            s, t = m.features[:3](x).double(), self.teacher.features[:3](x).double()
+        if s.shape[2:] != t.shape[2:]:
+            s = F.interpolate(s, size=t.shape[2:], mode="bilinear", align_corners=False)
+
+        def at_map(f: Tensor) -> Tensor:  # mean over channels of f**2, per sample L2-normalised
+            a = f.pow(2).mean(dim=1).flatten(1)
+            return a / a.norm(dim=1, keepdim=True)
+
+        self.expected.append(float((at_map(s) - at_map(t)).pow(2).mean()))
+
+
+@pytest.mark.parametrize(
+    ("strided", "loss"),
+    [(False, "at"), (False, attention_transfer_loss), (True, AttentionTransferLoss())],
+    ids=["same-size-name", "same-size-function", "resized-module"],
+)
+def test_attention_transfer_with_auto_connectors_learns_no_connector(
+    strided: bool, loss: Any, tmp_path: Path
+) -> None:
+    """6 student channels against 12 teacher channels: attention transfer compares channel-
+    pooled maps, so 'auto' gives its pair no parameters (it built a learned 1x1 convolution,
+    an extra optimizer group that trained nothing the loss used): an identity, or the resize
+    of `resize=True` where the maps' (H, W) differ."""
+    torch.manual_seed(0)
+    teacher, student = StridedTeacher() if strided else Teacher(), TermStudent()
+    pairs = {"features.2": "features.2"}
+
+    def distill() -> FeatureDistillation:
+        return FeatureDistillation(
+            copy.deepcopy(teacher), pairs, loss=loss, add_to_loss=False, resize=strided
+        )
+
+    callback = distill()
+    expect = ExpectAttention(callback.teacher)
+    trainer = fit(student, [callback, expect], max_steps=3)
+    connector = callback.connectors["features.2"]
+    assert list(connector.parameters()) == [] and list(connector.buffers()) == []
+    if strided:
+        assert connector(torch.zeros(2, 6, 8, 8)).shape == (2, 6, 4, 4)
+    else:
+        assert isinstance(connector, nn.Identity)
+    assert len(trainer.optimizers[0].param_groups) == 1  # no connector group
+    # The callback's float32 loss against the float64 one of the raw float32 features: a few
+    # ulps of the maps' normalisation and of a mean over 64 (or 16) positions: below 1e-7
+    # relative here.
+    assert len(student.terms) == len(expect.expected) == 3
+    for got, want in zip(student.terms, expect.expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+        assert want > 1e-4  # a term worth comparing, not a zero
+
+    # A checkpoint of it saves no connector weights and resumes: the resumed run ends where an
+    # uninterrupted one does.
+    def run(epochs: int, ckpt: Path | None = None, save: Path | None = None) -> TermStudent:
+        torch.manual_seed(1)
+        student = TermStudent()
+        trainer = pl.Trainer(callbacks=[distill()], **trainer_kwargs(max_epochs=epochs))
+        trainer.fit(student, loader(), ckpt_path=ckpt)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        assert len(trainer.optimizers[0].param_groups) == 1
+        return student
+
+    path = tmp_path / "epoch1.ckpt"
+    run(1, save=path)
+    state = torch.load(path, weights_only=True)
+    assert len(state["optimizer_states"][0]["param_groups"]) == 1
+    (saved,) = [v for k, v in state["callbacks"].items() if k.startswith("FeatureDistillation")]
+    assert saved["pairs"]["features.2"]["weights"] == {} and saved["optimizer"] is None
+    resumed, straight = run(2, ckpt=path), run(2)
+    assert resumed.terms == pytest.approx(straight.terms[4:], rel=1e-6)  # the same float32 ops
+    for got, want in zip(resumed.parameters(), straight.parameters(), strict=True):
+        torch.testing.assert_close(got, want)  # float32 defaults: rtol 1.3e-6, atol 1e-5
+
+
+def test_attention_transfer_maps_of_other_sizes_without_resize_name_both_shapes() -> None:
+    distill = FeatureDistillation(StridedTeacher(), {"features.2": "features.2"}, loss="at")
+    student = Student()
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"same spatial size \(H, W\) but got student \(8, 6, 8, 8\) and teacher "
+        r"\(8, 12, 4, 4\)\. Pass `resize=True`",
+    ):
+        fit(student, [distill], max_steps=1)
+    assert not is_patched(student) and live_hooks() == []
+    assert distill.teacher.training and all(p.requires_grad for p in distill.teacher.parameters())
+
+
+def test_an_explicit_connector_of_an_attention_transfer_pair_is_kept(tmp_path: Path) -> None:
+    teacher, student = seeded()
+    pair = {"features.2": "features.2"}
+    # what 'auto' built before: a 1x1 convolution, still given by its factory
+    distill = FeatureDistillation(teacher, pair, loss="at", connectors=build_connector)
+    trainer = fit(student, [distill], max_steps=1)
+    assert isinstance(distill.connectors["features.2"], nn.Conv2d)
+    assert len(trainer.optimizers[0].param_groups) == 2
+    trainer.save_checkpoint(tmp_path / "learned.ckpt")
+    # such a checkpoint, resumed with 'auto', says how to go on with its learned connector
+    distill = FeatureDistillation(copy.deepcopy(teacher), pair, loss="at")
+    resumed = Student()
+    trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=2))
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"weights saved in the checkpoint's FeatureDistillation state \(weight "
+        r"\[12, 6, 1, 1\]\) but the Identity built .* The automatic connector of an attention "
+        r"transfer pair has no parameters .* `lightning_recorder\.build_connector`",
+    ):
+        trainer.fit(resumed, loader(), ckpt_path=tmp_path / "learned.ckpt")
+    assert not is_patched(resumed) and live_hooks() == []
+    # and with the factory it goes on training the saved connector: one SGD step from the saved
+    # weight (a fresh one, uniform in +-1/sqrt(6), would be some tenths away)
+    saved = torch.load(tmp_path / "learned.ckpt", weights_only=True)["callbacks"]
+    (weight,) = [v["pairs"]["features.2"]["weights"]["weight"] for v in saved.values()]
+    distill = FeatureDistillation(
+        copy.deepcopy(teacher), pair, loss="at", connectors=build_connector
+    )
+    trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=2))
+    trainer.fit(Student(), loader(), ckpt_path=tmp_path / "learned.ckpt")
+    assert trainer.global_step == 2
+    resumed_weight = distill.connectors["features.2"].weight.detach()
+    assert 0 < float((resumed_weight - weight).abs().max()) < 0.05
 
 
 def test_a_connector_built_for_other_shapes_fails_naming_the_pair_and_shapes() -> None:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..._core.compat import distributed_active
-from ...distill.connectors import ConnectorSpec, resolve_connector
+from ...distill.connectors import ConnectorSpec, is_auto, position_connector, resolve_connector
 from ...errors import RecorderConfigError
 
 
@@ -55,10 +55,19 @@ class ConnectorBank:
         specs: the connector specification of each pair (see :func:`resolve_connector`).
         resize: interpolate student maps to the teacher's size in automatic connectors.
         lr: learning rate of the connectors' group (default: the first group's).
+        roles: what the loss of each pair asks of its automatic connector (see
+            :func:`connector_role`): ``"attention"`` gets one without parameters.
     """
 
-    def __init__(self, specs: Mapping[str, ConnectorSpec], resize: bool, lr: float | None) -> None:
+    def __init__(
+        self,
+        specs: Mapping[str, ConnectorSpec],
+        resize: bool,
+        lr: float | None,
+        roles: Mapping[str, str | None] | None = None,
+    ) -> None:
         self.specs = dict(specs)
+        self.roles = dict(roles or {})
         self.resize = resize
         self.lr = lr
         self.modules: dict[str, nn.Module] = {}
@@ -123,7 +132,7 @@ class ConnectorBank:
         with torch.random.fork_rng(devices=[]):
             example_s = torch.empty(s_shape, device=device, dtype=dtype)
             example_t = torch.empty(t_shape, device=device)
-            module = resolve_connector(self.specs[pair], example_s, example_t, resize=self.resize)
+            module = self._resolve(pair, example_s, example_t)
         pending = (self._pending or {}).get("pairs", {}).get(pair)
         if pending is not None and pending["weights"]:
             try:
@@ -131,16 +140,38 @@ class ConnectorBank:
             except RuntimeError as err:  # another connector than the checkpoint's
                 saved = ", ".join(f"{k} {list(v.shape)}" for k, v in pending["weights"].items())
                 why = " ".join(str(err).split()).rstrip(". ")
+                hint = ""
+                if is_auto(self.specs[pair]) and self.roles.get(pair) == "attention":
+                    factory = (
+                        "functools.partial(lightning_recorder.build_connector, resize=True)"
+                        if self.resize
+                        else "lightning_recorder.build_connector"
+                    )
+                    hint = (
+                        " The automatic connector of an attention transfer pair has no "
+                        "parameters (earlier versions learned one, which the loss does not "
+                        f"need): to resume with the learned one, give this pair `{factory}` as "
+                        "its connector factory."
+                    )
                 raise RecorderConfigError(
                     f"Expected the connector of pair {pair!r} to take the weights saved in the "
                     f"checkpoint's FeatureDistillation state ({saved}) but the "
                     f"{type(module).__name__} built from this run's `connectors` does not "
                     f"({why}). Resume with the `connectors` of the run that saved the "
                     "checkpoint, or start a new fit (without `ckpt_path`) to train a new "
-                    "connector."
+                    f"connector.{hint}"
                 ) from err
         self.modules[pair] = module
         self.shapes[pair] = (s_shape[1:], t_shape[1:])
+
+    def _resolve(self, pair: str, student: Tensor, teacher: Tensor) -> nn.Module:
+        """The connector of ``pair`` for these example features (see :func:`resolve_connector`).
+        Attention transfer compares maps of any channel counts: its automatic connector has
+        no parameters (an identity, or the resize of ``resize=True``)."""
+        spec = self.specs[pair]
+        if is_auto(spec) and self.roles.get(pair) == "attention":
+            return position_connector(student.shape, teacher.shape, resize=self.resize)
+        return resolve_connector(spec, student, teacher, resize=self.resize)
 
     @staticmethod
     def _tensors(module: nn.Module) -> Iterator[Tensor]:

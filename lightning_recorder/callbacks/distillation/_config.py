@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +14,12 @@ from torch import Tensor, nn
 from ..._core.checks import suggestion
 from ..._core.names import is_glob
 from ..._core.structures import parse_path
-from ...distill.losses import LossFn, get_loss
+from ...distill.losses import (
+    AttentionTransferLoss,
+    LossFn,
+    attention_transfer_loss,
+    get_loss,
+)
 from ...errors import RecorderConfigError
 
 LossSpec: TypeAlias = str | nn.Module | Callable[[Tensor, Tensor], Tensor]
@@ -303,3 +309,16 @@ def losses_per_pair(
                 "(`{pair: {option: value}}`) to bind them to a function."
             )
     return {p: get_loss(specs[p], **per[p]) for p in pairs}
+
+
+def connector_role(loss: LossFn) -> Literal["attention"] | None:
+    """What a pair's loss asks of its automatic connector: ``"attention"`` for attention
+    transfer (the package's loss, its module or the function, options bound or not), which
+    compares maps position by position whatever their channel counts, so needs no learned
+    connector; ``None`` for any other loss."""
+    fn: Any = loss
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if isinstance(fn, AttentionTransferLoss) or fn is attention_transfer_loss:
+        return "attention"
+    return None

@@ -33,6 +33,7 @@ from ._config import (
     TeacherSide,
     add_term,
     check_arguments,
+    connector_role,
     load_teacher,
     losses_per_pair,
     per_pair,
@@ -115,7 +116,8 @@ class FeatureDistillation(Callback):
         loss_options: keyword options for the named losses, e.g. ``{"temperature": 4.0}``,
             or per pair: ``{student module name: {option: value}}``. Loss modules and
             callables are used as they are: one mapping when no pair's loss is named is an error.
-        connectors: ``"auto"`` (a 1x1 convolution or linear layer where channels differ),
+        connectors: ``"auto"`` (a 1x1 convolution or linear layer where channels differ;
+            nothing learned for an attention transfer pair, whose channels may differ),
             ``"identity"``, a module or a factory (also by its import path, as a YAML config
             gives it: ``"my_project.distill.connector"``); one for all pairs or a mapping per
             pair (see :func:`lightning_recorder.resolve_connector`).
@@ -268,7 +270,8 @@ class FeatureDistillation(Callback):
                 )
                 spec = connector_specs[pair] = import_object(spec, what, "callables", callable)
             check_connector_spec(spec, "connectors")
-        self._bank = ConnectorBank(connector_specs, resize, connector_lr)
+        roles = {pair: connector_role(fn) for pair, fn in losses.items()}
+        self._bank = ConnectorBank(connector_specs, resize, connector_lr, roles)
         self._runner = StepRunner(
             teacher,
             self.pairs,
