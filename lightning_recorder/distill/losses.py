@@ -364,6 +364,12 @@ def kl_div_loss(
     logits. A class the teacher gives no probability (a logit of ``-inf``: a masked vocabulary)
     adds nothing (``0 * log 0 = 0``), also where the student masks it too.
 
+    Student and teacher must give logits over the same classes: with
+    :class:`~lightning_recorder.FeatureDistillation`, ``connectors="auto"`` builds no projection
+    between different class counts (the first step raises a
+    :class:`~lightning_recorder.errors.RecorderConfigError`); give the pair a connector of its
+    own when the mapping is deliberate.
+
     Args:
         student: student logits, 2-D or more.
         teacher: teacher logits of the same shape (detached inside).

@@ -1143,6 +1143,83 @@ def test_an_explicit_connector_of_an_attention_transfer_pair_is_kept(tmp_path: P
     assert 0 < float((resumed_weight - weight).abs().max()) < 0.05
 
 
+# --------------------------------------------------------------------------- logits
+def five_class_teacher() -> Teacher:
+    """A teacher whose head has 5 classes where the student's has 3."""
+    teacher = Teacher()
+    teacher.head = nn.Linear(12, 5)
+    return teacher
+
+
+@pytest.mark.parametrize(
+    ("loss", "options"),
+    [
+        ("kl", {"temperature": 4.0}),
+        (KLDivLoss(temperature=4.0), None),
+        (kl_div_loss, {"head": {"temperature": 4.0}}),
+    ],
+    ids=["name", "module", "function"],
+)
+def test_logits_of_other_class_counts_are_refused_naming_the_pair_and_both_counts(
+    loss: Any, options: Any
+) -> None:
+    """'auto' mapped 3 student logits to 5 teacher classes through a learned Linear, without a
+    word: a KL divergence between a projection and the teacher's classes is rarely meant."""
+    torch.manual_seed(0)
+    teacher, student = five_class_teacher(), Student()
+    teacher.features[0].requires_grad_(False)  # flags to put back as they were
+    distill = FeatureDistillation(teacher, {"head": "head"}, loss=loss, loss_options=options)
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"^Expected the student and teacher logits of pair 'head' -> 'head' to have the "
+        r"same number of classes for the KL divergence but got 3 student classes and 5 teacher "
+        r"classes \(dim 1\): .* connectors='auto' builds none\. Pair logits over the same "
+        r"classes; or, if the mapping is deliberate, give this pair a connector of its own: "
+        r"a module \(torch\.nn\.Linear\(3, 5\) for \(N, C\) logits\)",
+    ):
+        fit(student, [distill], max_steps=1)
+    # nothing left behind: no connector, hook or patch; the teacher's flags as they were
+    assert distill.connectors == {}
+    assert not is_patched(student) and live_hooks() == []
+    assert teacher.training
+    assert [p.requires_grad for p in teacher.parameters()] == [False, False, True, True, True, True]
+
+
+def test_logits_of_other_class_counts_train_through_an_explicit_connector(tmp_path: Path) -> None:
+    """A connector given for the pair is used as before (the mapping is deliberate), trained,
+    saved and restored: a resumed run ends where an uninterrupted one does."""
+    torch.manual_seed(0)
+    teacher = five_class_teacher()
+    pairs = {"features.2": "features.2", "head": "head"}
+    loss = {"features.2": "mse", "head": "kl"}
+
+    def run(epochs: int, ckpt: Path | None = None, save: Path | None = None) -> tuple[Any, ...]:
+        torch.manual_seed(1)
+        student, head = Student(), nn.Linear(3, 5, bias=False)
+        distill = FeatureDistillation(
+            copy.deepcopy(teacher), pairs, loss=loss, connectors={"head": head}
+        )
+        trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_epochs=epochs))
+        trainer.fit(student, loader(), ckpt_path=ckpt)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        assert distill.connectors["head"] is head
+        (group,) = trainer.optimizers[0].param_groups[1:]  # both pairs' connectors
+        assert group["params"] == [distill.connectors["features.2"].weight, head.weight]
+        return student, head.weight.detach().clone()
+
+    path = tmp_path / "epoch1.ckpt"
+    _, first = run(1, save=path)
+    student_b, weight_b = run(2, ckpt=path)
+    student_a, weight_a = run(2)
+    assert not torch.equal(weight_a, first)  # the second epoch trained it
+    # the same float32 operations in the same order: torch's float32 defaults (rtol 1.3e-6,
+    # atol 1e-5) allow for nothing more than rounding
+    torch.testing.assert_close(weight_b, weight_a)
+    for got, want in zip(student_b.parameters(), student_a.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_a_connector_built_for_other_shapes_fails_naming_the_pair_and_shapes() -> None:
     teacher, student = seeded()
     # features.2 is (N, 6, 8, 8) in the student: a connector made for 5 channels cannot take it

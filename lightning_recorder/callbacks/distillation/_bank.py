@@ -56,7 +56,9 @@ class ConnectorBank:
         resize: interpolate student maps to the teacher's size in automatic connectors.
         lr: learning rate of the connectors' group (default: the first group's).
         roles: what the loss of each pair asks of its automatic connector (see
-            :func:`connector_role`): ``"attention"`` gets one without parameters.
+            :func:`connector_role`): ``"attention"`` gets one without parameters, ``"logits"``
+            of different class counts get none (an error).
+        labels: the teacher side of each pair, as messages name it.
     """
 
     def __init__(
@@ -64,10 +66,12 @@ class ConnectorBank:
         specs: Mapping[str, ConnectorSpec],
         resize: bool,
         lr: float | None,
-        roles: Mapping[str, str | None] | None = None,
+        roles: Mapping[str, tuple[str, int | None] | None] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.specs = dict(specs)
-        self.roles = dict(roles or {})
+        self.roles = {pair: role for pair, role in (roles or {}).items() if role is not None}
+        self.labels = dict(labels or {})
         self.resize = resize
         self.lr = lr
         self.modules: dict[str, nn.Module] = {}
@@ -141,7 +145,7 @@ class ConnectorBank:
                 saved = ", ".join(f"{k} {list(v.shape)}" for k, v in pending["weights"].items())
                 why = " ".join(str(err).split()).rstrip(". ")
                 hint = ""
-                if is_auto(self.specs[pair]) and self.roles.get(pair) == "attention":
+                if is_auto(self.specs[pair]) and self._role(pair) == "attention":
                     factory = (
                         "functools.partial(lightning_recorder.build_connector, resize=True)"
                         if self.resize
@@ -164,14 +168,49 @@ class ConnectorBank:
         self.modules[pair] = module
         self.shapes[pair] = (s_shape[1:], t_shape[1:])
 
+    def _role(self, pair: str) -> str | None:
+        role = self.roles.get(pair)
+        return None if role is None else role[0]
+
     def _resolve(self, pair: str, student: Tensor, teacher: Tensor) -> nn.Module:
         """The connector of ``pair`` for these example features (see :func:`resolve_connector`).
         Attention transfer compares maps of any channel counts: its automatic connector has
-        no parameters (an identity, or the resize of ``resize=True``)."""
-        spec = self.specs[pair]
-        if is_auto(spec) and self.roles.get(pair) == "attention":
-            return position_connector(student.shape, teacher.shape, resize=self.resize)
+        no parameters (an identity, or the resize of ``resize=True``). Logits of different
+        class counts get no automatic connector: a KL divergence between a learned projection
+        of the student's classes and the teacher's is rarely what is meant."""
+        spec, role = self.specs[pair], self.roles.get(pair)
+        if is_auto(spec) and role is not None:
+            kind, dim = role
+            if kind == "attention":
+                return position_connector(student.shape, teacher.shape, resize=self.resize)
+            self._check_classes(pair, student.shape, teacher.shape, dim)  # "logits"
         return resolve_connector(spec, student, teacher, resize=self.resize)
+
+    def _check_classes(
+        self, pair: str, s_shape: torch.Size, t_shape: torch.Size, dim: int | None
+    ) -> None:
+        """Raise unless the logits of ``pair`` have as many classes (on ``dim``) on both sides;
+        shapes the KL divergence refuses anyway (other ranks, a ``dim`` out of range) are left
+        to it and to :func:`build_connector`."""
+        rank = len(s_shape)
+        if rank != len(t_shape) or rank < 2:
+            return
+        d = (2 if rank == 3 else 1) if dim is None else dim
+        if not -rank <= d < rank or s_shape[d] == t_shape[d]:
+            return
+        c_s, c_t = s_shape[d], t_shape[d]
+        raise RecorderConfigError(
+            f"Expected the student and teacher logits of pair {pair!r} -> "
+            f"{self.labels.get(pair, pair)!r} to have the same number of classes for the KL "
+            f"divergence but got {c_s} student classes and {c_t} teacher classes (dim "
+            f"{d % rank}): the KL divergence compares two distributions over the same classes, "
+            "and one between a learned projection of the student's logits and the teacher's "
+            "is rarely what is meant, so connectors='auto' builds none. Pair logits over the "
+            "same classes; or, if the mapping is deliberate, give this pair a connector of its "
+            f"own: a module (torch.nn.Linear({c_s}, {c_t}) for (N, C) logits) or a factory "
+            "(lightning_recorder.build_connector builds a learned linear layer or 1x1 "
+            f"convolution), as connectors={{{pair!r}: ...}}."
+        )
 
     @staticmethod
     def _tensors(module: nn.Module) -> Iterator[Tensor]:

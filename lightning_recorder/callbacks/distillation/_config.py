@@ -16,9 +16,11 @@ from ..._core.names import is_glob
 from ..._core.structures import parse_path
 from ...distill.losses import (
     AttentionTransferLoss,
+    KLDivLoss,
     LossFn,
     attention_transfer_loss,
     get_loss,
+    kl_div_loss,
 )
 from ...errors import RecorderConfigError
 
@@ -311,14 +313,22 @@ def losses_per_pair(
     return {p: get_loss(specs[p], **per[p]) for p in pairs}
 
 
-def connector_role(loss: LossFn) -> Literal["attention"] | None:
-    """What a pair's loss asks of its automatic connector: ``"attention"`` for attention
-    transfer (the package's loss, its module or the function, options bound or not), which
-    compares maps position by position whatever their channel counts, so needs no learned
-    connector; ``None`` for any other loss."""
+def connector_role(loss: LossFn) -> tuple[Literal["attention", "logits"], int | None] | None:
+    """What a pair's loss asks of its automatic connector, for the package's losses (as a name,
+    a module or a function, options bound or not): ``("attention", None)`` for attention
+    transfer, which compares maps position by position whatever their channel counts, so needs
+    no learned connector; ``("logits", dim)`` for the KL divergence on logits, whose classes
+    (on ``dim``, ``None``: the default one) must be the same on both sides; ``None`` for any
+    other loss."""
     fn: Any = loss
+    options: dict[str, Any] = {}
     while isinstance(fn, functools.partial):
+        options = {**fn.keywords, **options}
         fn = fn.func
     if isinstance(fn, AttentionTransferLoss) or fn is attention_transfer_loss:
-        return "attention"
+        return "attention", None
+    if isinstance(fn, KLDivLoss):
+        return "logits", fn.dim
+    if fn is kl_div_loss:
+        return "logits", options.get("dim")
     return None

@@ -37,6 +37,7 @@ from ._config import (
     load_teacher,
     losses_per_pair,
     per_pair,
+    teacher_label,
     weights_per_pair,
 )
 from ._patch import StepPatch
@@ -117,7 +118,8 @@ class FeatureDistillation(Callback):
             or per pair: ``{student module name: {option: value}}``. Loss modules and
             callables are used as they are: one mapping when no pair's loss is named is an error.
         connectors: ``"auto"`` (a 1x1 convolution or linear layer where channels differ;
-            nothing learned for an attention transfer pair, whose channels may differ),
+            nothing learned for an attention transfer pair, whose channels may differ, and
+            none for KL logits of different class counts, an error: give such a pair its own),
             ``"identity"``, a module or a factory (also by its import path, as a YAML config
             gives it: ``"my_project.distill.connector"``); one for all pairs or a mapping per
             pair (see :func:`lightning_recorder.resolve_connector`).
@@ -165,7 +167,8 @@ class FeatureDistillation(Callback):
 
     Raises:
         RecorderConfigError: an argument is invalid (checked here), or, when fitting, a module
-            name is unknown, shapes cannot be connected, the teacher is the student, a submodule
+            name is unknown, shapes cannot be connected (or are KL logits of different class
+            counts with ``connectors="auto"``), the teacher is the student, a submodule
             of it, or shares a trainable parameter with it (freezing the teacher would freeze
             it in the student), the teacher cannot take the student's input at its
             first call (pass ``teacher_input=``; a later error of the teacher is raised as it
@@ -271,7 +274,8 @@ class FeatureDistillation(Callback):
                 spec = connector_specs[pair] = import_object(spec, what, "callables", callable)
             check_connector_spec(spec, "connectors")
         roles = {pair: connector_role(fn) for pair, fn in losses.items()}
-        self._bank = ConnectorBank(connector_specs, resize, connector_lr, roles)
+        labels = {pair: teacher_label(t) for pair, t in self.pairs.items()}
+        self._bank = ConnectorBank(connector_specs, resize, connector_lr, roles, labels)
         self._runner = StepRunner(
             teacher,
             self.pairs,
