@@ -4,8 +4,9 @@ An event says *what* was found (``kind``), *when* (``step``, ``batch_idx``, ``ra
 (``module``, ``direction``, ``path``, ``dtype``, ``shape``) and *how much* (``counts``), whether
 the module made the values or passed them on (``producer``), whether a replay of the step saw
 the same (``reproduced``), what the monitor did (``action``) and where the evidence is
-(``evidence``); ``message`` says all of it in one sentence. Events are plain data: ``to_dict()``
-gives JSON-ready values, so that an event can be written, sent to an alert or compared.
+(``evidence``); ``message`` says all of it in one sentence (and, for a non-finite event, what
+to do next). Events are plain data: ``to_dict()`` gives JSON-ready values, so that an event can
+be written, sent to an alert or compared.
 
 ``kind`` is ``"nonfinite"`` for NaN/Inf found in the loss, the gradients or a replay,
 ``"amp_skipped"`` for a step that the AMP grad scaler skipped itself (not an alarm), or the name
@@ -15,6 +16,7 @@ of a :class:`~lightning_recorder.callbacks.health.HealthRule` for the rules' fin
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -55,7 +57,9 @@ class HealthEvent:
             module is named.
         reproduced: whether the replay of the step saw non-finite values too (``None`` without a
             replay).
-        message: one readable sentence: what, where, when, and the evidence path.
+        message: one readable sentence: what, where, when, and the evidence path; for a
+            non-finite event, then one sentence on what to do about it and one on how to
+            load the evidence bundle.
         path: the offending tensor relative to ``module``: ``"output"``, ``"output.0"``,
             ``"output.logits"``, ``"input.x"`` (backward: the gradient sent to input ``x``),
             ``"weight"`` (a parameter or its gradient), or a submodule's input such as
@@ -221,9 +225,95 @@ def _buffers(event: HealthEvent) -> str:
     )
 
 
+_LOW_PRECISION = {
+    "torch.float16": "float16 overflows above 65504",
+    "torch.bfloat16": "bfloat16 rounds small values to 0 before a log or a division",
+}
+_EPS = "clamp them or add an eps"
+
+
+def _forward_hint(event: HealthEvent) -> str:
+    """What to look at when a module's forward (or the code between its submodules) made the
+    values."""
+    module, path = event.module, event.path or ""
+    if event.dtype in _LOW_PRECISION:  # autocast ran it in half precision
+        return (
+            f"Run `{module}` in float32 (under `torch.autocast(..., enabled=False)`, its inputs "
+            f"`.float()`): {_LOW_PRECISION[event.dtype]}."
+        )
+    if not event.producer:
+        return f"Look at what feeds `{module}`: its {path} was non-finite already."
+    if path.startswith("output") and "submodule" not in event.details:
+        return (
+            f"Look for a log, sqrt, division or exp of the inputs in the forward of `{module}` "
+            f"and {_EPS} (`torch.log_softmax`, not the log of a softmax)."
+        )
+    return (
+        f"Look for a log, sqrt, division or exp in the code of `{module}` that makes `{path}` "
+        f"and {_EPS}."
+    )
+
+
+def _backward_hint(event: HealthEvent) -> str:
+    """What to look at when a module's backward made the gradients (its forward was finite)."""
+    module = event.module
+    if event.dtype == "torch.float16":
+        return (
+            "Scale the loss so that float16 gradients do not overflow (`precision='16-mixed'` "
+            "has a grad scaler), or train in `bf16-mixed`."
+        )
+    if not event.producer:
+        return f"Look at the backward of what reads the output of `{module}`."
+    return (
+        f"The derivative of `{module}` is infinite where its forward is finite (a sqrt, pow or "
+        "norm at 0, a log or division near 0): add an eps inside, e.g. `(x + 1e-12).sqrt()`."
+    )
+
+
+def next_step(event: HealthEvent) -> str:
+    """One sentence: what to do about a non-finite event, by what it found ("" for another
+    kind)."""
+    if event.kind != "nonfinite":
+        return ""
+    if event.direction == "parameter":
+        return (
+            "The optimizer step before (or the checkpoint loaded) made it: lower the learning "
+            "rate, clip gradients (`Trainer(gradient_clip_val=1.0)`) or raise Adam's `eps`."
+        )
+    if event.module is not None:
+        return _backward_hint(event) if event.direction == "backward" else _forward_hint(event)
+    if event.direction == "forward" and event.producer is False:
+        batch = f" of batch {event.batch_idx}" if event.batch_idx is not None else ""
+        return (
+            f"Check the data pipeline: find the samples{batch} whose `{event.path}` is not finite."
+        )
+    if event.direction == "forward":
+        return f"Look for a log, sqrt, division or exp in `training_step` before `{event.path}`."
+    if event.direction == "loss" and event.path == "loss":
+        return (
+            "Compute the loss from logits with its stable form (`F.cross_entropy`, "
+            "`F.binary_cross_entropy_with_logits`), or clamp what it takes the log of or "
+            "divides by."
+        )
+    if event.direction == "backward":
+        return (
+            f"Look for a sqrt, pow or norm at 0 in `training_step` before `{event.path}` (an "
+            "infinite derivative) and add an eps inside."
+        )
+    if event.details.get("replay_error"):
+        return "Fix what stopped the replay, or pass `localize='always'` to check the step itself."
+    if event.reproduced is False:  # not deterministic: check the step itself
+        return "Pass `localize='always'` to check every module on the step itself."
+    return (
+        "No module is named here: with `localize='replay'` (the default) or `'always'`, the "
+        "first step of a run of non-finite steps names the one that made them."
+    )
+
+
 def describe(event: HealthEvent) -> str:
     """The event in one sentence: what, where (module, direction), when (step, batch, rank),
-    how much, what was done and where the evidence is."""
+    how much, what was done and where the evidence is; for a non-finite event, one sentence
+    on what to do, and one on how to read the evidence bundle."""
     when = f"at step {event.step}"
     if event.batch_idx is not None:
         when += f", batch {event.batch_idx}"
@@ -238,4 +328,14 @@ def describe(event: HealthEvent) -> str:
         tail.append(f"evidence in {event.evidence}")
     elif event.kind == "nonfinite":
         tail.append("no evidence written")
-    return sentence + ("; " + "; ".join(tail) if tail else "") + "."
+    sentence += ("; " + "; ".join(tail) if tail else "") + "."
+    hint = next_step(event)
+    if hint:
+        sentence += f" {hint}"
+    if event.evidence and event.kind == "nonfinite":
+        tensors = os.path.join(event.evidence, "tensors.safetensors")
+        sentence += (
+            f" Read the bundle with `safetensors.torch.load_file({tensors!r})` and its "
+            "`event.json`."
+        )
+    return sentence

@@ -1190,10 +1190,74 @@ def test_messages_read_as_one_sentence() -> None:
         "`enc.attn` made non-finite values in its backward, in the gradient of its input "
         "`query` (from a finite output gradient) at step 7, batch 3, rank 1: 2 NaN, 0 +inf, "
         "0 -inf in a bfloat16 tensor of shape [2, 5, 16]; the update was skipped; evidence in "
-        "/runs/health/step00000007-rank1."
+        "/runs/health/step00000007-rank1. The derivative of `enc.attn` is infinite where its "
+        "forward is finite (a sqrt, pow or norm at 0, a log or division near 0): add an eps "
+        "inside, e.g. `(x + 1e-12).sqrt()`. Read the bundle with `safetensors.torch.load_file("
+        "'/runs/health/step00000007-rank1/tensors.safetensors')` and its `event.json`."
     )
     assert HealthEvent.from_dict(json.loads(json.dumps(event.to_dict()))) == event
     assert not math.isnan(event.total)
+
+
+def _bad_batch() -> DataLoader:
+    x, y = torch.randn(12, 12), torch.randint(0, 4, (12,))
+    x[5, 1] = math.nan  # batch 1
+    return DataLoader(TensorDataset(x, y), batch_size=4)
+
+
+NEXT_STEPS = {
+    "batch": "Check the data pipeline: find the samples of batch 1 whose `batch.0` is not finite.",
+    "forward": "Look for a log, sqrt, division or exp of the inputs in the forward of `body.2` "
+    "and clamp them or add an eps (`torch.log_softmax`, not the log of a softmax).",
+    "bf16": "Run `body.2` in float32 (under `torch.autocast(..., enabled=False)`, its inputs "
+    "`.float()`): bfloat16 rounds small values to 0 before a log or a division.",
+    "backward": "The derivative of `body.2` is infinite where its forward is finite (a sqrt, "
+    "pow or norm at 0, a log or division near 0): add an eps inside, e.g. `(x + 1e-12).sqrt()`.",
+    "parameter": "The optimizer step before (or the checkpoint loaded) made it: lower the "
+    "learning rate, clip gradients (`Trainer(gradient_clip_val=1.0)`) or raise Adam's `eps`.",
+    "unlocalised": "No module is named here: with `localize='replay'` (the default) or "
+    "`'always'`, the first step of a run of non-finite steps names the one that made them.",
+}
+
+
+@pytest.mark.parametrize("found", list(NEXT_STEPS))
+@pytest.mark.parametrize("policy", ["warn", "skip", "raise"])
+def test_a_non_finite_message_says_what_to_do(
+    found: str, policy: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warning, the skip notice and the error of a non-finite step end with one next step
+    that depends on what was found, then how to read the evidence bundle written."""
+    localize: Any = False if found == "unlocalised" else "replay"
+    monitor = HealthMonitor(policy, localize=localize, rules=(), evidence_dir=tmp_path)
+    model: pl.LightningModule = Net("mlp")
+    callbacks: list[pl.Callback] = [monitor]
+    options: dict[str, Any] = {}
+    if found in ("forward", "bf16", "unlocalised"):
+        callbacks.insert(0, Injector({1: Fault("body.2", "forward", "nan", 1)}))
+    elif found == "backward":
+        callbacks.insert(0, Injector({1: Fault("body.2", "backward", "posinf", 1)}))
+    elif found == "batch":
+        options["loader"] = _bad_batch()
+    else:
+        model = TwoLinear(bad=-1)
+        callbacks.insert(0, Poison())
+        options["loader"] = classes()
+    if found == "bf16":
+        options["precision"] = "bf16-mixed"  # autocast runs the Linear layers in bfloat16
+    with caplog.at_level(logging.WARNING, logger="lightning_recorder.health"):
+        if policy == "raise":
+            with pytest.raises(NonFiniteError) as info:
+                fit(model, callbacks, steps=3, **options)
+            told = str(info.value)
+        else:
+            fit(model, callbacks, steps=3, **options)
+            told = caplog.records[0].getMessage()
+    event = monitor.events[0]
+    assert told.endswith(event.message) and event.step == 1
+    tensors = str(tmp_path / "step00000001-rank0" / "tensors.safetensors")
+    read = f"Read the bundle with `safetensors.torch.load_file({tensors!r})` and its `event.json`."
+    assert event.message.endswith(f". {NEXT_STEPS[found]} {read}")
+    assert "batch.0" in load_file(tensors)  # the line the message gives loads the bundle
 
 
 def test_next_to_feature_stats_monitor(tmp_path: Path) -> None:
