@@ -80,6 +80,8 @@ class HealthEvent:
             ``"input_layernorm.output"``). A skipped step whose forward left non-finite values
             in floating-point buffers (BatchNorm's running statistics) names them under
             ``"nonfinite_buffers"``: a skip discards the update, not what the forward wrote.
+            A skipped step noticed (a warning on rank zero) after skipped steps that were not,
+            as skip notices are rate-limited, counts those under ``"skipped_since_notice"``.
 
     Examples:
         >>> event = HealthEvent("nonfinite", step=3, batch_idx=3, rank=0, module="net.2",
@@ -324,6 +326,10 @@ def describe(event: HealthEvent) -> str:
     tail = []
     if event.action in _ACTIONS:
         tail.append(_ACTIONS[event.action] + _buffers(event))
+    unnoticed = event.details.get("skipped_since_notice")
+    if unnoticed:
+        steps = "step" if unnoticed == 1 else "steps"
+        tail.append(f"{unnoticed} {steps} skipped since the last notice (logged at DEBUG)")
     if event.evidence:
         tail.append(f"evidence in {event.evidence}")
     elif event.kind == "nonfinite":

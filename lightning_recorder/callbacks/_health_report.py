@@ -5,6 +5,9 @@ On global rank zero only (nothing here is a collective):
 * **Python logging** — the logger ``"lightning_recorder.health"``: ``WARNING`` for the first
   event of a run of consecutive non-finite steps and for rule findings, ``INFO`` for steps the
   AMP grad scaler skipped, ``DEBUG`` for the later steps of a run (counted, not repeated);
+  under ``"skip"``, ``WARNING`` for a skipped step only when none blamed on its module was
+  noticed for ``alert_interval_s`` seconds (as rule findings), ``DEBUG`` otherwise, and the
+  next notice says how many skipped steps went without one;
 * **the Trainer's loggers** — the counters as scalars through ``log_metrics`` on every event
   (``health/nonfinite_steps``, ``health/skipped_steps``, ``health/amp_skipped_steps``,
   ``health/rule_events`` and the event's ``health/nan``, ``health/posinf``, ``health/neginf``
@@ -35,7 +38,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from .._core.checks import listing
-from ._health_event import HealthEvent
+from ._health_event import HealthEvent, describe
 from ._lightning import prefixed_tag
 
 __all__ = ["LOGGER_NAME", "Reporter"]
@@ -55,9 +58,28 @@ class Reporter:
         self.start()
 
     def start(self) -> None:
-        """A new run (``on_fit_start``): no message written at any step yet."""
+        """A new run (``on_fit_start``): no message written at any step yet, no skipped step
+        noticed."""
         self._text_step: int | None = None
         self._texts: list[HealthEvent] = []
+        self._last_skip: dict[str | None, float] = {}
+        self._unnoticed_skips = 0
+
+    def _skip_notice(self, event: HealthEvent) -> bool:
+        """Whether a skipped step is worth a notice (a warning, a text entry, an alert): as a
+        rule's findings, when no skipped step blamed on its module (or on none) was noticed for
+        ``alert_interval_s`` seconds. A notice says how many skipped steps went without one
+        since the last."""
+        now = time.monotonic()
+        if now - self._last_skip.get(event.module, -math.inf) < self.interval:
+            self._unnoticed_skips += 1
+            return False
+        self._last_skip[event.module] = now
+        if self._unnoticed_skips:
+            event.details["skipped_since_notice"] = self._unnoticed_skips
+            event.message = describe(event)
+            self._unnoticed_skips = 0
+        return True
 
     def _of_step(self, events: Sequence[HealthEvent], step: int) -> list[HealthEvent]:
         """The events whose messages went to the loggers at ``step`` so far, ``events`` last:
@@ -79,6 +101,8 @@ class Reporter:
         """Report ``event`` (``loud``: the first of its run, worth a warning and an alert)."""
         if not trainer.is_global_zero:
             return
+        if loud and event.action == "skipped":
+            loud = self._skip_notice(event)
         if event.kind == "amp_skipped":
             level = logging.INFO
         else:

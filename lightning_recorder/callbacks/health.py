@@ -191,7 +191,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
 
     **Reporting.** Python logging (``"lightning_recorder.health"``, rank zero), the loggers (a
     text entry and the event counters as scalars), the ``alert`` callable (rate-limited; rule
-    findings per rule and module), and :attr:`events`. A Weights & Biases alert is two lines::
+    findings per rule and module, the notices of skipped steps per module: the counters go to
+    the loggers at every step), and :attr:`events`. A Weights & Biases alert is two lines::
 
         import wandb
         alert = lambda e: wandb.alert(title=f"HealthMonitor: {e.kind}", text=e.message)
@@ -227,7 +228,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             ``"warn"`` and no replay, the check is read before each optimizer step until it is
             saved.
         alert_interval_s: the least time between two alerts, in seconds (for rule findings:
-            between two messages of one rule about one module).
+            between two messages of one rule about one module; with ``"skip"``: between two
+            notices of steps skipped for one module, the others logged at ``DEBUG``).
         view: draw the health view (custom scalars, heat maps, findings table).
         view_every: redraw the heat maps and the table every this many logged steps.
         heatmap_stats: the statistics drawn as heat maps: those of

@@ -244,6 +244,64 @@ def test_max_consecutive_skips_then_raise(tmp_path: Path) -> None:
     assert [e.action for e in monitor.events] == ["skipped", "skipped", "raised"]
 
 
+class Clock(pl.Callback):
+    """The reporter's clock: 100 s per optimizer step."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.now = 100.0 * trainer.global_step
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_skip_notices_are_rate_limited_per_module_as_rule_findings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under "skip", a skipped step is a warning (and a text entry) only when no step skipped
+    for its module was noticed for `alert_interval_s` seconds; the next notice says how many
+    went without one; every skipped step is an event, a DEBUG record and a counted step."""
+    from types import SimpleNamespace
+
+    from lightning_recorder.callbacks import _health_report
+
+    clock = Clock()
+    monkeypatch.setattr(_health_report, "time", SimpleNamespace(monotonic=clock.monotonic))
+    where = {1: "body.2", 2: "body.2", 3: "body.0", 5: "body.2", 6: "body.2", 7: "body.2"}
+    where[9] = "body.2"
+    faults = {step: Fault(module, "forward", "nan", step) for step, module in where.items()}
+    monitor = HealthMonitor("skip", rules=(), alert_interval_s=250, evidence_max_bytes=0)
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    with caplog.at_level(logging.DEBUG, logger="lightning_recorder.health"):
+        fit(Net("mlp"), [clock, Injector(faults), monitor], steps=11, logger=logger)
+    events = {e.step: e for e in monitor.events}
+    assert {s: (e.module, e.action) for s, e in events.items()} == {
+        s: (m, "skipped") for s, m in where.items()
+    }
+    # 1: the first; 3: another module; 5 and 9: 400 s after the last notice of body.2
+    noticed = [1, 3, 5, 9]
+    records = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert records == [
+        (logging.WARNING if s in noticed else logging.DEBUG, events[s].message) for s in where
+    ]
+    assert "; 1 step skipped since the last notice (logged at DEBUG);" in events[3].message
+    assert "since the last notice" not in events[5].message
+    assert "; 2 steps skipped since the last notice (logged at DEBUG);" in events[9].message
+    assert events[9].details["skipped_since_notice"] == 2
+    assert monitor.counters["skipped_steps"] == 7 and monitor.state_dict()["counters"] == (
+        monitor.counters
+    )
+    acc = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = acc.Tensors("health/events/text_summary")
+    assert [t.step for t in texts] == noticed
+    # the counter of skipped steps is logged at every skipped step, noticed or not
+    skipped = {e.step: e.value for e in acc.Scalars("health/skipped_steps")}
+    assert skipped == {s: float(k + 1) for k, s in enumerate(where)}
+
+
 class Interrupt(pl.Callback):
     """Ctrl-C at the start of batch ``at``."""
 
