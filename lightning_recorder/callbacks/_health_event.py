@@ -80,6 +80,9 @@ class HealthEvent:
             ``"input_layernorm.output"``). A skipped step whose forward left non-finite values
             in floating-point buffers (BatchNorm's running statistics) names them under
             ``"nonfinite_buffers"``: a skip discards the update, not what the forward wrote.
+            Under DDP, ``"ranks"`` lists the ranks whose own batch showed non-finite values
+            (its own loss or a finding of its own, not only the all-reduced gradients); the
+            message names those other than ``rank``.
             A skipped step noticed (a warning on rank zero) after skipped steps that were not,
             as skip notices are rate-limited, counts those under ``"skipped_since_notice"``.
 
@@ -320,6 +323,10 @@ def describe(event: HealthEvent) -> str:
     if event.batch_idx is not None:
         when += f", batch {event.batch_idx}"
     when += f", rank {event.rank}"
+    others = [r for r in event.details.get("ranks", ()) if r != event.rank]
+    if others:  # under DDP, several ranks' batches showed non-finite values
+        ranks = "ranks" if len(others) > 1 else "rank"
+        when += f" (also on {ranks} {listing([str(r) for r in others])})"
     sentence = f"{_where(event)} {when}"
     if event.total or event.dtype is not None:
         sentence += f": {_tensor(event)}"

@@ -16,9 +16,11 @@ their state alone); ``"raise"``, or ``"skip"`` past ``max_consecutive_skips``, r
 
 **Reading lazily** (``"warn"`` without replays): the check and the ``"always"`` timelines are
 copied to the host without waiting and handled as soon as they have arrived — on the CPU at
-once, before the optimizer step; on a GPU at a later batch start (or at the end of training);
-each rank reports what it saw, without collectives. A flagged step is counted element by
-element then, as above, from the gradients the check saw (see
+once, before the optimizer step; on a GPU at a later batch start (or at the end of training).
+On a GPU each rank reports what it saw, without collectives (each rank's copy arrives at its
+own time); where the check is read at once, every rank is at the same point of a step whose
+all-reduced DDP gradients are non-finite, and the ranks gather what they saw, as above. A
+flagged step is counted element by element then, as above, from the gradients the check saw (see
 :meth:`._health_sentinel.Reading.counts` for one freed or changed before the copy arrived).
 """
 
@@ -31,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
+from .._core.compat import distributed_active
 from .._core.names import canonical_name, named_parameters
 from ..errors import NonFiniteError
 from ._health_event import HealthEvent
@@ -46,6 +50,7 @@ from ._health_step import (
     finish_event,
     gather,
     make_event,
+    seen_on,
     write_evidence,
 )
 from ._health_verdict import Counts, Finding, Timeline
@@ -176,13 +181,11 @@ class Decisions:
         elif timelines:
             finding, about = _first(timelines, window)
             micro = about if finding.reproduced else micro
-        rank, found = trainer.global_rank, None
-        if finding is not None:  # every rank is here: the decision was reduced
-            batch_idx = micro.batch_idx if micro is not None else None
-            findings = gather({**finding.plain(), "batch_idx": batch_idx})
-            rank = choose(findings)
-            found = findings[rank]
-        event = make_event(step, micro, rank, check, found, replayed)
+        found = None
+        if finding is not None:
+            found = {**finding.plain(), "batch_idx": micro.batch_idx if micro else None}
+        # every rank is here (the decision was reduced): the event is about the rank that saw most
+        event = _event(trainer, step, micro, check, found, replayed, together=True)
         action = {"warn": "warned", "skip": "skipped", "raise": "raised"}[self.on_nonfinite]
         too_many = action == "skipped" and streak > self.max_consecutive_skips
         action = "raised" if too_many else action
@@ -335,7 +338,10 @@ class Decisions:
         found = None
         if finding is not None:
             found = {**finding.plain(), "batch_idx": micro.batch_idx if micro else None}
-        event = make_event(pending.step, micro, trainer.global_rank, check, found, False)
+        # under DDP, every rank's gradients are these all-reduced ones, non-finite: where the check
+        # is read at once (not on a GPU) every rank is here, and can say what its batch showed
+        together = pending.reading.event is None and _replicated(trainer, grads)
+        event = _event(trainer, pending.step, micro, check, found, False, together)
         extra: dict[str, Any] = {"rank": trainer.global_rank, "world_size": trainer.world_size}
         extra["read"] = "lazily"
         if missed and not (found and found.get("reproduced")):  # the check's counts
@@ -343,6 +349,49 @@ class Decisions:
             extra["counted_at_least"] = missed
         loud = streak == 1
         self._finish(trainer, event, "warned", micro, finding, check, extra, loud, pending.log_step)
+
+
+def _replicated(trainer: pl.Trainer, grads: Sequence[tuple[str, Any]]) -> bool:
+    """Whether every rank found non-finite values in the gradients ``grads`` too: DDP's
+    all-reduced gradients of the LightningModule's parameters (not DeepSpeed's or FSDP's
+    shards, nor those of parameters outside the module, such as a ``FeatureDistillation``
+    connector's, which may be all-reduced later)."""
+    strategy = trainer.strategy
+    if not distributed_active() or not isinstance(strategy, DDPStrategy):
+        return False
+    if isinstance(strategy, DeepSpeedStrategy):
+        return False
+    inside = named_parameters(trainer.lightning_module)
+    return any(name in inside for name, _ in grads)
+
+
+def _event(
+    trainer: pl.Trainer,
+    step: int,
+    micro: MicroBatch | None,
+    check: Check,
+    found: dict[str, Any] | None,
+    replayed: bool,
+    together: bool,
+) -> HealthEvent:
+    """The event of a flagged step; ``together``: every rank is here for it, and the event is
+    about the rank whose own batch showed most (:func:`choose`), naming under
+    ``details["ranks"]`` every rank whose batch showed non-finite values; else about this one."""
+    if not together or not distributed_active():
+        return make_event(step, micro, trainer.global_rank, check, found, replayed)
+    mine = found if found is not None else {"reproduced": False}
+    batch_idx = micro.batch_idx if micro is not None else None
+    checked = {"check_loss": check.loss, "check_counts": check.counts}
+    findings = gather({"batch_idx": batch_idx, **mine, **checked})
+    rank = choose(findings)
+    theirs = findings[rank]
+    told = Check(theirs["check_counts"], theirs["check_loss"], check.parameters)
+    event = make_event(step, micro, rank, told, theirs if found is not None else None, replayed)
+    event.batch_idx = theirs["batch_idx"]
+    ranks = seen_on(findings)
+    if ranks:
+        event.details["ranks"] = ranks
+    return event
 
 
 def _split(name: str) -> tuple[str, str]:

@@ -6,8 +6,9 @@ evidence.
   hang; without a process group they return their input.
 * :func:`choose` — under DDP every rank replays its own batch; the event is about the rank
   whose finding says most (a module or a bad batch, then any finding of its own, then one read
-  from the parameters' gradients, which DDP's all-reduce makes alike on every rank, then none),
-  the lowest such rank.
+  from the parameters' gradients, which DDP's all-reduce makes alike on every rank, then none;
+  among equals one whose own loss was non-finite), the lowest such rank; :func:`seen_on` names
+  the ranks whose own batch showed the values.
 * :func:`make_event` — a :class:`HealthEvent` from a finding (or from the check alone).
 * :func:`write_evidence` — the bundle of this rank (see :mod:`._health_evidence`).
 """
@@ -27,7 +28,15 @@ from ._health_evidence import Evidence, batch_tensors, describe_batch
 from ._health_replay import MicroBatch
 from ._health_verdict import Finding
 
-__all__ = ["Check", "all_reduce_max", "choose", "gather", "make_event", "write_evidence"]
+__all__ = [
+    "Check",
+    "all_reduce_max",
+    "choose",
+    "gather",
+    "make_event",
+    "seen_on",
+    "write_evidence",
+]
 
 
 def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
@@ -55,9 +64,23 @@ def _priority(found: dict[str, Any]) -> int:
     return 0 if found.get("module") or found.get("bad_batch") else 1
 
 
+def _own(found: dict[str, Any]) -> bool:
+    """Whether a rank's finding (with its check's loss counts, ``"check_loss"``) is of its own
+    batch: a finding of its own, or its own loss non-finite (not the all-reduced gradients)."""
+    return _priority(found) < 2 or any(found.get("check_loss", {}).values())
+
+
 def choose(findings: Sequence[dict[str, Any]]) -> int:
-    """The rank whose finding the event is about."""
-    return min(range(len(findings)), key=lambda r: (_priority(findings[r]), r))
+    """The rank whose finding the event is about (among equals, one whose own loss was
+    non-finite)."""
+    return min(
+        range(len(findings)), key=lambda r: (_priority(findings[r]), not _own(findings[r]), r)
+    )
+
+
+def seen_on(findings: Sequence[dict[str, Any]]) -> list[int]:
+    """The ranks whose own batch showed the non-finite values."""
+    return [r for r, found in enumerate(findings) if _own(found)]
 
 
 @dataclass

@@ -74,3 +74,34 @@ def test_always_blames_the_rank_whose_forward_made_the_values(tmp_path: Path) ->
     assert (event["module"], event["direction"], event["producer"]) == ("body.0", "forward", True)
     assert event["action"] == "skipped"
     assert event["evidence"] == str(tmp_path / "health" / "step00000001-rank1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("policy", "localize"), [("warn", "always"), ("warn", "False"), ("skip", "False")]
+)
+def test_the_report_names_the_rank_whose_batch_was_bad(
+    tmp_path: Path, policy: str, localize: str
+) -> None:
+    # before the fix: with "warn" and localize="always" or False (the check read lazily, each
+    # rank reporting what it saw, rank 0 alone logging), and with localize=False under any
+    # policy, the step of rank 1's bad batch was reported on rank 0, as found on rank 0
+    proc = run_script(SCRIPT, tmp_path, localize, policy, timeout=300, one_thread=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    events = [[e for e in r["events"] if e["kind"] == "nonfinite"] for r in ranks]
+    assert events[0] == events[1]  # the ranks agree
+    first = events[0][0]
+    assert (first["step"], first["batch_idx"], first["rank"]) == (1, 1, 1)
+    assert first["details"]["ranks"] == [1]  # rank 0's loss and forward were finite
+    assert first["evidence"] == str(tmp_path / "health" / "step00000001-rank1")
+    if localize == "always":
+        assert (first["module"], first["direction"]) == ("body.0", "forward")
+    else:
+        assert first["module"] is None and first["direction"] == "loss"
+    # what rank 0 logged
+    assert "at step 1, batch 1, rank 1:" in proc.stderr
+    assert "at step 1, batch 1, rank 0" not in proc.stderr
+    if policy == "warn":  # the update went through: both ranks' batches are non-finite now
+        second = events[0][1]
+        assert (second["step"], second["rank"], second["details"]["ranks"]) == (2, 0, [0, 1])
+        assert ", rank 0 (also on rank 1):" in second["message"]

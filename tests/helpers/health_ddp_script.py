@@ -64,12 +64,15 @@ class Params(pl.Callback):
         self.after.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
 
 
-def main(out_dir: Path, localize: str = "replay") -> None:
+def main(out_dir: Path, localize: str = "replay", policy: str = "skip") -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     checks = Checks()  # the rules run on global rank zero only
     monitor = HealthMonitor(
-        "skip", localize=localize, rules=[checks], evidence_dir=out_dir / "health"
+        policy,  # type: ignore[arg-type]
+        localize=False if localize == "False" else localize,  # type: ignore[arg-type]
+        rules=[checks],
+        evidence_dir=out_dir / "health",
     )
     params = Params()
     trainer = pl.Trainer(
