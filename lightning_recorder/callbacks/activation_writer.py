@@ -143,7 +143,8 @@ class ActivationWriter(RecorderCallback):
             import path) and ``dtype``.
         directory: where to write: a local path or an ``fsspec`` URL.
         stages: the loops to write: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
-        every_n_steps: write training batches every N optimizer steps.
+        every_n_steps: write training batches every N optimizer steps (another value than 1
+            needs ``"train"`` in ``stages``).
         dtype: cast every source without its own ``dtype`` (e.g. ``"float16"``).
         sample_index: where the sample indices of a batch are: a key or position of the batch
             holding them, or a function ``(batch, batch_idx) -> indices`` (or its import path,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -86,7 +87,8 @@ class RecorderCallback(Callback):
         stages: the loops that record: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         every_n_steps: record every N optimizer steps of training; ``None`` follows the
             Trainer's ``log_every_n_steps`` (0, no training step logged, is an error in ``fit``
-            when ``stages`` has ``"train"``).
+            when ``stages`` has ``"train"``). Another value than the default needs ``"train"``
+            in ``stages``.
         name: distinguishes two callbacks with the same configuration (checkpoint state key,
             :meth:`of`).
         keep_hooks: keep the hooks installed between recorded steps (``True``), or suspend them
@@ -96,7 +98,8 @@ class RecorderCallback(Callback):
             modules.
 
     Raises:
-        RecorderConfigError: a config, a stage or ``every_n_steps`` is invalid (at construction);
+        RecorderConfigError: a config, a stage or ``every_n_steps`` is invalid, or
+            ``every_n_steps`` is given without ``"train"`` in ``stages`` (at construction);
             a source is not in the model (``UnknownSourceError``, at the start of the run, naming
             the closest names).
         UnknownRecorderTypeError: a config's ``type`` names no recorder type.
@@ -165,6 +168,18 @@ class RecorderCallback(Callback):
             raise RecorderConfigError(
                 f"Expected `stages` of {owner} to hold at least one of 'train', 'val', 'test', "
                 f"'predict' but got {stages!r}: with no stage, nothing would be recorded."
+            )
+        if (
+            "train" not in self.stages
+            and every_n_steps is not None
+            and not _default_every(type(self), every_n_steps)
+        ):
+            raise RecorderConfigError(
+                f"Expected `every_n_steps` of {owner} to be left out without 'train' in "
+                f"`stages` (it chooses the training steps that record; every batch of an "
+                f"evaluation stage is recorded) but got {every_n_steps!r} with "
+                f"stages={list(self.stages)!r}, where it would be ignored; add 'train' to "
+                "`stages`, or leave every_n_steps out."
             )
         self.every_n_steps: int | None = every_n_steps
         self.name = name
@@ -695,6 +710,14 @@ class RecorderCallback(Callback):
         names = ", ".join(self._configs)
         extra = "" if self.name is None else f", name={self.name!r}"
         return f"{type(self).__name__}({names}{extra})"
+
+
+def _default_every(cls: type, every_n_steps: int) -> bool:
+    """Whether ``every_n_steps`` is the default of that option in the signature of ``cls``, the
+    class a user constructs; also when ``cls`` does not take the option (a subclass that sets it
+    for its users: nothing of theirs to refuse)."""
+    parameter = inspect.signature(cls).parameters.get("every_n_steps")
+    return parameter is None or every_n_steps == parameter.default
 
 
 def _persistent(config: dict[str, Any]) -> dict[str, Any]:

@@ -176,7 +176,7 @@ class FeatureStatsMonitor(RecorderCallback):
             :class:`~lightning_recorder.RecorderCallback`.
         every_n_steps: log training statistics every N optimizer steps; ``None`` follows the
             Trainer's ``log_every_n_steps`` (0, no training step logged, is an error in ``fit``
-            when ``stages`` has ``"train"``).
+            when ``stages`` has ``"train"``). A number needs ``"train"`` in ``stages``.
         stages: the loops to monitor: any of ``"train"``, ``"val"``, ``"test"``, ``"predict"``.
         stats: the statistics to log, one name or a list (``"numel"`` too, if wanted).
         histograms: also write histograms to TensorBoard and W&B loggers.
@@ -227,9 +227,9 @@ class FeatureStatsMonitor(RecorderCallback):
 
     Raises:
         RecorderConfigError: an argument is invalid (at construction, as is a ``parameters``
-            name or pattern without ``"train"`` in ``stages``); the Trainer has no logger
-            (or runs with ``barebones=True``) in a loop that runs one of ``stages``,
-            ``logger_stats`` names no logger of it,
+            name or pattern, or an ``every_n_steps`` number, without ``"train"`` in
+            ``stages``); the Trainer has no logger (or runs with ``barebones=True``) in a loop
+            that runs one of ``stages``, ``logger_stats`` names no logger of it,
             ``histogram_every_n_steps`` is not a multiple of the Trainer's
             ``log_every_n_steps``, or ``bins`` is over 512 for a
             ``WandbLogger`` (at setup); a source matches no

@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import functools
 import gc
+import re
 import warnings
 import weakref
 from collections.abc import Callable
@@ -594,6 +595,64 @@ def test_of_in_the_tuners_trial_steps_names_the_tuner() -> None:
 def test_argument_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         RecorderCallback(**{"recorders": FEAT, **kwargs})
+
+
+def test_every_n_steps_without_the_train_stage_is_refused(tmp_path: Path) -> None:
+    """`every_n_steps` chooses training steps only: a value other than the class's default,
+    without "train" in `stages`, would be ignored, so it is refused at construction; the
+    defaults (`None` too: follow the Trainer) are taken by every subclass, and a fit runs."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_recorder import ActivationWriter, FeatureStatsMonitor
+
+    message = (
+        r"Expected `every_n_steps` of {} to be left out without 'train' in `stages` .* but got "
+        r"{} with stages=\[{}\], where it would be ignored; add 'train' to `stages`, or leave "
+        r"every_n_steps out\."
+    )
+    refused: list[tuple[Callable[[], object], str, int, str]] = [
+        (
+            lambda: RecorderCallback(FEAT, stages="val", every_n_steps=2),
+            "RecorderCallback",
+            2,
+            "'val'",
+        ),
+        (
+            lambda: FeatureStatsMonitor("probe", stages=["val", "test"], every_n_steps=1),
+            "FeatureStatsMonitor",
+            1,
+            "'val', 'test'",
+        ),
+        (
+            lambda: ActivationWriter("probe", tmp_path / "w", every_n_steps=3),
+            "ActivationWriter",
+            3,
+            "'predict'",
+        ),
+    ]
+    for make, owner, got, stages in refused:
+        with pytest.raises(RecorderConfigError) as found:
+            make()
+        assert re.search(message.format(owner, got, stages), str(found.value)), found.value
+    # the defaults, None, and any value with "train": taken
+    callbacks = [
+        RecorderCallback(FEAT, stages="val", name="a"),
+        RecorderCallback(FEAT, stages=["val", "test"], every_n_steps=None, name="b"),
+        RecorderCallback(FEAT, stages="train", every_n_steps=2, name="c"),
+        FeatureStatsMonitor("probe", stages="val", histograms=False),
+        FeatureStatsMonitor("body.0", stages="val", every_n_steps=None, histograms=False),
+        FeatureStatsMonitor("body.2", stages="train", every_n_steps=2, histograms=False),
+        ActivationWriter("probe", tmp_path / "a"),
+        ActivationWriter("probe", tmp_path / "b", stages="val", every_n_steps=1),
+        ActivationWriter("body.0", tmp_path / "c", stages=["train"], every_n_steps=2),
+    ]
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer(logger=logger, max_steps=4, log_every_n_steps=1, callbacks=callbacks).fit(
+        ProbeNet(), loader(features(16)), loader(features(8))
+    )
+    assert [cb.recorded_steps for cb in callbacks[:3]] == [0, 0, 2]
+    assert [cb.logged_steps for cb in callbacks[3:6]] == [0, 0, 2]  # type: ignore[attr-defined]
+    assert live_hooks() == []
 
 
 def test_docstring_example() -> None:

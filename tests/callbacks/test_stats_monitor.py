@@ -576,8 +576,8 @@ def test_two_monitors_writing_the_same_tags_are_refused(tmp_path: Path) -> None:
     # Other modules, or other stages, under one prefix: no tag in common, both run.
     a = FeatureStatsMonitor("probe", every_n_steps=2, stages=["train"], name="a")
     c = FeatureStatsMonitor("body.0", every_n_steps=1, stages=["train"])
-    d = FeatureStatsMonitor("probe", every_n_steps=1, stages=["val"], name="d")
-    e = FeatureStatsMonitor("body.0", every_n_steps=1, stages=["val"], name="e")
+    d = FeatureStatsMonitor("probe", stages=["val"], name="d")
+    e = FeatureStatsMonitor("body.0", stages=["val"], name="e")
     logger = TensorBoardLogger(tmp_path, name="apart")
     pl.Trainer(**QUIET, logger=logger, max_steps=2, callbacks=[a, c, d, e]).fit(
         ProbeNet(), loader(features(8)), loader(features(4))

@@ -188,7 +188,7 @@ def test_the_rules_read_a_monitor_of_training_steps(tmp_path: Path) -> None:
     nothing, so the monitor says so; with another one that monitors training, they read that."""
     sources = [nn.Linear, nn.ReLU, nn.Sigmoid]
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
-    val_only = FeatureStatsMonitor(sources, every_n_steps=1, histograms=False, stages="val")
+    val_only = FeatureStatsMonitor(sources, histograms=False, stages="val")
     monitor = HealthMonitor(rules=[UpdateRatioRule(patience=1), LossSpikeRule()])
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -203,7 +203,7 @@ def test_the_rules_read_a_monitor_of_training_steps(tmp_path: Path) -> None:
     ]
     assert monitor.events == []
     # a second monitor that watches training: its statistics are judged (lr=0: no update)
-    val_only = FeatureStatsMonitor(sources, every_n_steps=1, histograms=False, stages="val")
+    val_only = FeatureStatsMonitor(sources, histograms=False, stages="val")
     train = FeatureStatsMonitor(
         sources, every_n_steps=1, histograms=False, stages="train", prefix="train-stats"
     )
