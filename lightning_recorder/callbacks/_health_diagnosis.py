@@ -137,7 +137,8 @@ class Diagnosis:
         if self._stats is not None:
             if self.rules or self._view is not None:
                 self._stats.subscribe(self._on_report)
-            if any(type(rule).track is not HealthRule.track for rule in self.rules):
+            tracks = any(type(rule).track is not HealthRule.track for rule in self.rules)
+            if tracks and training:  # channels are kept on training steps only
                 self._stats.track_channels(self._track)
             if needy and not training and not self._warned_stats:
                 self._warned_stats = True

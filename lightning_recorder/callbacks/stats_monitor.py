@@ -454,7 +454,8 @@ class FeatureStatsMonitor(RecorderCallback):
         ``None``. It costs one more pass over each tracked output on logged steps.
 
         Raises:
-            RecorderConfigError: ``selector`` is not callable; when the run starts, it returned
+            RecorderConfigError: ``selector`` is not callable, or ``stages`` has no ``"train"``
+                (evaluation stages keep no channel extremes); when the run starts, it returned
                 something else than these; on a logged step, its dimension is not one of the
                 outputs'.
         """
@@ -462,6 +463,13 @@ class FeatureStatsMonitor(RecorderCallback):
             raise RecorderConfigError(
                 f"Expected a callable (series name, module) -> bool | int | None but got "
                 f"{type(selector).__name__}."
+            )
+        if "train" not in self.stages:
+            raise RecorderConfigError(
+                f"Expected `stages` of {self!r} to hold 'train' for track_channels, since the "
+                "per-channel extremes are kept on logged training steps only, but got "
+                f"stages={list(self.stages)!r}, where none would be kept. Add 'train' to "
+                "`stages`, or track the channels with a monitor of training steps."
             )
         if selector not in self._selectors:
             self._selectors.append(selector)

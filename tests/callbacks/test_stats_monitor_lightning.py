@@ -373,3 +373,48 @@ def test_a_path_into_a_tensor_output_says_to_leave_the_path_out(tmp_path: Path) 
     assert "`path` item 0 does not exist in the recorded value, which is a Tensor" in message
     assert "leave `path` out to take the whole output" in message
     assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_channels_are_tracked_on_training_steps_only(tmp_path: Path) -> None:
+    """The per-channel extremes are kept on logged training steps (an evaluation report has
+    none), so a monitor without "train" in `stages` refuses `track_channels` at the call, where
+    it did nothing without a word; a HealthMonitor beside such a monitor does not ask it."""
+    from helpers.models import ProbeNet, features
+
+    from lightning_recorder import DeadUnitsRule, HealthMonitor, RecorderConfigError
+
+    monitor = FeatureStatsMonitor("body.1", every_n_steps=1, stats=("mean",), histograms=False)
+    reports: list[Any] = []
+    monitor.subscribe(reports.append)
+    monitor.track_channels(lambda name, module: True)
+    logger = TensorBoardLogger(tmp_path, name="channels", version=0)
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_epochs=1, num_sanity_val_steps=0, callbacks=[monitor]
+    )
+    trainer.fit(ProbeNet(), loader(features(8)), loader(features(8, seed=1)))
+    assert [(r.stage, r.step) for r in reports] == [("train", 0), ("train", 1), ("val", 1)]
+    assert [r.channels["body.1"].shape for r in reports[:2]] == [(3, 8), (3, 8)]
+    assert reports[2].channels == {}
+
+    val_only = FeatureStatsMonitor("body.1", stages="val", histograms=False)
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"Expected `stages` of FeatureStatsMonitor\(\['body.1'\]\) to hold 'train' for "
+        r"track_channels, .* but got stages=\['val'\], where none would be kept\. Add 'train'",
+    ):
+        val_only.track_channels(lambda name, module: True)
+    assert val_only._selectors == []
+    # HealthMonitor's DeadUnitsRule tracks channels: with a monitor of validation only, the fit
+    # runs (its rules warn that they read no training statistics)
+    health = HealthMonitor(rules=[DeadUnitsRule()], evidence_max_bytes=0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pl.Trainer(
+            **QUIET,
+            logger=logger,
+            max_epochs=1,
+            num_sanity_val_steps=0,
+            callbacks=[val_only, health],
+        ).fit(ProbeNet(), loader(features(8)), loader(features(8, seed=1)))
+    assert any("monitors none (stages=('val',))" in str(w.message) for w in record)
+    assert val_only._selectors == [] and health.events == []
