@@ -158,7 +158,8 @@ class FeatureStatsMonitor(RecorderCallback):
     its ``norm`` only. ``fast_dev_run`` suppresses logging (Lightning replaces every logger with
     a ``DummyLogger``): with ``every_n_steps=1`` the one batch's statistics still reach
     :meth:`subscribe` listeners; a short real run (``max_steps=1``, ``every_n_steps=1``) logs
-    them.
+    them. A Trainer without a logger (``logger=False``) needs a listener: it gets the
+    statistics (with no histogram, which only a TensorBoard or W&B logger makes the monitor take).
 
     Args:
         sources: module names from ``named_modules()`` of the LightningModule (the root
@@ -228,11 +229,12 @@ class FeatureStatsMonitor(RecorderCallback):
     Raises:
         RecorderConfigError: an argument is invalid (at construction, as is a ``parameters``
             name or pattern, or an ``every_n_steps`` number, without ``"train"`` in
-            ``stages``); the Trainer has no logger (or runs with ``barebones=True``) in a loop
-            that runs one of ``stages``, ``logger_stats`` names no logger of it,
+            ``stages``); the Trainer runs with ``barebones=True`` in a loop that runs one of
+            ``stages``, ``logger_stats`` names no logger of it,
             ``histogram_every_n_steps`` is not a multiple of the Trainer's
             ``log_every_n_steps``, or ``bins`` is over 512 for a
-            ``WandbLogger`` (at setup); a source matches no
+            ``WandbLogger`` (at setup); the Trainer has no logger in such a loop and the monitor
+            no :meth:`subscribe` listener, a source matches no
             module, or a ``parameters`` pattern no parameter of the monitored modules (at the
             start of the run, naming the closest names), or another monitor of the Trainer
             writes the same tags (the same ``prefix``, stage and module, or the same ``prefix``
@@ -415,6 +417,7 @@ class FeatureStatsMonitor(RecorderCallback):
         self._batch_states: StreamStates | None = None
         self._bucket_counts: BucketCounts | None = None
         self._listeners: list[Callable[[StatsReport], None]] = []
+        self._needs_logger = False  # the run's Trainer has no logger (see `setup`)
         self._selectors: list[ChannelSelector] = []
         self._channel_sizes: dict[int, int] = {}  # stream index -> channels of its outputs
         self._sizes_agreed = False  # under DDP: every tracked stream's channels known on every rank
@@ -427,7 +430,8 @@ class FeatureStatsMonitor(RecorderCallback):
     def subscribe(self, listener: Callable[[StatsReport], None]) -> None:
         """Call ``listener`` with a :class:`StatsReport` of every logged training step and
         evaluation epoch (on rank zero, after the loggers got them). A listener makes the step
-        bring every statistic to the host, not only those of ``stats``.
+        bring every statistic to the host, not only those of ``stats``. With one, a Trainer
+        without a logger is fine: the listeners get the statistics.
 
         Raises:
             RecorderConfigError: ``listener`` is not callable.
@@ -515,6 +519,7 @@ class FeatureStatsMonitor(RecorderCallback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._needs_logger = False
         if not set(self.stages) & set(LOOP_STAGES.get(stage, STAGES)):
             # a loop of none of its stages (`predict` with the default stages): it writes
             # nothing there, and needs no logger
@@ -532,11 +537,9 @@ class FeatureStatsMonitor(RecorderCallback):
         super().setup(trainer, pl_module, stage)
         if self.every_n_steps is None:
             self._check_histogram_cadence(self._every, "the Trainer's `log_every_n_steps`")
-        if not trainer.loggers:
-            raise RecorderConfigError(
-                f"Expected the Trainer to have a logger for {self!r} to write to, but it has "
-                "none (logger=False); pass a logger such as TensorBoardLogger."
-            )
+        # Without a logger, the listeners get the reports: checked when the run starts, once
+        # every callback's setup ran (HealthMonitor subscribes in its own).
+        self._needs_logger = not trainer.loggers
         # fast_dev_run swaps the Trainer's loggers for one DummyLogger ("Logging and
         # checkpointing is suppressed"): no logger of the user's to check `logger_stats` against,
         # nor to warn about; the statistics still reach the listeners.
@@ -618,6 +621,12 @@ class FeatureStatsMonitor(RecorderCallback):
         )
 
     def _on_attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._needs_logger and not self._listeners:
+            raise RecorderConfigError(
+                f"Expected the Trainer to have a logger for {self!r} to write to, but it has "
+                "none (logger=False); pass a logger such as TensorBoardLogger, or subscribe a "
+                "listener (`subscribe`) that reads the statistics without one."
+            )
         # One stream per key: the module name, then "/" and the dotted path if there is one
         # (two paths into one module are two series; a second recorder of a key is not counted).
         streams: dict[str, RecordStream] = {}

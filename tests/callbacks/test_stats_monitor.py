@@ -459,12 +459,55 @@ def test_other_loggers_get_scalars_and_a_single_warning(tmp_path: Path) -> None:
     assert "stats/train/body.0/mean" in scalars(tb_logger.log_dir)
 
 
-def test_no_logger_fails_at_setup() -> None:
+def test_no_logger_and_no_listener_fails_before_the_first_step() -> None:
+    model = ProbeNet()
+    model.step_hook = lambda *_: pytest.fail("a step ran")
     trainer = pl.Trainer(
         **QUIET, logger=False, max_steps=1, callbacks=[FeatureStatsMonitor("probe")]
     )
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"Expected the Trainer to have a logger .* but it has none \(logger=False\); pass "
+        r"a logger such as TensorBoardLogger, or subscribe a listener",
+    ):
+        trainer.fit(model, loader(features(8)))
+    assert live_hooks() == []
+
+
+@pytest.mark.parametrize("order", ["monitor first", "health first"])
+def test_a_listener_needs_no_logger(order: str) -> None:
+    """With a listener, a Trainer without a logger is fine: the listener gets the statistics
+    (a user's, subscribed before the fit, or HealthMonitor's, subscribed in its setup, before or
+    after the monitor's); without one, the monitor still asks for a logger."""
+    from lightning_recorder import HealthMonitor, LossSpikeRule
+
+    monitor = FeatureStatsMonitor("probe", every_n_steps=1, stats=("mean", "max"))
+    reports: list[Any] = []
+    monitor.subscribe(reports.append)
+    x, val = features(8), features(4, seed=1)
+    pl.Trainer(**QUIET, logger=False, max_steps=2, callbacks=[monitor]).fit(
+        ProbeNet(), loader(x), loader(val)
+    )
+    assert [(r.stage, r.step) for r in reports] == [("train", 0), ("train", 1), ("val", 1)]
+    for report, data in zip(reports, (x[:4], x[4:], val), strict=True):
+        # the probe is an identity: its statistics are the data's (float64 sums of float32)
+        assert report.stat("mean", "probe") == pytest.approx(data.double().mean().item(), rel=1e-9)
+        assert report.stat("max", "probe") == data.max().item()
+        assert report.histograms is None  # no logger to take histograms for
+    assert monitor.logged_steps == 2 and live_hooks() == []
+
+    # HealthMonitor subscribes in its setup, before or after the monitor's
+    monitor.unsubscribe(reports.append)
+    health = HealthMonitor(rules=[LossSpikeRule()], evidence_max_bytes=0)
+    callbacks = [monitor, health] if order == "monitor first" else [health, monitor]
+    pl.Trainer(**QUIET, logger=False, max_steps=2, callbacks=callbacks).fit(ProbeNet(), loader(x))
+    assert monitor.logged_steps == 4 and monitor._listeners == [] and live_hooks() == []
+
+    # no listener left: a logger is asked for, as before
     with pytest.raises(RecorderConfigError, match="Expected the Trainer to have a logger"):
-        trainer.fit(ProbeNet(), loader(features(8)))
+        pl.Trainer(**QUIET, logger=False, max_steps=2, callbacks=[monitor]).fit(
+            ProbeNet(), loader(x)
+        )
     assert live_hooks() == []
 
 
