@@ -181,14 +181,25 @@ class Diagnosis:
         if view is not None and stats is not None:
             view.start(stats.stats)  # a statistic the monitor does not log: no map
             view.warn_unshown(trainer)
-            view.write_layout(
-                trainer,
-                stats.prefix,
-                stats.stats,
-                stats.stages,
-                bool(stats.parameters),
-                stats.logger_stats,
-            )
+
+    def _write_layout(self, trainer: pl.Trainer) -> None:
+        """At ``on_train_start``, once every callback's ``on_fit_start`` ran (the monitor's,
+        which chooses its parameters, among them): the custom-scalars layout, with charts for
+        what the monitor will log only: its parameters' if it monitors any, the validation
+        stage's if the fit validates."""
+        stats, view = self._stats, self._view
+        if view is None or stats is None:
+            return
+        params = stats._params  # set when the monitor attached, at its on_fit_start
+        stages = [s for s in stats.stages if s != "val" or trainer.enable_validation]
+        view.write_layout(
+            trainer,
+            stats.prefix,
+            stats.stats,
+            stages,
+            params is not None and bool(params.params),
+            stats.logger_stats,
+        )
 
     def _rules_state(self) -> dict[str, Any]:
         """The rules' state and the findings in force (their details left out: plain values

@@ -493,6 +493,10 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._detach_rules()
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write_layout(trainer)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resolve(trainer, wait=True)
         self._end_rules(trainer)

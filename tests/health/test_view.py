@@ -151,7 +151,8 @@ def test_tensorboard_gets_the_layout_the_heat_maps_and_the_findings(
     charts = {
         c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category
     }
-    assert list(charts) == ["layers: train", "parameters: train", "layers: val", "health"]
+    # no `layers: val`: the fit does not validate (DeadNet has no validation_step)
+    assert list(charts) == ["layers: train", "parameters: train", "health"]
     assert list(charts["layers: train"]) == [f"{s} of every layer (train)" for s in stats.stats]
 
     def matched(chart: list[str]) -> set[str]:
@@ -214,15 +215,84 @@ def test_the_layout_charts_only_the_statistics_the_logger_gets(tmp_path: Path) -
     assert charts == {
         "layers: train": ["zero_fraction of every layer (train)"],
         "parameters: train": ["grad_norm of every parameter"],
-        "layers: val": ["zero_fraction of every layer (val)"],
         "health": ["rule findings and non-finite steps"],
     }
     scalars = acc.Tags()["scalars"]
     for category in layout.category:
         for chart in category.chart:
-            if category.title in ("layers: train", "parameters: train", "health"):
-                [regex] = chart.multiline.tag  # every chart of a trained stage has its lines
-                assert any(re.search(regex, tag) for tag in scalars), chart.title
+            [regex] = chart.multiline.tag  # every chart has its lines
+            assert any(re.search(regex, tag) for tag in scalars), chart.title
+
+
+class ValidatedNet(DeadNet):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.body(batch[0])
+
+
+def charts_of(path: Path) -> dict[str, list[str]]:
+    """The layout's charts by category, read back by TensorBoard's own reader; each chart of
+    the monitor's statistics must match a scalar of the run (no empty chart). The `health`
+    counters are logged once something happens: their chart may wait for it."""
+    acc = accumulator(path)
+    [config] = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(config.tensor_proto.string_val[0])
+    scalars = acc.Tags()["scalars"]
+    for category in [c for c in layout.category if c.title != "health"]:
+        for chart in category.chart:
+            [regex] = chart.multiline.tag
+            assert any(re.search(regex, tag) for tag in scalars), (category.title, chart.title)
+    return {c.title: [ch.title for ch in c.chart] for c in layout.category}
+
+
+@pytest.mark.parametrize("health_first", [False, True], ids=["monitor-first", "health-first"])
+def test_the_layout_charts_only_what_the_monitor_logs(tmp_path: Path, health_first: bool) -> None:
+    """No empty chart: no `parameters: train` for a monitor of modules without parameters
+    (ReLUs), whichever callback comes first; `layers: val` only in a fit that validates (a
+    validation_step, a val dataloader, limit_val_batches > 0)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g)
+    data = DataLoader(TensorDataset(x, x[:, :4].argmax(1)), batch_size=16)
+    val = DataLoader(TensorDataset(x[:16], x[:16, :4].argmax(1)), batch_size=16)
+    cases: list[tuple[str, Any, dict[str, Any], list[str]]] = [
+        ("relu", DeadNet(), {}, ["layers: train", "health"]),
+        (
+            "relu-val",
+            ValidatedNet(),
+            {"val_dataloaders": val},
+            ["layers: train", "layers: val", "health"],
+        ),
+        ("relu-no-val", ValidatedNet(), {"val_dataloaders": val}, ["layers: train", "health"]),
+    ]
+    for name, model, loaders, expected in cases:
+        stats = FeatureStatsMonitor(nn.ReLU, every_n_steps=1, histograms=False, stats=["mean"])
+        health = HealthMonitor(rules=[DeadUnitsRule()], evidence_max_bytes=0)
+        logger = TensorBoardLogger(tmp_path, name=name, version=0)
+        limit = {"limit_val_batches": 0} if name == "relu-no-val" else {}
+        trainer = pl.Trainer(
+            **QUIET,
+            max_steps=4,
+            logger=logger,
+            log_every_n_steps=1,
+            callbacks=[health, stats] if health_first else [stats, health],
+            **limit,
+        )
+        trainer.fit(model, data, **loaders)
+        charts = charts_of(tmp_path / name / "version_0")
+        assert list(charts) == expected, name
+    # a monitor of the Linear layers logs their parameters: the charts are there
+    stats = FeatureStatsMonitor(nn.Linear, every_n_steps=1, histograms=False, stats=["mean"])
+    health = HealthMonitor(rules=[DeadUnitsRule()], evidence_max_bytes=0)
+    logger = TensorBoardLogger(tmp_path, name="linear", version=0)
+    pl.Trainer(
+        **QUIET,
+        max_steps=4,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[health, stats] if health_first else [stats, health],
+    ).fit(DeadNet(), data)
+    charts = charts_of(tmp_path / "linear" / "version_0")
+    assert list(charts) == ["layers: train", "parameters: train", "health"]
 
 
 def test_a_statistic_the_monitor_does_not_log_draws_no_heat_map(tmp_path: Path) -> None:
