@@ -188,7 +188,8 @@ def unwrapped_from_compile(module: nn.Module) -> bool:
 
 
 def step_axis(trainer: pl.Trainer) -> int:
-    """Lightning's x axis for logged metrics: the batches that stepped before this batch.
+    """Lightning's x axis for logged metrics: the batches that stepped before this batch, as
+    Lightning counts them, at every hook of a fit, resumed or not.
 
     Lightning counts a batch that steps (see :func:`completes_step`) after its
     ``on_train_batch_end`` and the validation that may follow it, so that everything logged
@@ -200,18 +201,41 @@ def step_axis(trainer: pl.Trainer) -> int:
     from the optimizer step to the end of the validation after the batch, in manual
     optimization during that validation. Both counts are restored from a checkpoint, as
     Lightning's axis is.
+
+    A checkpoint saved inside a batch, before it completed (``OnExceptionCheckpoint`` after
+    ``training_step`` raised, ``trainer.save_checkpoint`` in ``training_step``), holds the
+    batch as started but not completed. A fit resumed from it runs the batch again, and
+    Lightning counts the unfinished batch as one that stepped if it was to step (in automatic
+    optimization with gradient accumulation, if it completes its group): from then on its axis
+    is one more than the uninterrupted fit's for each such batch. So that callbacks follow
+    Lightning's axis of the resumed run, those batches are added: the batches Lightning's
+    fit-long count holds as ready beyond its epoch-long one (which a resume sets back to the
+    completed batches); in automatic optimization with gradient accumulation, the optimizer
+    steps its fit-long count holds as begun beyond its epoch-long one instead (Lightning runs
+    ``training_step`` of a batch that steps inside the optimizer's step). The one batch this
+    misses: with gradient accumulation, a checkpoint saved in ``on_train_batch_start`` of a
+    batch that completes its group (counted by Lightning, but no step had begun).
     """
-    # ready, started, processed and completed batches, over the whole fit
-    total: Any = trainer.fit_loop.epoch_loop.batch_progress.total
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    # ready, started, processed and completed batches: over the whole fit, and in the epoch
+    total: Any = progress.total
+    current: Any = progress.current
+    # batches a resumed fit counts as ready but not completed: saved inside a batch
+    unfinished = total.ready - total.completed - (current.ready - current.completed)
     module = trainer.lightning_module
     if module is None or module.automatic_optimization:
-        counted = trainer.global_step
-        if total.processed < total.ready:  # before this batch's optimizer step (batch start)
+        if trainer.accumulate_grad_batches > 1:  # optimizer steps begun, not batches
+            optimizer: Any = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+            step = optimizer.optimizer.step
+            unfinished = step.total.ready - step.total.completed
+            unfinished -= step.current.ready - step.current.completed
+        counted = trainer.global_step + unfinished
+        if current.processed < current.ready:  # before this batch's optimizer step (batch start)
             return counted
-        holds_batch = total.completed < total.ready or _validating_in_fit(trainer)
+        holds_batch = current.completed < current.ready or _validating_in_fit(trainer)
     else:
-        counted = total.completed
-        holds_batch = total.completed == total.ready and _validating_in_fit(trainer)
+        counted = total.completed + unfinished
+        holds_batch = current.completed == current.ready and _validating_in_fit(trainer)
     if holds_batch and total.ready > 0 and completes_step(trainer):
         return counted - 1
     return counted

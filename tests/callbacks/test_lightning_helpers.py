@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import csv
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,11 +12,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers.models import QUIET as HELPER_QUIET
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from lightning_recorder.activations import ActivationDataset
 from lightning_recorder.callbacks._lightning import completes_step, step_axis
 
 QUIET = {**HELPER_QUIET, "logger": False}
@@ -264,23 +267,43 @@ def test_step_axis_agrees_with_lightning_at_every_hook(case: str) -> None:
     assert any(lightning != global_step for _, _, lightning, global_step in oracle.seen)
 
 
+def _saving_in_training_step(model: type[Net], directory: Path) -> type[Net]:
+    """``model`` saving a checkpoint at the start of ``training_step`` of the first epoch's
+    batches 2 to 4, as ``OnExceptionCheckpoint`` saves after it raised: the batch started,
+    not completed, and no optimizer stepped for it."""
+
+    class SavesInTrainingStep(model):  # type: ignore[valid-type,misc]
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if self.current_epoch == 0 and batch_idx in (2, 3, 4):
+                self.trainer.save_checkpoint(directory / f"in-step-{batch_idx}.ckpt")
+            return super().training_step(batch, batch_idx)
+
+    return SavesInTrainingStep
+
+
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
-@pytest.mark.parametrize("saved", ["batch-end", "validation-end", "epoch-end"])
+@pytest.mark.parametrize("saved", ["batch-end", "validation-end", "epoch-end", "training-step"])
 def test_step_axis_agrees_with_lightning_after_a_resume(
     tmp_path: Path, saved: str, manual: bool
 ) -> None:
     """Lightning restores its axis with a correction for where the checkpoint was saved; the
-    public counters the axis is derived from are restored too."""
+    public counters the axis is derived from are restored too. Saved inside
+    ``training_step`` (with accumulation 2 in automatic optimization: in a batch that
+    accumulates, one that steps, one that accumulates), Lightning's axis of the resumed run
+    counts the unfinished batch if it was to step."""
     model = TwoOptimizersEvaluated if manual else Evaluated
-    every = {
-        "batch-end": {"every_n_train_steps": 2, "save_on_train_epoch_end": False},
-        "validation-end": {"save_on_train_epoch_end": False},
-        "epoch-end": {"save_on_train_epoch_end": True},
-    }[saved]
     interval = {"val_check_interval": 3} if saved == "validation-end" else {}
     accumulate = {} if manual else {"accumulate_grad_batches": 2}
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, **every)
-    first = _axis_fit(model(), {**interval, **accumulate, "callbacks": [checkpoint]})
+    if saved == "training-step":
+        first = _axis_fit(_saving_in_training_step(model, tmp_path)(), dict(accumulate))
+    else:
+        every = {
+            "batch-end": {"every_n_train_steps": 2, "save_on_train_epoch_end": False},
+            "validation-end": {"save_on_train_epoch_end": False},
+            "epoch-end": {"save_on_train_epoch_end": True},
+        }[saved]
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, **every)
+        first = _axis_fit(model(), {**interval, **accumulate, "callbacks": [checkpoint]})
     assert not [s for s in first.seen if s[1] != s[2]]
     saved_files = sorted(tmp_path.glob("*.ckpt"))
     assert len(saved_files) >= 2
@@ -289,6 +312,122 @@ def test_step_axis_agrees_with_lightning_after_a_resume(
         assert oracle.seen
         disagreements = [s for s in oracle.seen if s[1] != s[2]]
         assert not disagreements, (path.name, disagreements)
+
+
+class Interrupted(Exception):
+    """Stops a fit inside a batch, as a crash would."""
+
+
+class LogsLoss(Net):
+    """``self.log("loss")`` in every ``training_step``; in batch 5 of the first epoch, ``how``
+    ``"raise"`` raises in ``training_step`` (for ``OnExceptionCheckpoint``), and
+    ``"training_step"`` and ``"on_train_batch_end"`` call ``trainer.save_checkpoint`` there."""
+
+    def __init__(self, how: str | None = None, path: Path | None = None) -> None:
+        super().__init__()
+        self.how, self.path = how, path
+
+    def _save_at(self, hook: str, batch_idx: int) -> None:
+        if self.current_epoch == 0 and batch_idx == 5 and self.how in (hook, "raise"):
+            if self.how == "raise":
+                raise Interrupted
+            self.trainer.save_checkpoint(self.path)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss)
+        if self.how != "on_train_batch_end":
+            self._save_at("training_step", batch_idx)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._save_at("on_train_batch_end", batch_idx)
+
+
+class LabelOracle(pl.Callback):
+    """Lightning's own step of each training batch (its private ``_batches_that_stepped``,
+    read here as the reference), by ``(epoch, batch_idx)``."""
+
+    def __init__(self) -> None:
+        self.labels: dict[tuple[int, int], int] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        label = trainer.fit_loop.epoch_loop._batches_that_stepped
+        self.labels[(trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx)] = label
+
+
+def _logged_fit(
+    tmp_path: Path, version: str, model: LogsLoss, callbacks: list[Any], **fit: Any
+) -> tuple[dict[str, list[int]], LabelOracle]:
+    """A fit (7 batches an epoch, 2 epochs, ``log_every_n_steps=2``) with a
+    ``FeatureStatsMonitor`` following the Trainer's cadence and an ``ActivationWriter`` of
+    every training batch; the steps of its CSV log at which Lightning logged ``loss`` and at
+    which the monitor logged."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_recorder import ActivationWriter, FeatureStatsMonitor
+
+    oracle = LabelOracle()
+    monitor = FeatureStatsMonitor("layer", histograms=False)
+    writer = ActivationWriter("layer", tmp_path / "rows", stages="train", fsync=False)
+    logger = CSVLogger(tmp_path, name="logs", version=version)
+    trainer = pl.Trainer(
+        **{**HELPER_QUIET, "enable_checkpointing": bool(callbacks)},
+        callbacks=[monitor, writer, oracle, *callbacks],
+        logger=logger,
+        max_epochs=2,
+        log_every_n_steps=2,
+    )
+    with contextlib.suppress(Interrupted):
+        trainer.fit(model, _data(7), **fit)
+    steps: dict[str, list[int]] = {"loss": [], "monitor": []}
+    with open(tmp_path / "logs" / version / "metrics.csv") as file:
+        for row in csv.DictReader(file):
+            logged = {key for key, value in row.items() if value and key not in ("step", "epoch")}
+            if "loss" in logged:
+                steps["loss"].append(int(row["step"]))
+            if logged - {"loss"}:
+                steps["monitor"].append(int(row["step"]))
+    return steps, oracle
+
+
+@pytest.mark.parametrize(
+    "how", ["raise", "training_step", "on_train_batch_end", "every_n_train_steps"]
+)
+def test_a_fit_resumed_from_inside_a_batch_logs_and_writes_at_lightnings_steps(
+    tmp_path: Path, how: str
+) -> None:
+    """Saved inside a batch (``OnExceptionCheckpoint`` when ``training_step`` raises,
+    ``trainer.save_checkpoint`` in ``training_step`` or in ``on_train_batch_end``,
+    ``ModelCheckpoint(every_n_train_steps=5)``) and resumed: the monitor logs on the batches
+    and at the steps Lightning logs ``loss`` at, and the activation rows of each batch carry
+    Lightning's step of that batch, in the resumed run as in the first. (Saved before the
+    batch's step, Lightning's steps of the resumed run are one more than an uninterrupted
+    fit's: those are followed.)"""
+    path = tmp_path / "inside.ckpt"
+    callbacks: dict[str, list[Any]] = {
+        "raise": [OnExceptionCheckpoint(tmp_path, filename="inside")],
+        "every_n_train_steps": [
+            ModelCheckpoint(tmp_path / "every", every_n_train_steps=5, save_top_k=-1)
+        ],
+    }
+    first, first_labels = _logged_fit(
+        tmp_path, "first", LogsLoss(how, path), callbacks.get(how, [])
+    )
+    if how == "every_n_train_steps":
+        (path,) = (tmp_path / "every").glob("*step=5.ckpt")
+    resumed, labels = _logged_fit(tmp_path, "resumed", LogsLoss(), [], ckpt_path=path)
+    assert first["loss"][:2] == [1, 3]
+    assert first["monitor"] == first["loss"]
+    assert resumed["loss"], resumed
+    assert resumed["monitor"] == resumed["loss"]
+    # each batch written once: the first run's up to the checkpoint, then the resumed run's
+    rows = {
+        (row["epoch"], row["batch_idx"]): row["global_step"]
+        for row in ActivationDataset(tmp_path / "rows").provenance()
+    }
+    assert rows == {**first_labels.labels, **labels.labels}
+    assert len(rows) == 14
 
 
 def test_state_key_is_made_once_and_then_read_without_a_python_call() -> None:
