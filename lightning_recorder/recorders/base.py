@@ -65,6 +65,12 @@ def _this_thread() -> tuple[int, str]:
     return thread.ident or 0, thread.name
 
 
+# Every recorder that started recording, held weakly (those recording now have ``_recording``
+# set): a call of a source made in another thread is not reported as unrecorded where that
+# thread records the same source with a recorder of its own.
+_STARTED: weakref.WeakSet[BaseRecorder] = weakref.WeakSet()
+
+
 def held_elsewhere(recorder: BaseRecorder) -> str | None:
     """The name of another thread recording with ``recorder`` now, else ``None``."""
     holder = recorder._holder
@@ -460,6 +466,7 @@ class BaseRecorder(abc.ABC):
             )
         if not self._recording:
             self._holder = holder
+            _STARTED.add(self)
             self._start()
 
     def _check_thread(self) -> None:
@@ -487,13 +494,15 @@ class BaseRecorder(abc.ABC):
         """Whether a call in the current thread belongs to the recording (call while recording).
 
         A call of the source from a thread other than the one that started the recording is not
-        recorded, and reported once with a warning: records of two threads never mix. (Inside
-        ``torch.compile`` the check is left out: the traced graph runs in the caller's thread.)
+        recorded, and reported once with a warning: records of two threads never mix. It is not
+        reported where that thread records the same source with a recorder of its own (each
+        thread its own recorder): the call is recorded there. (Inside ``torch.compile`` the
+        check is left out: the traced graph runs in the caller's thread.)
         """
         holder = self._holder
         if holder is None or is_compiling() or holder[0] == get_ident():
             return True
-        if not self._warned_thread:
+        if not self._warned_thread and not self._recorded_here_by_another():
             self._warned_thread = True
             warnings.warn(
                 f"{self!r} records for thread {holder[1]!r}; a call of its source in thread "
@@ -504,6 +513,30 @@ class BaseRecorder(abc.ABC):
                 stacklevel=2,
             )
         return False
+
+    def _recorded_here_by_another(self) -> bool:
+        """Whether the current thread records this recorder's source with another recorder of
+        its own (see :meth:`_same_source`)."""
+        me = get_ident()
+        with _CONTEXT_LOCK:
+            started = list(_STARTED)
+        return any(
+            other is not self
+            and other._recording
+            and other._holder is not None
+            and other._holder[0] == me
+            and self._same_source(other)
+            for other in started
+        )
+
+    def _same_source(self, other: BaseRecorder) -> bool:
+        """Whether ``other`` records what this recorder records: the same kind of record of the
+        same source of the same model."""
+        return (
+            type(other) is type(self)
+            and other.source == self.source
+            and (other._model is self._model)
+        )
 
     def stop(self) -> None:
         """Stop recording; records stay readable. Does nothing if not recording."""

@@ -110,6 +110,10 @@ class _CallableRecorder(BaseRecorder):
         if self.persistent:
             self._patch()
 
+    def _same_source(self, other: BaseRecorder) -> bool:
+        # the patch is global: the same function or method, whatever model each was given
+        return type(other) is type(self) and other.source == self.source
+
     def _check_argument(self, binder: Binder) -> None:
         """Raise unless the first ``path`` item names an argument of the function.
 

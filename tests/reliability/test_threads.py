@@ -7,7 +7,9 @@ that thread. The tests use real threads ordered by events and barriers, never by
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_recorder import ModuleOutputsRecorder, RecorderManager, RecorderStateError
+from lightning_recorder import (
+    FunctionOutputsRecorder,
+    ModuleOutputsRecorder,
+    RecorderManager,
+    RecorderStateError,
+)
 from lightning_recorder.errors import RecorderError
 
 TIMEOUT = 240  # seconds: only a deadlock would reach it, even on a loaded 2-core machine
@@ -168,7 +175,8 @@ def test_parallel_threads_each_record_only_their_own_calls() -> None:
 
     a, b = Worker("A", body("A")), Worker("B", body("B"))
     try:
-        with pytest.warns(RuntimeWarning, match=r"records for thread '[AB]'.*was not recorded"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             a.start()
             b.start()
             join(a, b)
@@ -177,7 +185,60 @@ def test_parallel_threads_each_record_only_their_own_calls() -> None:
             recorder.release()
     assert a.error is None and b.error is None
     # Both recorders hook the same module, and both forwards ran while both recorded: each kept
-    # only the call of its own thread (the other thread's call was reported, not recorded).
+    # only the call of its own thread. The other thread's call was recorded by that thread's own
+    # recorder: not reported as unrecorded.
+    assert not [w for w in caught if "was not recorded" in str(w.message)]
     for worker in (a, b):
         (record,) = worker.result
         torch.testing.assert_close(record, net[0](inputs[worker.name]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("own_recorder", [True, False], ids=["each-thread-records", "one-records"])
+def test_a_call_is_reported_unrecorded_only_where_its_thread_does_not_record_it(
+    own_recorder: bool,
+) -> None:
+    # Two threads, each with a manager of its own recording one global function: the function's
+    # patch serves both managers, and each thread's call is recorded by its own thread's manager.
+    # A thread that records nothing itself gets the warning: its call was recorded by no one.
+    tags = ("A", "B") if own_recorder else ("A",)
+    managers = {
+        tag: RecorderManager({"relu": FunctionOutputsRecorder("torch.nn.functional.relu")})
+        for tag in tags
+    }
+    for manager in managers.values():
+        manager.initialize()
+    both_in = threading.Barrier(2, timeout=TIMEOUT)
+    inputs = {"A": torch.randn(2, 3), "B": torch.randn(4, 3)}
+
+    def body(tag: str) -> Callable[[], list[torch.Tensor]]:
+        def run() -> list[torch.Tensor]:
+            context = managers[tag] if tag in managers else contextlib.nullcontext()
+            with context:
+                both_in.wait()
+                torch.nn.functional.relu(inputs[tag])
+                both_in.wait()
+            if tag not in managers:
+                return []
+            return list(managers[tag].get_recorder("relu").data_buffer)
+
+        return run
+
+    a, b = Worker("A", body("A")), Worker("B", body("B"))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a.start()
+            b.start()
+            join(a, b)
+    finally:
+        for manager in managers.values():
+            manager.release()
+    assert a.error is None and b.error is None
+    unrecorded = [str(w.message) for w in caught if "was not recorded" in str(w.message)]
+    for worker in (a, b) if own_recorder else (a,):
+        (record,) = worker.result
+        torch.testing.assert_close(record, inputs[worker.name].relu(), rtol=0, atol=0)
+    if own_recorder:
+        assert unrecorded == []
+    else:
+        assert len(unrecorded) == 1 and "in thread 'B' was not recorded" in unrecorded[0]
