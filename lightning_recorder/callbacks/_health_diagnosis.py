@@ -181,6 +181,7 @@ class Diagnosis:
         if view is not None and stats is not None:
             view.start(stats.stats)  # a statistic the monitor does not log: no map
             view.warn_unshown(trainer)
+            view.warn_no_pillow(trainer)
 
     def _write_layout(self, trainer: pl.Trainer) -> None:
         """At ``on_train_start``, once every callback's ``on_fit_start`` ran (the monitor's,

@@ -22,6 +22,7 @@ other loggers nothing (they show neither images nor text).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -128,6 +129,7 @@ class HealthView:
     def __init__(self, stats: Sequence[str], every: int, steps: int) -> None:
         self.stats, self.every, self.steps = tuple(stats), every, steps
         self._unshown_warned = False
+        self._pillow_warned = False
         self.start()
 
     def start(self, logged: Sequence[str] | None = None) -> None:
@@ -155,6 +157,20 @@ class HealthView:
             f"for TensorBoard and W&B loggers only, and the Trainer has none: {listed} "
             f"{'gets' if len(names) == 1 else 'get'} the scalars only. To silence "
             "this warning, pass view=False, or add a TensorBoardLogger to see the view."
+        )
+
+    def warn_no_pillow(self, trainer: pl.Trainer) -> None:
+        """Warn once (rank zero), when the run starts, that a W&B logger gets no heat map:
+        W&B makes its images with Pillow, which is not installed (the table still goes)."""
+        wandb = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        if not wandb or _has_pillow() or self._pillow_warned:
+            return
+        self._pillow_warned = True
+        rank_zero_warn(
+            "Expected Pillow to be installed for HealthMonitor's heat maps in W&B but it is "
+            "not: W&B makes its images with Pillow, so WandbLogger gets the findings table and "
+            "no heat map. To see them, `pip install pillow`; to silence this warning, pass "
+            "view=False."
         )
 
     # ------------------------------------------------------------------ writing
@@ -280,12 +296,22 @@ class HealthView:
                 _add_images(writer, {prefixed_tag(logger, t): i for t, i in indexed.items()}, step)
                 writer.add_text(prefixed_tag(logger, "health/findings"), text, step)
             elif isinstance(logger, WandbLogger):
-                for tag, image in indexed.items():
-                    logger.log_image(key=tag, images=[PALETTE[image]], step=step)
                 rows = [[e.kind, e.module or "", e.step, e.message] for e in findings]
                 logger.log_table(key="health/findings", columns=_COLUMNS, data=rows, step=step)
+                if not _has_pillow():  # W&B's images need it (warned when the run started)
+                    return
+                for tag, image in indexed.items():
+                    logger.log_image(key=tag, images=[PALETTE[image]], step=step)
 
         self._each(trainer, "health view", write)
+
+
+def _has_pillow() -> bool:
+    """Whether Pillow can be imported (W&B makes its images with it)."""
+    try:
+        return importlib.util.find_spec("PIL") is not None
+    except ValueError:  # a module without a spec in sys.modules
+        return False
 
 
 def _add_images(writer: Any, images: dict[str, np.ndarray], step: int) -> None:

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import re
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -376,6 +377,40 @@ def test_wandb_gets_the_heat_maps_and_the_findings_table(
     [[rule, module, since, message]] = last["data"]
     assert (rule, module, since) == ("dead_units", "body.3", 4)
     assert message.startswith("`body.3` (ReLU) has 32 of 32 units dead (100 %)")
+
+
+def test_wandb_without_pillow_gets_the_findings_table_and_one_warning_at_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W&B makes its images with Pillow, which W&B does not install: every drawing failed on
+    the first heat map, mid-training, and took the findings table down with it. Now one warning
+    when the run starts names Pillow and the table is written at every drawing."""
+    wandb = pytest.importorskip("wandb")
+    from helpers.wandb_records import wait_for_history
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="lr-test")
+    for name in ("PIL", "PIL.Image", "PIL.ImageDraw", "PIL.ImageFont"):
+        monkeypatch.setitem(sys.modules, name, None)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run([logger])
+    finally:
+        wandb.finish()
+    said = [str(w.message) for w in caught if "Pillow" in str(w.message)]
+    assert len(said) == 1 and "`pip install pillow`" in said[0], said
+    assert said[0].startswith("Expected Pillow to be installed for HealthMonitor's heat maps")
+    assert not [w for w in caught if "could not write" in str(w.message)]
+    rows = wait_for_history(
+        tmp_path, lambda rows: len([r for r in rows if "health/findings/_type" in r]) >= len(DRAWN)
+    )
+    tables = [r for r in rows if "health/findings/_type" in r]
+    assert [r["health/findings/nrows"] for r in tables] == [0, 0, 1, 1]
+    assert not [key for r in rows for key in r if key.startswith("health/heatmap/")]
 
 
 @pytest.mark.parametrize("stat", ["max", "grad_norm", "zero_fraction"])
