@@ -112,7 +112,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
             )
         elif not self._fast:
             rank_zero_warn(
-                f"{type(self).__name__} found no C CRC-32C (the google-crc32c wheel), so it "
+                f"{type(self).__name__} {_why_no_c_checksum()}, so it "
                 "writes through TensorBoard's own writer, which checksums each record in pure "
                 f"Python (about 0.3 ms per KiB). To checksum in C: {_EXTRA}"
             )
@@ -183,6 +183,19 @@ def _check_options(save_dir: object, options: dict[str, Any], owner: str) -> Non
         check_int(options["max_queue"], "max_queue", owner, minimum=0)
     if "flush_secs" in options:
         check_number(options["flush_secs"], "flush_secs", owner, positive=True, allow_zero=False)
+
+
+def _why_no_c_checksum() -> str:
+    """Why :func:`_c_checksum` found none, as the warning says it."""
+    try:
+        from ._event_file import c_checksum  # noqa: F401
+    except ImportError:
+        try:
+            from tensorboard import __version__ as version
+        except ImportError:
+            return "found no tensorboard (its record writer writes TensorBoard's messages)"
+        return f"needs TensorBoard 2.12 or later for its record writer but found {version}"
+    return "found no C CRC-32C (the google-crc32c wheel)"
 
 
 def _c_checksum() -> Checksum | None:

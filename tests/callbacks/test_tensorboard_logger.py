@@ -377,6 +377,28 @@ def test_logger_without_the_wheel_is_lightnings_logger(
     assert events(logger.log_dir).Histograms("stats/train/probe/histogram")
 
 
+def test_logger_with_tensorboard_older_than_2_12_says_so_not_that_the_wheel_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorBoard 2.11 (the ``tensorboard`` extra's bound) has no ``event_pb2.SourceMetadata``,
+    which the record writer needs: the logger said it found no google-crc32c wheel, installed
+    there, and the extra's line did not say why it would help (it upgrades TensorBoard)."""
+    from tensorboard.compat.proto import event_pb2
+
+    monkeypatch.delattr(event_pb2, "SourceMetadata")
+    monkeypatch.setattr("tensorboard.__version__", "2.11.0")
+    monkeypatch.delitem(sys.modules, "lightning_recorder.callbacks._event_file")
+    with pytest.warns(UserWarning) as caught:
+        logger = TensorBoardLogger(tmp_path, name="old")
+    [told] = [str(w.message) for w in caught if "TensorBoard 2.12" in str(w.message)]
+    assert told.startswith(
+        "TensorBoardLogger needs TensorBoard 2.12 or later for its record writer but found 2.11.0"
+    )
+    assert "google-crc32c" not in told
+    assert told.endswith('To checksum in C: pip install "lightning-recorder[fast-tensorboard]"')
+    assert not logger.checksums_in_c
+
+
 def test_the_wheels_pure_python_fallback_counts_as_no_wheel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
