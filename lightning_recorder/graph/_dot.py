@@ -144,7 +144,7 @@ def render_dot(source: str, path: Path, fmt: str) -> Path:
     except ImportError as err:
         raise RecorderStateError(
             "Expected the Python package `graphviz` to render a graph but it is not installed: "
-            "`pip install graphviz` (or `pip install lightning-recorder[graph]`)."
+            '`pip install graphviz` (or `pip install "lightning-recorder[graph]"`).'
         ) from err
     try:
         data = graphviz.pipe("dot", fmt, source.encode("utf-8"), quiet=True)

@@ -38,3 +38,24 @@ def test_health_evidence_without_safetensors_warns_and_training_goes_on(
     assert len(messages) == 1, messages
     assert "pip install safetensors" in messages[0] and "training goes on" in messages[0]
     assert list((tmp_path / "health").iterdir()) == []  # nothing half-written left
+
+
+def test_render_without_graphviz_names_the_extra_in_a_line_every_shell_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The message said `pip install lightning-recorder[graph]`: unquoted, zsh (macOS's shell)
+    reads the brackets as a glob and answers "no matches found"; the README quotes it."""
+    from torch import nn
+
+    from lightning_recorder.errors import RecorderStateError
+    from lightning_recorder.graph import _dot, record_graph
+
+    monkeypatch.setattr(_dot.shutil, "which", lambda name: f"/usr/bin/{name}")  # `dot` is there
+    monkeypatch.setitem(sys.modules, "graphviz", None)
+    graph = record_graph(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), torch.randn(2, 3))
+    with pytest.raises(RecorderStateError) as caught:
+        graph.render(tmp_path / "graph.svg")
+    message = str(caught.value)
+    assert message.startswith("Expected the Python package `graphviz` to render a graph")
+    assert '`pip install "lightning-recorder[graph]"`' in message
+    assert not (tmp_path / "graph.svg").exists()
