@@ -11,7 +11,14 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import NoRecordError, RecorderConfigError
-from ._format import INDEX_SUFFIX, SHARD_SUFFIX, Storage, as_index, iter_index
+from ._format import (
+    INDEX_SUFFIX,
+    SHARD_SUFFIX,
+    Storage,
+    as_index,
+    iter_index,
+    require_safetensors,
+)
 
 # Each filter of ActivationDataset and the provenance field it keeps rows by.
 _FIELDS = {
@@ -172,6 +179,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         dataloaders: int | Sequence[int] | None = None,
     ) -> None:
         owner = type(self).__name__
+        require_safetensors(owner)
         self.storage = Storage(directory, owner)
         entries = list(iter_index(self.storage))
         # The index file goes before its shard: one gone since it was read (a resumed run's

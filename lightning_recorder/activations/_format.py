@@ -28,6 +28,7 @@ its first dimension; row ``i`` is sample ``sample_index[i]`` and has shape ``sha
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import operator
 import os
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..errors import RecorderConfigError
+from ..errors import RecorderConfigError, RecorderStateError
 
 FORMAT = "lightning_recorder.activations"
 """The ``format`` field of every index file this package writes."""
@@ -83,6 +84,23 @@ def as_index(value: object) -> int | None:
 def new_run_id() -> str:
     """A fresh run id: unique enough that two runs writing to one directory never collide."""
     return uuid.uuid4().hex[:12]
+
+
+def require_safetensors(owner: str) -> None:
+    """Raise unless safetensors (the format of the shards; a dependency of the package, which
+    an environment may still lack) can be imported: said when the writer or dataset is made,
+    not when its first shard is written or read (mid-training, in the writer's thread)."""
+    try:
+        found = importlib.util.find_spec("safetensors") is not None
+    except ValueError:  # a module without a spec in sys.modules
+        found = False
+    if not found:
+        raise RecorderStateError(
+            f"Expected the Python package `safetensors` for {owner} but it is not installed: "
+            "activation shards are safetensors files. Install it: `pip install safetensors` "
+            "(a dependency of lightning-recorder, which `pip install lightning-recorder` "
+            "installs)."
+        )
 
 
 def check_run_id(run: object, owner: str) -> str:

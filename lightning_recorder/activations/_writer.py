@@ -29,6 +29,7 @@ from ._format import (
     encode_index,
     new_run_id,
     parse_stem,
+    require_safetensors,
     stem,
 )
 from ._spec import SourceSpec
@@ -230,6 +231,7 @@ class ShardWriter:
                 f"Expected `low_priority` of {owner} to be a bool but got {low_priority!r}."
             )
         self.low_priority = low_priority
+        require_safetensors(owner)
         self.storage = Storage(directory, owner)
         self.storage.make_writable(owner)
         #: Batches not written because the queue was full (``queue_full="drop"``).

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from .._core.names import import_object
 from ..activations import ShardWriter
+from ..activations._format import require_safetensors
 from ..errors import RecorderConfigError, RecorderError
 from ._lightning import (
     Stage,
@@ -216,6 +217,7 @@ class ActivationWriter(RecorderCallback):
         keep_hooks: bool | None = None,
     ) -> None:
         owner = type(self).__name__
+        require_safetensors(owner)
         configs = _parse_sources(sources, owner)
         recorders = {
             key: {

@@ -59,3 +59,27 @@ def test_render_without_graphviz_names_the_extra_in_a_line_every_shell_runs(
     assert message.startswith("Expected the Python package `graphviz` to render a graph")
     assert '`pip install "lightning-recorder[graph]"`' in message
     assert not (tmp_path / "graph.svg").exists()
+
+
+def test_activation_writers_and_dataset_without_safetensors_fail_when_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Activation shards are safetensors files: without the package, ActivationWriter was made
+    and its fit failed at the first checkpoint ("failed to write a shard: No module named
+    'safetensors'", no install line), and ActivationDataset failed on its first item."""
+    from lightning_recorder import ActivationDataset, ActivationWriter
+    from lightning_recorder.activations import ShardWriter
+    from lightning_recorder.errors import RecorderStateError
+
+    with ShardWriter(tmp_path / "written") as writer:  # a shard to read back
+        writer.write("probe", "probe", torch.ones(2, 3))
+    for name in ("safetensors", "safetensors.torch"):
+        monkeypatch.setitem(sys.modules, name, None)
+    expected = r"Expected the Python package `safetensors` for {} .* `pip install safetensors`"
+    with pytest.raises(RecorderStateError, match=expected.format("ShardWriter")):
+        ShardWriter(tmp_path / "shards")
+    with pytest.raises(RecorderStateError, match=expected.format("ActivationWriter")):
+        ActivationWriter(["body.0"], tmp_path / "acts")
+    with pytest.raises(RecorderStateError, match=expected.format("ActivationDataset")):
+        ActivationDataset(tmp_path / "written")
+    assert not (tmp_path / "shards").exists() and not (tmp_path / "acts").exists()
