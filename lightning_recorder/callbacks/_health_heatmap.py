@@ -8,9 +8,10 @@ on the left), each cell coloured by the statistic's value with a viridis-like co
 ``ActivationStats`` "colorful dimension" (a histogram-over-time image per layer) is the model;
 here every layer is in one image.
 
-Where Pillow is installed (TensorBoard needs it), the image carries its text: the statistic
-and its scale, the layer names, the first and last step, and the rule findings in force beside
-their layer (in red). Without Pillow the cells alone are drawn.
+The image carries its text: the statistic and its scale, the layer names, the first and last
+step, and the rule findings in force beside their layer (in red). Pillow draws the text and
+encodes the image (the package's ``tensorboard`` extra installs it; without it the health view
+writes no image, and says so once when the run starts).
 
 **Cost.** A heat map of a deep model is a large image (127 layers: 1,800 x 650 pixels), redrawn
 every few logged steps. It is drawn as one byte per pixel, an index into a fixed palette of
@@ -134,7 +135,7 @@ def _font() -> Any:
     """Pillow's default font, or ``None`` without Pillow."""
     try:
         from PIL import ImageFont
-    except ImportError:  # pragma: no cover - Pillow comes with TensorBoard
+    except ImportError:  # pragma: no cover - the health view draws nothing without Pillow
         return None
     try:
         return ImageFont.load_default(size=11)

@@ -160,16 +160,22 @@ class HealthView:
         )
 
     def warn_no_pillow(self, trainer: pl.Trainer) -> None:
-        """Warn once (rank zero), when the run starts, that a W&B logger gets no heat map:
-        W&B makes its images with Pillow, which is not installed (the table still goes)."""
-        wandb = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
-        if not wandb or _has_pillow() or self._pillow_warned:
+        """Warn once (rank zero), when the run starts, that the TensorBoard and W&B loggers get
+        no heat map: their images are encoded with Pillow, which is not installed (the findings
+        table and the messages still go)."""
+        kinds = [
+            name
+            for kind, name in ((TensorBoardLogger, "TensorBoard"), (WandbLogger, "W&B"))
+            if any(isinstance(lg, kind) for lg in trainer.loggers)
+        ]
+        if not kinds or _has_pillow() or self._pillow_warned:
             return
         self._pillow_warned = True
         rank_zero_warn(
-            "Expected Pillow to be installed for HealthMonitor's heat maps in W&B but it is "
-            "not: W&B makes its images with Pillow, so WandbLogger gets the findings table and "
-            "no heat map. To see them, `pip install pillow`; to silence this warning, pass "
+            f"Expected Pillow to be installed for HealthMonitor's heat maps in "
+            f"{' and '.join(kinds)} but it is not: the images are encoded with Pillow, so the "
+            "loggers get the findings table and no heat map. To see them, `pip install pillow` "
+            "(the package's `tensorboard` extra installs it); to silence this warning, pass "
             "view=False."
         )
 
@@ -293,8 +299,10 @@ class HealthView:
         def write(logger: Any) -> None:
             if isinstance(logger, TensorBoardLogger):
                 writer = logger.experiment
-                _add_images(writer, {prefixed_tag(logger, t): i for t, i in indexed.items()}, step)
                 writer.add_text(prefixed_tag(logger, "health/findings"), text, step)
+                if _has_pillow():  # the images are encoded with it (warned when the run started)
+                    images = {prefixed_tag(logger, t): i for t, i in indexed.items()}
+                    _add_images(writer, images, step)
             elif isinstance(logger, WandbLogger):
                 rows = [[e.kind, e.module or "", e.step, e.message] for e in findings]
                 logger.log_table(key="health/findings", columns=_COLUMNS, data=rows, step=step)
@@ -307,7 +315,7 @@ class HealthView:
 
 
 def _has_pillow() -> bool:
-    """Whether Pillow can be imported (W&B makes its images with it)."""
+    """Whether Pillow can be imported (the heat maps are encoded with it)."""
     try:
         return importlib.util.find_spec("PIL") is not None
     except ValueError:  # a module without a spec in sys.modules

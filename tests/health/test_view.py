@@ -413,6 +413,30 @@ def test_wandb_without_pillow_gets_the_findings_table_and_one_warning_at_the_sta
     assert not [key for r in rows for key in r if key.startswith("health/heatmap/")]
 
 
+def test_tensorboard_without_pillow_gets_the_findings_table_and_one_warning_at_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heat maps are encoded with Pillow, which TensorBoard 2.11 and 2.12 do not install:
+    every drawing failed ("could not write the health view"), mid-training. Now one warning when
+    the run starts names Pillow and the extra, and the findings table is written at every
+    drawing, no image."""
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    for name in ("PIL", "PIL.Image", "PIL.ImageDraw", "PIL.ImageFont"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run([logger])
+    said = [str(w.message) for w in caught if "Pillow" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith("Expected Pillow to be installed for HealthMonitor's heat maps in ")
+    assert "TensorBoard" in said[0] and "`pip install pillow`" in said[0]
+    assert not [w for w in caught if "could not write" in str(w.message)]
+    acc = accumulator(tmp_path / "run" / "version_0")
+    assert acc.Tags()["images"] == []
+    texts = acc.Tensors("health/findings/text_summary")
+    assert [t.step for t in texts] == DRAWN
+
+
 @pytest.mark.parametrize("stat", ["max", "grad_norm", "zero_fraction"])
 def test_an_infinite_value_is_drawn_at_its_end_of_the_scale_and_nan_as_missing(stat: str) -> None:
     from lightning_recorder.callbacks._health_heatmap import (
