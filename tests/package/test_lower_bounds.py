@@ -77,6 +77,15 @@ RULES = (
         "TensorBoardLogger finds no C checksum and asks to install the extra installed",
     ),
     Rule(
+        "torchmetrics",
+        (1, 6),
+        "dependencies",
+        "lightning_recorder/**/*.py",
+        r"super\(\)\.merge_state\(",
+        "torchmetrics' Metric.merge_state is new in torchmetrics 1.6 (1.0 to 1.5: "
+        "AttributeError); FeatureStats.merge_state adds the incoming state through it",
+    ),
+    Rule(
         "lightning",
         (2, 4),
         "dependencies",
