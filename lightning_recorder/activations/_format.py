@@ -6,7 +6,9 @@ A dataset directory holds, for every shard, two files with the same stem::
     {run}-rank{rank:05d}-{seq:06d}.index.json    # what each tensor holds (written after it)
 
 An index file exists only for a complete shard: the shard is written under a temporary name,
-flushed to disk and renamed, and only then is its index file written (the same way). A reader
+flushed to disk and given its name (on a local disk a hard link, made only where no file has the
+name, so that two writers of one run and rank never replace each other's shards), and only then
+is its index file written (under a temporary name, then renamed). A reader
 lists the index files; a shard without one (a crash between the two writes) is not part of the
 dataset. One small index file per shard, rather than one appended index, because an append is
 not atomic on a local disk and does not exist on object stores (``s3://``, ``gs://``), while
@@ -170,9 +172,9 @@ def decode_index(data: bytes, name: str) -> dict[str, Any]:
 class Storage:
     """A directory on a local disk or on any filesystem ``fsspec`` knows (``memory://``, ``s3://``).
 
-    Local files are written to a temporary name, ``fsync``-ed and renamed (atomic on POSIX);
-    other filesystems get a write to a temporary name and a move (an object store writes an
-    object atomically anyway).
+    Local files are written to a temporary name, ``fsync``-ed and renamed (atomic on POSIX), or
+    linked to a name that no file has (:meth:`publish`); other filesystems get a write to a
+    temporary name and a move (an object store writes an object atomically anyway).
     """
 
     def __init__(self, directory: str | os.PathLike[str], owner: str) -> None:
@@ -187,6 +189,7 @@ class Storage:
         if self.local:
             self.fs: Any = None
             self.path = os.path.abspath(text.removeprefix("file://"))
+            self.hard_links = True  # False once the filesystem refused one (FAT, some shares)
         else:
             try:
                 from fsspec.core import url_to_fs
@@ -247,35 +250,68 @@ class Storage:
             raise
 
     def write_tensors(
-        self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], fsync: bool
+        self, tmp: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str], fsync: bool
     ) -> int:
-        """Write ``tensors`` (contiguous, on the CPU) as the safetensors file ``name``, by
-        safetensors' own writer, as :meth:`write_atomic` writes a file: under a temporary name,
-        then renamed, the temporary file removed if that fails. A local file is written from the
-        tensors' memory (``save_file``); another filesystem gets the file's bytes (``save``).
-        Returns the file's size in bytes."""
+        """Write ``tensors`` (contiguous, on the CPU) as the complete safetensors file ``tmp``
+        (a temporary name, given its final one by :meth:`publish`), by safetensors' own writer,
+        flushed to the disk with ``fsync``; a write that fails (a full disk) removes it and
+        raises. A local file is written from the tensors' memory (``save_file``); another
+        filesystem gets the file's bytes (``save``). Returns the file's size in bytes."""
         from safetensors.torch import save, save_file  # imported when first written
 
         tensors = _unshared(tensors)
-        if not self.local:
-            data = save(tensors, metadata=metadata)
-            self.write_atomic(name, lambda handle: handle.write(data), fsync)
-            return len(data)
-        final = self.join(name)
-        tmp = final + TMP_SUFFIX
+        path = self.join(tmp)
         try:
-            save_file(tensors, tmp, metadata=metadata)
+            if not self.local:
+                data = save(tensors, metadata=metadata)
+                with self.fs.open(path, "wb") as handle:
+                    handle.write(data)
+                return len(data)
+            save_file(tensors, path, metadata=metadata)
             if fsync:
-                fd = os.open(tmp, os.O_RDWR)
+                fd = os.open(path, os.O_RDWR)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            os.replace(tmp, final)
+            return os.path.getsize(path)
         except BaseException:  # a full disk: no part of the file is left
-            self.remove(name + TMP_SUFFIX)
+            self.remove(tmp)
             raise
-        return os.path.getsize(final)
+
+    def publish(self, tmp: str, name: str) -> bool:
+        """Give the complete file ``tmp`` the name ``name``, unless a file has that name already
+        (``False``: both stay as they are), so that a writer never replaces a file that another
+        one wrote. Locally by a hard link (made only where no file has the name), then ``tmp``
+        is removed; where the filesystem has no hard links, by an empty file created only where
+        none has the name (``O_EXCL``) and ``tmp`` renamed over it. On another filesystem, which
+        may not create only where no file is, ``tmp`` is moved to ``name`` whatever is there."""
+        final = self.join(name)
+        if not self.local:
+            self.fs.mv(self.join(tmp), final)
+            return True
+        if self.hard_links:
+            try:
+                os.link(self.join(tmp), final)
+            except FileExistsError:
+                return False
+            except FileNotFoundError:
+                raise
+            except OSError:  # no hard links on this filesystem (EPERM, ENOTSUP): as below
+                self.hard_links = False
+            else:
+                self.remove(tmp)
+                return True
+        try:
+            os.close(os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            return False
+        try:
+            os.replace(self.join(tmp), final)
+        except BaseException:
+            self.remove(name)  # the empty file that claimed the name
+            raise
+        return True
 
     def names(self) -> list[str]:
         """The file names in the directory (none if it does not exist)."""

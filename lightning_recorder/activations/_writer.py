@@ -7,7 +7,9 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
@@ -138,7 +140,12 @@ class ShardWriter:
 
     Each process writes its own files (``rank`` is part of their names): no gather, no shared
     file. A shard and then its index file are each written under a temporary name, flushed and
-    renamed, so a crash leaves complete shards and index files that list exactly them.
+    given their names, so a crash leaves complete shards and index files that list exactly them.
+    A shard takes the first number that no file has (on a local disk, by a hard link made only
+    where no file has the name): two writers of one run and rank writing into one directory at
+    the same time keep each other's shards, and each warns once that it found a number taken.
+    On an fsspec filesystem two such writers replace each other's shards: give each its own
+    ``run`` or ``rank``.
 
     Args:
         directory: a local path or an ``fsspec`` URL (``"memory://acts"``, ``"s3://bucket/x"``).
@@ -249,6 +256,7 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._seq: int | None = None  # next shard number (found on the first commit)
+        self._shared = False  # another writer of this run and rank took a shard number
         self._pending: list[tuple[_Meta, torch.Tensor]] = []
         self._pending_bytes = 0
 
@@ -707,18 +715,38 @@ class ShardWriter:
             if parsed is not None and parsed[0] == self.run:
                 yield name, parsed[1], parsed[2]
 
-    def _next_seq(self) -> int:
+    def _next_stem(self, take: Callable[[str], bool]) -> str:
+        """The stem of the next free shard number: ``take(shard name)`` gives the shard that
+        name unless a file has it (another writer of this run and rank, writing into the same
+        directory at the same time, took the number); then the next number is tried."""
         if self._seq is None:
             taken = [seq for _, seq in self._own(self.storage.names())]
             self._seq = max(taken, default=-1) + 1
-        seq, self._seq = self._seq, self._seq + 1
-        return seq
+        seq = self._seq
+        while not take(stem(self.run, self.rank, seq) + SHARD_SUFFIX):
+            self._warn_shared(seq)
+            seq += 1
+        self._seq = seq + 1
+        return stem(self.run, self.rank, seq)
+
+    def _warn_shared(self, seq: int) -> None:
+        if self._shared:
+            return
+        self._shared = True
+        warnings.warn(
+            f"{self!r}: shard number {seq} was taken by another writer, which is writing the "
+            f"same run {self.run!r} and rank {self.rank} into {self.storage.url!r} at the same "
+            "time; this writer's shards take the next free numbers, so both writers' shards "
+            "are kept and ActivationDataset reads the rows of both. Give each writer its own "
+            "`run` (or leave `run` out for a fresh id), or its own `rank`.",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _commit(self) -> None:
         if not self._pending:
             return
         pending, self._pending, self._pending_bytes = self._pending, [], 0
-        name = stem(self.run, self.rank, self._next_seq())
         tensors: dict[str, torch.Tensor] = {}
         chunks: list[dict[str, Any]] = []
         for number, ((source, module, base, call, indices), tensor) in enumerate(pending):
@@ -736,7 +764,6 @@ class ShardWriter:
                     "shape": list(tensor.shape),
                 }
             )
-        shard = name + SHARD_SUFFIX
         metadata = {
             "format": FORMAT,
             "version": str(VERSION),
@@ -744,7 +771,16 @@ class ShardWriter:
             "rank": str(self.rank),
         }
         storage = self.storage
-        size = storage.write_tensors(shard, tensors, metadata, self.fsync)
+        # Written under a name of its own, then given the first free number: a writer never
+        # replaces a shard (nor so an index file) that another one wrote.
+        tmp = f"{self.run}-rank{self.rank:05d}-{uuid.uuid4().hex[:12]}{SHARD_SUFFIX}{TMP_SUFFIX}"
+        size = storage.write_tensors(tmp, tensors, metadata, self.fsync)
+        try:
+            name = self._next_stem(lambda shard: storage.publish(tmp, shard))
+        except BaseException:
+            storage.remove(tmp)
+            raise
+        shard = name + SHARD_SUFFIX
         entry = {
             "format": FORMAT,
             "version": VERSION,

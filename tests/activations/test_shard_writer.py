@@ -946,3 +946,89 @@ def test_low_priority_lowers_only_the_writing_thread(tmp_path: Path, low: bool) 
 def test_low_priority_must_be_a_bool(tmp_path: Path) -> None:
     with pytest.raises(RecorderConfigError, match=r"Expected `low_priority` of ShardWriter"):
         ShardWriter(tmp_path, low_priority=1)  # type: ignore[arg-type]
+
+
+def _kept_files(directory: Path) -> dict[str, tuple[int, int]]:
+    """The inode and modification time of each shard and index file (a file replaced by a
+    rename has another inode)."""
+    return {
+        p.name: (p.stat().st_ino, p.stat().st_mtime_ns)
+        for p in directory.iterdir()
+        if p.name.endswith((".safetensors", ".index.json"))
+    }
+
+
+def _assert_every_row_of_both(directory: Path, batches: int) -> None:
+    dataset = ActivationDataset(directory)
+    assert len(_files(directory, ".index.json")) == batches  # a shard per batch
+    assert sorted(dataset.sample_indices) == list(range(2 * batches))
+    for item in dataset:  # row of sample j holds j // 2 (small integers: compared exactly)
+        assert torch.equal(item["activation"], torch.full((3,), float(item["sample_index"] // 2)))
+
+
+_TWIN = r"taken by another writer, which is writing the same run 'twin' and rank 0"
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_two_writers_of_one_run_and_rank_keep_each_others_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
+) -> None:
+    # Two writers given the same run and rank write into one directory by turns, a shard per
+    # batch: each numbers its shards from the names there at its first commit, and then finds
+    # its next numbers taken by the other. None replaces a file of the other.
+    if not hard_links:  # a filesystem without them (FAT, some network shares)
+
+        def no_link(src: object, dst: object) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
+    writers = [ShardWriter(tmp_path, run="twin", max_shard_bytes=1) for _ in range(2)]
+    kept: dict[str, tuple[int, int]] = {}
+    with pytest.warns(UserWarning, match=_TWIN) as caught:
+        for i in range(8):
+            writer = writers[i % 2]
+            writer.write("s", "m", torch.full((2, 3), float(i)), sample_index=[2 * i, 2 * i + 1])
+            writer.flush()
+            files = _kept_files(tmp_path)
+            assert {name: files.get(name) for name in kept} == kept  # none replaced
+            kept = files
+        for writer in writers:
+            writer.close()
+    twins = [str(w.message) for w in caught if "another writer" in str(w.message)]
+    assert len(twins) == 2  # once per writer, though both found numbers taken three times
+    assert all("Give each writer its own `run`" in message for message in twins)
+    assert [w.shards_written for w in writers] == [4, 4]
+    _assert_every_row_of_both(tmp_path, 8)
+
+
+@pytest.mark.slow
+def test_two_processes_of_one_run_and_rank_keep_each_others_shards(tmp_path: Path) -> None:
+    from helpers.shard_writer_twin import TIMEOUT, write_in_turns
+
+    turns = 6
+    context = multiprocessing.get_context("spawn")
+    barrier, queue = context.Barrier(3), context.Queue()
+    processes = [
+        context.Process(target=write_in_turns, args=(str(tmp_path), role, turns, barrier, queue))
+        for role in (0, 1)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        kept: dict[str, tuple[int, int]] = {}
+        for _ in range(turns):
+            barrier.wait(TIMEOUT)  # a turn is written; the next waits for the look
+            files = _kept_files(tmp_path)
+            assert {name: files.get(name) for name in kept} == kept  # none replaced
+            kept = files
+            barrier.wait(TIMEOUT)
+        warned = dict(queue.get(timeout=TIMEOUT) for _ in processes)
+    finally:
+        barrier.abort()
+        for process in processes:
+            process.join(TIMEOUT)
+    assert [p.exitcode for p in processes] == [0, 0]
+    for role in (0, 1):
+        assert [m for m in warned[role] if re.search(_TWIN, m)] != [], role
+        assert len([m for m in warned[role] if "another writer" in m]) == 1, role
+    _assert_every_row_of_both(tmp_path, turns)
