@@ -16,6 +16,7 @@ from .._core.names import import_object
 from ..activations import ShardWriter
 from ..activations._format import require_safetensors
 from ..errors import RecorderConfigError, RecorderError
+from ._batch import batch_part, read_batch_part
 from ._lightning import (
     Stage,
     fast_dev_run,
@@ -75,31 +76,6 @@ def _parse_sources(sources: object, owner: str) -> dict[str, dict[str, Any]]:
             )
         parsed[name] = dict(config)
     return parsed
-
-
-def _pick(batch: Any, key: str | int) -> Any:
-    try:
-        return batch[key]
-    except (KeyError, IndexError, TypeError) as err:
-        dotted = isinstance(key, str) and "." in key
-        raise RecorderConfigError(
-            f"Expected the batch to hold the sample indices at `sample_index`={key!r} but it "
-            f"does not ({type(batch).__name__})."
-            + (" A function is given by its import path, which must import." if dotted else "")
-        ) from err
-
-
-def _function_or_key(name: str) -> Any:
-    """A ``sample_index`` with a dot: the function it names where it imports as one (the form a
-    YAML config gives a function), else the batch key it is."""
-    try:
-        return import_object(name, "a function", "functions", _is_function)
-    except RecorderConfigError:
-        return name
-
-
-def _is_function(value: object) -> bool:
-    return callable(value) and not isinstance(value, type)
 
 
 class ActivationWriter(RecorderCallback):
@@ -234,18 +210,7 @@ class ActivationWriter(RecorderCallback):
                 f"Expected `every_n_steps` of {owner} to be a positive int but got None."
             )
         super().__init__(recorders, stages, every_n_steps, name=name, keep_hooks=keep_hooks)
-        if isinstance(sample_index, str) and "." in sample_index:
-            sample_index = _function_or_key(sample_index)
-        valid_index = sample_index is None or (
-            not isinstance(sample_index, bool)
-            and (isinstance(sample_index, (str, int)) or callable(sample_index))
-        )
-        if not valid_index:
-            raise RecorderConfigError(
-                f"Expected `sample_index` of {owner} to be None, a batch key or position, or a "
-                f"function (batch, batch_idx) -> indices but got {sample_index!r}."
-            )
-        self.sample_index = sample_index
+        self.sample_index = batch_part(sample_index, owner, "sample_index", "indices")
         specs = {
             key: {k: v for k, v in config.items() if k in ("tokens", "mean", "transform", "dtype")}
             for key, config in configs.items()
@@ -418,9 +383,7 @@ class ActivationWriter(RecorderCallback):
                 if stage == "predict"
                 else None
             )
-        if isinstance(how, (str, int)):
-            return _pick(batch, how)
-        return how(batch, batch_idx)
+        return read_batch_part(how, batch, batch_idx, "sample_index", "the sample indices")
 
     def _after_batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: Stage, completes: bool

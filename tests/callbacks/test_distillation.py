@@ -1856,3 +1856,329 @@ def test_clone_records_outputs_that_an_in_place_op_changes_later() -> None:
     assert float(term) == pytest.approx(float(expected), rel=1e-5)
     assert not torch.equal(conv.weight, before.weight)  # the gradient reached the student
     assert live_hooks() == []
+
+
+# --------------------------------------------------------------------------- token_mask
+V_TOKENS, PAD = 11, 0
+
+
+def padded_batches(n_batches: int = 3, n: int = 4, length: int = 6) -> list[dict[str, Tensor]]:
+    """Right-padded token batches, each with other lengths (every batch has some padding)."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for b in range(n_batches):
+        lengths = torch.randint(1, length, (n,), generator=g)
+        lengths[b % n] = length  # one full row per batch, another row each time
+        mask = torch.arange(length)[None] < lengths[:, None]
+        ids = torch.randint(1, V_TOKENS, (n, length), generator=g).masked_fill(~mask, PAD)
+        batches.append({"ids": ids, "mask": mask.long()})
+    return batches
+
+
+def as_loader(batches: list[Any]) -> torch.utils.data.DataLoader:
+    """The batches as they are, one per step."""
+    return torch.utils.data.DataLoader(batches, batch_size=None)  # type: ignore[arg-type]
+
+
+class TokenTeacher(nn.Module):
+    """hidden: (N, L, 8); logits: (N, L, V_TOKENS); pool: (N, 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V_TOKENS, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.logits = nn.Linear(8, V_TOKENS)
+        self.pool = nn.Linear(8, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.hidden(self.embed(ids)).tanh()
+        return self.logits(h).mean() + self.pool(h.mean(1)).mean()
+
+
+class TokenStudent(pl.LightningModule):
+    """The teacher's shapes; ``batch_form`` says how the batch holds the ids: a dict or a tuple."""
+
+    def __init__(self, batch_form: str = "dict", grads: list[dict[str, Tensor]] | None = None):
+        super().__init__()
+        self.net = TokenTeacher()
+        self.batch_form = batch_form
+        self.grads = grads
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.net(ids)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        ids = batch["ids"] if self.batch_form == "dict" else batch[0]
+        return self(ids) * 0.0
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch["ids"])
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.grads is not None:
+            self.grads.append({n: p.grad.clone() for n, p in self.named_parameters()})
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+TOKEN_PAIRS = {"net.hidden": "hidden", "net.logits": "logits", "net.pool": "pool"}
+
+
+def _token_features(net: nn.Module, ids: Tensor) -> dict[str, Tensor]:
+    """The paired outputs of ``net`` (float64) on ``ids``."""
+    net = copy.deepcopy(net).double()
+    with torch.no_grad():
+        h = net.hidden(net.embed(ids).double())
+        return {"hidden": h, "logits": net.logits(h.tanh()), "pool": net.pool(h.tanh().mean(1))}
+
+
+def _kl_by_hand(s: Tensor, t: Tensor, temperature: float) -> Tensor:
+    """KL(softmax(t/T) || softmax(s/T)) * T**2, summed over the classes, mean over the rows."""
+    log_s, log_t = (F.log_softmax(x / temperature, dim=-1) for x in (s, t))
+    return (log_t.exp() * (log_t - log_s)).sum(-1).mean() * temperature**2
+
+
+class ExpectMaskedTerms(pl.Callback):
+    """Before each step, the float64 terms by hand: the token pairs over the real tokens only,
+    the pooled pair over every row; after it, the logged terms compared with them."""
+
+    def __init__(self, teacher: nn.Module, seen: dict[str, list[float]]) -> None:
+        self.teacher, self.seen = teacher, seen
+        self.expected: list[dict[str, float]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, m: Any, batch: Any, idx: int) -> None:
+        ids, keep = batch["ids"], batch["mask"].bool()
+        s, t = _token_features(m.net, ids), _token_features(self.teacher, ids)
+        self.expected.append(
+            {
+                "net.hidden": float(((s["hidden"][keep] - t["hidden"][keep]) ** 2).mean()),
+                "net.logits": float(_kl_by_hand(s["logits"][keep], t["logits"][keep], 2.0)),
+                "net.pool": float(((s["pool"] - t["pool"]) ** 2).mean()),
+            }
+        )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, m: Any, out: Any, b: Any, i: int) -> None:
+        # float32 losses over a few hundred values against float64 by hand: ~1e-6 relative
+        for pair, value in self.expected[-1].items():
+            assert self.seen[pair][-1] == pytest.approx(value, rel=1e-5), pair
+
+
+def _seen_losses(seen: dict[str, list[float]]) -> dict[str, Any]:
+    """Per pair a loss that notes its value (and checks that it sees 2-D features on tokens)."""
+
+    def note(pair: str, fn: Any) -> Any:
+        def loss(s: Tensor, t: Tensor) -> Tensor:
+            if pair != "net.pool":
+                assert s.dim() == 2 and t.dim() == 2, (pair, s.shape)  # (M, C): kept tokens
+            value = fn(s, t)
+            seen.setdefault(pair, []).append(float(value))
+            return value
+
+        return loss
+
+    return {
+        "net.hidden": note("net.hidden", mse_loss),
+        "net.logits": note("net.logits", KLDivLoss(temperature=2.0)),
+        "net.pool": note("net.pool", mse_loss),
+    }
+
+
+@pytest.mark.parametrize(
+    ("token_mask", "batch_form"),
+    [
+        ("mask", "dict"),  # a key
+        (1, "tuple"),  # a position
+        (lambda batch: batch["mask"].float(), "dict"),  # (batch) -> a float 0/1 mask
+        (lambda batch, batch_idx: batch["ids"] != PAD, "dict"),  # (batch, batch_idx) -> bool
+    ],
+    ids=["key", "position", "batch-function", "batch-idx-function"],
+)
+def test_token_mask_averages_token_pairs_over_real_tokens_only(
+    token_mask: Any, batch_form: str
+) -> None:
+    torch.manual_seed(0)
+    teacher, student = TokenTeacher(), TokenStudent(batch_form)
+    seen: dict[str, list[float]] = {}
+    distill = FeatureDistillation(
+        teacher, TOKEN_PAIRS, loss=_seen_losses(seen), connectors="identity", token_mask=token_mask
+    )
+    batches = padded_batches()
+    data: Any = batches if batch_form == "dict" else [(b["ids"], b["mask"]) for b in batches]
+    expect = ExpectMaskedTerms(teacher, seen)
+    if batch_form == "tuple":  # the expectation reads a dict
+
+        class AsDict(pl.Callback):
+            def on_train_batch_start(self, tr: pl.Trainer, m: Any, b: Any, i: int) -> None:
+                expect.on_train_batch_start(tr, m, {"ids": b[0], "mask": b[1]}, i)
+
+            def on_train_batch_end(self, tr: pl.Trainer, m: Any, o: Any, b: Any, i: int) -> None:
+                expect.on_train_batch_end(tr, m, o, b, i)
+
+        watch: pl.Callback = AsDict()
+    else:
+        watch = expect
+    trainer = pl.Trainer(callbacks=[watch, distill], max_epochs=1, **trainer_kwargs())
+    trainer.fit(student, as_loader(data))
+    assert len(expect.expected) == len(batches) == len(seen["net.hidden"])
+    # the unmasked mean differs: the mask changed the token pairs' terms
+    ids = batches[0]["ids"]
+    s, t = _token_features(student.net, ids), _token_features(teacher, ids)
+    assert float(((s["hidden"] - t["hidden"]) ** 2).mean()) != pytest.approx(
+        float(((s["hidden"][ids != PAD] - t["hidden"][ids != PAD]) ** 2).mean()), rel=1e-3
+    )
+
+
+class TinyLM(pl.LightningModule):
+    """A tiny Hugging Face GPT-2 (made from its config, nothing downloaded) trained on the
+    batch's next tokens."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        # initializer_range: logits far apart, so a KL well above float32's rounding (a KL of
+        # 0.005 from float32 log-probabilities is only good to ~2e-5)
+        config = transformers.GPT2Config(
+            vocab_size=V_TOKENS, n_positions=8, n_embd=width, n_layer=1, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.5,
+        )  # fmt: skip
+        self.lm = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        logits = self(input_ids=batch["ids"], attention_mask=batch["mask"])
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["ids"][:, 1:].flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_token_mask_on_hugging_face_models_matches_the_losses_over_real_tokens() -> None:
+    torch.manual_seed(0)
+    student, teacher = TinyLM(8), TinyLM(16).lm
+    connector = nn.Linear(8, 16)
+    seen: dict[str, list[float]] = {}
+    pairs = {"lm.transformer.ln_f": "transformer.ln_f", "lm.lm_head": "lm_head"}
+
+    def noting(pair: str, fn: Any) -> Any:
+        def loss(s: Tensor, t: Tensor) -> Tensor:
+            seen.setdefault(pair, []).append(float(fn(s, t)))
+            return fn(s, t)
+
+        return loss
+
+    distill = FeatureDistillation(
+        teacher,
+        pairs,
+        loss={
+            "lm.transformer.ln_f": noting("hidden", mse_loss),
+            "lm.lm_head": noting("logits", KLDivLoss(temperature=2.0)),
+        },
+        connectors={"lm.transformer.ln_f": connector, "lm.lm_head": "identity"},
+        token_mask="mask",
+    )
+    expected: list[tuple[float, float]] = []
+
+    class Expect(pl.Callback):
+        def on_train_batch_start(self, tr: pl.Trainer, m: Any, batch: Any, i: int) -> None:
+            out = {}
+            # the models' float32 features (a float64 GPT-2 differs by ~2e-5), the losses in
+            # float64 by hand
+            for name, lm in (("s", m.lm), ("t", teacher)):
+                lm = copy.deepcopy(lm)
+                lm.transformer.ln_f.register_forward_hook(
+                    lambda mod, a, o, name=name: out.__setitem__(name + "h", o.double())
+                )
+                with torch.no_grad():
+                    logits = lm(input_ids=batch["ids"], attention_mask=batch["mask"]).logits
+                out[name + "l"] = logits.double()
+            keep = batch["mask"].bool()
+            with torch.no_grad():
+                s_h = copy.deepcopy(connector).double()(out["sh"])
+            mse = ((s_h[keep] - out["th"][keep]) ** 2).mean()
+            kl = _kl_by_hand(out["sl"][keep], out["tl"][keep], 2.0)
+            expected.append((float(mse), float(kl)))
+
+    trainer = pl.Trainer(callbacks=[Expect(), distill], max_epochs=1, **trainer_kwargs())
+    trainer.fit(student, as_loader(padded_batches()))
+    assert len(expected) == len(seen["hidden"]) == 3
+    for (mse, kl), got_mse, got_kl in zip(expected, seen["hidden"], seen["logits"], strict=True):
+        # float32 against float64 by hand, over a few hundred values: ~1e-6 relative
+        assert got_mse == pytest.approx(mse, rel=1e-5)
+        assert got_kl == pytest.approx(kl, rel=1e-5)
+
+
+def test_token_mask_is_used_by_validation_logging() -> None:
+    torch.manual_seed(0)
+    teacher, student = TokenTeacher(), TokenStudent()
+    distill = FeatureDistillation(
+        teacher,
+        {"net.hidden": "hidden"},
+        connectors="identity",
+        token_mask="mask",
+        log_validation=True,
+    )
+    val = padded_batches(1)
+    trainer = pl.Trainer(callbacks=[distill], max_steps=1, limit_val_batches=1, **trainer_kwargs())
+    trainer.fit(student, as_loader(padded_batches(1)), as_loader(val))
+    ids, keep = val[0]["ids"], val[0]["mask"].bool()
+    s, t = _token_features(student.net, ids), _token_features(teacher, ids)
+    expected = ((s["hidden"][keep] - t["hidden"][keep]) ** 2).mean()
+    # float32 against float64 over ~100 values: ~1e-6 relative
+    got = float(trainer.callback_metrics["val/distill/net.hidden"])
+    assert got == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_an_all_padding_batch_gives_token_pairs_zero_and_a_zero_gradient() -> None:
+    torch.manual_seed(0)
+    teacher, grads = TokenTeacher(), []
+    student = TokenStudent(grads=grads)
+    distill = FeatureDistillation(
+        teacher,
+        {"net.hidden": "hidden", "net.logits": "logits"},
+        loss="kl",
+        connectors="identity",
+        token_mask=lambda batch: torch.zeros_like(batch["ids"]),
+        add_to_loss=True,
+    )
+    trainer = pl.Trainer(callbacks=[distill], max_steps=1, **trainer_kwargs())
+    trainer.fit(student, as_loader(padded_batches(1)))
+    assert float(trainer.callback_metrics["distill/total"]) == 0.0
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, torch.zeros_like(grad)), name  # zero, not NaN
+
+
+@pytest.mark.parametrize(
+    ("token_mask", "pairs", "match"),
+    [
+        (
+            "mask",
+            {"net.pool": "pool"},
+            r"of shape \(4, 6\).*'net\.pool' \(4, 3\).*applies to no pair",
+        ),
+        (lambda b: b["mask"][:3], TOKEN_PAIRS, r"of shape \(3, 6\).*\(4, 6, 8\)"),  # wrong N
+        (lambda b: b["mask"] * 0.5, TOKEN_PAIRS, r"0 and 1 only.*\[0\.5"),
+        (lambda b: b["mask"][..., None], TOKEN_PAIRS, r"\(N, L\) tensor.*\(4, 6, 1\)"),
+        (lambda b: b["mask"].tolist(), TOKEN_PAIRS, r"\(N, L\) tensor.*list"),
+        ("attention_mask", TOKEN_PAIRS, r"token mask at `token_mask`='attention_mask'"),
+    ],
+    ids=["no-pair", "wrong-n", "float-values", "3-d", "not-a-tensor", "missing-key"],
+)
+def test_a_wrong_token_mask_is_refused_at_the_first_step(
+    token_mask: Any, pairs: dict[str, str], match: str
+) -> None:
+    torch.manual_seed(0)
+    distill = FeatureDistillation(
+        TokenTeacher(), pairs, connectors="identity", token_mask=token_mask
+    )
+    trainer = pl.Trainer(callbacks=[distill], max_steps=1, **trainer_kwargs())
+    with pytest.raises(RecorderConfigError, match=match):
+        trainer.fit(TokenStudent(), as_loader(padded_batches(1)))
+    assert live_hooks() == []
+
+
+def test_token_mask_must_be_a_key_position_or_function() -> None:
+    with pytest.raises(RecorderConfigError, match=r"Expected `token_mask` of FeatureDistillation"):
+        FeatureDistillation(TokenTeacher(), TOKEN_PAIRS, token_mask=True)

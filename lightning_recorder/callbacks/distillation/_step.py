@@ -120,6 +120,8 @@ class StepRunner:
         self._teacher_took_input = False  # the teacher ran once in this fit
         self._teacher_sharded = False
         self._replaying = False
+        # This step's token mask (what `token_mask` read from the batch), or None.
+        self.mask: Any = None
 
     # ------------------------------------------------------------------ install / uninstall
     def install(
@@ -251,6 +253,7 @@ class StepRunner:
     def finish(self) -> None:
         """End the step and free its records."""
         self.phase = None
+        self.mask = None
         for student, teacher in self._recorders.values():
             student.reset_data_buffer()
             teacher.reset_data_buffer()
@@ -350,6 +353,9 @@ class StepRunner:
                 "torch.compiler.reset() before fit.)"
             )
         student, teacher = self._recorders[self.phase]
+        mask = None if self.mask is None else _token_mask(self.mask)
+        masked: list[str] = []  # the pairs the mask applies to
+        shapes: list[str] = []  # every pair's shapes, for the error when it applies to none
         terms: dict[str, Tensor] = {}
         for pair, t_name in self.labels.items():
             s = feature(student.get_recorder(pair).get_record_data(), "student", pair)
@@ -371,6 +377,16 @@ class StepRunner:
                     f"but {connector!r} raised {type(err).__name__}: {err}. Give a connector "
                     "built for these shapes, or leave this pair's connector to 'auto'."
                 ) from err
+            if mask is not None:
+                shapes.append(f"{pair!r} {shape_of(mapped)} -> {t_name!r} {shape_of(t)}")
+                tokens = mapped.dim() > 2 and t.dim() > 2
+                if tokens and mapped.shape[:2] == t.shape[:2] == mask.shape:
+                    masked.append(pair)
+                    keep = mask.to(mapped.device)
+                    mapped, t = mapped[keep], t[keep]
+                    if mapped.shape[0] == 0:  # no real token: 0, with a zero gradient
+                        terms[pair] = mapped.sum() * self.weights[pair]
+                        continue
             loss = self.losses[pair]
             try:
                 value = loss(mapped, t)
@@ -394,6 +410,14 @@ class StepRunner:
                     "than `.item()`."
                 )
             terms[pair] = value * self.weights[pair]
+        if mask is not None and not masked:
+            raise RecorderConfigError(
+                f"Expected the token mask (`token_mask`) of shape {shape_of(mask)} to be the "
+                "leading (N, L) of the student (after its connector) and teacher features of at "
+                f"least one pair but got {'; '.join(shapes)}: a mask that applies to no pair is "
+                "a mistake. Give the mask of the batch's tokens (such as Hugging Face's "
+                "attention_mask), or pair token features (N, L, ...)."
+            )
         if self.on_nonfinite != "ignore" and self.phase == "train":
             self._flag_nonfinite(terms)
         return terms
@@ -538,6 +562,32 @@ class StepRunner:
                 module.log(f"{prefix}/{pair}", value.detach(), **options)
             module.log(f"{prefix}/total", total.detach(), **options)
         return total
+
+
+def _token_mask(value: Any) -> Tensor:
+    """The bool ``(N, L)`` mask that ``token_mask`` gave, checked."""
+    if not isinstance(value, Tensor) or value.dim() != 2 or value.is_complex():
+        got = (
+            f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {shape_of(value)}"
+            if isinstance(value, Tensor)
+            else f"{type(value).__name__} {value!r}"
+        )
+        raise RecorderConfigError(
+            "Expected the token mask (`token_mask`) to be a (N, L) tensor, bool or 0 and 1 "
+            f"(1 for a real token, as Hugging Face's attention_mask), but got {got}. Give "
+            "the batch's (N, L) mask, not the (N, L, C) features or a mask per sample."
+        )
+    if value.dtype == torch.bool:
+        return value
+    if not bool(((value == 0) | (value == 1)).all()):
+        odd = value[(value != 0) & (value != 1)].flatten()[:3].tolist()
+        raise RecorderConfigError(
+            "Expected the token mask (`token_mask`) to hold 0 and 1 only (1 for a real token, "
+            f"as Hugging Face's attention_mask), or to be bool, but got {value.dtype} values "
+            f"such as {odd}: a mask keeps or drops a position, it does not weight it. Give a "
+            "bool mask (e.g. `weights > 0`)."
+        )
+    return value.bool()
 
 
 def describe_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:

@@ -26,6 +26,7 @@ from ..._core.names import import_object
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
 from ...errors import RecorderConfigError, RecorderStateError
+from .._batch import BatchPart, batch_part, read_batch_part
 from .._lightning import STATE_KEY, attached_trainer, check_one_run, serves, unclaimed_state
 from ._bank import ConnectorBank
 from ._config import (
@@ -134,6 +135,16 @@ class FeatureDistillation(Callback):
             for a :class:`~lightning_recorder.TeacherInput` ``(*args, **kwargs)``, as
             ``teacher(*args, **kwargs)`` (e.g. ``lambda batch: TeacherInput(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])``).
+        token_mask: the positions that count in token features, for language models whose
+            batches are padded: a key or position of the batch holding a ``(N, L)`` mask (bool,
+            or 0 and 1 as Hugging Face's ``attention_mask``: 1 for a real token), or a function
+            ``(batch) -> mask`` or ``(batch, batch_idx) -> mask`` (or its import path, as a YAML
+            config gives it), as ``sample_index`` of :class:`~lightning_recorder.ActivationWriter`.
+            A pair whose student (after its connector) and teacher features are ``(N, L, ...)``
+            with the mask's ``(N, L)`` has its loss computed on the kept positions only,
+            ``x[mask]`` of shape ``(M, ...)`` (so ``"kl"`` averages over the real tokens, and a
+            batch without any gives the pair ``0``); the other pairs (pooled ``(N, C)``
+            features, maps) are left as they are. Validation (``log_validation``) uses it too.
         teacher_checkpoint: a file with the teacher's state dict (or a Lightning checkpoint
             of it), loaded with ``strict=True`` — handy in YAML configs. A tied weight may be
             there under one of its names only, as Hugging Face's ``save_pretrained`` writes it.
@@ -173,7 +184,9 @@ class FeatureDistillation(Callback):
             it in the student), the teacher cannot take the student's input at its
             first call (pass ``teacher_input=``; a later error of the teacher is raised as it
             is), ``shard_teacher`` is set without a strategy that has a device
-            mesh, or the teacher is sharded but no process group is running.
+            mesh, or the teacher is sharded but no process group is running; at a step,
+            ``token_mask`` gives no ``(N, L)`` mask of 0 and 1 (or bool), or one that fits no
+            pair's features.
         RecorderStateError: with ``on_nonfinite="raise"``, a non-finite distillation term.
 
     Examples:
@@ -219,6 +232,7 @@ class FeatureDistillation(Callback):
         connector_lr: float | None = None,
         optimizer_idx: int = 0,
         teacher_input: Callable[[Any], Any] | None = None,
+        token_mask: BatchPart = None,
         teacher_checkpoint: str | os.PathLike[str] | None = None,
         add_to_loss: bool = True,
         log_validation: bool = False,
@@ -260,6 +274,7 @@ class FeatureDistillation(Callback):
         self.add_to_loss = add_to_loss
         self.log_validation = log_validation
         self.teacher_input = teacher_input
+        self.token_mask = batch_part(token_mask, type(self).__name__, "token_mask", "mask")
         self.optimizer_idx = optimizer_idx
         self.log_prefix = log_prefix
         self.shard_teacher = shard_teacher
@@ -427,6 +442,7 @@ class FeatureDistillation(Callback):
         if not self.log_validation or trainer.sanity_checking or self._runner.module is None:
             return
         self._runner.begin("val")
+        self._runner.mask = self._read_mask(batch, batch_idx)
         if self.teacher_input is not None:
             self._runner.run_teacher(*teacher_call(self.teacher_input(batch)), own_input=True)
 
@@ -506,6 +522,13 @@ class FeatureDistillation(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._bank.unhide()  # after a restore during the fit (see load_state_dict)
+        self._runner.mask = self._read_mask(batch, batch_idx)
+
+    def _read_mask(self, batch: Any, batch_idx: int) -> Any:
+        """The batch's token mask (``token_mask``), or None without one."""
+        if self.token_mask is None:
+            return None
+        return read_batch_part(self.token_mask, batch, batch_idx, "token_mask", "the token mask")
 
     @override
     def on_save_checkpoint(
