@@ -124,7 +124,8 @@ class ActivationWriter(RecorderCallback):
             needs ``"train"`` in ``stages``).
         dtype: cast every source without its own ``dtype`` (e.g. ``"float16"``).
         sample_index: where the sample indices of a batch are: a key or position of the batch
-            holding them, or a function ``(batch, batch_idx) -> indices`` (or its import path,
+            holding them, or a function ``(batch, batch_idx) -> indices`` or ``(batch) ->
+            indices`` (or its import path,
             as a YAML config gives it: ``"my_project.data.indices"``); ``None``: in
             ``predict`` the dataset indices the batch sampler drew, elsewhere ``-1``.
         run: the run id in file names and index (default: a random id). A resumed fit keeps

@@ -507,6 +507,23 @@ def test_sample_indices_that_are_not_integers_are_refused(tmp_path: Path) -> Non
     assert [row["sample_index"] for row in ActivationDataset(tmp_path / "plain")] == [4, 5]
 
 
+@pytest.mark.parametrize(
+    "sample_index",
+    [lambda batch, batch_idx: batch[1], lambda batch: batch[1]],
+    ids=["batch-and-index", "batch-alone"],
+)
+def test_sample_indices_come_from_a_function_of_the_batch(
+    tmp_path: Path, sample_index: Any
+) -> None:
+    x = images(8)
+    writer = ActivationWriter("conv", tmp_path / "acts", stages="train", sample_index=sample_index)
+    trainer = pl.Trainer(**QUIET, max_steps=2, callbacks=[writer])
+    data = TensorDataset(x, torch.arange(10, 18))
+    trainer.fit(Net(), DataLoader(data, batch_size=4))
+    rows = ActivationDataset(tmp_path / "acts")
+    assert sorted(row["sample_index"] for row in rows) == list(range(10, 18))
+
+
 def test_in_place_change_after_the_recorded_module_is_caught_or_cloned(tmp_path: Path) -> None:
     class InPlace(Net):
         def __init__(self) -> None:
