@@ -157,6 +157,25 @@ def test_only_one_of_two_threads_entering_at_once_gets_the_manager() -> None:
     assert not manager.recording
 
 
+def run_two(
+    body: Callable[[str], Callable[[], Any]], release: Callable[[], Any]
+) -> tuple[Worker, Worker, list[str]]:
+    """Run ``body("A")`` and ``body("B")`` in two threads at once, then ``release()`` what they
+    recorded with; the two workers (both without error) and the warnings meanwhile that a call
+    "was not recorded"."""
+    a, b = Worker("A", body("A")), Worker("B", body("B"))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a.start()
+            b.start()
+            join(a, b)
+    finally:
+        release()
+    assert a.error is None and b.error is None
+    return a, b, [str(w.message) for w in caught if "was not recorded" in str(w.message)]
+
+
 def test_parallel_threads_each_record_only_their_own_calls() -> None:
     net = model()
     recorders = {tag: ModuleOutputsRecorder("0").initialize(net) for tag in ("A", "B")}
@@ -173,21 +192,11 @@ def test_parallel_threads_each_record_only_their_own_calls() -> None:
 
         return run
 
-    a, b = Worker("A", body("A")), Worker("B", body("B"))
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            a.start()
-            b.start()
-            join(a, b)
-    finally:
-        for recorder in recorders.values():
-            recorder.release()
-    assert a.error is None and b.error is None
+    a, b, unrecorded = run_two(body, lambda: [r.release() for r in recorders.values()])
     # Both recorders hook the same module, and both forwards ran while both recorded: each kept
     # only the call of its own thread. The other thread's call was recorded by that thread's own
     # recorder: not reported as unrecorded.
-    assert not [w for w in caught if "was not recorded" in str(w.message)]
+    assert unrecorded == []
     for worker in (a, b):
         (record,) = worker.result
         torch.testing.assert_close(record, net[0](inputs[worker.name]), rtol=0, atol=0)
@@ -223,18 +232,7 @@ def test_a_call_is_reported_unrecorded_only_where_its_thread_does_not_record_it(
 
         return run
 
-    a, b = Worker("A", body("A")), Worker("B", body("B"))
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            a.start()
-            b.start()
-            join(a, b)
-    finally:
-        for manager in managers.values():
-            manager.release()
-    assert a.error is None and b.error is None
-    unrecorded = [str(w.message) for w in caught if "was not recorded" in str(w.message)]
+    a, b, unrecorded = run_two(body, lambda: [m.release() for m in managers.values()])
     for worker in (a, b) if own_recorder else (a,):
         (record,) = worker.result
         torch.testing.assert_close(record, inputs[worker.name].relu(), rtol=0, atol=0)
