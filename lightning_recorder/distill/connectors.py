@@ -45,14 +45,26 @@ _SPEC_NAMES = ("auto", "identity")
 
 
 class _Resize(nn.Module):
-    """Bilinear interpolation of ``(N, C, H, W)`` maps to a fixed ``(H, W)``."""
+    """Bilinear interpolation of ``(N, C, H, W)`` maps to a fixed ``(H, W)``, antialiased where
+    the map shrinks (in either dim), as torchvision's ``Resize``: without it a downsampled map
+    aliases its high-frequency features."""
 
     def __init__(self, size: tuple[int, int]) -> None:
         super().__init__()
         self.size = size
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.interpolate(x, size=self.size, mode="bilinear", align_corners=False)
+        if x.shape[-2] <= self.size[0] and x.shape[-1] <= self.size[1]:  # upsampling only
+            return F.interpolate(x, size=self.size, mode="bilinear", align_corners=False)
+        if x.dtype in (torch.float16, torch.bfloat16) and x.device.type != "cuda":
+            # the antialiased kernel has no half-precision form on the CPU: float32, cast back
+            y = F.interpolate(
+                x.float(), size=self.size, mode="bilinear", align_corners=False, antialias=True
+            )
+            return y.to(x.dtype)
+        return F.interpolate(
+            x, size=self.size, mode="bilinear", align_corners=False, antialias=True
+        )
 
     def extra_repr(self) -> str:
         return f"size={self.size}, mode='bilinear', align_corners=False"
@@ -88,9 +100,10 @@ def build_connector(
     | ``(N, C, H, W)``, H, W differ | ``resize=True`` only: bilinear resize (+ 1x1 conv)  |
 
     With ``resize=True`` the student map is interpolated to the teacher's ``(H, W)``
-    (``mode="bilinear"``, ``align_corners=False``). When a map is both resized and projected,
-    the convolution runs on the smaller of the two maps (the operations commute); the children
-    are named ``resize`` and ``proj`` so the state dict keys do not depend on that order.
+    (``mode="bilinear"``, ``align_corners=False``, and ``antialias=True`` where the map shrinks,
+    as torchvision's ``Resize``). When a map is both resized and projected, the convolution
+    runs on the smaller of the two maps (the operations commute); the children are named
+    ``resize`` and ``proj`` so the state dict keys do not depend on that order.
 
     Weights use PyTorch's default initialisation, so the result is deterministic given
     :func:`torch.manual_seed`. Parameters are created outside inference mode (a connector first

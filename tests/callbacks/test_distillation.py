@@ -1012,7 +1012,8 @@ class TermStudent(Student):
 
 class ExpectAttention(pl.Callback):
     """Attention transfer of the raw ``features.2`` maps, recomputed by hand in float64 before
-    each step (the student map resized bilinearly to the teacher's (H, W) where they differ)."""
+    each step (the student map resized bilinearly, antialiased, to the teacher's (H, W) where
+    they differ)."""
 
     def __init__(self, teacher: Teacher) -> None:
         self.teacher = teacher
@@ -1023,7 +1024,10 @@ class ExpectAttention(pl.Callback):
         with torch.no_grad():
             s, t = m.features[:3](x).double(), self.teacher.features[:3](x).double()
         if s.shape[2:] != t.shape[2:]:
-            s = F.interpolate(s, size=t.shape[2:], mode="bilinear", align_corners=False)
+            # the student map shrinks to the teacher's: antialiased, as the connector does
+            s = F.interpolate(
+                s, size=t.shape[2:], mode="bilinear", align_corners=False, antialias=True
+            )
 
         def at_map(f: Tensor) -> Tensor:  # mean over channels of f**2, per sample L2-normalised
             a = f.pow(2).mean(dim=1).flatten(1)
