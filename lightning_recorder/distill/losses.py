@@ -10,7 +10,8 @@ and so are complex features by the losses that have no complex form (``mse_loss`
 and features on two devices (a teacher left on the CPU).
 Each loss exists twice, as a function (``mse_loss``) and as an :class:`torch.nn.Module` that
 calls it (``MSELoss``), and :func:`get_loss` turns a short name, a module or a callable into a
-loss.
+loss. Features without a sample (a batch dim of size 0: an empty batch) give every loss ``0``,
+with a zero gradient, where a mean over nothing would be NaN.
 
 Which dimension holds the channels (or classes) depends on the rank of the features:
 
@@ -162,6 +163,17 @@ def _channel_dim(x: Tensor, dim: int | None, loss: str) -> int:
     return dim % x.ndim
 
 
+def _no_samples(student: Tensor) -> bool:
+    """Whether the (checked) features hold no sample: a batch dim of size 0."""
+    return student.ndim > 0 and student.shape[0] == 0
+
+
+def _zero(student: Tensor) -> Tensor:
+    """The loss of a batch without samples: 0 with a zero gradient, where a mean over nothing
+    is NaN (one empty batch would make the student's loss NaN and poison its weights)."""
+    return (student.abs() if student.is_complex() else student).sum()
+
+
 def _check_positive(name: str, value: object) -> float:
     if (
         isinstance(value, bool)
@@ -197,6 +209,8 @@ def mse_loss(student: Tensor, teacher: Tensor) -> Tensor:
     """
     student, teacher = _prepare(student, teacher, "mse_loss")
     _same_shape(student, teacher)
+    if _no_samples(student):
+        return _zero(student)
     return F.mse_loss(student, teacher)
 
 
@@ -221,6 +235,8 @@ def l1_loss(student: Tensor, teacher: Tensor) -> Tensor:
     """
     student, teacher = _prepare(student, teacher)
     _same_shape(student, teacher)
+    if _no_samples(student):
+        return _zero(student)
     return F.l1_loss(student, teacher)
 
 
@@ -259,6 +275,8 @@ def cosine_loss(student: Tensor, teacher: Tensor, dim: int | None = None) -> Ten
             "2 with no gradient and train nothing. Compare one channel with mse_loss or "
             "l1_loss, or pass `dim` to name the channel dim."
         )
+    if _no_samples(student):
+        return _zero(student)
     return (1.0 - F.cosine_similarity(student, teacher, dim=d)).mean()
 
 
@@ -346,6 +364,8 @@ def attention_transfer_loss(
             "nothing. Pair layers with a spatial size (or several tokens) rather than pooled "
             "features, or compare pooled features with mse_loss or cosine_loss."
         )
+    if _no_samples(student):
+        return _zero(student)
     diff = _attention_map(student, p) - _attention_map(teacher, p)
     if distance == "mse":
         return diff.pow(2).mean()
@@ -406,6 +426,8 @@ def kl_div_loss(
             f"both classes' logits, `torch.cat([torch.zeros_like(x), x], dim={d})` (their "
             "softmax is 1 - sigmoid(x), sigmoid(x)), or pass `dim` to name the class dim."
         )
+    if _no_samples(student):
+        return _zero(student)
     log_s = F.log_softmax(student.movedim(d, -1).reshape(-1, classes) / t_, dim=-1)
     log_t = F.log_softmax(teacher.movedim(d, -1).reshape(-1, classes) / t_, dim=-1)
     # sum p_t * (log p_t - log p_s), with 0 * log 0 = 0: a class the teacher gives no

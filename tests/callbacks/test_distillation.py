@@ -2150,8 +2150,59 @@ def test_an_all_padding_batch_gives_token_pairs_zero_and_a_zero_gradient() -> No
     trainer = pl.Trainer(callbacks=[distill], max_steps=1, **trainer_kwargs())
     trainer.fit(student, as_loader(padded_batches(1)))
     assert float(trainer.callback_metrics["distill/total"]) == 0.0
+    # no value for the pairs at that step (as for an empty batch), rather than a 0
+    assert set(trainer.logged_metrics) == {"distill/total"}
     for name, grad in grads[0].items():
         assert torch.equal(grad, torch.zeros_like(grad)), name  # zero, not NaN
+
+
+class EmptyBatchStudent(Student):
+    """A task loss that is 0 on an empty batch; notes what it logs and its gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, str, float]] = []
+        self.grads: list[dict[str, Tensor]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y, reduction="sum") / max(len(y), 1)
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        self.logged.append((self.global_step, name, float(value)))
+        super().log(name, value, *args, **kwargs)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.grads.append({n: p.grad.clone() for n, p in self.named_parameters()})
+
+
+def test_an_empty_batch_adds_zero_with_a_zero_gradient_and_logs_no_term() -> None:
+    """An empty batch (the last of a filtered dataset) made every pair's loss a mean over
+    nothing, NaN, which poisoned the student's weights; its pairs now add 0 with a zero
+    gradient and log no value at that step (a 0 would pull the curve down)."""
+    teacher, _ = seeded()
+    student = EmptyBatchStudent()
+    x, y = loader(n=16).dataset.tensors
+    batches = [(x[:8], y[:8]), (x[:0], y[:0]), (x[8:], y[8:])]  # the second one empty
+    distill = FeatureDistillation(
+        teacher,
+        PAIRS,
+        # a loss of torch's own, whose mean over nothing is NaN too, and one of the package's
+        loss={"features.2": F.smooth_l1_loss, "head": KLDivLoss(temperature=4.0)},
+        on_nonfinite="raise",
+    )
+    trainer = pl.Trainer(callbacks=[distill], max_steps=3, **trainer_kwargs())
+    trainer.fit(student, as_loader(batches))
+    assert trainer.global_step == 3
+    for name, param in [*student.named_parameters(), *distill.connectors.items()]:
+        tensors = [param] if isinstance(param, Tensor) else list(param.parameters())
+        assert all(bool(torch.isfinite(t).all()) for t in tensors), name
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in student.grads[1].values())
+    assert any(bool(g.abs().sum() > 0) for g in student.grads[2].values())
+    names = {step: [n for s, n, _ in student.logged if s == step] for step in range(3)}
+    assert names[0] == names[2] == ["distill/features.2", "distill/head", "distill/total"]
+    assert names[1] == ["distill/total"]  # the pairs' terms are not logged as 0
+    assert [v for s, n, v in student.logged if s == 1] == [0.0]
 
 
 @pytest.mark.parametrize(

@@ -358,6 +358,27 @@ def test_gradients_reach_student_and_never_teacher(
     assert teacher.grad is None
 
 
+@pytest.mark.parametrize(("name", "loss", "shape"), GRAD_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_without_samples_gives_zero_with_a_zero_gradient(
+    name: str, loss: Callable[[Tensor, Tensor], Tensor], shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    # a mean over no sample is NaN: one empty batch made the student's loss NaN
+    empty = (0, *shape[1:])
+    student = torch.zeros(empty, dtype=dtype, requires_grad=True)
+    value = loss(student, torch.zeros(empty, dtype=dtype))
+    assert value.ndim == 0 and value.dtype == torch.float32  # as for a batch with samples
+    assert float(value) == 0.0  # exactly: a sum over nothing
+    value.backward()
+    assert student.grad is not None and student.grad.shape == empty
+    # the shapes are still checked: an empty batch does not hide a mismatch (a position dim
+    # differs, which attention transfer refuses too)
+    other = list(empty)
+    other[max(1, len(shape) - 2)] += 1
+    with pytest.raises(RecorderConfigError, match="student"):
+        loss(student, torch.zeros(other))
+
+
 @pytest.mark.parametrize("name", ["mse", "l1", "cosine", "attention", "kl"])
 def test_module_form_keeps_teacher_out_of_the_graph(name: str) -> None:
     student = torch.randn(2, 4, 3, 3, requires_grad=True)

@@ -122,6 +122,9 @@ class StepRunner:
         self._replaying = False
         # This step's token mask (what `token_mask` read from the batch), or None.
         self.mask: Any = None
+        # The pairs of the latest terms() without a sample (an empty batch, no real token):
+        # their term is 0 and log() logs nothing for them.
+        self.empty: set[str] = set()
 
     # ------------------------------------------------------------------ install / uninstall
     def install(
@@ -357,6 +360,7 @@ class StepRunner:
         masked: list[str] = []  # the pairs the mask applies to
         shapes: list[str] = []  # every pair's shapes, for the error when it applies to none
         terms: dict[str, Tensor] = {}
+        self.empty = set()
         for pair, t_name in self.labels.items():
             s = feature(student.get_recorder(pair).get_record_data(), "student", pair)
             t = feature(teacher.get_recorder(pair).get_record_data(), "teacher", t_name)
@@ -384,9 +388,10 @@ class StepRunner:
                     masked.append(pair)
                     keep = mask.to(mapped.device)
                     mapped, t = mapped[keep], t[keep]
-                    if mapped.shape[0] == 0:  # no real token: 0, with a zero gradient
-                        terms[pair] = mapped.sum() * self.weights[pair]
-                        continue
+            if _no_samples(mapped, t):  # no real token, or an empty batch: a mean over nothing
+                terms[pair] = _nothing(mapped) * self.weights[pair]  # 0, with a zero gradient
+                self.empty.add(pair)  # and not logged at this step
+                continue
             loss = self.losses[pair]
             try:
                 value = loss(mapped, t)
@@ -559,9 +564,26 @@ class StepRunner:
             if not on_step:
                 options["sync_dist"] = True
             for pair, value in terms.items():
+                if pair in self.empty:  # no sample: no value (a 0 would pull the curve down)
+                    continue
                 module.log(f"{prefix}/{pair}", value.detach(), **options)
             module.log(f"{prefix}/total", total.detach(), **options)
         return total
+
+
+def _no_samples(student: Tensor, teacher: Tensor) -> bool:
+    """Whether both features have a batch dim of size 0 (every loss's mean over them is NaN)."""
+    return student.dim() > 0 and teacher.dim() > 0 and student.shape[0] == teacher.shape[0] == 0
+
+
+def _nothing(student: Tensor) -> Tensor:
+    """The term of a pair without a sample: 0, with a zero gradient (real, in float32 at least
+    for half-precision features, as the losses give)."""
+    if student.is_complex():
+        student = student.abs()
+    if student.is_floating_point() and student.dtype in (torch.float16, torch.bfloat16):
+        student = student.float()
+    return student.sum()
 
 
 def _token_mask(value: Any) -> Tensor:
