@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import math
 import os
@@ -1187,6 +1188,33 @@ def test_logits_of_other_class_counts_are_refused_naming_the_pair_and_both_count
     assert not is_patched(student) and live_hooks() == []
     assert teacher.training
     assert [p.requires_grad for p in teacher.parameters()] == [False, False, True, True, True, True]
+
+
+@pytest.mark.parametrize(
+    ("loss", "what"),
+    [
+        (nn.KLDivLoss(reduction="batchmean"), "the KL divergence"),
+        (functools.partial(F.kl_div, reduction="batchmean"), "the KL divergence"),
+        (nn.CrossEntropyLoss(), "the cross-entropy"),  # soft targets: the teacher's features
+        (F.cross_entropy, "the cross-entropy"),
+    ],
+    ids=["torch-kl-module", "torch-kl-function", "torch-ce-module", "torch-ce-function"],
+)
+def test_logits_of_other_class_counts_are_refused_for_torchs_losses_too(
+    loss: Any, what: str
+) -> None:
+    """torch's own losses between two distributions, given as the pair's loss, got the same
+    learned Linear from 3 student logits to 5 teacher classes, without a word."""
+    torch.manual_seed(0)
+    teacher, student = five_class_teacher(), Student()
+    distill = FeatureDistillation(teacher, {"head": "head"}, loss=loss)
+    with pytest.raises(
+        RecorderConfigError,
+        match=rf"logits of pair 'head' -> 'head' to have the same number of classes for {what} "
+        r"but got 3 student classes and 5 teacher classes \(dim 1\): " + what,
+    ):
+        fit(student, [distill], max_steps=1)
+    assert distill.connectors == {}
 
 
 def test_logits_of_other_class_counts_train_through_an_explicit_connector(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ class ConnectorBank:
         lr: learning rate of the connectors' group (default: the first group's).
         roles: what the loss of each pair asks of its automatic connector (see
             :func:`connector_role`): ``"attention"`` gets one without parameters, ``"logits"``
-            of different class counts get none (an error).
+            and ``"cross_entropy"`` of different class counts get none (an error).
         labels: the teacher side of each pair, as messages name it.
     """
 
@@ -176,18 +176,23 @@ class ConnectorBank:
         """The connector of ``pair`` for these example features (see :func:`resolve_connector`).
         Attention transfer compares maps of any channel counts: its automatic connector has
         no parameters (an identity, or the resize of ``resize=True``). Logits of different
-        class counts get no automatic connector: a KL divergence between a learned projection
-        of the student's classes and the teacher's is rarely what is meant."""
+        class counts get no automatic connector: a KL divergence (or cross-entropy) between a
+        learned projection of the student's classes and the teacher's is rarely what is meant."""
         spec, role = self.specs[pair], self.roles.get(pair)
         if is_auto(spec) and role is not None:
             kind, dim = role
             if kind == "attention":
                 return position_connector(student.shape, teacher.shape, resize=self.resize)
-            self._check_classes(pair, student.shape, teacher.shape, dim)  # "logits"
+            self._check_classes(pair, student.shape, teacher.shape, dim, kind)  # logits
         return resolve_connector(spec, student, teacher, resize=self.resize)
 
     def _check_classes(
-        self, pair: str, s_shape: torch.Size, t_shape: torch.Size, dim: int | None
+        self,
+        pair: str,
+        s_shape: torch.Size,
+        t_shape: torch.Size,
+        dim: int | None,
+        kind: str = "logits",
     ) -> None:
         """Raise unless the logits of ``pair`` have as many classes (on ``dim``) on both sides;
         shapes the KL divergence refuses anyway (other ranks, a ``dim`` out of range) are left
@@ -199,11 +204,12 @@ class ConnectorBank:
         if not -rank <= d < rank or s_shape[d] == t_shape[d]:
             return
         c_s, c_t = s_shape[d], t_shape[d]
+        what = "the cross-entropy" if kind == "cross_entropy" else "the KL divergence"
         raise RecorderConfigError(
             f"Expected the student and teacher logits of pair {pair!r} -> "
-            f"{self.labels.get(pair, pair)!r} to have the same number of classes for the KL "
-            f"divergence but got {c_s} student classes and {c_t} teacher classes (dim "
-            f"{d % rank}): the KL divergence compares two distributions over the same classes, "
+            f"{self.labels.get(pair, pair)!r} to have the same number of classes for {what} "
+            f"but got {c_s} student classes and {c_t} teacher classes (dim {d % rank}): {what} "
+            "compares two distributions over the same classes, "
             "and one between a learned projection of the student's logits and the teacher's "
             "is rarely what is meant, so connectors='auto' builds none. Pair logits over the "
             "same classes; or, if the mapping is deliberate, give this pair a connector of its "

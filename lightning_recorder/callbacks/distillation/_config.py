@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..._core.checks import suggestion
@@ -313,13 +314,18 @@ def losses_per_pair(
     return {p: get_loss(specs[p], **per[p]) for p in pairs}
 
 
-def connector_role(loss: LossFn) -> tuple[Literal["attention", "logits"], int | None] | None:
+def connector_role(
+    loss: LossFn,
+) -> tuple[Literal["attention", "logits", "cross_entropy"], int | None] | None:
     """What a pair's loss asks of its automatic connector, for the package's losses (as a name,
-    a module or a function, options bound or not): ``("attention", None)`` for attention
-    transfer, which compares maps position by position whatever their channel counts, so needs
-    no learned connector; ``("logits", dim)`` for the KL divergence on logits, whose classes
-    (on ``dim``, ``None``: the default one) must be the same on both sides; ``None`` for any
-    other loss."""
+    a module or a function, options bound or not) and torch's own losses between two
+    distributions: ``("attention", None)`` for attention transfer, which compares maps position
+    by position whatever their channel counts, so needs no learned connector; ``("logits",
+    dim)`` for the KL divergence on logits (also torch's ``nn.KLDivLoss`` and ``F.kl_div``,
+    elementwise, whose classes are taken on the package's channel dim), and
+    ``("cross_entropy", 1)`` for torch's ``nn.CrossEntropyLoss`` and ``F.cross_entropy`` with
+    soft targets (classes on dim 1, as torch takes them), whose classes (on ``dim``, ``None``:
+    the default one) must be the same on both sides; ``None`` for any other loss."""
     fn: Any = loss
     options: dict[str, Any] = {}
     while isinstance(fn, functools.partial):
@@ -331,4 +337,8 @@ def connector_role(loss: LossFn) -> tuple[Literal["attention", "logits"], int | 
         return "logits", fn.dim
     if fn is kl_div_loss:
         return "logits", options.get("dim")
+    if isinstance(fn, nn.KLDivLoss) or fn is F.kl_div:
+        return "logits", None
+    if isinstance(fn, nn.CrossEntropyLoss) or fn is F.cross_entropy:
+        return "cross_entropy", 1
     return None
