@@ -2233,6 +2233,24 @@ def test_an_empty_batch_adds_zero_with_a_zero_gradient_and_logs_no_term() -> Non
     assert [v for s, n, v in student.logged if s == 1] == [0.0]
 
 
+def test_an_empty_validation_batch_weighs_nothing_in_the_epochs_terms() -> None:
+    """In validation (an epoch's mean, synced over ranks) a pair without samples is logged with
+    weight 0, not left out: every rank logs the same keys (a key one rank never logged would
+    leave the ranks' syncs unmatched), and the mean is that of the batches with samples."""
+    teacher, _ = seeded()
+    student = EmptyBatchStudent()
+    x, y = loader(n=16).dataset.tensors
+    val = [(x[:8], y[:8]), (x[:0], y[:0]), (x[8:12], y[8:12])]  # the second one empty
+    distill = FeatureDistillation(teacher, PAIRS, log_validation=True)
+    trainer = pl.Trainer(callbacks=[distill], **trainer_kwargs(max_steps=0))
+    trainer.validate(student, as_loader(val), verbose=False)
+    per_batch = [v for _, name, v in student.logged if name == "val/distill/head"]
+    assert len(per_batch) == 3 and per_batch[1] == 0.0  # logged, with weight 0
+    want = (8 * per_batch[0] + 4 * per_batch[2]) / 12
+    got = float(trainer.callback_metrics["val/distill/head"])
+    assert got == pytest.approx(want, rel=1e-6)  # float32 sums
+
+
 @pytest.mark.parametrize(
     ("token_mask", "pairs", "match"),
     [

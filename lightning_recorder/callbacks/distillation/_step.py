@@ -564,9 +564,12 @@ class StepRunner:
             if not on_step:
                 options["sync_dist"] = True
             for pair, value in terms.items():
-                if pair in self.empty:  # no sample: no value (a 0 would pull the curve down)
-                    continue
-                module.log(f"{prefix}/{pair}", value.detach(), **options)
+                if pair in self.empty and on_step:
+                    continue  # no sample: no value (a 0 would pull the curve down)
+                # an epoch's mean (validation) weighs a pair without samples 0, but is logged:
+                # every rank then logs the same keys and syncs them alike (sync_dist)
+                weight = 0 if pair in self.empty else None  # None: the batch's size
+                module.log(f"{prefix}/{pair}", value.detach(), batch_size=weight, **options)
             module.log(f"{prefix}/total", total.detach(), **options)
         return total
 
