@@ -84,6 +84,11 @@ _NO_RNG = torch.empty(0, dtype=torch.uint8)
 _MAX_SKIPS = 5
 
 
+def _fresh_counters() -> dict[str, int]:
+    """The counters of a fit that has counted nothing yet."""
+    return {"nonfinite_steps": 0, "skipped_steps": 0, "amp_skipped_steps": 0, "rule_events": 0}
+
+
 def _check_exclude(patterns: Sequence[str], modules: Collection[str]) -> None:
     """Refuse a pattern of ``exclude`` whose module part (before ``.input`` or ``.output``)
     matches no module of the model: it could never leave anything out."""
@@ -192,7 +197,10 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     **Reporting.** Python logging (``"lightning_recorder.health"``, rank zero), the loggers (a
     text entry and the event counters as scalars), the ``alert`` callable (rate-limited; rule
     findings per rule and module, the notices of skipped steps per module: the counters go to
-    the loggers at every step), and :attr:`events`. A Weights & Biases alert is two lines::
+    the loggers at every step), and :attr:`events`. :attr:`events` and :attr:`counters` are
+    those of the latest ``fit``: each fit starts them afresh (new objects), except that a fit
+    resumed from a checkpoint (``ckpt_path``) goes on with the checkpoint's counters. A Weights
+    & Biases alert is two lines::
 
         import wandb
         alert = lambda e: wandb.alert(title=f"HealthMonitor: {e.kind}", text=e.message)
@@ -363,12 +371,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self.exclude = tuple(exclude)
         self.evidence_checkpoint = evidence_checkpoint
         self.events: list[HealthEvent] = []
-        self.counters = {
-            "nonfinite_steps": 0,
-            "skipped_steps": 0,
-            "amp_skipped_steps": 0,
-            "rule_events": 0,
-        }
+        self.counters = _fresh_counters()
         self._reporter = Reporter(alert, alert_interval_s)
         self._evidence = Evidence(None, evidence_max_bytes)
         self._sentinel = Sentinel()
@@ -431,8 +434,10 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             return
         check_one_run(type(self).__name__, self._fitting, pl_module, self._thread)
         self._fitting, self._thread = pl_module, threading.current_thread().name
-        # steps in a row are those of this fit (a resumed fit loads the checkpoint's after setup)
+        # steps in a row, events and counters are those of this fit (a resumed fit loads the
+        # checkpoint's streaks and counters after setup); new objects: the last fit's stay whole
         self._streaks = {}
+        self.events, self.counters = [], _fresh_counters()
         # each fit has its own evidence budget and its own checkpoint before its first bad update
         self._evidence.used, self._checkpointed = 0, False
         root = self.evidence_dir

@@ -321,12 +321,44 @@ def test_a_new_fit_counts_only_its_own_steps_in_a_row(restore_sigint: None) -> N
     # A new fit (not resumed) whose first step is non-finite: skipped, not refused as the third
     # in a row
     fit(Net("mlp"), [Injector({0: Fault("body.0", "forward", "nan", 0)}), monitor], steps=3)
-    assert [(e.step, e.action) for e in monitor.events] == [
-        (0, "skipped"),
-        (1, "skipped"),
-        (0, "skipped"),
-    ]
+    assert [(e.step, e.action) for e in monitor.events] == [(0, "skipped")]  # this fit's only
     assert monitor.state_dict()["streaks"] == {0: 0}
+
+
+def test_each_fit_has_its_own_events_and_counters_but_a_resumed_fit_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A monitor reused for a second `fit` (a notebook) kept the first fit's events and
+    counters; a fit resumed from a checkpoint goes on with the checkpoint's counters."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(fault: int | None, ckpt: str | None = None, saving: bool = False) -> None:
+        faults = {} if fault is None else {fault: Fault("body.0", "forward", "nan", fault)}
+        callbacks: list[pl.Callback] = [Injector(faults), monitor]
+        options: dict[str, Any] = {"max_steps": 4}
+        if saving:
+            callbacks.append(ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1))
+            options["enable_checkpointing"] = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a checkpoint within the epoch: not resumable data
+            trainer = pl.Trainer(callbacks=callbacks, **{**QUIET, "logger": False, **options})
+            trainer.fit(Net("mlp"), data("mlp", 16), ckpt_path=ckpt)
+
+    def counts() -> tuple[int, int, list[tuple[int, str | None]]]:
+        found = [(e.step, e.action) for e in monitor.events]
+        return monitor.counters["nonfinite_steps"], monitor.counters["skipped_steps"], found
+
+    monitor = HealthMonitor("skip", rules=(), evidence_max_bytes=0)
+    run(1, saving=True)  # saves at steps 2 and 4, after its skipped step 1
+    assert counts() == (1, 1, [(1, "skipped")])
+    run(3)  # a second fit of the same monitor: its own step 3 only
+    assert counts() == (1, 1, [(3, "skipped")])
+    run(None)  # a clean fit: nothing
+    assert counts() == (0, 0, [])
+    # resumed at step 2 from the first fit's checkpoint: its counters go on, its events are this
+    # fit's own (the checkpoint holds none)
+    run(3, ckpt=str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert counts() == (2, 2, [(3, "skipped")])
 
 
 @pytest.mark.parametrize("interrupted", [False, True], ids=["fit", "interrupted"])
