@@ -202,6 +202,23 @@ def check_number(
     return float(number)  # type: ignore[arg-type]
 
 
+def check_name(value: object, owner: str) -> str | None:
+    """``value`` if it is ``None`` or a string with a visible character, else an error: the
+    ``name`` of a callback tells two instances apart in checkpoints, and an empty or blank one
+    tells nothing while it looks given."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise RecorderConfigError(f"Expected `name` of {owner} to be a str but got {value!r}.")
+    if not value.strip():
+        raise RecorderConfigError(
+            f"Expected `name` of {owner} to be a non-empty str or None but got {value!r}: the "
+            "name tells two instances apart in checkpoints, and a blank one tells nothing; pass "
+            "a name with a visible character, such as 'probe', or leave `name` out (None)."
+        )
+    return value
+
+
 def check_tensor(value: object, name: str, *, real: bool = False) -> torch.Tensor:
     """``value`` if it is a tensor (with a real dtype when ``real``), else an error."""
     if not isinstance(value, torch.Tensor):

@@ -142,7 +142,7 @@ class ActivationWriter(RecorderCallback):
             ``ReLU(inplace=True)``). Outside inference mode such a change raises
             :class:`~lightning_recorder.RecordModifiedError`; under ``torch.inference_mode()``
             (Lightning's default for ``predict``) it cannot be detected, so set ``clone``.
-        name: distinguishes two writers with the same configuration.
+        name: distinguishes two writers with the same configuration; not empty or blank.
         keep_hooks: see :class:`~lightning_recorder.RecorderCallback`.
 
     Raises:

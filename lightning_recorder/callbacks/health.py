@@ -27,6 +27,7 @@ from .._core.checks import (
     check_bool,
     check_callable,
     check_int,
+    check_name,
     check_number,
     check_option,
     closest_hint,
@@ -243,11 +244,11 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         heatmap_stats: the statistics drawn as heat maps: those of
             :data:`~lightning_recorder.STAT_NAMES` (rows: monitored modules) and
             ``"grad_norm"``, ``"update_ratio"``, ``"norm"`` (rows: weight tensors); each
-            once.
+            once, at least one (``view=False`` for no view).
         heatmap_steps: the logged steps a heat map shows (its columns), the latest ones.
         name: distinguishes two monitors with the same ``on_nonfinite`` and ``localize``
             (checkpoint state): two monitors of one Trainer need different names unless one
-            of these differs.
+            of these differs; not empty or blank.
 
     Raises:
         RecorderConfigError: an argument is invalid.
@@ -330,6 +331,13 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
                 f"Expected `heatmap_stats` of {owner} to be a list of names among "
                 f"{', '.join(map(repr, known))} but got {heatmap_stats!r}.{hint}"
             )
+        if not heatmap_stats:
+            raise RecorderConfigError(
+                f"Expected `heatmap_stats` of {owner} to name at least one statistic but got "
+                f"{heatmap_stats!r}: an empty list draws no heat map and says nothing. Pass "
+                "`view=False` for no health view at all, or names among "
+                f"{', '.join(map(repr, known))}."
+            )
         repeated = sorted(s for s, n in Counter(heatmap_stats).items() if n > 1)
         if repeated:
             raise RecorderConfigError(
@@ -357,8 +365,7 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
                     f"'batch[.<path>]', or to hold a glob character, but {pattern!r} can never "
                     f"match a tensor's name; write e.g. {like!r}."
                 )
-        if name is not None and not isinstance(name, str):
-            raise RecorderConfigError(f"Expected `name` of {owner} to be a str but got {name!r}.")
+        check_name(name, owner)
         if evidence_dir is not None and not isinstance(evidence_dir, (str, os.PathLike)):
             raise RecorderConfigError(
                 f"Expected `evidence_dir` of {owner} to be a path or None but got {evidence_dir!r}."

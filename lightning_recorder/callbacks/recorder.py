@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import Self, override
 
-from .._core.checks import check_positive_int, listing
+from .._core.checks import check_name, check_positive_int, listing
 from .._core.names import named_modules
 from .._core.registry import option_names
 from ..errors import NoRecordError, NotInitializedError, RecorderConfigError, RecorderStateError
@@ -90,7 +90,7 @@ class RecorderCallback(Callback):
             when ``stages`` has ``"train"``). Another value than the default needs ``"train"``
             in ``stages``.
         name: distinguishes two callbacks with the same configuration (checkpoint state key,
-            :meth:`of`).
+            :meth:`of`); not empty or blank.
         keep_hooks: keep the hooks installed between recorded steps (``True``), or suspend them
             (``False``). ``None`` (default) keeps them when the LightningModule is compiled
             (passed to ``fit`` as ``torch.compile(model)``, or holding a compiled submodule);
@@ -153,8 +153,7 @@ class RecorderCallback(Callback):
                 )
         RecorderManager(recorders)  # validate types and options now; rebuilt for each run
         check_positive_int(every_n_steps, "every_n_steps", owner, allow_none=True)
-        if name is not None and not isinstance(name, str):
-            raise RecorderConfigError(f"Expected `name` of {owner} to be a str but got {name!r}.")
+        check_name(name, owner)
         if keep_hooks is not None and not isinstance(keep_hooks, bool):
             raise RecorderConfigError(
                 f"Expected `keep_hooks` of {owner} to be True, False or None but got "

@@ -208,7 +208,7 @@ class FeatureStatsMonitor(RecorderCallback):
             monitored output in place (e.g. ``ReLU(inplace=True)`` right after it): there such a
             change raises :class:`~lightning_recorder.RecordModifiedError` rather than logging
             wrong values.
-        name: distinguishes two monitors with the same configuration.
+        name: distinguishes two monitors with the same configuration; not empty or blank.
         keep_hooks: keep the hooks installed between logged steps (see
             :class:`~lightning_recorder.RecorderCallback`); ``None`` keeps them on a compiled
             model only.

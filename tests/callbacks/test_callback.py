@@ -19,6 +19,7 @@ from helpers.docs import DOCS, python_blocks, run_page
 from helpers.models import QUIET, ProbeNet, features, loader
 from helpers.two_runs import Hold, check_second_run_refused
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.compile import from_compiled, to_uncompiled
 
 import lightning_recorder.callbacks.recorder as callback_module
@@ -536,6 +537,32 @@ def test_same_configuration_twice_needs_a_name() -> None:
         trainer(max_steps=1, callbacks=[RecorderCallback(FEAT), RecorderCallback(FEAT)]).fit(
             ProbeNet(), loader(features(8))
         )
+
+
+@pytest.mark.parametrize("name", ["", "  ", "\t"])
+@pytest.mark.parametrize(
+    "kind", ["RecorderCallback", "FeatureStatsMonitor", "ActivationWriter", "HealthMonitor"]
+)
+def test_a_blank_name_is_refused_by_every_callback_that_takes_one(
+    kind: str, name: str, tmp_path: Path
+) -> None:
+    """`name` tells two callbacks apart in checkpoints: a blank one was taken and told nothing."""
+    import lightning_recorder
+
+    make: dict[str, Callable[[str], pl.Callback]] = {
+        "RecorderCallback": lambda n: RecorderCallback(FEAT, name=n),
+        "FeatureStatsMonitor": lambda n: lightning_recorder.FeatureStatsMonitor(["body.0"], name=n),
+        "ActivationWriter": lambda n: lightning_recorder.ActivationWriter(
+            ["body.0"], tmp_path / "acts", name=n
+        ),
+        "HealthMonitor": lambda n: lightning_recorder.HealthMonitor(name=n),
+    }
+    with pytest.raises(RecorderConfigError, match=rf"`name` of {kind} to be a non-empty str or "):
+        make[kind](name)
+    # a name with a visible character is taken, and a fit runs with it
+    callback = make[kind](" a ")
+    logger = CSVLogger(tmp_path)  # FeatureStatsMonitor needs one
+    trainer(max_steps=1, callbacks=[callback], logger=logger).fit(ProbeNet(), loader(features(8)))
 
 
 def test_of_errors() -> None:

@@ -1212,10 +1212,13 @@ def test_a_monitor_reads_as_its_options() -> None:
         ({"heatmap_stats": "std"}, r"`heatmap_stats` of HealthMonitor to be a list of names"),
         ({"heatmap_stats": ["stdd"]}, r"but got \['stdd'\]\. Closest names: 'std'\.$"),
         ({"heatmap_stats": ["std", "mean", "std"]}, r"each name of `heatmap_stats` .* 'std' more"),
+        ({"heatmap_stats": []}, r"`heatmap_stats` .* at least one .* got \[\]: .* `view=False`"),
+        ({"heatmap_stats": ()}, r"`heatmap_stats` .* at least one .* got \(\): .* `view=False`"),
         ({"evidence_dir": 3}, r"`evidence_dir` of HealthMonitor to be a path or None"),
         ({"alert_interval_s": -1.0}, r"`alert_interval_s` of HealthMonitor to be a finite non"),
         ({"evidence_checkpoint": "yes"}, r"`evidence_checkpoint` of HealthMonitor to be a bool"),
         ({"name": 3}, r"`name` of HealthMonitor to be a str but got 3"),
+        ({"name": ""}, r"`name` of HealthMonitor to be a non-empty str or None but got ''"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
