@@ -12,11 +12,12 @@ import difflib
 import math
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
-from ..errors import RecorderConfigError
+from ..errors import RecorderConfigError, RecorderError
 
 _OFF = ("0", "off", "false", "no")
 _ON = ("1", "on", "true", "yes")
@@ -217,6 +218,26 @@ def check_name(value: object, owner: str) -> str | None:
             "a name with a visible character, such as 'probe', or leave `name` out (None)."
         )
     return value
+
+
+@contextmanager
+def inputs_taken(
+    model: object, inputs: str | Callable[[], str], fix: str = "", forward: str = "the forward"
+) -> Iterator[None]:
+    """Run a forward of ``model`` on inputs the user gave (``inputs`` names them, or makes the
+    name when needed): an exception it raises becomes a :class:`RecorderConfigError` naming the
+    model and the inputs, with the forward's own exception as its cause (``forward`` names the
+    call, ``fix``, if given, ends the message); the package's own errors pass as they are."""
+    try:
+        yield
+    except RecorderError:
+        raise
+    except Exception as err:
+        named = inputs if isinstance(inputs, str) else inputs()
+        raise RecorderConfigError(
+            f"Expected {named} to be valid inputs of {type(model).__name__} but {forward} "
+            f"raised {type(err).__name__}: {err}{fix}"
+        ) from err
 
 
 def check_tensor(value: object, name: str, *, real: bool = False) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from os import PathLike
@@ -12,9 +13,10 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 from torch import nn
 
-from .._core.checks import check_option, suggestion
+from .._core.checks import check_option, inputs_taken, suggestion
 from .._core.compat import uncompiled
 from .._core.hooks import HookSet
+from .._core.structures import shape_of
 from ..errors import NoRecordError, RecorderConfigError, RecorderStateError, UnknownSourceError
 from ._builder import GraphBuilder
 from ._dot import render_dot, to_dot
@@ -467,7 +469,9 @@ def record_graph(model: nn.Module, /, *args: Any, **kwargs: Any) -> ExecutionGra
 
     Raises:
         RecorderConfigError: ``model`` is not a ``torch.nn.Module``, or is scripted
-            (``torch.jit.script``; a scripted submodule is recorded as part of its caller).
+            (``torch.jit.script``; a scripted submodule is recorded as part of its caller); or
+            its forward raised on the inputs given (the forward's exception is its cause), as
+            :class:`~lightning_recorder.Inspector` says of inputs its model cannot take.
 
     Examples:
         >>> import torch
@@ -477,5 +481,24 @@ def record_graph(model: nn.Module, /, *args: Any, **kwargs: Any) -> ExecutionGra
     """
     with GraphRecorder(model) as recorder:
         # the module a torch.compile wrapper holds: compiling it just to record is wasted time
-        uncompiled(model)(*args, **kwargs)
+        net = uncompiled(model)
+        fix = (
+            "; pass what its forward takes: record_graph(model, *args, **kwargs) runs "
+            "model(*args, **kwargs) once."
+        )
+        with inputs_taken(net, lambda: _inputs_text(args, kwargs), fix):
+            net(*args, **kwargs)
     return recorder.graph
+
+
+def _inputs_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The inputs of a call, for a message: a tensor as its shape, anything else as a short
+    repr (made only for a forward that failed)."""
+
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"Tensor{list(shape_of(value))}"
+        return reprlib.repr(value)
+
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return f"the inputs of record_graph ({', '.join(parts) or 'none'})"

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from .._core.checks import parse_device, suggestion
+from .._core.checks import inputs_taken, parse_device, suggestion
 from .._core.hooks import HookSet
 from .._core.structures import iter_tensors, shape_of
 from ..errors import RecorderConfigError, RecorderStateError
@@ -208,7 +208,8 @@ def trace(
 
     hooks = HookSet("Inspector trace")
     try:
-        with _as_found(net):
+        inputs = "`input_size`/`input_data`"
+        with inputs_taken(net, inputs, forward="the traced forward"), _as_found(net):
             for module in net.modules():
                 if isinstance(module, torch.jit.ScriptModule):  # torch allows it no hooks
                     continue
@@ -218,11 +219,6 @@ def trace(
                 net.train(mode == "train")
             with torch.no_grad():
                 net(*args, **kwargs)
-    except Exception as err:
-        raise RecorderConfigError(
-            f"Expected `input_size`/`input_data` to be valid inputs of {type(net).__name__} but "
-            f"the traced forward raised {type(err).__name__}: {err}"
-        ) from err
     finally:
         hooks.remove_all()
     return _rows(net, calls)

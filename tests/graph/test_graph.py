@@ -378,8 +378,9 @@ def test_the_model_trains_normally_after_recording() -> None:
 
 
 def test_hooks_are_removed_when_the_forward_raises(cnn: SmallCNN) -> None:
-    with pytest.raises(RuntimeError, match="channels"):
+    with pytest.raises(RecorderConfigError, match="channels") as info:
         record_graph(cnn, torch.randn(2, 5, 8, 8))  # wrong channel count
+    assert isinstance(info.value.__cause__, RuntimeError)
     assert live_hooks() == []
     recorder = GraphRecorder(cnn)
     with pytest.raises(RuntimeError, match="channels"), recorder:
@@ -388,6 +389,38 @@ def test_hooks_are_removed_when_the_forward_raises(cnn: SmallCNN) -> None:
     assert live_hooks() == []
     with pytest.raises(NoRecordError, match="the block raised or never called the model"):
         _ = recorder.graph
+
+
+def test_inputs_the_model_cannot_take_are_named_as_inspector_names_them(cnn: SmallCNN) -> None:
+    """`record_graph(model, None)` let the model's own TypeError through, where Inspector says
+    which model could not take which inputs: both now say it the same way."""
+    from lightning_recorder import Inspector
+
+    for args, kwargs, shown in [
+        ((None,), {}, "None"),
+        ((), {}, "none"),
+        ((torch.randn(2, 3, 8, 8),), {"scale": 2.0}, "Tensor[2, 3, 8, 8], scale=2.0"),
+    ]:
+        with pytest.raises(RecorderConfigError) as info:
+            record_graph(cnn, *args, **kwargs)
+        message = str(info.value)
+        assert message.startswith(
+            f"Expected the inputs of record_graph ({shown}) to be valid inputs of SmallCNN but "
+            "the forward raised TypeError: "
+        ), message
+        assert message.endswith(
+            "record_graph(model, *args, **kwargs) runs model(*args, **kwargs) once."
+        )
+        assert isinstance(info.value.__cause__, TypeError)
+        assert live_hooks() == []
+    # Inspector's error, from the one shared wrapper: the same sentence, its own names
+    with pytest.raises(RecorderConfigError) as inspected:
+        Inspector(cnn, input_data=[None])
+    assert str(inspected.value).startswith(
+        "Expected `input_size`/`input_data` to be valid inputs of SmallCNN but the traced forward "
+        "raised TypeError: "
+    )
+    assert isinstance(inspected.value.__cause__, TypeError)
 
 
 def test_a_caught_error_inside_the_block_keeps_the_recording_consistent(cnn: SmallCNN) -> None:
