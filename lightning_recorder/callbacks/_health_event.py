@@ -281,9 +281,13 @@ def next_step(event: HealthEvent) -> str:
     if event.kind != "nonfinite":
         return ""
     if event.direction == "parameter":
+        restore = ""
+        if event.action == "skipped":  # the weight stays as it is: restore it first
+            restore = " restore the weights from a checkpoint saved before this step, then"
         return (
-            "The optimizer step before (or the checkpoint loaded) made it: lower the learning "
-            "rate, clip gradients (`Trainer(gradient_clip_val=1.0)`) or raise Adam's `eps`."
+            f"The optimizer step before (or the checkpoint loaded) made it:{restore} lower the "
+            "learning rate, clip gradients (`Trainer(gradient_clip_val=1.0)`) or raise Adam's "
+            "`eps`."
         )
     if event.module is not None:
         return _backward_hint(event) if event.direction == "backward" else _forward_hint(event)
@@ -333,6 +337,11 @@ def describe(event: HealthEvent) -> str:
     tail = []
     if event.action in _ACTIONS:
         tail.append(_ACTIONS[event.action] + _buffers(event))
+    if event.action == "skipped" and event.direction == "parameter":
+        tail.append(
+            "skipping will not recover from this, as the weight itself is non-finite: every "
+            "later step will be skipped until `max_consecutive_skips` raises"
+        )
     unnoticed = event.details.get("skipped_since_notice")
     if unnoticed:
         steps = "step" if unnoticed == 1 else "steps"

@@ -1313,6 +1313,61 @@ NEXT_STEPS = {
 }
 
 
+RESTORE = "restore the weights from a checkpoint saved before this step, then"
+
+
+class _AdamWithoutEps(pl.LightningModule):
+    """Adam with ``eps=0`` on a batch whose first feature is always 0: the first update divides
+    0 by 0 in ``l1.weight[:, 0]`` (finite gradients, NaN weights), so every later step is
+    non-finite from a weight that is non-finite before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.l2(self.l1(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01, eps=0.0)
+
+
+def test_a_skip_notice_says_skipping_cannot_recover_a_weight_already_non_finite(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(24, 4), torch.randint(0, 3, (24,))
+    x[:, 0] = 0.0  # no gradient for l1.weight[:, 0]
+    monitor = HealthMonitor("skip", max_consecutive_skips=2, rules=(), evidence_max_bytes=0)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    logged = caplog.at_level(logging.WARNING, logger="lightning_recorder.health")
+    with logged, pytest.raises(NonFiniteError):
+        fit(_AdamWithoutEps(), [monitor], steps=6, loader=loader)
+    found = [(e.step, e.action, e.module, e.direction, e.path) for e in monitor.events]
+    assert found == [
+        (1, "skipped", "l1", "parameter", "weight"),
+        (2, "skipped", "l1", "parameter", "weight"),
+        (3, "raised", "l1", "parameter", "weight"),
+    ]
+    cannot = (
+        "; the update was skipped; skipping will not recover from this, as the weight itself is "
+        "non-finite: every later step will be skipped until `max_consecutive_skips` raises; no "
+        "evidence written. The optimizer step before (or the checkpoint loaded) made it: "
+        f"{RESTORE} lower the learning rate, clip gradients (`Trainer(gradient_clip_val=1.0)`) "
+        "or raise Adam's `eps`."
+    )
+    first, second, last = (e.message for e in monitor.events)
+    assert first.endswith(cannot) and second.endswith(cannot)
+    assert caplog.records[0].getMessage().endswith(cannot)  # the notice the user reads
+    # the step that raises skips nothing: its message says what it did, no restore advice
+    assert "skipping will not recover" not in last and RESTORE not in last
+    # a step skipped for anything but a weight already non-finite says nothing of the kind
+    monitor = HealthMonitor("skip", rules=(), evidence_max_bytes=0)
+    fit(Net("mlp"), [Injector({1: Fault("body.2", "forward", "nan", 1)}), monitor], steps=2)
+    assert "skipping will not recover" not in monitor.events[0].message
+
+
 @pytest.mark.parametrize("found", list(NEXT_STEPS))
 @pytest.mark.parametrize("policy", ["warn", "skip", "raise"])
 def test_a_non_finite_message_says_what_to_do(
@@ -1349,7 +1404,10 @@ def test_a_non_finite_message_says_what_to_do(
     assert told.endswith(event.message) and event.step == 1
     tensors = str(tmp_path / "step00000001-rank0" / "tensors.safetensors")
     read = f"Read the bundle with `safetensors.torch.load_file({tensors!r})` and its `event.json`."
-    assert event.message.endswith(f". {NEXT_STEPS[found]} {read}")
+    hint = NEXT_STEPS[found]
+    if (found, policy) == ("parameter", "skip"):  # skipping leaves the weight as it is
+        hint = hint.replace("made it: lower", "made it: " + RESTORE + " lower")
+    assert event.message.endswith(f". {hint} {read}")
     assert "batch.0" in load_file(tensors)  # the line the message gives loads the bundle
 
 
