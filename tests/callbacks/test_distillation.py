@@ -2233,6 +2233,54 @@ def test_an_empty_batch_adds_zero_with_a_zero_gradient_and_logs_no_term() -> Non
     assert [v for s, n, v in student.logged if s == 1] == [0.0]
 
 
+class TokensAndMaps(nn.Module):
+    """tokens: (N, L, 8); maps: the same embedding as (N, L, 2, 4), maps whose channel count
+    happens to equal the mask's L."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V_TOKENS, 8)
+        self.tokens = nn.Linear(8, 8)
+        self.maps = nn.Identity()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        return self.tokens(h).mean() + self.maps(h.view(*ids.shape, 2, 4)).mean()
+
+
+class TokensAndMapsStudent(TokenStudent):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TokensAndMaps()  # type: ignore[assignment]
+
+
+def test_token_mask_leaves_feature_maps_whose_channels_match_its_length_unmasked() -> None:
+    """Token features are (N, L, C), as everywhere in the package: a feature map (N, C, H, W)
+    whose C happens to equal the mask's L is not cut by the mask."""
+    torch.manual_seed(0)
+    teacher, student = TokensAndMaps(), TokensAndMapsStudent()
+    (batch,) = padded_batches(1)
+    ids, keep = batch["ids"], batch["mask"].bool()
+    with torch.no_grad():
+        s_h, t_h = student.net.embed(ids).double(), teacher.embed(ids).double()
+        maps = F.mse_loss(s_h.view(4, 6, 2, 4), t_h.view(4, 6, 2, 4))  # every position
+        s_tok = student.net.tokens.double()(s_h)
+        t_tok = copy.deepcopy(teacher.tokens).double()(t_h)
+        tokens = F.mse_loss(s_tok[keep], t_tok[keep])  # the real tokens only
+        student.net.tokens.float()
+    distill = FeatureDistillation(
+        teacher,
+        {"net.tokens": "tokens", "net.maps": "maps"},
+        connectors="identity",
+        token_mask="mask",
+    )
+    trainer = pl.Trainer(callbacks=[distill], max_steps=1, **trainer_kwargs())
+    trainer.fit(student, as_loader([batch]))
+    logged = trainer.callback_metrics
+    assert float(logged["distill/net.maps"]) == pytest.approx(float(maps), rel=1e-5)
+    assert float(logged["distill/net.tokens"]) == pytest.approx(float(tokens), rel=1e-5)
+
+
 def test_an_empty_validation_batch_weighs_nothing_in_the_epochs_terms() -> None:
     """In validation (an epoch's mean, synced over ranks) a pair without samples is logged with
     weight 0, not left out: every rank logs the same keys (a key one rank never logged would

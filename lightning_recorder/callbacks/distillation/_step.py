@@ -383,7 +383,7 @@ class StepRunner:
                 ) from err
             if mask is not None:
                 shapes.append(f"{pair!r} {shape_of(mapped)} -> {t_name!r} {shape_of(t)}")
-                tokens = mapped.dim() > 2 and t.dim() > 2
+                tokens = mapped.dim() == 3 and t.dim() == 3  # (N, L, C); not maps (N, C, H, W)
                 if tokens and mapped.shape[:2] == t.shape[:2] == mask.shape:
                     masked.append(pair)
                     keep = mask.to(mapped.device)
