@@ -377,7 +377,8 @@ def model_statistics(
     except ImportError:
         raise RecorderConfigError(
             "Expected torchinfo to be installed for `summary` (torchinfo's ModelStatistics) but "
-            "it is not: `pip install torchinfo`, or read this package's table with "
+            'it is not: `pip install torchinfo` (or `pip install "lightning-recorder[summary]"`), '
+            "or read this package's table with "
             "`summary_text()` or `print(inspector)`."
         ) from None
     settings = {**_SCIO_DEFAULTS, **options}

@@ -61,6 +61,26 @@ def test_render_without_graphviz_names_the_extra_in_a_line_every_shell_runs(
     assert not (tmp_path / "graph.svg").exists()
 
 
+def test_inspector_summary_without_torchinfo_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchinfo is the `summary` extra's: the message names it beside the plain install, and
+    the package's own table still works."""
+    from torch import nn
+
+    from lightning_recorder import Inspector
+    from lightning_recorder.errors import RecorderConfigError
+
+    monkeypatch.setitem(sys.modules, "torchinfo", None)
+    inspector = Inspector(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), input_size=(2, 3))
+    with pytest.raises(RecorderConfigError) as caught:
+        _ = inspector.summary
+    message = str(caught.value)
+    assert message.startswith("Expected torchinfo to be installed for `summary`")
+    assert '`pip install "lightning-recorder[summary]"`' in message
+    assert "Linear" in inspector.summary_text()
+
+
 def test_activation_writers_and_dataset_without_safetensors_fail_when_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
