@@ -9,6 +9,7 @@ reads an on/off environment variable, the one way every switch of the package is
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 import warnings
@@ -46,6 +47,15 @@ def switched_on(variable: str) -> bool:
             stacklevel=2,
         )
     return True
+
+
+def installed(module: str) -> bool:
+    """Whether the top-level package ``module`` can be imported (found without importing it;
+    ``None`` in ``sys.modules``, as a test that hides a package sets it, counts as missing)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # a module without a spec in sys.modules
+        return False
 
 
 def with_article(what: str) -> str:

@@ -22,7 +22,6 @@ other loggers nothing (they show neither images nor text).
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -33,6 +32,7 @@ import numpy as np
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from .._core.checks import installed
 from ._health_event import HealthEvent
 from ._health_heatmap import PALETTE, png, render_indexed
 from ._health_rules import percent
@@ -316,10 +316,7 @@ class HealthView:
 
 def _has_pillow() -> bool:
     """Whether Pillow can be imported (the heat maps are encoded with it)."""
-    try:
-        return importlib.util.find_spec("PIL") is not None
-    except ValueError:  # a module without a spec in sys.modules
-        return False
+    return installed("PIL")
 
 
 def _add_images(writer: Any, images: dict[str, np.ndarray], step: int) -> None:

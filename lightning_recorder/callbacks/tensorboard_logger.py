@@ -11,8 +11,8 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-from .._core.checks import check_int, check_number
-from ..errors import RecorderConfigError
+from .._core.checks import check_int, check_number, installed
+from ..errors import RecorderConfigError, RecorderStateError
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -60,6 +60,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
             ``SummaryWriter`` option or not of its type (``max_queue`` and ``purge_step`` a
             non-negative int, ``flush_secs`` a positive number, ``comment`` and
             ``filename_suffix`` a str).
+        RecorderStateError: TensorBoard is not installed (its writer writes the event files).
 
     Examples:
         >>> import tempfile
@@ -90,6 +91,12 @@ class TensorBoardLogger(LightningTensorBoardLogger):
                 f"{', '.join(map(repr, unknown))}."
             )
         _check_options(save_dir, kwargs, type(self).__name__)
+        if not installed("tensorboard"):  # its writer is TensorBoard's (torch.utils.tensorboard)
+            raise RecorderStateError(
+                f"Expected TensorBoard to be installed for {type(self).__name__} but it is not: "
+                f"its event files are written by TensorBoard's writer. Install it: `{_EXTRA}` "
+                "(TensorBoard and the google-crc32c wheel that checksums its records in C)."
+            )
         super().__init__(
             save_dir,
             name=name,

@@ -377,6 +377,20 @@ def test_logger_without_the_wheel_is_lightnings_logger(
     assert events(logger.log_dir).Histograms("stats/train/probe/histogram")
 
 
+def test_logger_without_tensorboard_names_the_extra_when_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its writer is TensorBoard's: without TensorBoard it said Lightning's "Neither tensorboard
+    nor tensorboardX is available" (tensorboardX would not do); it names the package's extra."""
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(RecorderStateError) as caught:
+        TensorBoardLogger(tmp_path)
+    message = str(caught.value)
+    assert message.startswith("Expected TensorBoard to be installed for TensorBoardLogger")
+    assert '`pip install "lightning-recorder[fast-tensorboard]"`' in message
+    assert not list(tmp_path.iterdir())  # nothing made
+
+
 def test_logger_with_tensorboard_older_than_2_12_says_so_not_that_the_wheel_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
