@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from .._core.checks import check_bool, suggestion
 from .._core.compat import autocast_enabled
 from ..errors import RecorderConfigError, RecorderError
+from .losses import default_channel_dim
 
 __all__ = ["ConnectorSpec", "build_connector", "resolve_connector"]
 
@@ -54,17 +55,17 @@ class _Resize(nn.Module):
         self.size = size
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-2] <= self.size[0] and x.shape[-1] <= self.size[1]:  # upsampling only
-            return F.interpolate(x, size=self.size, mode="bilinear", align_corners=False)
-        if x.dtype in (torch.float16, torch.bfloat16) and x.device.type != "cuda":
-            # the antialiased kernel has no half-precision form on the CPU: float32, cast back
-            y = F.interpolate(
-                x.float(), size=self.size, mode="bilinear", align_corners=False, antialias=True
-            )
-            return y.to(x.dtype)
-        return F.interpolate(
-            x, size=self.size, mode="bilinear", align_corners=False, antialias=True
+        shrinks = x.shape[-2] > self.size[0] or x.shape[-1] > self.size[1]
+        # the antialiased kernel has no half-precision form on the CPU: float32, cast back
+        half = x.dtype in (torch.float16, torch.bfloat16) and x.device.type != "cuda"
+        y = F.interpolate(
+            x.float() if shrinks and half else x,
+            size=self.size,
+            mode="bilinear",
+            align_corners=False,
+            antialias=shrinks,
         )
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"size={self.size}, mode='bilinear', align_corners=False"
@@ -190,7 +191,8 @@ def position_connector(
 
 
 def _build(s: tuple[int, ...], t: tuple[int, ...]) -> nn.Module:
-    c_s, c_t = (s[-1], t[-1]) if len(s) == 3 else (s[1], t[1])
+    d = default_channel_dim(len(s))
+    c_s, c_t = s[d], t[d]
     proj: nn.Module | None = None
     if c_s != c_t:
         proj = nn.Conv2d(c_s, c_t, 1, bias=False) if len(s) == 4 else nn.Linear(c_s, c_t, False)

@@ -145,15 +145,21 @@ def _check_dim(dim: object) -> None:
         )
 
 
+def default_channel_dim(ndim: int) -> int:
+    """The channel (class) dim of features of ``ndim`` dims (2 or more): 1 for (N, C) and
+    (N, C, H, W), the last for tokens (N, L, C)."""
+    return 2 if ndim == 3 else 1
+
+
 def _channel_dim(x: Tensor, dim: int | None, loss: str) -> int:
-    """The channel (class) dim: 1 for (N, C) and (N, C, H, W), last for (N, L, C)."""
+    """The channel (class) dim: :func:`default_channel_dim`, or ``dim`` checked."""
     if x.ndim < 2:
         raise RecorderConfigError(
             f"Expected {loss} features with a batch dim and a channel dim (2-D or more) but got "
             f"shape {_shape(x)}."
         )
     if dim is None:
-        return 2 if x.ndim == 3 else 1
+        return default_channel_dim(x.ndim)
     _check_dim(dim)
     if not -x.ndim <= dim < x.ndim:
         raise RecorderConfigError(
@@ -163,15 +169,20 @@ def _channel_dim(x: Tensor, dim: int | None, loss: str) -> int:
     return dim % x.ndim
 
 
-def _no_samples(student: Tensor) -> bool:
-    """Whether the (checked) features hold no sample: a batch dim of size 0."""
-    return student.ndim > 0 and student.shape[0] == 0
+def no_samples(features: Tensor) -> bool:
+    """Whether ``features`` hold no sample: a batch dim of size 0."""
+    return features.ndim > 0 and features.shape[0] == 0
 
 
-def _zero(student: Tensor) -> Tensor:
+def zero_loss(student: Tensor) -> Tensor:
     """The loss of a batch without samples: 0 with a zero gradient, where a mean over nothing
-    is NaN (one empty batch would make the student's loss NaN and poison its weights)."""
-    return (student.abs() if student.is_complex() else student).sum()
+    is NaN (one empty batch would make the student's loss NaN and poison its weights); real,
+    and float32 for half-precision features, as the losses give."""
+    if student.is_complex():
+        student = student.abs()
+    if student.dtype in (torch.float16, torch.bfloat16):
+        student = student.float()
+    return student.sum()
 
 
 def _check_positive(name: str, value: object) -> float:
@@ -209,8 +220,8 @@ def mse_loss(student: Tensor, teacher: Tensor) -> Tensor:
     """
     student, teacher = _prepare(student, teacher, "mse_loss")
     _same_shape(student, teacher)
-    if _no_samples(student):
-        return _zero(student)
+    if no_samples(student):
+        return zero_loss(student)
     return F.mse_loss(student, teacher)
 
 
@@ -235,8 +246,8 @@ def l1_loss(student: Tensor, teacher: Tensor) -> Tensor:
     """
     student, teacher = _prepare(student, teacher)
     _same_shape(student, teacher)
-    if _no_samples(student):
-        return _zero(student)
+    if no_samples(student):
+        return zero_loss(student)
     return F.l1_loss(student, teacher)
 
 
@@ -275,14 +286,14 @@ def cosine_loss(student: Tensor, teacher: Tensor, dim: int | None = None) -> Ten
             "2 with no gradient and train nothing. Compare one channel with mse_loss or "
             "l1_loss, or pass `dim` to name the channel dim."
         )
-    if _no_samples(student):
-        return _zero(student)
+    if no_samples(student):
+        return zero_loss(student)
     return (1.0 - F.cosine_similarity(student, teacher, dim=d)).mean()
 
 
 def _attention_map(x: Tensor, p: float) -> Tensor:
     """``mean_c |x|^p`` flattened per sample and L2-normalised: (N, positions)."""
-    c = 2 if x.ndim == 3 else 1
+    c = default_channel_dim(x.ndim)
     magnitude = x.abs()
     if p < 1:
         # |x|^p has an infinite slope at 0 for p < 1, which made the gradient of every zero
@@ -364,8 +375,8 @@ def attention_transfer_loss(
             "nothing. Pair layers with a spatial size (or several tokens) rather than pooled "
             "features, or compare pooled features with mse_loss or cosine_loss."
         )
-    if _no_samples(student):
-        return _zero(student)
+    if no_samples(student):
+        return zero_loss(student)
     diff = _attention_map(student, p) - _attention_map(teacher, p)
     if distance == "mse":
         return diff.pow(2).mean()
@@ -426,8 +437,8 @@ def kl_div_loss(
             f"both classes' logits, `torch.cat([torch.zeros_like(x), x], dim={d})` (their "
             "softmax is 1 - sigmoid(x), sigmoid(x)), or pass `dim` to name the class dim."
         )
-    if _no_samples(student):
-        return _zero(student)
+    if no_samples(student):
+        return zero_loss(student)
     log_s = F.log_softmax(student.movedim(d, -1).reshape(-1, classes) / t_, dim=-1)
     log_t = F.log_softmax(teacher.movedim(d, -1).reshape(-1, classes) / t_, dim=-1)
     # sum p_t * (log p_t - log p_s), with 0 * log 0 = 0: a class the teacher gives no

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from ..._core.compat import distributed_active
 from ...distill.connectors import ConnectorSpec, is_auto, position_connector, resolve_connector
+from ...distill.losses import default_channel_dim
 from ...errors import RecorderConfigError
 
 
@@ -200,7 +201,7 @@ class ConnectorBank:
         rank = len(s_shape)
         if rank != len(t_shape) or rank < 2:
             return
-        d = (2 if rank == 3 else 1) if dim is None else dim
+        d = default_channel_dim(rank) if dim is None else dim
         if not -rank <= d < rank or s_shape[d] == t_shape[d]:
             return
         c_s, c_t = s_shape[d], t_shape[d]

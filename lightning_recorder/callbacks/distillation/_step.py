@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..._core.hooks import HookSet
 from ..._core.structures import shape_of
 from ...distill import DistillDeliveryManager, LossFn
+from ...distill.losses import no_samples, zero_loss
 from ...errors import (
     RecorderConfigError,
     RecorderError,
@@ -388,8 +389,8 @@ class StepRunner:
                     masked.append(pair)
                     keep = mask.to(mapped.device)
                     mapped, t = mapped[keep], t[keep]
-            if _no_samples(mapped, t):  # no real token, or an empty batch: a mean over nothing
-                terms[pair] = _nothing(mapped) * self.weights[pair]  # 0, with a zero gradient
+            if no_samples(mapped) and no_samples(t):  # no real token, or an empty batch
+                terms[pair] = zero_loss(mapped) * self.weights[pair]  # 0, with a zero gradient
                 self.empty.add(pair)  # and not logged at this step
                 continue
             loss = self.losses[pair]
@@ -572,21 +573,6 @@ class StepRunner:
                 module.log(f"{prefix}/{pair}", value.detach(), batch_size=weight, **options)
             module.log(f"{prefix}/total", total.detach(), **options)
         return total
-
-
-def _no_samples(student: Tensor, teacher: Tensor) -> bool:
-    """Whether both features have a batch dim of size 0 (every loss's mean over them is NaN)."""
-    return student.dim() > 0 and teacher.dim() > 0 and student.shape[0] == teacher.shape[0] == 0
-
-
-def _nothing(student: Tensor) -> Tensor:
-    """The term of a pair without a sample: 0, with a zero gradient (real, in float32 at least
-    for half-precision features, as the losses give)."""
-    if student.is_complex():
-        student = student.abs()
-    if student.is_floating_point() and student.dtype in (torch.float16, torch.bfloat16):
-        student = student.float()
-    return student.sum()
 
 
 def _token_mask(value: Any) -> Tensor:
