@@ -530,9 +530,7 @@ class RecorderCallback(Callback):
             self._silent.add(key)  # checked once: the walk above is not repeated
             if was_replaced:
                 replaced.append(key)
-            elif (
-                key in self._called
-            ):  # never called so far: a module unused in training is not news
+            elif key in self._called:  # one never called so far (unused in training): no news
                 stopped.append(key)
         for found, why in (
             (

@@ -422,7 +422,7 @@ class StepRunner:
                 "leading (N, L) of the student (after its connector) and teacher features of at "
                 f"least one pair but got {'; '.join(shapes)}: a mask that applies to no pair is "
                 "a mistake. Give the mask of the batch's tokens (such as Hugging Face's "
-                "attention_mask), or pair token features (N, L, ...)."
+                "attention_mask), or pair token features (N, L, C)."
             )
         if self.on_nonfinite != "ignore" and self.phase == "train":
             self._flag_nonfinite(terms)

@@ -140,9 +140,9 @@ class FeatureDistillation(Callback):
             or 0 and 1 as Hugging Face's ``attention_mask``: 1 for a real token), or a function
             ``(batch) -> mask`` or ``(batch, batch_idx) -> mask`` (or its import path, as a YAML
             config gives it), as ``sample_index`` of :class:`~lightning_recorder.ActivationWriter`.
-            A pair whose student (after its connector) and teacher features are ``(N, L, ...)``
-            with the mask's ``(N, L)`` has its loss computed on the kept positions only,
-            ``x[mask]`` of shape ``(M, ...)`` (so ``"kl"`` averages over the real tokens, and a
+            A pair whose student (after its connector) and teacher features are tokens
+            ``(N, L, C)`` with the mask's ``(N, L)`` has its loss computed on the kept positions
+            only, ``x[mask]`` of shape ``(M, C)`` (so ``"kl"`` averages over the real tokens, and a
             batch without any gives the pair ``0``); the other pairs (pooled ``(N, C)``
             features, maps) are left as they are. Validation (``log_validation``) uses it too.
         teacher_checkpoint: a file with the teacher's state dict (or a Lightning checkpoint
