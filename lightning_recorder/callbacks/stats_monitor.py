@@ -365,13 +365,9 @@ class FeatureStatsMonitor(RecorderCallback):
                 f"of training, but got stages={list(self.stages)!r}, where none would be logged. "
                 "Add 'train' to `stages`, or leave `parameters` out."
             )
-        # parameter statistics are training statistics: none without the train stage
+        self.parameters = parameters
         per_logger = logger_stats_option(
-            logger_stats,
-            chosen_stats,
-            owner,
-            histograms is True,
-            parameters is not False and "train" in self.stages,
+            logger_stats, chosen_stats, owner, histograms is True, self._logs_parameters
         )
         if histogram_every_n_steps is not None and "train" not in self.stages:
             raise RecorderConfigError(
@@ -388,7 +384,6 @@ class FeatureStatsMonitor(RecorderCallback):
         self.histogram_every_n_steps = histogram_every_n_steps
         if isinstance(every_n_steps, int):  # known now: say so at construction
             self._check_histogram_cadence(every_n_steps, "`every_n_steps`")
-        self.parameters = parameters
         self.prefix = prefix
         self.clone = clone
         self.logger_stats = per_logger
@@ -426,6 +421,12 @@ class FeatureStatsMonitor(RecorderCallback):
     def tag(self, stage: Stage, name: str, stat: str) -> str:
         """The tag of statistic ``stat`` of module or parameter ``name`` in ``stage``."""
         return f"{self.prefix}/{stage}/{name}/{stat}"
+
+    @property
+    def _logs_parameters(self) -> bool:
+        """Whether parameter statistics are logged: ``parameters`` not ``False``, and training
+        statistics (they are taken at the optimizer steps), so ``"train"`` in ``stages``."""
+        return self.parameters is not False and "train" in self.stages
 
     def subscribe(self, listener: Callable[[StatsReport], None]) -> None:
         """Call ``listener`` with a :class:`StatsReport` of every logged training step and
@@ -577,8 +578,7 @@ class FeatureStatsMonitor(RecorderCallback):
         names = [type(lg).__name__ for lg in loggers]
         verb = "gets" if len(names) == 1 else "get"
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-        takes_parameters = self.parameters is not False and "train" in self.stages
-        offered = (*self.stats, *(PARAM_STATS if takes_parameters else ()))
+        offered = (*self.stats, *(PARAM_STATS if self._logs_parameters else ()))
         entries = {
             type(lg).__name__: [n for n in offered if n in self._logger_filter(lg)]
             for lg in loggers
@@ -633,11 +633,7 @@ class FeatureStatsMonitor(RecorderCallback):
         for recorder_name, stream in self.manager.streams():
             path = self._paths.get(recorder_name)
             streams.setdefault(stream.name if path is None else f"{stream.name}/{path}", stream)
-        params = (
-            self._chosen_parameters(pl_module, streams)
-            if self.parameters is not False and "train" in self.stages
-            else None
-        )
+        params = self._chosen_parameters(pl_module, streams) if self._logs_parameters else None
         self._check_tags_are_its_own(trainer, streams, params or {})
         self._streams = streams
         self._tag_cache.clear()  # the cached tags of every module follow these streams
