@@ -267,7 +267,11 @@ class _Compiler:
             with self._lock:
                 self._pending.difference_update(replaced)
             keys = [k for k in keys if not _replaced_by_native(k)]
-        for key in keys:
+        for index, key in enumerate(keys):
+            if not threading.main_thread().is_alive():  # the process is exiting: the graph
+                with self._lock:  # being compiled was finished, the others are not begun
+                    self._pending.difference_update(keys[index:])
+                return
             try:
                 with torch.inference_mode(key[4]):
                     example = _example(key)
