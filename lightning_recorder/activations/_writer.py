@@ -15,11 +15,13 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from .._core.checks import closest_hint
 from ..errors import RecorderConfigError, RecorderStateError
 from ._format import (
     FORMAT,
     INDEX_SUFFIX,
     SHARD_SUFFIX,
+    STAGES,
     STORABLE,
     TMP_SUFFIX,
     VERSION,
@@ -107,18 +109,44 @@ def _not_dense(tensor: torch.Tensor, where: str) -> RecorderConfigError:
     )
 
 
+def _not_1d(found: str, rows: int | None) -> RecorderConfigError:
+    """The error for sample indices of more or fewer dimensions than one (``found`` says what
+    they are; ``rows``: the batch's first dimension, where known)."""
+    n = "N" if rows is None else f"N = {rows} here"
+    return RecorderConfigError(
+        "Expected the sample indices (`sample_index`) to be 1-d, of shape (N,) with N the "
+        f"batch's first dimension ({n}: one dataset index per row), but got {found}; pass one "
+        "index per row (`index.view(-1)` for indices of shape (N, 1), as a dataset returning "
+        "`[index]` collates them)."
+    )
+
+
 def _where(source: str, module: str) -> str:
     return f"source {source!r} (module {module!r})"
 
 
+# The provenance numbers that are never negative: what each counts, and what to pass.
+_COUNTS = {
+    "global_step": "it counts the optimizer steps from 0; pass the Trainer's `global_step` "
+    "(0 before the first step)",
+    "call": "it numbers the calls of the module in one forward from 0; pass 0 for the first "
+    "call (a module called once)",
+}
+
+
 def _provenance_int(name: str, value: object) -> int:
     """``value`` as an int (an int, a NumPy integer, an integer 0-d tensor), else an error: a
-    float, ``None`` or a string would be truncated, or fail the readers that sort the rows."""
+    float, ``None`` or a string would be truncated, or fail the readers that sort the rows; a
+    bool is no number. A number of :data:`_COUNTS` must be ``>= 0`` too."""
     found = as_index(value)
+    counts = _COUNTS.get(name)
     if found is None:
+        kind = "an int" if counts is None else "an int >= 0"
         raise RecorderConfigError(
-            f"Expected `{name}` to be an int but got {type(value).__name__} {value!r}."
+            f"Expected `{name}` to be {kind} but got {type(value).__name__} {value!r}."
         )
+    if counts is not None and found < 0:
+        raise RecorderConfigError(f"Expected `{name}` to be an int >= 0 but got {found}: {counts}.")
     return found
 
 
@@ -281,21 +309,24 @@ class ShardWriter:
             source: the source name (a key of ``sources``, or any name).
             module: the module (or stream) the tensor comes from.
             tensor: the activations; the source's options are applied first.
-            stage: provenance of the batch: the stage (``"train"``, ``"val"``, ``"test"`` or
-                ``"predict"``).
-            global_step: provenance of the batch: the optimizer step.
+            stage: provenance of the batch: the stage, one of ``"train"``, ``"val"``,
+                ``"test"`` and ``"predict"``.
+            global_step: provenance of the batch: the optimizer step (``>= 0``).
             epoch: provenance of the batch: the epoch.
             batch_idx: provenance of the batch: its index in the epoch.
             dataloader_idx: provenance of the batch: the index of its dataloader.
-            sample_index: the dataset index of each row (default: ``-1``, unknown).
+            sample_index: the dataset index of each row, of shape ``(N,)`` for ``N`` rows
+                (default: ``-1``, unknown).
             call: which call of the module in the forward (0 for the first).
 
         Returns:
             Whether the batch was queued (false only when ``queue_full="drop"`` dropped it).
 
         Raises:
-            RecorderConfigError: the tensor cannot be stored, ``sample_index`` has the wrong
-                length, or a name is not a str or a provenance number not an int.
+            RecorderConfigError: the tensor cannot be stored, ``sample_index`` is not 1-d
+                integers of the right length, a name is not a str, ``stage`` not one of the
+                four, a provenance number not an int, or ``global_step`` or ``call`` negative
+                (checked before anything is queued).
             RecorderStateError: the writer is closed, the queue is full under
                 ``queue_full="raise"``, or the thread failed (its error is the cause).
         """
@@ -307,7 +338,10 @@ class ShardWriter:
                     f"Expected `{name}` to be a str but got {type(value).__name__} {value!r}."
                 )
         call = _provenance_int("call", call)
-        chunk = self._chunk(source, module, tensor, base, self._index(sample_index), call)
+        rows = None
+        if isinstance(tensor, torch.Tensor):  # dimension 0, which the source's options keep
+            rows = tensor.size(0) if tensor.dim() else 1
+        chunk = self._chunk(source, module, tensor, base, self._index(sample_index, rows), call)
         return self._put(("chunks", [chunk]), chunk[1].nbytes)
 
     def write_records(
@@ -398,6 +432,12 @@ class ShardWriter:
                 'Expected `stage` to be a str ("train", "val", "test" or "predict") '
                 f"but got {type(stage).__name__} {stage!r}."
             )
+        if stage not in STAGES:  # a row of another stage no `stages` filter would name
+            raise RecorderConfigError(
+                f"Expected `stage` to be one of {', '.join(map(repr, STAGES))} (the stages "
+                "ActivationWriter writes and ActivationDataset(stages=...) keeps) but got "
+                f"{stage!r}.{closest_hint(stage, STAGES, 'stages')}"
+            )
         return {
             "stage": stage,
             "global_step": _provenance_int("global_step", global_step),
@@ -407,9 +447,16 @@ class ShardWriter:
         }
 
     @staticmethod
-    def _index(sample_index: Sequence[int] | torch.Tensor | None) -> list[int] | None:
+    def _index(
+        sample_index: Sequence[int] | torch.Tensor | None, rows: int | None = None
+    ) -> list[int] | None:
+        """The sample indices as ints, checked: one dimension, integers (``rows``: the batch's
+        first dimension, for the message, where known)."""
         if sample_index is None:
             return None
+        shape = getattr(sample_index, "shape", None)  # a tensor or a NumPy array
+        if shape is not None and len(shape) != 1:
+            raise _not_1d(f"shape {tuple(shape)}" + ("" if len(shape) else " (one value)"), rows)
         if isinstance(sample_index, torch.Tensor):
             wrong = sample_index.is_floating_point() or sample_index.is_complex()
             if wrong or sample_index.dtype == torch.bool:  # a mask: 0 and 1, not indices
@@ -419,9 +466,14 @@ class ShardWriter:
                     "themselves (an integer tensor or a sequence of ints), not values of the "
                     "batch such as its inputs or targets."
                 )
-            return [int(i) for i in sample_index.reshape(-1).tolist()]
+            return [int(i) for i in sample_index.tolist()]
         index: list[int] = []
         for item in sample_index:
+            # a tensor [i] is an index to Python too: a row of a 2-d index, not an index
+            if getattr(item, "ndim", 0) or (
+                isinstance(item, Sequence) and not isinstance(item, str)
+            ):
+                raise _not_1d(f"a sequence holding {type(item).__name__} {item!r}", rows)
             found = as_index(item)  # a mask's values (bools), 0 and 1, are not indices
             if found is None:
                 raise RecorderConfigError(

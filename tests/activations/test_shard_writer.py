@@ -47,10 +47,19 @@ def test_room_imports_neither_lightning_nor_recorder_modules() -> None:
             if isinstance(node, ast.ImportFrom):
                 module = ("." * node.level) + (node.module or "")
                 assert not module.startswith("lightning"), (path.name, module)
-                if node.level == 2:  # from ..x: only the error classes
-                    assert module == "..errors", (path.name, module)
+                if node.level == 2:  # from ..x: the error classes and the shared checks
+                    assert module in ("..errors", ".._core.checks"), (path.name, module)
             elif isinstance(node, ast.Import):
                 assert not any(a.name.startswith("lightning") for a in node.names), path.name
+    # the shared checks stand on torch and the error classes alone
+    checks = ROOM.parent / "_core" / "checks.py"
+    for node in ast.walk(ast.parse(checks.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            assert node.module == "errors" and node.level == 2, node.module
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(n.startswith("lightning") for n in names), names
 
 
 def test_manager_loop_reads_back_bit_exact(tmp_path: Path) -> None:
@@ -557,6 +566,70 @@ def test_provenance_of_another_type_is_refused_when_written(tmp_path: Path) -> N
     writer.close()
     (row,) = ActivationDataset(tmp_path).provenance()[:1]
     assert (row["stage"], row["global_step"], row["epoch"]) == ("predict", 3, 2)
+
+
+def test_write_checks_its_arguments_before_anything_is_written(tmp_path: Path) -> None:
+    # a stage no filter names ("validate"), a negative step or call, and 2-d sample indices
+    # (flattened into the rows' indices) were written without a word
+    writer = ShardWriter(tmp_path, run="r", max_shard_bytes=1)  # each write would be a shard
+    x = torch.zeros(4, 2)
+    stages = r"to be one of 'train', 'val', 'test', 'predict' \(.*\) but got"
+    for kwargs, match in (
+        ({"stage": "validate"}, stages + r" 'validate'\. Closest stages: 'val'\.$"),
+        ({"stage": "Train"}, stages + r" 'Train'\. Closest stages: 'train'\.$"),
+        ({"stage": "fit"}, stages + r" 'fit'\.$"),  # no close match: the list alone
+        ({"global_step": -1}, r"`global_step` to be an int >= 0 but got -1: it counts the opt"),
+        ({"global_step": True}, r"`global_step` to be an int >= 0 but got bool True\.$"),
+        ({"call": -1}, r"`call` to be an int >= 0 but got -1: it numbers the calls"),
+        ({"call": np.int64(-2)}, r"`call` to be an int >= 0 but got -2"),
+        ({"call": False}, r"`call` to be an int >= 0 but got bool False\.$"),
+        (
+            {"sample_index": torch.arange(4).view(4, 1)},
+            r"`sample_index`\) to be 1-d, of shape \(N,\) with N the batch's first dimension "
+            r"\(N = 4 here: one dataset index per row\), but got shape \(4, 1\); pass one ",
+        ),
+        ({"sample_index": np.arange(4).reshape(2, 2)}, r"\(N = 4 here.* got shape \(2, 2\);"),
+        ({"sample_index": torch.tensor(0)}, r"\(N = 4 here.* got shape \(\) \(one value\);"),
+        ({"sample_index": [[0], [1], [2], [3]]}, r"1-d, .* got a sequence holding list \[0\];"),
+        ({"sample_index": [torch.tensor([i]) for i in range(4)]}, r"holding Tensor tensor\(\["),
+        ({"sample_index": torch.arange(4.0)}, r"integer dataset indices but got a tensor of"),
+        ({"sample_index": [0, 1, 2]}, r"as many as the sample indices \(3: "),
+    ):
+        with pytest.raises(RecorderConfigError, match=match):
+            writer.write("x", "m", x, **kwargs)  # type: ignore[arg-type]
+    manager = RecorderManager({"hidden": {"type": "ModuleOutputs", "source": "0"}})
+    model = nn.Sequential(nn.Linear(2, 3))
+    manager.initialize(model)
+    with manager:
+        model(x)
+    for kwargs, match in (
+        ({"stage": "validate"}, r"Closest stages: 'val'"),
+        ({"global_step": -3}, r"`global_step` to be an int >= 0 but got -3"),
+        ({"sample_index": torch.arange(4).view(1, 4)}, r"\(N: one .*, but got shape \(1, 4\)"),
+    ):
+        with pytest.raises(RecorderConfigError, match=match):
+            writer.write_records(manager, **kwargs)  # type: ignore[arg-type]
+    manager.release()
+    # nothing half-done: no thread, no shard, no temporary file, no row counted
+    assert writer._thread is None and writer.queued_bytes == 0
+    assert list(tmp_path.iterdir()) == []
+    assert (writer.rows_written, writer.shards_written, writer.dropped) == (0, 0, 0)
+    # every stage, a step and call of 0, 1-d indices of any integer dtype are written
+    for number, stage in enumerate(("train", "val", "test", "predict")):
+        writer.write("x", "m", x + number, stage=stage, sample_index=torch.arange(4).int())
+    writer.write("x", "m", x, global_step=np.int64(0), call=torch.tensor(0), sample_index=range(4))
+    writer.close()
+    assert writer.rows_written == 20
+    data = ActivationDataset(tmp_path, stages="val")
+    assert data.sample_indices.tolist() == [0, 1, 2, 3]
+    assert torch.equal(data.concat(), x + 1)  # exact: zeros plus an integer, no rounding
+
+
+def test_the_writer_takes_the_stages_of_the_lightning_loops() -> None:
+    from lightning_recorder.activations._format import STAGES
+    from lightning_recorder.callbacks._lightning import STAGES as LOOP_STAGES
+
+    assert STAGES == LOOP_STAGES
 
 
 def test_write_records_refuses_names_it_would_match_nothing_with(tmp_path: Path) -> None:
