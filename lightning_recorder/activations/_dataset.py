@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from .._core.checks import closest, suggestion
 from ..errors import NoRecordError, RecorderConfigError
 from ._format import (
     INDEX_SUFFIX,
@@ -115,6 +116,26 @@ def _as_set(value: object, name: str, integers: bool = False) -> set[Any] | None
     return values
 
 
+def _names_none(key: str, owner: str, wanted: set[Any], have: set[Any]) -> str:
+    """The message for the filter ``key`` whose values ``wanted`` name none of the values
+    ``have`` of the directory's rows: the close matches of a misspelt name first (the values
+    there may be many module names), then every value there."""
+    pool = sorted(h for h in have if isinstance(h, str))
+    near = [
+        suggestion(w, pool, key)
+        for w in sorted(wanted, key=str)
+        if isinstance(w, str) and closest(w, pool)
+    ]
+    if not near:
+        return (
+            f"Expected `{key}` of {owner} to name some of {sorted(have)} but got {sorted(wanted)}."
+        )
+    return (
+        f"Expected `{key}` of {owner} to name some of the {key} written but got "
+        f"{sorted(wanted)}. {' '.join(near)} All {key} written: {sorted(have)}."
+    )
+
+
 class ActivationDataset(Dataset[dict[str, Any]]):
     """The activations written by :class:`~lightning_recorder.activations.ShardWriter` (or the
     ``ActivationWriter`` callback), one item per row: one sample's activation of one source.
@@ -212,10 +233,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
         for key, wanted in self.filters.items():
             have = {c[_FIELDS[key]] for c in every}
             if wanted and not wanted & have:  # a typo, or a step never written: no row at all
-                raise RecorderConfigError(
-                    f"Expected `{key}` of {owner} to name some of {sorted(have)} but got "
-                    f"{sorted(wanted)}."
-                )
+                raise RecorderConfigError(_names_none(key, owner, wanted, have))
         chunks = [chunk for chunk in every if self._keep(chunk)]
         if not chunks and all(self.filters.values()):  # each filter keeps rows, not together
             others = "; ".join(

@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 
+from .._core.checks import closest_hint
 from ..errors import RecorderConfigError
 from ._format import STORABLE, STORABLE_NAMES
 
 OPTIONS = ("tokens", "mean", "transform", "dtype")
+_DTYPE_NAMES = sorted(str(d).removeprefix("torch.") for d in STORABLE)
 
 
 def parse_dtype(value: object, where: str) -> torch.dtype | None:
@@ -31,10 +33,11 @@ def parse_dtype(value: object, where: str) -> torch.dtype | None:
     found = value
     if isinstance(value, str):
         found = getattr(torch, value.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
+    if not isinstance(found, torch.dtype):  # a misspelt name: the closest first, then all
         raise RecorderConfigError(
             f"Expected `dtype` of {where} to be a torch.dtype or its name (e.g. 'float16') but "
-            f"got {value!r}."
+            f"got {value!r}.{closest_hint(value, _DTYPE_NAMES, 'dtype names')} The shard "
+            f"format stores {STORABLE_NAMES}."
         )
     if found not in STORABLE:
         raise RecorderConfigError(

@@ -700,8 +700,17 @@ def test_a_filter_naming_no_row_is_refused_with_the_values_there(tmp_path: Path)
             writer.write("a", "m", torch.zeros(2, 2), stage="train", global_step=3, epoch=1)
     # each value of the directory keeps rows; one of several unknown values is allowed
     assert len(ActivationDataset(tmp_path, runs="r1", steps=[3, 4], epochs=1, ranks=1)) == 2
+    # a misspelt name: its close match first, then every value there
+    match = (
+        r"`runs` of ActivationDataset to name some of the runs written but got \['r2'\]\. "
+        r"Closest runs: 'r1'\. All runs written: \['r1'\]\.$"
+    )
+    with pytest.raises(RecorderConfigError, match=match):
+        ActivationDataset(tmp_path, runs="r2")
+    with pytest.raises(RecorderConfigError, match=match):
+        concat_activations(tmp_path, "a", runs="r2")
     for key, wrong, have in (
-        ("runs", "r2", "['r1']"),
+        ("runs", "other", "['r1']"),
         ("steps", 4, "[3]"),
         ("epochs", [0, 2], "[1]"),
         ("ranks", 2, "[0, 1]"),
@@ -712,6 +721,37 @@ def test_a_filter_naming_no_row_is_refused_with_the_values_there(tmp_path: Path)
             ActivationDataset(tmp_path, **{key: wrong})
         with pytest.raises(RecorderConfigError, match=match):
             concat_activations(tmp_path, "a", **{key: wrong})
+
+
+def test_a_misspelt_source_or_dtype_names_the_close_match_first(tmp_path: Path) -> None:
+    # the filter listed every source written and the option gave one example, with no close
+    # match: among many module names a near-miss was left to the reader to spot
+    with ShardWriter(tmp_path, run="r") as writer:
+        writer.write("net.0.output", "net.0", torch.zeros(2, 2), stage="train")
+        writer.write("net.2.output", "net.2", torch.zeros(2, 2), stage="val")
+    every = r"\['net\.0\.output', 'net\.2\.output'\]"
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"^Expected `sources` of ActivationDataset to name some of the sources written but "
+        r"got \['net\.0\.ouput'\]\. Closest sources: 'net\.0\.output'(, 'net\.2\.output')?\. "
+        rf"All sources written: {every}\.$",
+    ):
+        ActivationDataset(tmp_path, "net.0.ouput")
+    with pytest.raises(RecorderConfigError, match=r"Closest stages: 'val'\. All stages written"):
+        concat_activations(tmp_path, stages="valid")
+    # no close match: the list alone, as before
+    with pytest.raises(RecorderConfigError, match=rf"name some of {every} but got \['zz'\]\.$"):
+        ActivationDataset(tmp_path, "zz")
+    stored = r"The shard format stores bfloat16, bool, float16, float32, .*, uint8\.$"
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"^Expected `dtype` of source 's' to be a torch\.dtype or its name \(e\.g\. "
+        rf"'float16'\) but got 'float23'\. Closest dtype names: 'float32'.*\. {stored}",
+    ):
+        ShardWriter(tmp_path, sources={"s": {"dtype": "float23"}})
+    with pytest.raises(RecorderConfigError, match=rf"but got 'xyz'\. {stored}"):
+        ShardWriter(tmp_path, sources={"s": {"dtype": "xyz"}})
+    assert len(ActivationDataset(tmp_path, "net.0.output")) == 2
 
 
 def test_filters_that_each_keep_rows_but_none_together_are_refused(tmp_path: Path) -> None:
