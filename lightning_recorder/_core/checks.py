@@ -15,10 +15,17 @@ import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Literal, get_args
 
 import torch
 
 from ..errors import RecorderConfigError, RecorderError
+
+Stage = Literal["train", "val", "test", "predict"]
+"""A loop of the Trainer, as it appears in tags and in an activation row's provenance:
+``train``, ``val``, ``test`` or ``predict``."""
+
+STAGES: tuple[Stage, ...] = get_args(Stage)
 
 _OFF = ("0", "off", "false", "no")
 _ON = ("1", "on", "true", "yes")

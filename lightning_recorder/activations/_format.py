@@ -53,9 +53,6 @@ TMP_SUFFIX = ".tmp"
 _STEM = re.compile(r"^(?P<run>.+)-rank(?P<rank>\d{5})-(?P<seq>\d{6})$")
 _RUN = re.compile(r"^[A-Za-z0-9_.]+$")
 
-#: The stages a chunk's ``stage`` names: those of the Lightning loops, as ``ActivationWriter``
-#: writes them and ``ActivationDataset(stages=...)`` reads them.
-STAGES = ("train", "val", "test", "predict")
 #: The torch dtypes a shard stores (those of safetensors' format since its first release).
 STORABLE = frozenset(
     {

@@ -15,13 +15,12 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from .._core.checks import closest_hint
+from .._core.checks import STAGES, closest_hint
 from ..errors import RecorderConfigError, RecorderStateError
 from ._format import (
     FORMAT,
     INDEX_SUFFIX,
     SHARD_SUFFIX,
-    STAGES,
     STORABLE,
     TMP_SUFFIX,
     VERSION,
@@ -115,9 +114,9 @@ def _not_1d(found: str, rows: int | None) -> RecorderConfigError:
     n = "N" if rows is None else f"N = {rows} here"
     return RecorderConfigError(
         "Expected the sample indices (`sample_index`) to be 1-d, of shape (N,) with N the "
-        f"batch's first dimension ({n}: one dataset index per row), but got {found}; pass one "
-        "index per row (`index.view(-1)` for indices of shape (N, 1), as a dataset returning "
-        "`[index]` collates them)."
+        f"batch's first dimension ({n}: one dataset index per row; (N, 1) is taken too, as a "
+        f"dataset returning `torch.tensor([index])` collates them), but got {found}; pass one "
+        "index per row."
     )
 
 
@@ -450,12 +449,14 @@ class ShardWriter:
     def _index(
         sample_index: Sequence[int] | torch.Tensor | None, rows: int | None = None
     ) -> list[int] | None:
-        """The sample indices as ints, checked: one dimension, integers (``rows``: the batch's
-        first dimension, for the message, where known)."""
+        """The sample indices as ints, checked: one dimension (or ``(N, 1)``), integers
+        (``rows``: the batch's first dimension, for the message, where known)."""
         if sample_index is None:
             return None
         shape = getattr(sample_index, "shape", None)  # a tensor or a NumPy array
-        if shape is not None and len(shape) != 1:
+        if shape is not None and len(shape) == 2 and shape[1] == 1:  # (N, 1): one per row
+            sample_index = sample_index[:, 0]  # type: ignore[call-overload]
+        elif shape is not None and len(shape) != 1:
             raise _not_1d(f"shape {tuple(shape)}" + ("" if len(shape) else " (one value)"), rows)
         if isinstance(sample_index, torch.Tensor):
             wrong = sample_index.is_floating_point() or sample_index.is_complex()

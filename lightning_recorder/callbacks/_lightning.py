@@ -26,20 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import cached_property
-from typing import Any, Literal, get_args
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
+from .._core.checks import STAGES, Stage
 from .._core.compat import is_compiled as compiled_by_torch
 from ..errors import RecorderConfigError, RecorderStateError
-
-Stage = Literal["train", "val", "test", "predict"]
-"""A loop of the Trainer, as it appears in tags: ``train``, ``val``, ``test`` or ``predict``."""
-
-STAGES: tuple[Stage, ...] = get_args(Stage)
 
 #: The stages each entry point of the Trainer runs, by the ``stage`` Lightning passes to a
 #: callback's ``setup`` (``trainer.state.fn``).

@@ -570,7 +570,7 @@ def test_provenance_of_another_type_is_refused_when_written(tmp_path: Path) -> N
 
 def test_write_checks_its_arguments_before_anything_is_written(tmp_path: Path) -> None:
     # a stage no filter names ("validate"), a negative step or call, and 2-d sample indices
-    # (flattened into the rows' indices) were written without a word
+    # ((2, 2) for 4 rows, flattened into the rows' indices) were written without a word
     writer = ShardWriter(tmp_path, run="r", max_shard_bytes=1)  # each write would be a shard
     x = torch.zeros(4, 2)
     stages = r"to be one of 'train', 'val', 'test', 'predict' \(.*\) but got"
@@ -584,11 +584,13 @@ def test_write_checks_its_arguments_before_anything_is_written(tmp_path: Path) -
         ({"call": np.int64(-2)}, r"`call` to be an int >= 0 but got -2"),
         ({"call": False}, r"`call` to be an int >= 0 but got bool False\.$"),
         (
-            {"sample_index": torch.arange(4).view(4, 1)},
+            {"sample_index": torch.arange(4).view(2, 2)},
             r"`sample_index`\) to be 1-d, of shape \(N,\) with N the batch's first dimension "
-            r"\(N = 4 here: one dataset index per row\), but got shape \(4, 1\); pass one ",
+            r"\(N = 4 here: one dataset index per row; \(N, 1\) is taken too, .*\), but got "
+            r"shape \(2, 2\); pass one index per row\.$",
         ),
         ({"sample_index": np.arange(4).reshape(2, 2)}, r"\(N = 4 here.* got shape \(2, 2\);"),
+        ({"sample_index": torch.arange(4).view(1, 4, 1)}, r"got shape \(1, 4, 1\);"),
         ({"sample_index": torch.tensor(0)}, r"\(N = 4 here.* got shape \(\) \(one value\);"),
         ({"sample_index": [[0], [1], [2], [3]]}, r"1-d, .* got a sequence holding list \[0\];"),
         ({"sample_index": [torch.tensor([i]) for i in range(4)]}, r"holding Tensor tensor\(\["),
@@ -605,7 +607,7 @@ def test_write_checks_its_arguments_before_anything_is_written(tmp_path: Path) -
     for kwargs, match in (
         ({"stage": "validate"}, r"Closest stages: 'val'"),
         ({"global_step": -3}, r"`global_step` to be an int >= 0 but got -3"),
-        ({"sample_index": torch.arange(4).view(1, 4)}, r"\(N: one .*, but got shape \(1, 4\)"),
+        ({"sample_index": torch.arange(4).view(1, 4)}, r"\(N: one .* but got shape \(1, 4\)"),
     ):
         with pytest.raises(RecorderConfigError, match=match):
             writer.write_records(manager, **kwargs)  # type: ignore[arg-type]
@@ -618,18 +620,16 @@ def test_write_checks_its_arguments_before_anything_is_written(tmp_path: Path) -
     for number, stage in enumerate(("train", "val", "test", "predict")):
         writer.write("x", "m", x + number, stage=stage, sample_index=torch.arange(4).int())
     writer.write("x", "m", x, global_step=np.int64(0), call=torch.tensor(0), sample_index=range(4))
+    # (N, 1), as a dataset returning torch.tensor([index]) collates its indices: one per row
+    writer.write("x", "m", x, stage="test", global_step=7, sample_index=torch.arange(4).view(4, 1))
+    writer.write("x", "m", x, stage="test", global_step=8, sample_index=np.arange(4)[:, None])
     writer.close()
-    assert writer.rows_written == 20
+    assert writer.rows_written == 28
     data = ActivationDataset(tmp_path, stages="val")
     assert data.sample_indices.tolist() == [0, 1, 2, 3]
+    for step in (7, 8):
+        assert ActivationDataset(tmp_path, steps=step).sample_indices.tolist() == [0, 1, 2, 3]
     assert torch.equal(data.concat(), x + 1)  # exact: zeros plus an integer, no rounding
-
-
-def test_the_writer_takes_the_stages_of_the_lightning_loops() -> None:
-    from lightning_recorder.activations._format import STAGES
-    from lightning_recorder.callbacks._lightning import STAGES as LOOP_STAGES
-
-    assert STAGES == LOOP_STAGES
 
 
 def test_write_records_refuses_names_it_would_match_nothing_with(tmp_path: Path) -> None:
