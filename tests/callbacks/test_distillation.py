@@ -447,6 +447,102 @@ def test_resume_with_another_log_prefix_restores_connectors_and_their_optimizer_
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
 
 
+class SeeRestored(pl.Callback):
+    """After the callbacks' ``on_train_start`` (connectors restored, in the optimizer): each
+    callback's connector weight and its Adam state, copied."""
+
+    def __init__(self, callbacks: list[FeatureDistillation]) -> None:
+        self.callbacks = callbacks
+        self.seen: dict[str | None, tuple[Tensor, dict[str, Tensor]]] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for distill in self.callbacks:
+            if "features.2" not in distill.connectors:  # a fresh fit: built at its first step
+                continue
+            weight = distill.connectors["features.2"].weight
+            state = trainer.optimizers[0].state[weight]
+            self.seen[distill.name] = (
+                weight.detach().clone(),
+                {k: v.clone() for k, v in state.items()},
+            )
+
+
+def test_two_named_callbacks_with_the_same_pairs_each_resume_their_own_connectors(
+    tmp_path: Path,
+) -> None:
+    """``name`` makes the ``state_key``: two callbacks of one Trainer with the same pairs keep
+    their states apart, and each resumes its own (weights and optimizer state, exactly), also
+    with their `log_prefix`es swapped, which would swap the states of unnamed callbacks."""
+    torch.manual_seed(0)
+    teachers = {"a": Teacher(), "b": Teacher()}  # other teachers: other connectors
+
+    def run(prefixes: dict[str, str], ckpt: Path | None) -> tuple[Any, ...]:
+        torch.manual_seed(1)
+        callbacks = [
+            FeatureDistillation(copy.deepcopy(teachers[n]), PAIRS, log_prefix=p, name=n)
+            for n, p in prefixes.items()
+        ]
+        see = SeeRestored(callbacks)
+        student = Student(lr=0.01, optimizer="adam")
+        trainer = pl.Trainer(
+            callbacks=[*callbacks, see], max_epochs=1 + (ckpt is not None), **trainer_kwargs()
+        )
+        trainer.fit(student, loader(), ckpt_path=ckpt)
+        return trainer, callbacks, see.seen
+
+    trainer, saved, _ = run({"a": "kd1", "b": "kd2"}, None)
+    assert saved[0].state_key == "FeatureDistillation{'name': 'a'}"
+    assert saved[1].state_key == "FeatureDistillation{'name': 'b'}"
+    trainer.save_checkpoint(tmp_path / "named.ckpt")
+    ckpt = torch.load(tmp_path / "named.ckpt", weights_only=True)
+    kept = {name: ckpt["callbacks"][f"FeatureDistillation{{'name': '{name}'}}"] for name in "ab"}
+    weights = {name: kept[name]["pairs"]["features.2"]["weights"]["weight"] for name in "ab"}
+    assert not torch.equal(weights["a"], weights["b"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, seen = run({"a": "kd2", "b": "kd1"}, tmp_path / "named.ckpt")
+    # each finds its own state: no notice of taking another's
+    assert not [w for w in caught if "FeatureDistillation:" in str(w.message)]
+    assert sorted(seen) == ["a", "b"]
+    for name, (weight, state) in seen.items():
+        assert torch.equal(weight, weights[name]), name
+        (saved_state,) = kept[name]["optimizer"]["state"]  # the one connector weight's
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key], saved_state[key]), (name, key)
+
+
+def test_the_state_key_without_a_name_is_that_of_earlier_versions(tmp_path: Path) -> None:
+    """Without ``name`` the ``state_key`` is made of ``pairs`` and ``log_prefix`` as before, so
+    a checkpoint of an earlier version resumes into a callback made without ``name``; one made
+    with a name takes it, with a notice naming its ``name``."""
+    teacher, student = seeded()
+    distill = FeatureDistillation(copy.deepcopy(teacher), PAIRS)
+    assert distill.state_key == (
+        "FeatureDistillation{'pairs': {'features.2': 'features.2', 'head': 'head'}, "
+        "'log_prefix': 'distill'}"
+    )
+    trainer = fit(student, [distill], max_epochs=1)
+    trainer.save_checkpoint(tmp_path / "unnamed.ckpt")
+    weight = distill.connectors["features.2"].weight.detach().clone()
+    for name in (None, "probe"):
+        resumed = FeatureDistillation(copy.deepcopy(teacher), PAIRS, name=name)
+        see = SeeRestored([resumed])
+        trainer = pl.Trainer(callbacks=[resumed, see], max_epochs=2, **trainer_kwargs())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Student(), loader(), ckpt_path=tmp_path / "unnamed.ckpt")
+        notices = [str(w.message) for w in caught if "FeatureDistillation:" in str(w.message)]
+        if name is None:  # its own state, found under its own key
+            assert notices == []
+        else:
+            assert len(notices) == 1
+            assert (
+                "no state for this callback's `name` 'probe', so it takes the connectors of "
+                "the checkpoint's FeatureDistillation{'pairs'" in notices[0]
+            )
+        assert torch.equal(see.seen[name][0], weight), name
+
+
 def test_resume_with_another_connector_says_the_checkpoint_holds_other_weights(
     tmp_path: Path,
 ) -> None:
@@ -774,6 +870,8 @@ def test_deliveries_give_the_student_the_teachers_augmentation() -> None:
         ({"deliveries": {"d": {"type": "Function"}}}, "Unknown delivery type 'Function'"),
         ({"log_prefix": ""}, "Expected `log_prefix` to be a non-empty str but got ''"),
         ({"on_nonfinite": "loud"}, "Expected `on_nonfinite` to be one of 'warn', 'raise'"),
+        ({"name": " "}, "Expected `name` of FeatureDistillation to be a non-empty str or None"),
+        ({"name": 3}, "Expected `name` of FeatureDistillation to be a str but got 3"),
     ],
 )
 def test_invalid_arguments_raise_in_init(kwargs: dict[str, Any], match: str) -> None:

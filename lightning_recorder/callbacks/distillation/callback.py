@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from ..._core.checks import check_name
 from ..._core.names import import_object
 from ...distill import ConnectorSpec, DistillDelivery, DistillDeliveryManager
 from ...distill.connectors import check_connector_spec
@@ -157,6 +158,10 @@ class FeatureDistillation(Callback):
             teacher's pass are replayed in the student's (see
             :class:`lightning_recorder.DistillDeliveryManager`).
         log_prefix: the prefix of the logged names.
+        name: distinguishes two callbacks with the same ``pairs`` and ``log_prefix``
+            (checkpoint state): with a name, the callback's state is saved and restored under
+            it alone, so that a run resumed with another ``log_prefix`` finds it; not empty or
+            blank. ``None`` (the default) keeps the state under ``pairs`` and ``log_prefix``.
         on_nonfinite: what a non-finite (NaN or inf) distillation term does in training (the
             message says whether the teacher's features were non-finite too; a teacher feature
             that is not finite while the term is, a masked class's ``-inf`` logit, is no fault):
@@ -240,6 +245,7 @@ class FeatureDistillation(Callback):
         log_prefix: str = "distill",
         on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
         shard_teacher: ShardTeacher = False,
+        name: str | None = None,
     ) -> None:
         super().__init__()
         check_arguments(
@@ -264,6 +270,7 @@ class FeatureDistillation(Callback):
                 f"{on_nonfinite!r}."
             )
         check_shard_teacher(shard_teacher)
+        check_name(name, type(self).__name__)
         if deliveries is not None and not isinstance(deliveries, Mapping):
             raise RecorderConfigError(
                 "Expected `deliveries` to be a mapping {name: config} or None but got "
@@ -277,6 +284,7 @@ class FeatureDistillation(Callback):
         self.token_mask = batch_part(token_mask, type(self).__name__, "token_mask", "mask")
         self.optimizer_idx = optimizer_idx
         self.log_prefix = log_prefix
+        self.name = name
         self.shard_teacher = shard_teacher
         losses = losses_per_pair(loss, loss_options, self.pairs)
         connector_specs = per_pair(connectors, self.pairs, "connectors", "auto")
@@ -309,6 +317,8 @@ class FeatureDistillation(Callback):
     state_key = STATE_KEY  # made once by _make_state_key, then an instance attribute
 
     def _make_state_key(self) -> str:
+        if self.name is not None:
+            return self._generate_state_key(name=self.name)
         return self._generate_state_key(pairs=self.pairs, log_prefix=self.log_prefix)
 
     @property
@@ -483,7 +493,7 @@ class FeatureDistillation(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # A run resumed with another `log_prefix` (another `state_key`) goes on with the
+        # A run resumed with another `log_prefix` or `name` (another `state_key`) goes on with the
         # connectors the checkpoint holds for the same pairs, in the same order (that of
         # their optimizer states).
         pairs = list(self.pairs.items())
@@ -499,9 +509,12 @@ class FeatureDistillation(Callback):
             return
         key, state = found
         self.load_state_dict(state)
+        made_of = (
+            f"`log_prefix` {self.log_prefix!r}" if self.name is None else f"`name` {self.name!r}"
+        )
         rank_zero_warn(
             f"{type(self).__name__}: the checkpoint holds no state for this callback's "
-            f"`log_prefix` {self.log_prefix!r}, so it takes the connectors of the checkpoint's "
+            f"{made_of}, so it takes the connectors of the checkpoint's "
             f"{key} (the same pairs: their weights and optimizer state) and trains on with them."
         )
 
@@ -594,7 +607,11 @@ class FeatureDistillation(Callback):
         return self._runner.log(self._runner.terms(), self.log_prefix, on_step=True)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(teacher={type(self.teacher).__name__}, pairs={self.pairs})"
+        extra = "" if self.name is None else f", name={self.name!r}"
+        return (
+            f"{type(self).__name__}(teacher={type(self.teacher).__name__}, "
+            f"pairs={self.pairs}{extra})"
+        )
 
 
 def distillation_loss(pl_module: pl.LightningModule) -> Tensor:
