@@ -11,11 +11,12 @@ Examples:
     >>> from lightning_recorder import build_connector
     >>> _ = torch.manual_seed(0)
     >>> connector = build_connector((8, 64, 16, 16), (8, 256, 8, 8), resize=True)
-    >>> connector
-    Sequential(
-      (resize): _Resize(size=(8, 8), mode='bilinear', align_corners=False)
-      (proj): Conv2d(64, 256, kernel_size=(1, 1), stride=(1, 1), bias=False)
-    )
+    >>> [name for name, _ in connector.named_children()]
+    ['resize', 'proj']
+    >>> connector.resize
+    _Resize(size=(8, 8), mode='bilinear', align_corners=False, antialias='when downsampling')
+    >>> connector.proj
+    Conv2d(64, 256, kernel_size=(1, 1), stride=(1, 1), bias=False)
     >>> connector(torch.randn(2, 64, 16, 16)).shape
     torch.Size([2, 256, 8, 8])
 """
@@ -68,7 +69,10 @@ class _Resize(nn.Module):
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"size={self.size}, mode='bilinear', align_corners=False"
+        # whether it antialiases is decided at each call, by the input's size: say when
+        return (
+            f"size={self.size}, mode='bilinear', align_corners=False, antialias='when downsampling'"
+        )
 
 
 def _as_shape(name: str, shape: object) -> tuple[int, ...]:

@@ -108,7 +108,10 @@ def test_resize_only_interpolates_bilinearly_antialiased_when_shrinking(
 ) -> None:
     connector = build_connector((2, 8, *s_hw), (2, 8, *t_hw), resize=True)
     assert _params(connector) == []
-    assert "bilinear" in repr(connector)
+    # the repr says how it resizes: bilinear, antialiased when it downsamples (decided per call)
+    assert repr(connector) == (
+        f"_Resize(size={t_hw}, mode='bilinear', align_corners=False, antialias='when downsampling')"
+    )
     x = torch.randn(2, 8, *s_hw)
     expected = F.interpolate(
         x, size=t_hw, mode="bilinear", align_corners=False, antialias=antialias
