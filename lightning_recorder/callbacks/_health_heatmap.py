@@ -8,10 +8,11 @@ on the left), each cell coloured by the statistic's value with a viridis-like co
 ``ActivationStats`` "colorful dimension" (a histogram-over-time image per layer) is the model;
 here every layer is in one image.
 
-The image carries its text: the statistic and its scale, the layer names, the first and last
-step, and the rule findings in force beside their layer (in red). Pillow draws the text and
-encodes the image (the package's ``tensorboard`` extra installs it; without it the health view
-writes no image, and says so once when the run starts).
+The image carries its text: the statistic and its scale (or "no values in this map" where every
+cell is grey), the layer names, the first and last step, and the rule findings in force beside
+their layer (in red). Pillow draws the text and encodes the image (the package's
+``tensorboard`` extra installs it; without it the health view writes no image, and says so once
+when the run starts).
 
 **Cost.** A heat map of a deep model is a large image (127 layers: 1,800 x 650 pixels), redrawn
 every few logged steps. It is drawn as one byte per pixel, an index into a fixed palette of
@@ -196,6 +197,14 @@ def _number(value: float) -> str:
     return f"{value:.3g}" if math.isfinite(value) else "-"
 
 
+def _scale_text(cells: np.ndarray, low: float, high: float) -> str:
+    """The scale's ends written beside the colour bar, or that no cell has a value (every cell
+    grey: the ends of a scale over no value would read ``0 … 0``)."""
+    if (cells == _MISSING).all():
+        return "no values in this map"
+    return f"{_number(low)} … {_number(high)}"
+
+
 def render_indexed(
     values: np.ndarray,
     stat: str,
@@ -247,7 +256,7 @@ def render_indexed(
     # the colour bar, under the title
     canvas[20:28, label_w : label_w + 120] = _indices(np.linspace(0.0, 1.0, 120))[None, :]
     _write(canvas, 4, 2, title, _TEXT_BASE)
-    _write(canvas, label_w + 126, 17, f"{_number(low)} … {_number(high)}", _TEXT_BASE)
+    _write(canvas, label_w + 126, 17, _scale_text(cells, low, high), _TEXT_BASE)
     strip = _label_strip(tuple(rows), label_w, frozenset(notes))
     canvas[top : top + grid_h, :label_w] = strip
     for i, note in notes.items():

@@ -479,3 +479,39 @@ def test_the_first_and_last_step_are_written_under_the_map_however_few_its_colum
     # another first step, another last step: other text under the map
     assert not np.array_equal(band, steps_band([11, *steps[1:]]))
     assert not np.array_equal(band, steps_band([*steps[:-1], 99]))
+
+
+def _scale_band(image: np.ndarray, rows: Sequence[str]) -> np.ndarray:
+    """The text beside the colour bar (rows 17 to 31, right of the bar), as palette indices."""
+    from lightning_recorder.callbacks._health_heatmap import _MAX_LABEL, _text_width
+
+    label_w = min(_MAX_LABEL, max(_text_width(r) for r in rows)) + 8
+    return image[17 : 17 + CELL_H, label_w + 126 :]
+
+
+def _written(text: str, width: int) -> np.ndarray:
+    """``text`` as the heat map writes it, on white, ``width`` pixels wide."""
+    from lightning_recorder.callbacks._health_heatmap import _TEXT_BASE, _WHITE, _glyphs
+
+    levels = _glyphs(text, 10_000)
+    band = np.full((CELL_H, width), _WHITE, dtype=np.uint8)
+    band[:, : levels.shape[1]] = np.where(levels > 0, levels + (_TEXT_BASE - 1), _WHITE)
+    return band
+
+
+@pytest.mark.parametrize("stat", ["std", "mean", "zero_fraction"])
+def test_a_map_whose_cells_are_all_missing_says_it_has_no_values(stat: str) -> None:
+    """Every cell grey (no value, or NaN): the scale's text says there is none, where it read
+    ``0 … 0`` (``0 … 1`` on the fixed scale); a map with one value keeps its scale's ends."""
+    from lightning_recorder.callbacks._health_heatmap import _font, render_indexed
+
+    if _font() is None:
+        pytest.fail("the heat maps' font is missing: Pillow's default font should be there")
+    rows = ["layer.0", "layer.1"]
+    band = _scale_band(render_indexed(np.full((2, 3), np.nan), stat, rows, [1, 2, 3]), rows)
+    assert np.array_equal(band, _written("no values in this map", band.shape[1]))
+    one = np.full((2, 3), np.nan)
+    one[1, 2] = 0.5
+    band = _scale_band(render_indexed(one, stat, rows, [1, 2, 3]), rows)
+    ends = "0 … 1" if stat == "zero_fraction" else "0.5 … 0.5"
+    assert np.array_equal(band, _written(ends, band.shape[1]))
