@@ -59,6 +59,25 @@ class _Quiet(Metric):
         super().__setstate__(state)  # a copy or an unpickled metric: compute() wrapped afresh
         self._quiet_compute()
 
+    def set_dtype(self, dst_type: str | torch.dtype) -> Metric:
+        """Refuse any dtype but ``float64``: the states are ``float64`` sums and extremes (a
+        float16 state overflowed to ``inf`` at a sum of squares above 65,504, a float32 one
+        rounded counts above 2**24), and the results are ``float64`` whatever the data's dtype.
+
+        Raises:
+            RecorderConfigError: ``dst_type`` is not ``torch.float64`` (or ``"double"``).
+        """
+        found = getattr(torch, dst_type, None) if isinstance(dst_type, str) else dst_type
+        if found is not F64:
+            raise RecorderConfigError(
+                f"Expected {type(self).__name__}.set_dtype to keep its float64 state but got "
+                f"{dst_type!r}: its sums and counts stay exact only in float64 (in float16 a "
+                "sum of squares overflows to inf above 65,504). Its results are float64 "
+                "whatever the data's dtype; convert them instead, e.g. "
+                "`{k: v.to(torch.float16) for k, v in stats.compute().items()}`."
+            )
+        return super().set_dtype(dst_type)
+
     def _quiet_compute(self) -> None:
         """Wrap the public ``compute`` (torchmetrics' wrapper included) so that a compute before
         any update does not warn."""
@@ -264,7 +283,8 @@ class FeatureStats(StreamStates):
     tensor and, off the CPU, never synchronises with the host. Move the metric to the device of
     its inputs (``stats.to(device)``); inputs on another device are reduced there and only their
     summary is copied. See the module documentation of :mod:`lightning_recorder.stats` for the
-    exact definitions.
+    exact definitions. The state stays ``float64``: ``set_dtype`` to another dtype raises a
+    ``RecorderConfigError`` (convert the results instead).
 
     ``compute()`` synchronises the state across ranks when ``torch.distributed`` is initialised
     (through torchmetrics), so under DDP **every rank must call it**, also a rank that saw no

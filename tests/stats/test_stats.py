@@ -33,6 +33,7 @@ from lightning_recorder.stats import (
     update_ratio,
 )
 from lightning_recorder.stats._state import WIDTH
+from lightning_recorder.stats.metric import BucketCounts, StreamStates
 
 ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
@@ -279,6 +280,28 @@ def test_state_follows_device_and_keeps_float64() -> None:
     metric = FeatureStats().half()  # torchmetrics does not convert state dtypes implicitly
     metric.update(torch.randn(5))
     assert metric.packed.dtype == F64 and metric.packed.device == metric.device
+
+
+def test_set_dtype_keeps_the_float64_state() -> None:
+    """set_dtype(torch.float16) converted the packed state: the next update's sum of squares
+    overflowed, and std and abs_mean came out inf for finite data of magnitude 100."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=F64) * 100
+    for metric in (FeatureStats(), StreamStates(2), BucketCounts(2, 4)):
+        for dtype in (torch.float16, torch.float32, "half"):
+            with pytest.raises(
+                RecorderConfigError, match=r"set_dtype to keep its float64 state but got .*inf"
+            ):
+                metric.set_dtype(dtype)
+        assert metric.set_dtype(torch.float64) is metric  # what it holds already: accepted
+        assert all(t.dtype == F64 for t in metric.metric_state.values())
+    stats = FeatureStats()
+    with pytest.raises(RecorderConfigError):
+        stats.set_dtype(torch.float16)
+    stats.update(x[:500])
+    stats.update(x[500:])
+    out = stats.compute()
+    assert torch.allclose(out["std"], x.std(), rtol=1e-12)
+    assert torch.allclose(out["abs_mean"], x.abs().mean(), rtol=1e-12)
 
 
 def test_errors() -> None:
