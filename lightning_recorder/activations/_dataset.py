@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from .._core.checks import closest, suggestion
+from .._core.checks import closest, closest_hint, suggestion
 from ..errors import NoRecordError, RecorderConfigError
 from ._format import (
     INDEX_SUFFIX,
@@ -371,6 +371,7 @@ class ActivationDataset(Dataset[dict[str, Any]]):
             raise RecorderConfigError(
                 f"Expected `source` to be one of the sources {sorted(sources)} or modules "
                 f"{sorted(modules)} but got {source!r}."
+                f"{closest_hint(source, sources | modules, 'sources and modules')}"
             )
         rows = [(n, r) for n, r in self._rows if self.chunks[n][field] == source]
         shapes = {tuple(self.chunks[n]["shape"][1:]) for n, _ in rows}

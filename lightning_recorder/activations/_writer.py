@@ -130,6 +130,11 @@ _COUNTS = {
     "(0 before the first step)",
     "call": "it numbers the calls of the module in one forward from 0; pass 0 for the first "
     "call (a module called once)",
+    "epoch": "it counts the epochs from 0; pass the Trainer's `current_epoch`",
+    "batch_idx": "it numbers the batches of the epoch from 0; pass the `batch_idx` Lightning "
+    "gives the hook",
+    "dataloader_idx": "it numbers the dataloaders of the stage from 0; pass 0 for a single "
+    "dataloader",
 }
 
 
@@ -311,12 +316,12 @@ class ShardWriter:
             stage: provenance of the batch: the stage, one of ``"train"``, ``"val"``,
                 ``"test"`` and ``"predict"``.
             global_step: provenance of the batch: the optimizer step (``>= 0``).
-            epoch: provenance of the batch: the epoch.
-            batch_idx: provenance of the batch: its index in the epoch.
-            dataloader_idx: provenance of the batch: the index of its dataloader.
+            epoch: provenance of the batch: the epoch (``>= 0``).
+            batch_idx: provenance of the batch: its index in the epoch (``>= 0``).
+            dataloader_idx: provenance of the batch: the index of its dataloader (``>= 0``).
             sample_index: the dataset index of each row, of shape ``(N,)`` for ``N`` rows
                 (default: ``-1``, unknown).
-            call: which call of the module in the forward (0 for the first).
+            call: which call of the module in the forward (0 for the first, ``>= 0``).
 
         Returns:
             Whether the batch was queued (false only when ``queue_full="drop"`` dropped it).
@@ -324,8 +329,8 @@ class ShardWriter:
         Raises:
             RecorderConfigError: the tensor cannot be stored, ``sample_index`` is not 1-d
                 integers of the right length, a name is not a str, ``stage`` not one of the
-                four, a provenance number not an int, or ``global_step`` or ``call`` negative
-                (checked before anything is queued).
+                four, or a provenance number not an int or negative (checked before anything
+                is queued).
             RecorderStateError: the writer is closed, the queue is full under
                 ``queue_full="raise"``, or the thread failed (its error is the cause).
         """

@@ -583,6 +583,9 @@ def test_write_checks_its_arguments_before_anything_is_written(tmp_path: Path) -
         ({"call": -1}, r"`call` to be an int >= 0 but got -1: it numbers the calls"),
         ({"call": np.int64(-2)}, r"`call` to be an int >= 0 but got -2"),
         ({"call": False}, r"`call` to be an int >= 0 but got bool False\.$"),
+        ({"epoch": -1}, r"`epoch` to be an int >= 0 but got -1: it counts the epochs from 0"),
+        ({"batch_idx": -1}, r"`batch_idx` to be an int >= 0 but got -1: it numbers the batch"),
+        ({"dataloader_idx": -1}, r"`dataloader_idx` to be an int >= 0 but got -1: it numbers"),
         (
             {"sample_index": torch.arange(4).view(2, 2)},
             r"`sample_index`\) to be 1-d, of shape \(N,\) with N the batch's first dimension "
@@ -752,6 +755,13 @@ def test_a_misspelt_source_or_dtype_names_the_close_match_first(tmp_path: Path) 
     with pytest.raises(RecorderConfigError, match=rf"but got 'xyz'\. {stored}"):
         ShardWriter(tmp_path, sources={"s": {"dtype": "xyz"}})
     assert len(ActivationDataset(tmp_path, "net.0.output")) == 2
+    # concat's own source argument: sources and modules, the close one named
+    with pytest.raises(
+        RecorderConfigError,
+        match=r"or modules \['net\.0', 'net\.2'\] but got 'net\.0\.ouptut'\. Closest sources and "
+        r"modules: 'net\.0\.output'",
+    ):
+        ActivationDataset(tmp_path).concat("net.0.ouptut")
 
 
 def test_filters_that_each_keep_rows_but_none_together_are_refused(tmp_path: Path) -> None:
