@@ -85,6 +85,10 @@ class HealthEvent:
             message names those other than ``rank``.
             A skipped step noticed (a warning on rank zero) after skipped steps that were not,
             as skip notices are rate-limited, counts those under ``"skipped_since_notice"``.
+            Evidence that could not be written (a full disk, a folder made read-only or
+            removed) is named by its error, ``"OSError: [Errno 28] No space left on device"``:
+            this rank's bundle under ``"evidence_error"`` (``evidence`` is then ``None``), the
+            checkpoint before the update under ``"checkpoint_error"``.
 
     Examples:
         >>> event = HealthEvent("nonfinite", step=3, batch_idx=3, rank=0, module="net.2",
@@ -349,7 +353,14 @@ def describe(event: HealthEvent) -> str:
     if event.evidence:
         tail.append(f"evidence in {event.evidence}")
     elif event.kind == "nonfinite":
-        tail.append("no evidence written")
+        error = event.details.get("evidence_error")
+        could_not = f": the bundle could not be written ({error})" if error else ""
+        tail.append(f"no evidence written{could_not}")
+    if event.details.get("checkpoint_error"):
+        tail.append(
+            "the checkpoint before the update could not be written "
+            f"({event.details['checkpoint_error']})"
+        )
     sentence += ("; " + "; ".join(tail) if tail else "") + "."
     hint = next_step(event)
     if hint:

@@ -23,6 +23,11 @@ budget of bytes (``max_bytes``), ``event.json`` and the safetensors header inclu
 that do not fit (in the order given, the most important first) are left out and described
 instead; when nothing but the description fits, only ``event.json`` is written; when not even
 that fits, nothing is.
+
+Evidence is best-effort: a bundle (or the evidence checkpoint) that cannot be written (a full
+disk, a folder made read-only or removed, safetensors missing) leaves nothing half-written,
+training goes on, and one warning per kind of evidence and fit (:meth:`Evidence.failed`, rank
+zero) says where, why and what to do.
 """
 
 from __future__ import annotations
@@ -31,12 +36,12 @@ import json
 import os
 import shutil
 import uuid
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from .._core.structures import shape_of
 from ._health_trace import tensor_paths
@@ -118,12 +123,47 @@ def _storable(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu").contiguous().clone()  # no storage shared between entries
 
 
+def _taken(path: Path) -> bool:
+    """Whether something is at ``path``; ``False`` where it cannot even be looked up (a folder
+    this process may no longer read): writing there fails next, and says why."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 class Evidence:
     """Writes bundles under ``root`` within a budget of ``max_bytes`` for the whole run."""
 
     def __init__(self, root: Path | None, max_bytes: int) -> None:
         self.root, self.max_bytes = root, max_bytes
         self.used = 0
+        self.error: str | None = None  # why the last bundle could not be written
+        self._warned: set[str] = set()  # the kinds of evidence a warning said failed this fit
+
+    def start(self) -> None:
+        """A new fit: its own budget, and a warning again for evidence it cannot write."""
+        self.used, self.error = 0, None
+        self._warned = set()
+
+    def failed(self, kind: str, path: Path, err: BaseException) -> str:
+        """Say (once per ``kind`` of evidence and fit, rank zero) that ``path`` could not be
+        written and what to do; return the error as the event names it."""
+        error = f"{type(err).__name__}: {str(err).strip()[:300]}"
+        if kind in self._warned:
+            return error
+        self._warned.add(kind)
+        if isinstance(err, ImportError):  # a dependency, missing or broken here
+            fix = "Install safetensors (`pip install safetensors`), the format of its tensors, "
+        else:
+            fix = "Free space there, pass another `evidence_dir`, "
+        off = "evidence_checkpoint=False" if kind == "checkpoint" else "evidence_max_bytes=0"
+        rank_zero_warn(
+            f"HealthMonitor could not write the evidence {kind} {path} ({error}); training goes "
+            f"on without it, and this warning is not repeated for this fit. {fix}or pass "
+            f"{off} to write none."
+        )
+        return error
 
     @property
     def enabled(self) -> bool:
@@ -157,7 +197,7 @@ class Evidence:
         step again, a second run into the same ``evidence_dir``), with the same extension
         (``.ckpt`` for a checkpoint)."""
         final = path
-        while final.exists():
+        while _taken(final):
             final = final.with_name(f"{path.stem}-{uuid.uuid4().hex[:6]}{path.suffix}")
         return final
 
@@ -167,8 +207,9 @@ class Evidence:
         """Write one bundle: ``tensors`` is ``{key: (role, tensor)}``, in order of importance.
 
         Returns the bundle's directory, or ``None`` when the budget is spent or writing failed
-        (then with a warning that says why: evidence never stops training).
+        (then :attr:`error` says why, and :meth:`failed` warned: evidence never stops training).
         """
+        self.error = None
         kept: dict[str, torch.Tensor] = {}
         index: dict[str, Any] = {}
         omitted: dict[str, Any] = {}
@@ -220,18 +261,7 @@ class Evidence:
             shutil.rmtree(tmp, ignore_errors=True)  # a bundle is whole or absent
             if not isinstance(err, Exception):  # KeyboardInterrupt: the run stops
                 raise
-            fix = (
-                "Install safetensors (`pip install safetensors`), the format of its tensors, "
-                if isinstance(err, ImportError)  # a dependency, missing or broken here
-                else "Pass an `evidence_dir` that can be written to, "
-            )
-            warnings.warn(
-                f"HealthMonitor could not write the evidence bundle {final} "
-                f"({type(err).__name__}: {str(err).strip()[:300]}); training goes on without "
-                f"it. {fix}or evidence_max_bytes=0 to write none.",
-                UserWarning,
-                stacklevel=2,
-            )
+            self.error = self.failed("bundle", final, err)
             return None
         self.used += written
         return final

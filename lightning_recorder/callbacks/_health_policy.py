@@ -26,6 +26,8 @@ flagged step is counted element by element then, as above, from the gradients th
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,7 +194,9 @@ class Decisions:
         loud = self.on_nonfinite != "warn" or streak == 1
         extra: dict[str, Any] = {"rank": trainer.global_rank, "world_size": trainer.world_size}
         if loud and self.evidence_checkpoint and not self._checkpointed:
-            extra["checkpoint"] = self._checkpoint(trainer, pl_module, step)
+            extra["checkpoint"], failed = self._checkpoint(trainer, pl_module, step)
+            if failed is not None:  # in the bundle's event.json and the message
+                event.details["checkpoint_error"] = extra["checkpoint_error"] = failed
         if action == "skipped":  # counted before the report, which logs the counters
             self.counters["skipped_steps"] += 1
             left = _nonfinite_buffers(pl_module)  # the forward updated them: no skip undoes it
@@ -254,6 +258,8 @@ class Decisions:
         finish_event(event, action, str(at) if at is not None else None)
         written = write_evidence(self._evidence, mine, event, micro, finding, check, extra)
         if written is None and event.rank == trainer.global_rank and at is not None:
+            if mine is not None and self._evidence.error is not None:  # it failed: say why
+                event.details["evidence_error"] = self._evidence.error
             finish_event(event, action, None)  # nothing could be written here after all
         self._emit(trainer, event, log_step, loud)
 
@@ -273,11 +279,15 @@ class Decisions:
 
     def _checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int
-    ) -> str | None:
+    ) -> tuple[str | None, str | None]:
         """Save a checkpoint before the bad update, once a fit, when the parameters, the
         buffers and the optimizer state fit in ``evidence_max_bytes`` (a test that gives the
         same answer on every rank: ``save_checkpoint`` is a collective). It counts against the
-        budget: the file's size where this rank sees it."""
+        budget: the file's size where this rank sees it.
+
+        Returns its path, and why it could not be written (an ``OSError``: a full disk, a
+        folder made read-only or removed), alike on every rank; a checkpoint that could not be
+        written leaves no file, and training goes on (one warning a fit, rank zero)."""
         self._checkpointed = True
         tensors = [*pl_module.parameters(), *pl_module.buffers()]
         size = sum(t.numel() * t.element_size() for t in tensors)
@@ -287,14 +297,30 @@ class Decisions:
                     v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v)
                 )
         if not self._evidence.enabled or size > self._evidence.max_bytes:  # alike on every rank
-            return None
+            return None, None
         assert self._evidence.root is not None
         path = self._evidence.root / f"step{step:08d}-before-update.ckpt"
         # not over the checkpoint of an earlier run; rank zero's choice, which writes it
         path = trainer.strategy.broadcast(self._evidence.free(path))
-        trainer.save_checkpoint(path)
-        self._evidence.used += Path(path).stat().st_size if Path(path).is_file() else size
-        return str(path)
+        error = None
+        try:
+            trainer.save_checkpoint(path)
+        except OSError as err:  # raised by the write, before save_checkpoint's closing barrier
+            with contextlib.suppress(OSError):  # a name nothing had: nothing half-written
+                if Path(path).is_dir():  # a strategy that saves a folder (DeepSpeed)
+                    shutil.rmtree(path)
+                else:
+                    Path(path).unlink(missing_ok=True)
+            error = self._evidence.failed("checkpoint", Path(path), err)
+            trainer.strategy.barrier("Trainer.save_checkpoint")  # where the other ranks wait
+        # every rank says the same: the writer's error (rank zero's under DDP), else none
+        errors = [e for e in gather(error) if e is not None]
+        if errors:
+            return None, errors[0]
+        with contextlib.suppress(OSError):  # the file's size, where this rank can see it
+            size = Path(path).stat().st_size if Path(path).is_file() else size
+        self._evidence.used += size
+        return str(path), None
 
     def _emit(self, trainer: pl.Trainer, event: HealthEvent, log_step: int, loud: bool) -> None:
         self.events.append(event)

@@ -221,7 +221,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         evidence_dir: where bundles go; default ``<trainer.log_dir>/health``. Checked when
             ``fit`` starts: a folder that could hold no bundle (a file on its path, no write
             permission) raises :class:`~lightning_recorder.RecorderConfigError` (the default
-            folder: a warning).
+            folder: a warning). Evidence that cannot be written later (a full disk) leaves no
+            part of itself and does not stop training: one warning a fit says so, and the event.
         alert: called with each event worth an alert (the first of a run of non-finite steps,
             rule findings), at most once per ``alert_interval_s``.
         max_consecutive_skips: with ``"skip"``, how many non-finite steps in a row are skipped
@@ -446,7 +447,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
         self._streaks = {}
         self.events, self.counters = [], _fresh_counters()
         # each fit has its own evidence budget and its own checkpoint before its first bad update
-        self._evidence.used, self._checkpointed = 0, False
+        self._evidence.start()
+        self._checkpointed = False
         root = self.evidence_dir
         if root is None:  # every rank asks: log_dir is broadcast from rank 0
             root = Path(trainer.log_dir or trainer.default_root_dir) / "health"

@@ -3,8 +3,10 @@ sparse), and a bundle that cannot be written: training goes on in every case."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from lightning_recorder import HealthMonitor, RecorderConfigError
+from lightning_recorder import HealthMonitor, NonFiniteError, RecorderConfigError
 
 STEPS = 3
 BAD_STEP = 1
@@ -223,6 +225,121 @@ def test_a_disk_that_fails_while_a_bundle_is_written_warns_and_leaves_no_part_of
     (event,) = monitor.events
     assert event.action == "skipped" and event.evidence is None
     assert list(evidence.iterdir()) == []  # no half-written bundle
+
+
+def _full_disk(written: Path) -> OSError:
+    """What a disk that fills up while ``written`` is written raises, once a part of it is."""
+    written.write_bytes(b"\0" * 64)
+    return OSError(errno.ENOSPC, "No space left on device", str(written))
+
+
+def _fit_on_full_disk(monitor: HealthMonitor) -> list[warnings.WarningMessage]:
+    """Steps 1 and 2 with a NaN in the batch: a fit that must go on, or end in the monitor's own
+    ``NonFiniteError`` under "raise"; the warnings it gave."""
+    batches = []
+    for s in range(STEPS):
+        x = torch.cat(_parts(s, None))
+        if s >= BAD_STEP:
+            x[4, 1] = math.nan
+        batches.append((x, _target(s)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if monitor.on_nonfinite == "raise":
+            failed = r"could not be written \(OSError: \[Errno 28\]"
+            with pytest.raises(NonFiniteError, match=failed):
+                _fit(monitor, batches)
+        else:
+            _fit(monitor, batches)  # training went on
+    return [w for w in caught if "HealthMonitor could not write" in str(w.message)]
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip", "raise"])
+def test_a_disk_that_fills_up_under_a_bundle_lets_training_go_on_with_one_warning(
+    policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError (a full disk) while bundles are written, after a part of one was: no part of
+    any is left, training goes on ("raise" raises its own error), one warning a fit says where,
+    why and what to do, and each event says its bundle could not be written."""
+
+    def full_disk(tensors: dict[str, Tensor], filename: str, **kwargs: Any) -> None:
+        raise _full_disk(Path(filename))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    evidence = tmp_path / "evidence"
+    monitor = HealthMonitor(policy, evidence_dir=evidence, rules=())
+    (warned,) = _fit_on_full_disk(monitor)
+    text = str(warned.message)
+    assert f"evidence bundle {evidence / 'step00000001-rank0'} (OSError: [Errno 28]" in text
+    assert "Free space there, pass another `evidence_dir`, or pass evidence_max_bytes=0" in text
+    # "skip" wrote (tried) a bundle on both bad steps; "warn" on the first of the run only
+    loud = {"warn": 1, "skip": 2, "raise": 1}[policy]
+    assert [e.step for e in monitor.events] == [1, 2][: 1 if policy == "raise" else 2]
+    for event in monitor.events[:loud]:
+        assert event.evidence is None
+        assert event.details["evidence_error"].startswith("OSError: [Errno 28] No space left")
+        assert "no evidence written: the bundle could not be written (OSError" in event.message
+    assert list(evidence.iterdir()) == []  # no half-written bundle
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip", "raise"])
+def test_a_disk_that_fills_up_under_the_evidence_checkpoint_lets_training_go_on(
+    policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError while the checkpoint before the bad update is written, after a part of it
+    was: no file is left, training goes on ("raise" raises its own error, not the OSError), one
+    warning says so, and the event and its bundle say the checkpoint could not be written."""
+    import lightning.fabric.plugins.io.torch_io as torch_io
+
+    def full_disk(checkpoint: dict[str, Any], filepath: Any) -> None:
+        raise _full_disk(Path(filepath))
+
+    monkeypatch.setattr(torch_io, "_atomic_save", full_disk)
+    evidence = tmp_path / "evidence"
+    monitor = HealthMonitor(policy, evidence_dir=evidence, rules=(), evidence_checkpoint=True)
+    (warned,) = _fit_on_full_disk(monitor)
+    text = str(warned.message)
+    path = evidence / f"step{BAD_STEP:08d}-before-update.ckpt"
+    assert f"evidence checkpoint {path} (OSError: [Errno 28] No space left" in text
+    assert "pass another `evidence_dir`, or pass evidence_checkpoint=False to write" in text
+    assert list(evidence.glob("*.ckpt")) == []  # the part written is gone
+    event = monitor.events[0]
+    assert event.step == BAD_STEP and event.evidence is not None  # the bundle is written
+    assert event.details["checkpoint_error"].startswith("OSError: [Errno 28] No space left")
+    assert "the checkpoint before the update could not be written (OSError" in event.message
+    meta = json.loads((Path(event.evidence) / "event.json").read_text())
+    assert meta["checkpoint"] is None and meta["checkpoint_error"].startswith("OSError: [Errno 28]")
+
+
+class _Unreadable(pl.Callback):
+    """Once training has started, ``folder`` can no longer be looked into nor written in, as a
+    folder whose permissions were taken away (which do not stop root: ``Path`` is patched)."""
+
+    def __init__(self, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.folder, self.monkeypatch = folder, monkeypatch
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        def denied(original: Callable[..., Any]) -> Callable[..., Any]:
+            def call(path: Path, *args: Any, **kwargs: Any) -> Any:
+                if path.is_relative_to(self.folder):
+                    raise PermissionError(errno.EACCES, "Permission denied", str(path))
+                return original(path, *args, **kwargs)
+
+            return call
+
+        for method in ("exists", "mkdir"):
+            self.monkeypatch.setattr(Path, method, denied(getattr(Path, method)))
+
+
+def test_a_folder_that_can_no_longer_be_read_lets_training_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    evidence = tmp_path / "evidence"
+    monitor = HealthMonitor("skip", evidence_dir=evidence, rules=())
+    batches = [(torch.cat(_parts(s, math.nan)), _target(s)) for s in range(STEPS)]
+    with pytest.warns(UserWarning, match=r"could not write the evidence bundle .*Permission"):
+        _fit(monitor, batches, _Unreadable(evidence, monkeypatch))  # training went on
+    (event,) = monitor.events
+    assert event.evidence is None and event.details["evidence_error"].startswith("PermissionError")
 
 
 def test_a_folder_that_cannot_hold_bundles_is_refused_when_the_run_starts(tmp_path: Path) -> None:

@@ -105,3 +105,19 @@ def test_the_report_names_the_rank_whose_batch_was_bad(
         second = events[0][1]
         assert (second["step"], second["rank"], second["details"]["ranks"]) == (2, 0, [0, 1])
         assert ", rank 0 (also on rank 1):" in second["message"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_be_written_lets_both_ranks_go_on(tmp_path: Path) -> None:
+    # before the fix: the OSError of rank zero's write stopped its fit; caught without meeting
+    # the other rank at save_checkpoint's barrier, the two ranks hung
+    run_script(SCRIPT, tmp_path, "replay", "skip", "full-disk", timeout=300, one_thread=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    events = [[e for e in r["events"] if e["kind"] == "nonfinite"] for r in ranks]
+    assert events[0] == events[1]  # both ranks say the checkpoint could not be written
+    [event] = events[0]
+    assert (event["step"], event["rank"], event["action"]) == (1, 1, "skipped")
+    assert event["details"]["checkpoint_error"].startswith("OSError: [Errno 28] No space left")
+    assert event["evidence"] == str(tmp_path / "health" / "step00000001-rank1")
+    assert all(len(r["params"]) == 3 for r in ranks)  # both trained to the end
+    assert list((tmp_path / "health").glob("*.ckpt")) == []

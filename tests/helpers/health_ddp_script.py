@@ -1,21 +1,24 @@
 """Two DDP processes (CPU, gloo) with ``HealthMonitor("skip")``; only rank 1's batch is bad.
 A rule that records its checks shows where the rules run.
 
-Usage: ``python health_ddp_script.py OUT_DIR [LOCALIZE]`` (``HealthMonitor``'s ``localize``,
-``"replay"`` by default). Lightning's DDP launcher starts the second process. Rank ``r`` takes
-samples ``r, r + 2, …`` in order (its own ``DistributedSampler``), so that batch 1 of rank 1
-alone carries :class:`Trap`'s marker. Each rank saves its events and its parameters after every
-batch to ``OUT_DIR/rank{RANK}.pt``, and the names of its threads at exit to
-``OUT_DIR/threads{RANK}.txt``.
+Usage: ``python health_ddp_script.py OUT_DIR [LOCALIZE [POLICY [full-disk]]]``
+(``HealthMonitor``'s ``localize``, ``"replay"`` by default, and ``on_nonfinite``, ``"skip"``;
+``full-disk``: ``evidence_checkpoint=True`` on a disk that fills up while rank zero writes it).
+Lightning's DDP launcher starts the second process. Rank ``r`` takes samples ``r, r + 2, …`` in
+order (its own ``DistributedSampler``), so that batch 1 of rank 1 alone carries :class:`Trap`'s
+marker. Each rank saves its events and its parameters after every batch to
+``OUT_DIR/rank{RANK}.pt``, and the names of its threads at exit to ``OUT_DIR/threads{RANK}.txt``.
 """
 
 from __future__ import annotations
 
+import errno
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning.fabric.plugins.io.torch_io as torch_io
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -64,15 +67,24 @@ class Params(pl.Callback):
         self.after.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
 
 
-def main(out_dir: Path, localize: str = "replay", policy: str = "skip") -> None:
+def _full_disk(checkpoint: dict[str, Any], filepath: Any) -> None:
+    """Lightning's write of a checkpoint file on a disk that fills up once a part is written."""
+    Path(filepath).write_bytes(b"\0" * 64)
+    raise OSError(errno.ENOSPC, "No space left on device", str(filepath))
+
+
+def main(out_dir: Path, localize: str = "replay", policy: str = "skip", disk: str = "") -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    if disk == "full-disk":
+        torch_io._atomic_save = _full_disk  # type: ignore[assignment]
     checks = Checks()  # the rules run on global rank zero only
     monitor = HealthMonitor(
         policy,  # type: ignore[arg-type]
         localize=False if localize == "False" else localize,  # type: ignore[arg-type]
         rules=[checks],
         evidence_dir=out_dir / "health",
+        evidence_checkpoint=disk == "full-disk",
     )
     params = Params()
     trainer = pl.Trainer(
