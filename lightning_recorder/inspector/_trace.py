@@ -41,7 +41,10 @@ class LayerRow:
         input_shapes: the shapes of the tensors among the call's arguments.
         output_shapes: the shapes of the tensors in its output.
         params: parameters counted on this row: the module's own (not its children's), on the
-            first row that shows them.
+            first row that shows them. A parameter shared by several modules (tied weights) is
+            counted once, on the row of the first of them in ``net.named_parameters()`` order.
+        shared: the names, as in ``net.named_parameters()``, of the module's own parameters that
+            are counted on another module's row (tied weights), on the module's first row.
     """
 
     label: Label
@@ -52,6 +55,7 @@ class LayerRow:
     input_shapes: tuple[Shape, ...]
     output_shapes: tuple[Shape, ...]
     params: int
+    shared: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
@@ -281,16 +285,22 @@ def _rows(net: nn.Module, calls: list[_Call]) -> list[LayerRow]:
         while deeper in current:
             del current[deeper]
             deeper += 1
+    owners = _owners(net, {id(modules[name]) for name, _ in ordered})
     counts: dict[int, int] = {}
     calls_of: dict[str, int] = {}
     counted: set[int] = set()
+    shown: set[int] = set()
     rows = []
     for name, found in ordered:
         module = modules[name]
         depth = len(name.split(".")) if name else 0
         counts[depth] = counts.get(depth, 0) + 1
-        own = [p for p in module.parameters(recurse=False) if id(p) not in counted]
+        mine = list(module.parameters(recurse=False))
+        own = [p for p in mine if owners[id(p)][0] is module and id(p) not in counted]
         counted.update(id(p) for p in own)
+        elsewhere = [owners[id(p)][1] for p in mine if owners[id(p)][0] is not module]
+        shared = tuple(dict.fromkeys(elsewhere)) if id(module) not in shown else ()
+        shown.add(id(module))
         number = calls_of.get(name, 0)
         if found is not None:
             calls_of[name] = number + 1
@@ -304,9 +314,25 @@ def _rows(net: nn.Module, calls: list[_Call]) -> list[LayerRow]:
                 input_shapes=found.inputs if found else (),
                 output_shapes=found.outputs if found else (),
                 params=sum(p.numel() for p in own),
+                shared=shared,
             )
         )
     return rows
+
+
+def _owners(net: nn.Module, with_rows: set[int]) -> dict[int, tuple[nn.Module, str]]:
+    """For each parameter of a module with a row: the module whose row counts it, and its name.
+
+    A parameter shared by several modules (tied weights) counts towards the first of them in
+    ``net.named_parameters()`` order, as torch names it, that has a row (a scripted submodule has
+    none), so that the rows add up to ``net.parameters()``, each tensor once.
+    """
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    for prefix, module in net.named_modules(remove_duplicate=False):
+        if id(module) in with_rows:
+            for name, param in module.named_parameters(recurse=False):
+                owners.setdefault(id(param), (module, f"{prefix}.{name}" if prefix else name))
+    return owners
 
 
 def _fmt_shapes(shapes: tuple[Shape, ...]) -> str:
@@ -437,6 +463,10 @@ def render(
             params, share = f"{row.params:,}", f"{100 * row.params / max(total, 1):.2f}%"
         else:
             params, share = ("(recursive)" if row.call else "--"), "--"
+        if row.shared:  # tied weights, counted on their owner's row
+            names = ", ".join(row.shared[:2]) + (", …" if len(row.shared) > 2 else "")
+            marker = f"(shared: {names})"
+            params = f"{params} {marker}" if row.params else marker
         table.append(
             (
                 f"{prefix}{row.type_name} ({var}): {row.text}",

@@ -154,6 +154,77 @@ def test_summary_shows_containers_repeated_calls_and_several_shapes() -> None:
     assert "│    │    ├─Linear (0): 3-3" in text
 
 
+class TiedHeadFirst(nn.Module):
+    """`head.weight` is `emb.weight`: `emb` owns it in `named_parameters()`, `head` runs first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        bias_only = self.head(torch.zeros(ids.shape[0], 4))
+        return self.head(self.body(self.emb(ids))) + bias_only[:, None]
+
+
+def shown_percents(text: str) -> list[float]:
+    return [float(p) for p in re.findall(r" (\d+\.\d\d)%", text)]
+
+
+def test_a_tied_parameter_counts_once_on_its_owner_and_other_rows_say_it_is_shared() -> None:
+    net = TiedHeadFirst()
+    total = sum(p.numel() for p in net.parameters())  # each tensor once: 40 + 20 + 10
+    assert [name for name, _ in net.named_parameters()] == [
+        "emb.weight",
+        "body.weight",
+        "body.bias",
+        "head.bias",
+    ]
+    inspector = Inspector(net, input_size=(2, 3), dtypes=[torch.long])
+    rows = {(row.name, row.call): row for row in inspector.layers}
+    # counted on emb, the owner in named_parameters() order, though head runs first
+    assert (rows["emb", 0].params, rows["emb", 0].shared) == (40, ())
+    assert (rows["head", 0].params, rows["head", 0].shared) == (10, ("emb.weight",))
+    assert (rows["head", 1].params, rows["head", 1].shared) == (0, ())  # a later call
+    assert sum(row.params for row in inspector.layers) == total == 70
+    text = inspector.summary_text()
+    assert re.search(r"├─Linear \(head\): 1-1 .* 10 \(shared: emb\.weight\)   14\.29%$", text, re.M)
+    assert re.search(r"├─Embedding \(emb\): 1-2 .*  40   57\.14%$", text, flags=re.M)
+    assert re.search(r"├─Linear \(head\): 1-4 .*  \(recursive\)       --$", text, flags=re.M)
+    assert "Total params: 70" in text
+    # each share is rounded to 0.005 %: the shares add up to 100 % within that per row
+    percents = shown_percents(text)
+    assert len(percents) == 3 and abs(sum(percents) - 100) <= 0.005 * len(percents)
+
+
+def test_a_tied_gpt2_head_is_counted_once_on_the_token_embedding() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    net = transformers.GPT2LMHeadModel(config)
+    assert net.lm_head.weight is net.transformer.wte.weight
+    total = sum(p.numel() for p in net.parameters())
+    inspector = Inspector(net, input_size=(1, 5), dtypes=[torch.long])
+    rows = {row.name: row for row in inspector.layers}
+    assert (rows["transformer.wte"].params, rows["transformer.wte"].shared) == (400, ())
+    assert (rows["lm_head"].params, rows["lm_head"].shared) == (0, ("transformer.wte.weight",))
+    assert sum(row.params for row in inspector.layers) == total
+    text = inspector.summary_text()
+    assert re.search(
+        r"├─Linear \(lm_head\): 1-2 .* \(shared: transformer\.wte\.weight\)       --$",
+        text,
+        flags=re.M,
+    )
+    assert f"Total params: {total:,}" in text
+    percents = shown_percents(text)
+    assert abs(sum(percents) - 100) <= 0.005 * len(percents)  # each share rounded to 0.005 %
+
+
 @pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
 def test_summary_of_nested_inputs_shows_ragged_dimensions_as_minus_one(
     layout: torch.layout,
