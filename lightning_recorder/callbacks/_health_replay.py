@@ -44,7 +44,8 @@ __all__ = ["MicroBatch", "capture_rng", "replay", "why_not_replayable"]
 
 @dataclass
 class MicroBatch:
-    """What the replay of one micro-batch needs, captured at ``on_train_batch_start``."""
+    """What the replay of one micro-batch, and its evidence bundle, need: captured at
+    ``on_train_batch_start``."""
 
     batch: Any
     batch_idx: int

@@ -545,7 +545,9 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
             if self._window and self._trace.active:  # an earlier micro-batch of this step
                 self._timelines.append(self._trace.finish())
             self._trace.begin(batch)
-        if self._replays:
+        # the random state before the forward: the replay sets it again; every bundle holds it,
+        # so that the step can be run again with the same dropout masks, whatever `localize` is
+        if self._replays or self._evidence.enabled:
             self._window.append(capture_rng(pl_module, batch, batch_idx))
         else:
             self._window.append(MicroBatch(batch, batch_idx, _NO_RNG))

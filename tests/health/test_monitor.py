@@ -36,6 +36,7 @@ from lightning_recorder import (
     RecorderError,
     UnknownSourceError,
 )
+from lightning_recorder.callbacks import health as health_module
 from lightning_recorder.callbacks._health_event import describe
 from lightning_recorder.callbacks._health_sentinel import Sentinel
 from lightning_recorder.callbacks.health import HealthRule, RuleInput
@@ -440,6 +441,91 @@ def test_replay_draws_the_same_dropout_masks() -> None:
     assert len(counts) == 6 and counts[0::2] == counts[1::2]
     assert [e.total for e in monitor.events] == counts[0::2]
     assert all(e.module == "body.2" and e.reproduced for e in monitor.events)
+
+
+class NaNWhileOn(nn.Module):
+    """The identity, or NaN everywhere while ``on``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * math.nan if self.on else x
+
+
+class DropoutThenNaN(Net):
+    """Dropout, then a head whose output is NaN on the last micro-batch of each optimizer step;
+    the dropout layer's output of every training batch is kept, in order."""
+
+    def __init__(self, accumulate: int) -> None:
+        super().__init__("mlp")
+        self.body = nn.Sequential(
+            nn.Linear(12, 16), nn.Dropout(0.5), nn.Linear(16, 4), NaNWhileOn()
+        )
+        self.accumulate = accumulate
+        self.dropped: list[torch.Tensor] = []
+        self.body[1].register_forward_hook(lambda m, i, out: self.dropped.append(out.detach()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.body[3].on = batch_idx % self.accumulate == self.accumulate - 1
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("localize", ["always", False])
+def test_every_bundle_holds_the_random_state_that_redraws_the_steps_dropout_mask(
+    localize: Any, accumulate: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a replay too, the bundle holds the random state taken before the forward of its
+    micro-batch (the second of a step under accumulation, whose mask differs from the first's):
+    set again, it draws that micro-batch's dropout mask on the bundle's batch."""
+    captures = _count_captures(monkeypatch)
+    model = DropoutThenNaN(accumulate)
+    monitor = HealthMonitor(
+        "skip", localize=localize, evidence_dir=tmp_path, max_consecutive_skips=10, rules=()
+    )
+    loader = data("mlp", 4 * 3 * accumulate)  # one epoch: batch indices are batches
+    fit(model, [monitor], steps=3, loader=loader, accumulate_grad_batches=accumulate)
+    assert captures == list(range(3 * accumulate))  # once per micro-batch, no replay
+    assert len(model.dropped) == 3 * accumulate
+    assert [e.step for e in monitor.events] == [0, 1, 2]
+    model.train()  # dropout on, as in the step; the parameters are the steps' (all skipped)
+    for event in monitor.events:
+        assert event.batch_idx == accumulate * event.step + accumulate - 1
+        bundle = Path(event.evidence)
+        tensors = load_file(bundle / "tensors.safetensors")
+        x = loader.dataset.tensors[0]  # type: ignore[attr-defined]
+        assert torch.equal(tensors["batch.0"], x[4 * event.batch_idx : 4 * event.batch_idx + 4])
+        with torch.random.fork_rng(devices=[]), torch.no_grad():  # leaves the generator be
+            torch.set_rng_state(tensors["rng.cpu"])
+            again = model.body[:2](tensors["batch.0"])
+        step = model.dropped[event.batch_idx]
+        assert torch.equal(again == 0, step == 0)  # the same mask, exactly
+        torch.testing.assert_close(again, step, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("localize", ["replay", "always", False])
+def test_without_evidence_only_a_replay_copies_the_random_state(
+    localize: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    captures = _count_captures(monkeypatch)
+    monitor = HealthMonitor("skip", localize=localize, evidence_max_bytes=0, rules=())
+    fit(Net("mlp"), [monitor], steps=3)
+    assert len(captures) == (3 if localize == "replay" else 0)
+
+
+def _count_captures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The batch indices ``capture_rng`` is called with, from now on."""
+    calls: list[int] = []
+    capture = health_module.capture_rng
+
+    def counted(pl_module: Any, batch: Any, batch_idx: int) -> Any:
+        calls.append(batch_idx)
+        return capture(pl_module, batch, batch_idx)
+
+    monkeypatch.setattr(health_module, "capture_rng", counted)
+    return calls
 
 
 class FailsOnReplay(Net):
