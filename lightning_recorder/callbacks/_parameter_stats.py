@@ -157,15 +157,17 @@ class ParameterStats:
 
     def values(
         self, stepped: list[str], values: list[float]
-    ) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+    ) -> tuple[dict[str, float], dict[str, tuple[float, float | None]]]:
         """From the host values of :meth:`tensors`: the norm of each parameter, and the gradient
-        norm and update ratio ``||Δp|| / (||p|| + 1e-12)`` of each stepped one."""
+        norm and update ratio ``||Δp|| / (||p|| + 1e-12)`` of each stepped one (``||p||``
+        before the step). The ratio is ``None`` where ``||p||`` was 0 (a bias initialised to
+        zeros): undefined there, not ``||Δp|| / 1e-12``."""
         names = list(self.params)
         k, n = len(names), len(stepped)
         sizes, changes, grads = values[k : k + n], values[k + n : k + 2 * n], values[k + 2 * n :]
         norm_of = dict(zip(names, values[:k], strict=True))
         stepped_of = {
-            name: (grad, change / (size + 1e-12))
+            name: (grad, None if size == 0 else change / (size + 1e-12))
             for name, size, change, grad in zip(stepped, sizes, changes, grads, strict=True)
         }
         return norm_of, stepped_of

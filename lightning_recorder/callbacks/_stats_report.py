@@ -27,7 +27,9 @@ class StatsReport:
         stats: every statistic of :data:`~lightning_recorder.stats.STAT_NAMES` (whichever the
             monitor logs), an array with one value per module (NaN for a module not called).
         parameters: for each monitored parameter, ``{"norm": ...}`` and, for those its optimizer
-            stepped in this step, ``"grad_norm"`` and ``"update_ratio"`` (training only).
+            stepped in this step, ``"grad_norm"`` and ``"update_ratio"`` (training only; no
+            ``"update_ratio"`` where the parameter's norm before the step was 0, for which it
+            is undefined).
         channels: for each module whose per-channel extremes were asked for
             (:meth:`~lightning_recorder.FeatureStatsMonitor.track_channels`), a ``(3, C)`` array
             of the minimum, maximum and minimum ``|x|`` of each channel of its outputs in this

@@ -1122,7 +1122,9 @@ class FeatureStatsMonitor(RecorderCallback):
             for name, norm in norm_of.items():
                 parameters[name] = {"norm": norm}
             for name, (grad, ratio) in stepped_of.items():
-                parameters[name].update(grad_norm=grad, update_ratio=ratio)
+                parameters[name]["grad_norm"] = grad
+                if ratio is not None:  # None: undefined (the norm before the step was 0)
+                    parameters[name]["update_ratio"] = ratio
         channels: dict[str, np.ndarray] = {}
         if host.channels:
             table = np.asarray(host.channels, dtype=np.float64).reshape(3, -1)
@@ -1174,7 +1176,9 @@ class FeatureStatsMonitor(RecorderCallback):
         norm_of, stepped_of = params.values(stepped, values)
         scalars = {self._tags("train", name, _NORM)[0]: v for name, v in norm_of.items()}
         for name, pair in stepped_of.items():
-            scalars.update(zip(self._tags("train", name, _STEPPED), pair, strict=True))
+            for tag, value in zip(self._tags("train", name, _STEPPED), pair, strict=True):
+                if value is not None:  # an undefined update ratio is not logged
+                    scalars[tag] = value
         return scalars
 
     def _write(

@@ -928,6 +928,81 @@ def test_lbfgs_update_ratio_covers_the_whole_step(tmp_path: Path) -> None:
     assert not trainer.optimizers[0]._optimizer_step_post_hooks
 
 
+class _ZeroBias(pl.LightningModule):
+    """``Linear(4, 1)`` whose bias starts at 0, as ``nn.init.zeros_`` leaves a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        nn.init.zeros_(self.lin.bias)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        return (self.lin(x).squeeze(-1) - x.sum(1)).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Values(pl.Callback):
+    """Every parameter's value at each training batch start and end (float64)."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, dict[str, torch.Tensor]] = {}
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def _values(pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
+        return {n: p.detach().double().clone() for n, p in pl_module.named_parameters()}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *_: Any) -> None:
+        self.before[trainer.global_step] = self._values(pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *_: Any) -> None:
+        self.after[trainer.global_step - 1] = self._values(pl_module)
+
+
+def test_update_ratio_of_a_parameter_whose_norm_before_the_step_is_0_is_not_logged(
+    tmp_path: Path,
+) -> None:
+    """``||Δp|| / (||p|| + 1e-12)`` of a bias initialised to 0 came out near 1e10 at the first
+    step, which meant nothing and wrecked the chart's scale: it is undefined, and left out (of
+    every logger and of the listeners' reports) while ``norm`` and ``grad_norm`` are logged."""
+    torch.manual_seed(0)
+    tensorboard = TensorBoardLogger(tmp_path, name="zero", version=0)
+    table = CSVLogger(tmp_path, name="zero_csv", version=0)
+    reference = _Values()
+    monitor = FeatureStatsMonitor(["lin"], every_n_steps=1, histograms=False)
+    reports: list[Any] = []
+    monitor.subscribe(reports.append)
+    pl.Trainer(
+        **QUIET, logger=[tensorboard, table], max_steps=2, callbacks=[reference, monitor]
+    ).fit(_ZeroBias(), loader(features(8, seed=2)))
+    got = scalars(tensorboard.log_dir)
+    assert got["stats/train/lin.bias/norm"].keys() == {0, 1}
+    assert got["stats/train/lin.bias/grad_norm"].keys() == {0, 1}
+    assert got["stats/train/lin.bias/update_ratio"].keys() == {1}  # not at step 0
+    assert got["stats/train/lin.weight/update_ratio"].keys() == {0, 1}
+    for step, name in ((0, "lin.weight"), (1, "lin.weight"), (1, "lin.bias")):
+        before, after = reference.before[step][name], reference.after[step][name]
+        ratio = ((after - before).norm() / before.norm()).item()
+        # float32 norms of float32 values against float64 ones, stored as float32
+        tag = f"stats/train/{name}/update_ratio"
+        assert got[tag][step] == pytest.approx(ratio, rel=1e-5)
+    assert [sorted(r.parameters["lin.bias"]) for r in reports] == [
+        ["grad_norm", "norm"],
+        ["grad_norm", "norm", "update_ratio"],
+    ]
+    with open(Path(table.log_dir) / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    ratios = {
+        int(row["step"]): row["stats/train/lin.bias/update_ratio"]
+        for row in rows
+        if row.get("stats/train/lin.bias/norm")
+    }
+    assert ratios[0] == "" and float(ratios[1]) == pytest.approx(got[tag][1], rel=1e-6)
+
+
 class _PerSampleGrads(pl.LightningModule):
     """Per-sample gradients (torch.func.vmap of grad of functional_call), as DP-SGD takes them:
     the monitor's hooks run inside the transforms, on one sample's view of each output."""

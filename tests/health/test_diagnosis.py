@@ -348,6 +348,39 @@ def test_update_ratio_findings_on_both_sides_of_the_band_make_a_message_each(
     assert [a.message for a in alerts] == warned
 
 
+def test_a_weight_whose_norm_before_the_step_is_0_has_no_update_ratio_to_judge(
+    tmp_path: Path,
+) -> None:
+    """A weight initialised to zeros (a residual branch's last layer, a LoRA ``B``) has no
+    update ratio at its first step (``||Δw|| / 0``, logged as about 1e10 before): the rule
+    judges it from its next step on and finds nothing here; the view draws the steps it has."""
+
+    class ZeroHead(Net):
+        def __init__(self) -> None:
+            super().__init__("mlp")
+            nn.init.zeros_(self.body[7].weight)
+
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    stats = FeatureStatsMonitor([nn.Linear], every_n_steps=1, histograms=False)
+    seen: list[dict[str, float]] = []
+    stats.subscribe(lambda report: seen.append(dict(report.parameters["body.7.weight"])))
+    # a high bound of 1e3: ||Δw|| / (0 + 1e-12) is far above it, the later ratios far below
+    rule = UpdateRatioRule(high=1e3, low=None, patience=1)
+    monitor = HealthMonitor(
+        rules=[rule], view_every=1, heatmap_stats=("update_ratio",), evidence_max_bytes=0
+    )
+    fit(ZeroHead(), [stats, monitor], steps=3, logger=logger)
+    assert [sorted(figures) for figures in seen] == [
+        ["grad_norm", "norm"],
+        *[["grad_norm", "norm", "update_ratio"]] * 2,
+    ]
+    assert all(0.0 < figures["update_ratio"] < 1e3 for figures in seen[1:])
+    assert monitor.events == [] and monitor.findings == {}
+    acc = EventAccumulator(str(logger.log_dir), size_guidance={"images": 0})
+    acc.Reload()
+    assert [i.step for i in acc.Images("health/heatmap/update_ratio")] == [0, 1, 2]
+
+
 def test_after_the_interval_the_same_finding_alerts_again() -> None:
     script = {0: ["body.0"], 2: ["body.0"]}
     alerts: list[HealthEvent] = []

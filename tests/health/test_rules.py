@@ -480,6 +480,20 @@ def test_update_ratio_counts_each_side_apart() -> None:
     assert event.details["side"] == "low"
 
 
+def test_a_step_without_an_update_ratio_is_no_data_for_the_layer() -> None:
+    """A weight with no ``update_ratio`` in a step (its norm before the step was 0: undefined)
+    is neither inside nor outside the band there: the run of steps outside goes on across it."""
+    rule = UpdateRatioRule(patience=2)
+    missing = ratios(l0=1e-9)
+    del missing["0.weight"]["update_ratio"]  # "norm" and "grad_norm" only
+    assert rule.check(param_input(0, ratios(l0=0.5), MLP_SHAPES)) == []
+    assert rule.check(param_input(1, missing, MLP_SHAPES)) == []
+    [event] = rule.check(param_input(2, ratios(l0=0.5), MLP_SHAPES))
+    assert (event.module, event.details["side"]) == ("0", "high")
+    rule = UpdateRatioRule(patience=1)
+    assert rule.check(param_input(0, missing, MLP_SHAPES)) == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
