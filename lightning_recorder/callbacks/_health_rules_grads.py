@@ -219,8 +219,9 @@ class UpdateRatioRule(_Patient):
     The update ratio of a layer is ``||Δw|| / ||w||`` of its weight tensor in one optimizer
     step. The rule fires for a layer whose ratio stays above ``high`` (or below ``low``) on
     ``patience`` logged steps in a row, one finding per layer, saying which side. A step with
-    no ratio for a layer (its norm before the step was 0: undefined) is no data for it,
-    neither inside nor outside the band: the run of steps outside goes on across it.
+    no ratio for a layer (its norm before the step was 0: undefined; or the AMP grad scaler
+    skipped the step: nothing updated) is no data for it, neither inside nor outside the band:
+    the run of steps outside goes on across it.
 
     **Defaults and sources.** The ratio "should be somewhere around 1e-3. If it is lower than
     this then the learning rate might be too low. If it is higher then the learning rate is

@@ -18,6 +18,11 @@ The copies' norms ``||before||`` are taken with the gradients' in one foreach no
 the copy, while the copies are still in the cache. At the batch's end, one foreach norm over the
 parameters, an in-place foreach difference and one more norm give ``||p||`` and ``||Δp||``,
 still on the device.
+
+A step that updated nothing has no update ratio: a step the AMP grad scaler skipped (its
+optimizer never stepped, or, ``fused=True``, stepped with the scaler's ``found_inf`` flag set;
+the flag is read with the norms, in the same copy to the host), as the ratio of a parameter
+whose norm before the step was 0, which is undefined.
 """
 
 from __future__ import annotations
@@ -75,7 +80,9 @@ class ParameterStats:
         for the next logged step; others are freed)."""
         self._grad_norms: dict[str, Tensor] = {}
         self._before_norms: dict[str, Tensor] = {}
-        self._stepped: dict[str, None] = {}  # an ordered set: a lookup per name, not a scan
+        # an ordered set (a lookup per name, not a scan), with the id of the optimizer that
+        # stepped each name
+        self._stepped: dict[str, int] = {}
         self.close()  # the batch's steps are over
         self._before = {name: copy for name, copy in self._before.items() if copy.is_cpu}
 
@@ -135,13 +142,16 @@ class ParameterStats:
             k = len(names)
             self._grad_norms.update(zip(names, unscaled(found[:k], grad_scale), strict=True))
             self._before_norms.update(zip(names, found[k:], strict=True))
-        self._stepped.update(dict.fromkeys(names))
+        self._stepped.update(dict.fromkeys(names, id(optimizer)))
 
     def tensors(self) -> tuple[list[str], list[Tensor]]:
         """The names of the stepped parameters and, on the device: the norm of every monitored
         parameter, then of each stepped one's value before its step and of its change, then
-        its gradient norm. Resets the batch."""
+        its gradient norm, then, where some step may have updated nothing (under an AMP grad
+        scaler), a flag for each stepped one, nonzero where its step updated nothing. Resets
+        the batch."""
         stepped = list(self._stepped)
+        skipped = self._skipped(stepped)
         before = [self._before[name] for name in stepped]
         with torch.no_grad():
             found = norms(list(self.params.values()))
@@ -153,7 +163,25 @@ class ParameterStats:
         before_norms = [self._before_norms[name] for name in stepped]
         grad_norms = [self._grad_norms[name] for name in stepped]
         self.clear()
-        return stepped, [*found[:k], *before_norms, *found[k:], *grad_norms]
+        return stepped, [*found[:k], *before_norms, *found[k:], *grad_norms, *skipped]
+
+    def _skipped(self, stepped: list[str]) -> list[Tensor]:
+        """For each stepped parameter, a 0-d flag nonzero where its optimizer's step updated
+        nothing (skipped by the AMP grad scaler), on the device; none when every step ran."""
+        steps = self._steps
+        flags: dict[int, Tensor | None] = {}  # None: never stepped (skipped by the scaler)
+        for key in dict.fromkeys(self._stepped.values()):
+            found_inf = steps.found_inf(key)
+            if steps.unfinished(key):
+                flags[key] = None
+            elif found_inf is not None:
+                flags[key] = found_inf.reshape(())
+        if not flags:
+            return []
+        like = self._before_norms[stepped[0]]
+        zero, one = like.new_zeros(()), like.new_ones(())
+        found = [flags.get(self._stepped[name], zero) for name in stepped]
+        return [one if flag is None else flag for flag in found]
 
     def values(
         self, stepped: list[str], values: list[float]
@@ -161,13 +189,17 @@ class ParameterStats:
         """From the host values of :meth:`tensors`: the norm of each parameter, and the gradient
         norm and update ratio ``||Δp|| / (||p|| + 1e-12)`` of each stepped one (``||p||``
         before the step). The ratio is ``None`` where ``||p||`` was 0 (a bias initialised to
-        zeros): undefined there, not ``||Δp|| / 1e-12``."""
+        zeros): undefined there, not ``||Δp|| / 1e-12``; and where the step updated nothing
+        (the AMP grad scaler skipped it): no update to measure."""
         names = list(self.params)
         k, n = len(names), len(stepped)
-        sizes, changes, grads = values[k : k + n], values[k + n : k + 2 * n], values[k + 2 * n :]
+        sizes, changes = values[k : k + n], values[k + n : k + 2 * n]
+        grads, skipped = values[k + 2 * n : k + 3 * n], values[k + 3 * n :] or [0.0] * n
         norm_of = dict(zip(names, values[:k], strict=True))
         stepped_of = {
-            name: (grad, None if size == 0 else change / (size + 1e-12))
-            for name, size, change, grad in zip(stepped, sizes, changes, grads, strict=True)
+            name: (grad, None if size == 0 or skip else change / (size + 1e-12))
+            for name, size, change, grad, skip in zip(
+                stepped, sizes, changes, grads, skipped, strict=True
+            )
         }
         return norm_of, stepped_of

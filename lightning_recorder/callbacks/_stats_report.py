@@ -29,7 +29,7 @@ class StatsReport:
         parameters: for each monitored parameter, ``{"norm": ...}`` and, for those its optimizer
             stepped in this step, ``"grad_norm"`` and ``"update_ratio"`` (training only; no
             ``"update_ratio"`` where the parameter's norm before the step was 0, for which it
-            is undefined).
+            is undefined, nor where the AMP grad scaler skipped the step: nothing updated).
         channels: for each module whose per-channel extremes were asked for
             (:meth:`~lightning_recorder.FeatureStatsMonitor.track_channels`), a ``(3, C)`` array
             of the minimum, maximum and minimum ``|x|`` of each channel of its outputs in this

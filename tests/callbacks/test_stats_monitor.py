@@ -1848,8 +1848,10 @@ def test_parameter_copies_off_the_cpu_are_freed_after_each_logged_step() -> None
     weight = nn.Parameter(torch.ones(3, 4, device="meta"))
     weight.grad = torch.ones(3, 4, device="meta")
     stats = ParameterStats({"w": weight}, sharded=False)
-    stats.before_step(torch.optim.SGD([weight], lr=0.1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    stats.before_step(optimizer)
     assert stats._before["w"].device.type == "meta"
+    optimizer.step()  # a step that updates: no flag of a skipped step among the values
     stepped, found = stats.tensors()
     assert stepped == ["w"] and len(found) == 4
     assert not stats._before
@@ -1878,8 +1880,10 @@ def test_parameter_steps_are_noted_in_time_linear_in_the_parameters() -> None:
         param.grad = torch.ones(1)
     stats = ParameterStats(dict(params), sharded=False)
     CountedName.compared = 0
-    stats.before_step(torch.optim.SGD(params.values(), lr=0.1))
+    optimizer = torch.optim.SGD(params.values(), lr=0.1)
+    stats.before_step(optimizer)
     assert CountedName.compared < 4 * len(params)  # a scan made 400 * 399 / 2 comparisons
+    optimizer.step()  # a step that updates: no flag of a skipped step among the values
     stepped, found = stats.tensors()
     assert stepped == list(params) and len(found) == 4 * len(params)
 
@@ -2134,3 +2138,38 @@ def test_grad_norm_under_fp16_amp_is_unscaled_also_for_a_fused_optimizer(
     weight = x.half().double().sum(0).norm().item()  # autocast multiplies in float16
     assert got["stats/train/lin.weight/grad_norm"][0] == pytest.approx(weight, rel=5e-3)
     assert got["stats/train/lin.bias/grad_norm"][0] == pytest.approx(8.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_steps_the_fp16_grad_scaler_skips_log_no_update_ratio(tmp_path: Path, fused: bool) -> None:
+    """While the grad scaler calibrates it skips the first optimizer steps (never calling the
+    optimizer's step, or, for a fused optimizer, calling it with its found_inf flag set): no
+    parameter moves, and the update ratio of 0 logged for them described no update. Those steps
+    log no update ratio; the gradient norms and norms are logged, and the steps that update
+    log their ratio as before."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14)  # 2 steps skipped: 2**12 fits
+    precision = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    logger = TensorBoardLogger(tmp_path, name="amp")
+    values = _Values()
+    monitor = FeatureStatsMonitor(["lin"], every_n_steps=1, histograms=False)
+    trainer = pl.Trainer(
+        **QUIET, logger=logger, max_steps=5, plugins=[precision], callbacks=[values, monitor]
+    )
+    trainer.fit(SumLinear(fused), DataLoader(features(40, seed=3), batch_size=8))
+    moved = [
+        s
+        for s in range(5)
+        if not values.after[s]["lin.weight"].equal(values.before[s]["lin.weight"])
+    ]
+    assert moved == [2, 3, 4] and scaler.get_scale() == 2.0**12
+    got = scalars(logger.log_dir)
+    for name in ("lin.weight", "lin.bias"):
+        assert got[f"stats/train/{name}/norm"].keys() == {0, 1, 2, 3, 4}
+        assert got[f"stats/train/{name}/grad_norm"].keys() == {0, 1, 2, 3, 4}
+        assert got[f"stats/train/{name}/update_ratio"].keys() == set(moved)
+        for step in moved:
+            before, after = values.before[step][name], values.after[step][name]
+            ratio = ((after - before).norm() / before.norm()).item()
+            # float32 norms against float64 ones, stored as float32
+            tag = f"stats/train/{name}/update_ratio"
+            assert got[tag][step] == pytest.approx(ratio, rel=1e-5)

@@ -35,6 +35,7 @@ from lightning_recorder import (
     RecorderConfigError,
     RecorderError,
     UnknownSourceError,
+    UpdateRatioRule,
 )
 from lightning_recorder.callbacks import health as health_module
 from lightning_recorder.callbacks._health_event import describe
@@ -1123,6 +1124,26 @@ def test_steps_the_grad_scaler_skips_are_not_alarms() -> None:
     assert monitor.events and all(e.kind == "amp_skipped" for e in monitor.events)
     assert monitor.counters["amp_skipped_steps"] == len(monitor.events)
     assert "AMP grad scaler skipped" in monitor.events[0].message
+
+
+def test_steps_the_grad_scaler_skips_are_no_data_for_the_update_ratio_rule() -> None:
+    """While the grad scaler calibrates it skips the optimizer steps: no weight moves, and
+    UpdateRatioRule found every layer "below 1e-06: it barely learns" on steps on which no
+    update was made. Such steps have no update ratio: the rule has nothing to judge."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)  # fp16 gradients overflow at once
+    stats = FeatureStatsMonitor([nn.Linear], every_n_steps=1, histograms=False)
+    seen: list[dict[str, Any]] = []
+    stats.subscribe(lambda report: seen.append(dict(report.parameters)))
+    monitor = HealthMonitor(rules=[UpdateRatioRule(patience=1)], view=False, evidence_max_bytes=0)
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler)]
+    fit(Net("mlp"), [stats, monitor], steps=3, plugins=plugins, log_every_n_steps=1)
+    assert monitor.counters["amp_skipped_steps"] == 3
+    assert [(e.kind, e.step) for e in monitor.events] == [("amp_skipped", s) for s in range(3)]
+    assert len(seen) == 3
+    for parameters in seen:  # the norms and gradient norms are there, no update ratio
+        assert parameters and all(sorted(f) == ["grad_norm", "norm"] for f in parameters.values())
 
 
 class EveryOther(HealthRule):
