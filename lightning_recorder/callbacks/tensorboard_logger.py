@@ -158,11 +158,36 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     @override
     @rank_zero_only
     def finalize(self, status: str) -> None:
+        """Write what is queued and close the writer (Lightning's too, and ``hparams.yaml`` on
+        ``"success"``). Where that fails (a full disk, a removed folder), the package's writer is
+        closed all the same and the error raised; with ``status="failed"`` (the Trainer's, after
+        the run raised) it is one warning naming the log dir and the error instead, so that the
+        run's own error is the one raised."""
+        if status != "failed":
+            try:
+                super().finalize(status)  # Lightning's: its own writer (if any), hparams.yaml
+            finally:
+                if self._events is not None:  # writes what is queued; closed even when that fails
+                    self._events.close()
+            return
+        failures: list[Exception] = []
         try:
-            super().finalize(status)  # Lightning's: its own writer (if any), hparams.yaml
-        finally:
-            if self._events is not None:  # writes what is queued; closed even when that fails
+            super().finalize(status)
+        except Exception as err:  # the run's own error is the one to see
+            failures.append(err)
+        if self._events is not None:
+            try:
                 self._events.close()
+            except Exception as err:
+                failures.append(err)
+        if failures:
+            errors = "; ".join(f"{type(e).__name__}: {str(e).strip()[:300]}" for e in failures)
+            rank_zero_warn(
+                f"{type(self).__name__} could not finish its event file in {self.log_dir} after "
+                f"the run failed ({errors}); the events written since its last flush may be "
+                "lost; the run's own error is the one raised. Free space there, or pass another "
+                "save_dir."
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

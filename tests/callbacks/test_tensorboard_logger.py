@@ -9,6 +9,7 @@ no private attribute of TensorBoard's writers read or written anywhere in the pa
 from __future__ import annotations
 
 import doctest
+import errno
 import inspect
 import io
 import os
@@ -354,13 +355,76 @@ def test_a_disk_that_fails_during_the_fit_leaves_no_writer_thread_or_open_file(
 
     monkeypatch.setattr(tensorboard_logger, "_c_checksum", lambda: fails_later)
     before = _open_event_files()
-    with pytest.raises(RecorderStateError, match=r"writer thread failed: OSError\('disk full'"):
+    with (
+        pytest.warns(UserWarning, match=r"could not finish its event file in .*full"),
+        pytest.raises(RecorderStateError, match=r"writer thread failed: OSError\('disk full'"),
+    ):
         _fit(TensorBoardLogger(tmp_path, name="full"), steps=6)
-    # finalize("failed") ended the thread and closed the file, though flushing them failed
+    # finalize("failed") ended the thread and closed the file, though flushing them failed, and
+    # warned: the error raised is the fit's own (the logging call that found the thread failed)
     assert no_writer_thread()
     assert _open_event_files() == before
     (path,) = event_files(tmp_path / "full" / "version_0")
     assert len(records(path)) == 3  # what was written before the failure holds
+
+
+def _disk_full(self: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="lists open files from /proc")
+def test_a_writer_that_cannot_finish_after_a_failed_step_leaves_the_steps_error_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning calls ``finalize("failed")`` after the run raised: an error of finishing the
+    event file there replaced the run's own (``fit`` raised the ``OSError``); it is a warning."""
+    logger = TensorBoardLogger(tmp_path, name="failed")
+    model = ProbeNet()
+
+    def fails(module: ProbeNet, batch_idx: int) -> None:  # the disk fills up, the step fails
+        if batch_idx == 1:
+            monkeypatch.setattr(EventFileWriter, "flush", _disk_full)
+            raise ValueError("the step's own error")
+
+    model.step_hook = fails
+    before = _open_event_files()
+    trainer = pl.Trainer(**QUIET, logger=logger, max_steps=4)
+    with pytest.warns(UserWarning) as caught, pytest.raises(ValueError, match="step's own error"):
+        trainer.fit(model, loader(features(12)))
+    [told] = [str(w.message) for w in caught if "event file" in str(w.message)]
+    assert told.startswith(
+        f"TensorBoardLogger could not finish its event file in {logger.log_dir} after the run "
+        "failed (OSError: [Errno 28] No space left on device)"
+    )
+    assert no_writer_thread()  # the writer is closed all the same
+    assert _open_event_files() == before
+    (path,) = event_files(logger.log_dir)
+    assert Event.FromString(records(path)[0]).source_metadata.writer == "lightning_recorder"
+
+
+def test_a_writer_that_cannot_finish_a_run_that_did_not_fail_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for status in ("success", "finished"):
+        logger = TensorBoardLogger(tmp_path, name=status)
+        logger.log_metrics({"a": 1.0}, step=0)
+        with monkeypatch.context() as patch:
+            patch.setattr(EventFileWriter, "flush", _disk_full)
+            with pytest.raises(OSError, match="No space left"):
+                logger.finalize(status)
+        assert no_writer_thread()
+
+
+def test_lightnings_writer_that_cannot_finish_after_a_failed_run_warns_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "google_crc32c", None)  # TensorBoard's own writer
+    with pytest.warns(UserWarning, match="google-crc32c"):
+        logger = TensorBoardLogger(tmp_path, name="plain")
+    logger.log_metrics({"a": 1.0}, step=0)
+    monkeypatch.setattr(SummaryWriter, "flush", _disk_full)
+    with pytest.warns(UserWarning, match=r"could not finish .*\(OSError: \[Errno 28\]"):
+        logger.finalize("failed")
 
 
 def test_logger_without_the_wheel_is_lightnings_logger(
