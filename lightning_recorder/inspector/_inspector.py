@@ -505,7 +505,9 @@ class Inspector(nn.Module):
         return self._layers
 
     def summary_text(self) -> str:
-        """The summary table: labels, shapes, parameter counts and shares, recorded layers."""
+        """The summary table: labels, shapes, parameter counts and shares, recorded layers; under
+        it the totals, and a line for the parameters of modules the traced forward did not call
+        (in no row) when there are any."""
         title = f"Inspector of {type(self.net).__name__}"
         return render(title, self._layers, self._recording, self.net, *self._table)
 

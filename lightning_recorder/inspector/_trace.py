@@ -335,6 +335,31 @@ def _owners(net: nn.Module, with_rows: set[int]) -> dict[int, tuple[nn.Module, s
     return owners
 
 
+def not_called(net: nn.Module, rows: Sequence[LayerRow]) -> tuple[int, list[str]]:
+    """The parameters counted on no row because no module holding them was called, and the
+    outermost modules without a row that hold them, in ``net.named_parameters()`` order.
+
+    A scripted submodule's parameters are left out: it takes no hooks, so whether the forward
+    called it is not known (they count in the totals only).
+    """
+    modules = dict(net.named_modules(remove_duplicate=False))
+    with_rows = {id(modules[row.name]) for row in rows if row.name in modules}
+    counted = {
+        id(p) for m in modules.values() if id(m) in with_rows for p in m.parameters(recurse=False)
+    }
+    found: dict[str, int] = {}
+    for name, param in net.named_parameters():  # each tensor once, under its first name
+        if id(param) in counted:
+            continue
+        path = name.split(".")[:-1]
+        chain = [(".".join(path[:d]), modules[".".join(path[:d])]) for d in range(len(path) + 1)]
+        if any(isinstance(m, torch.jit.ScriptModule) for _, m in chain):
+            continue
+        outer = next((n for n, m in chain if id(m) not in with_rows), chain[-1][0])
+        found[outer] = found.get(outer, 0) + param.numel()
+    return sum(found.values()), list(found)
+
+
 def _fmt_shapes(shapes: tuple[Shape, ...]) -> str:
     if not shapes:
         return "--"
@@ -489,6 +514,12 @@ def render(
     ]
     rule = "=" * max(len(line) for line in lines)
     shown = ", ".join(label_text(label) for label in recording) or "None"
+    unused, holders = not_called(net, rows)
+    footer = []
+    if unused:  # in no row: with them, the rows add up to the total
+        names = ", ".join(holders[:3]) + (", …" if len(holders) > 3 else "")
+        share = f"{100 * unused / max(total, 1):.2f}%"
+        footer.append(f"Params of modules not called: {unused:,} ({share}): {names}")
     return "\n".join(
         [
             title,
@@ -500,6 +531,7 @@ def render(
             f"Total params: {total:,}",
             f"Trainable params: {trainable:,}",
             f"Non-trainable params: {total - trainable:,}",
+            *footer,
             rule,
             f"Currently recording: {shown}",
             rule,

@@ -171,7 +171,7 @@ class TiedHeadFirst(nn.Module):
 
 
 def shown_percents(text: str) -> list[float]:
-    return [float(p) for p in re.findall(r" (\d+\.\d\d)%", text)]
+    return [float(p) for p in re.findall(r"[ (](\d+\.\d\d)%", text)]  # rows, footer
 
 
 def test_a_tied_parameter_counts_once_on_its_owner_and_other_rows_say_it_is_shared() -> None:
@@ -223,6 +223,50 @@ def test_a_tied_gpt2_head_is_counted_once_on_the_token_embedding() -> None:
     assert f"Total params: {total:,}" in text
     percents = shown_percents(text)
     assert abs(sum(percents) - 100) <= 0.005 * len(percents)  # each share rounded to 0.005 %
+
+
+class HalfUsed(nn.Module):
+    """`spare` and `unused` (a container whose children hold the parameters) are never called;
+    `head.weight` is also held by `tied`, which is never called either."""
+
+    def __init__(self, spares: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 4)
+        for i in range(spares):
+            self.add_module("spare" if i == 0 else f"spare{i}", nn.Linear(2, 2))
+        self.unused = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        self.tied = nn.Linear(4, 2, bias=False)
+        self.head = nn.Linear(4, 2)
+        self.tied.weight = self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_parameters_of_modules_not_called_are_counted_in_a_footer_line() -> None:
+    net = HalfUsed()
+    total = sum(p.numel() for p in net.parameters())  # 20 + 6 + 25 + 10, the tied weight once
+    inspector = Inspector(net, input_size=(1, 4))
+    assert sum(row.params for row in inspector.layers) == 30  # body and head: 51 % in no row
+    text = inspector.summary_text()
+    lines = text.splitlines()
+    at = lines.index("Non-trainable params: 0")
+    # the tied weight counts on head's row; spare's and unused's children's in no row
+    assert lines[at + 1] == "Params of modules not called: 31 (50.82%): spare, unused"
+    assert lines[at - 2 : at] == [f"Total params: {total}", "Trainable params: 61"]
+    assert lines[at + 2].startswith("====")
+    # each share is rounded to 0.005 %: the rows and the line add up to 100 % within that each
+    percents = shown_percents(text)
+    assert len(percents) == 3 and abs(sum(percents) - 100) <= 0.005 * len(percents)
+    assert re.search(r"├─Linear \(head\): 1-2 .*  10   16\.39%$", text, flags=re.M)
+    # up to three modules are named, then "…"
+    text = Inspector(HalfUsed(spares=3), input_size=(1, 4)).summary_text()
+    assert "Params of modules not called: 43 (58.90%): spare, spare1, spare2, …" in text
+    # no line when every parameter is counted on a row (tied, scripted: see their tests)
+    assert "not called:" not in Inspector(toynet(), input_size=(1, 5)).summary_text()
+    tied = Inspector(TiedHeadFirst(), input_size=(2, 3), dtypes=[torch.long])
+    assert "not called:" not in tied.summary_text()
 
 
 @pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
@@ -663,6 +707,7 @@ def test_a_scripted_submodule_gets_no_row_and_a_scripted_network_is_refused() ->
         ("1-2", "2"),
     ]
     assert "Total params: 50" in inspector.summary_text()
+    assert "not called:" not in inspector.summary_text()  # whether it ran is not known
     inspector.record("1-2")
     x = torch.randn(3, 4)
     inspector(x)
