@@ -140,9 +140,9 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     ``localize="replay"`` (or ``evidence_checkpoint=True``, until its checkpoint is saved),
     the result is read before the optimizer step: one host synchronisation per step on a GPU
     (none on the CPU). Otherwise it is copied without waiting and read at the next step: a
-    clean step never synchronises. Steps that the AMP grad scaler skips itself
-    (``precision="16-mixed"``: gradients overflowed, loss finite) are reported as
-    ``kind="amp_skipped"``, not as alarms.
+    clean step never synchronises (a fit that raises first still reports it, on its way out).
+    Steps that the AMP grad scaler skips itself (``precision="16-mixed"``: gradients
+    overflowed, loss finite) are reported as ``kind="amp_skipped"``, not as alarms.
 
     **Where it came from.** ``localize="replay"`` (default): on a flagged step, before the
     optimizer step, the same batch runs again through ``training_step`` with every module and
@@ -524,7 +524,26 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        if serves(self._fitting, pl_module):
+            self._report_unread(trainer)
         self._end_run(pl_module)
+
+    def _report_unread(self, trainer: pl.Trainer) -> None:
+        """Report the checks read lazily that had not been read when the fit stopped with an
+        exception (often the NaN's own, a step later), waiting for them now, as they would have
+        been reported; a failure to report one is a warning: the run's own exception is the
+        one to raise."""
+        while self._pending:
+            pending = self._pending.pop(0)
+            try:
+                pending.reading.wait()
+                self._lazy(trainer, pending)
+            except Exception as err:
+                rank_zero_warn(
+                    f"HealthMonitor could not report the check of step {pending.step}, not read "
+                    f"yet when the fit stopped: {type(err).__name__}: {err}. The fit's own "
+                    "exception follows."
+                )
 
     def _end_run(self, pl_module: pl.LightningModule) -> None:
         """Release what the run of ``pl_module`` installed (not what another fit still going

@@ -39,7 +39,7 @@ from lightning_recorder import (
 )
 from lightning_recorder.callbacks import health as health_module
 from lightning_recorder.callbacks._health_event import describe
-from lightning_recorder.callbacks._health_sentinel import Sentinel
+from lightning_recorder.callbacks._health_sentinel import Reading, Sentinel
 from lightning_recorder.callbacks.health import HealthRule, RuleInput
 
 
@@ -670,6 +670,61 @@ def test_lazy_check_without_localisation() -> None:
     assert (event.step, event.module, event.direction, event.reproduced) == (1, None, None, None)
     assert event.parameters and all(p.startswith("body.") for p in event.parameters)
     assert "were non-finite" in event.message and model.logged == [0, 1]  # no replay
+
+
+class _AssertsFinite(Net):
+    """Raises at a non-finite loss, as a training loop that asserts finiteness does."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the loss of batch {batch_idx} is {loss.item()}")
+        return loss
+
+
+@pytest.mark.parametrize("localize", ["always", False])
+def test_a_check_not_read_yet_when_the_fit_crashes_is_reported(
+    localize: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # before the fix: on a GPU, "warn" without replays reads a step's check at a later batch
+    # start, once its copy has arrived; a fit that raised before then (here: step 1's NaN
+    # gradients made the weights NaN, and step 2's loss asserts finiteness) dropped it unread.
+    # The copy that has not arrived yet: the check is read only when something waits for it.
+    monkeypatch.setattr(Reading, "ready", lambda self: False)
+    monitor = HealthMonitor("warn", localize=localize, rules=(), evidence_dir=tmp_path)
+    injector = Injector({1: Fault("body.2", "backward", "nan", 1)})
+    logged = caplog.at_level(logging.WARNING, logger="lightning_recorder.health")
+    with logged, pytest.raises(FloatingPointError, match="the loss of batch 2 is nan"):
+        fit(_AssertsFinite("mlp"), [injector, monitor], steps=4)  # the run's own exception
+    [event] = monitor.events
+    assert (event.step, event.batch_idx, event.action) == (1, 1, "warned")
+    if localize == "always":
+        assert (event.module, event.direction) == ("body.2", "backward")
+    else:
+        assert event.module is None and event.parameters
+    assert [r.getMessage() for r in caplog.records] == [event.message]  # the warning
+    assert event.evidence == str(tmp_path / "step00000001-rank0")
+    assert "batch.0" in load_file(Path(event.evidence) / "tensors.safetensors")
+    assert monitor.counters["nonfinite_steps"] == 1
+
+
+def test_a_check_that_cannot_be_reported_after_a_crash_leaves_the_run_s_exception(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(Reading, "ready", lambda self: False)
+
+    def broken(*args: Any) -> None:
+        raise OSError("the disk is gone")
+
+    monkeypatch.setattr(HealthMonitor, "_lazy", broken)
+    monitor = HealthMonitor("warn", localize=False, rules=(), evidence_max_bytes=0)
+    injector = Injector({1: Fault("body.2", "backward", "nan", 1)})
+    with (
+        pytest.warns(UserWarning, match="could not report the check of step 1, not read yet"),
+        pytest.raises(FloatingPointError, match="the loss of batch 2 is nan"),
+    ):
+        fit(_AssertsFinite("mlp"), [injector, monitor], steps=4)
+    assert monitor.events == [] and monitor._pending == []
 
 
 class TwoLinear(pl.LightningModule):
