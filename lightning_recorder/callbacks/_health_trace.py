@@ -6,7 +6,9 @@ that they see what the module itself received and returned. It records, with the
 NaN/+inf/-inf counts:
 
 * forward: each call's inputs (before the call, so before an in-place module such as
-  ``ReLU(inplace=True)`` changes them) and outputs (before the next module changes them);
+  ``ReLU(inplace=True)`` changes them) and outputs (before the next module changes them), and
+  at a module's first call, its own parameters (one that an earlier update made non-finite is
+  named as such, not the module that passed it on);
 * backward, in the order autograd computes them: the gradient of each module output, each
   call's *share* of the gradient of each input — the input is handed to the module as a
   ``view_as`` of itself whose gradient hook sees only this call's share, so that a residual input
@@ -36,8 +38,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
-from .._core.compat import current_autograd_node, in_functorch
+from .._core.compat import current_autograd_node, dtensor_type, in_functorch
 from .._core.hooks import HookSet
 from .._core.names import canonical_name, named_modules
 from .._core.structures import modified, shape_of, snapshot
@@ -137,6 +140,7 @@ class Trace:
         self.timeline = Timeline()
         self._stack: list[int] = []
         self._values: dict[int, Value] = {}
+        self._weighed: set[str] = set()  # the modules whose own parameters are counted
         self.active = True
         if batch is not None:
             named = [(f"batch.{p}" if p else "batch", t) for p, t in tensor_paths(batch)]
@@ -189,6 +193,9 @@ class Trace:
         call = Call(len(line.calls), name, type(module).__name__, parent, len(self._stack))
         line.calls.append(call)
         self._stack.append(call.index)
+        if name not in self._weighed:
+            self._weighed.add(name)
+            self._weights(line, name, module)
         names = self._argnames.get(id(module), ())
         new_args: list[Any] | None = None
         for i, item in enumerate(args):
@@ -207,6 +214,21 @@ class Trace:
         return (tuple(new_args) if new_args is not None else args), (
             new_kwargs if new_kwargs is not None else kwargs
         )
+
+    def _weights(self, line: Timeline, name: str, module: nn.Module) -> None:
+        """Count the module's own parameters (not its submodules') as its call finds them: a
+        sharded one (``DTensor``) by this rank's shard, without a collective; a lazy module's
+        before its first call made them (nothing to count yet) not at all."""
+        dtensor = dtensor_type()
+        for local, param in module.named_parameters(recurse=False):
+            if is_lazy(param) or not (param.is_floating_point() or param.is_complex()):
+                continue
+            mine: Any = param
+            if dtensor is not None and isinstance(param, dtensor):
+                mine = mine.to_local()
+            counts = quick_counts(mine)
+            line.weights.append((name, local, param.dtype, shape_of(param), counts))
+            line.held.append((weakref.ref(param), snapshot(param)))
 
     def _inputs(self, line: Timeline, call: Call, label: str, item: Any) -> Any:
         """Record the tensors of one argument; a tensor argument that needs a gradient is

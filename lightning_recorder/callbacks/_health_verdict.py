@@ -9,7 +9,8 @@ parameters' gradients — each with its NaN/+inf/-inf counts.
 :meth:`Timeline.verdict` takes the first entry with non-finite values (excluded tensors aside):
 
 * **a forward output** — its call had finite inputs (they came earlier), so that module made
-  them: ``producer=True``;
+  them: ``producer=True``; unless one of the module's own parameters was non-finite when the
+  module was called (an earlier update, or a checkpoint, made it: ``direction="parameter"``);
 * **a forward input**, already non-finite when the call started — the code of the enclosing
   module between its submodules made it (``producer=True``); at the top level it came with the
   batch (``module=None``, ``producer=False``) or from ``training_step``'s own code;
@@ -27,6 +28,7 @@ parameters' gradients — each with its NaN/+inf/-inf counts.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,14 +211,22 @@ class Timeline:
     )
     # kept (replay): the gradients of ``params`` by position; after resolving, the non-finite
     param_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    # each called module's own parameters as its first call found them: (module, name, dtype,
+    # shape, counts), and each one's weak reference and version then (``held``)
+    weights: list[tuple[str, str, torch.dtype, tuple[int, ...], Counts]] = field(
+        default_factory=list
+    )
+    held: list[tuple[weakref.ref[torch.Tensor], Any]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ counts
     def counts(self) -> list[Counts]:
-        """Every count: the entries', the batch's, the parameters', the loss's last."""
+        """Every count: the entries', the batch's, the parameters' gradients', the modules' own
+        parameters', the loss's last."""
         return [
             *(e.counts for e in self.entries),
             *(c for _, c in self.batch),
             *(p[-1] for p in self.params),
+            *(w[-1] for w in self.weights),
             self.loss_counts,
         ]
 
@@ -258,6 +268,8 @@ class Timeline:
         self.batch = [(name, values[n + k]) for k, (name, _) in enumerate(self.batch)]
         n += len(self.batch)
         self.params = [(*p[:-1], values[n + k]) for k, p in enumerate(self.params)]
+        n += len(self.params)
+        self.weights = [(*w[:-1], values[n + k]) for k, w in enumerate(self.weights)]
         self.loss_counts = values[-1]
 
     @property
@@ -276,13 +288,29 @@ class Timeline:
             if entry.excluded or not any(entry.counts):
                 continue
             if entry.kind == "output":
-                return self._finding(entry.call, "forward", entry, producer=True)
+                found = self._own_weight(entry.call)
+                return found or self._finding(entry.call, "forward", entry, producer=True)
             if entry.kind == "input":
                 return self._upstream(self.calls[entry.call], entry)
             return self._backward(entry)
         if end >= len(self.entries) and any(self.loss_counts):
             return self._loss()
         return self._parameters()
+
+    def _own_weight(self, call: int) -> Finding | None:
+        """The first own parameter of ``call``'s module that was non-finite when the module was
+        called (the module only passed it on), as the evidence while it is unchanged since."""
+        name = self.calls[call].name
+        for k, (module, local, dtype, shape, counts) in enumerate(self.weights):
+            if module != name or not any(counts):
+                continue
+            found = Finding(True, module, "parameter", local, as_dict(counts), str(dtype), shape)
+            ref, version = self.held[k]
+            param = ref()
+            if param is not None and not modified(param, version):  # not updated since
+                found.tensors = [(local, param.detach())]
+            return found
+        return None
 
     def _parameters(self) -> Finding:
         """A gradient non-finite only in parameters (made where a weight's gradient is

@@ -154,7 +154,8 @@ class HealthMonitor(Decisions, Diagnosis, Callback):
     ``module=None`` (also when only the loss reads the tensor, as a target).
     ``localize="always"`` hooks every module on every step instead (for what cannot be
     replayed: manual optimization steps inside ``training_step``); it costs about one extra
-    pass over every module output and gradient per step. ``False``: the check only.
+    pass over every module output, gradient and parameter per step (a weight non-finite
+    already is named as such there too). ``False``: the check only.
 
     **What happens then** (``on_nonfinite``): ``"warn"`` reports and lets the update happen
     (the parameters will usually become non-finite; later steps of that run are counted, not

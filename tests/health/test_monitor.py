@@ -880,23 +880,47 @@ class Poison(pl.Callback):
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-@pytest.mark.parametrize("localize", ["replay", "always"])
+@pytest.mark.parametrize(
+    ("policy", "localize"), [("skip", "replay"), ("skip", "always"), ("warn", "always")]
+)
 def test_a_parameter_that_was_non_finite_before_the_step_is_named(
-    localize: Any, frozen: bool, tmp_path: Path
+    policy: str, localize: Any, frozen: bool, tmp_path: Path
 ) -> None:
+    # before the fix: "warn" with localize="always" (the check read lazily) reported l2 as
+    # making NaN from finite inputs in its forward, and sent the user to l2's forward code
     model = TwoLinear(bad=-1)
     if frozen:  # l2 in no optimizer: the NaN reaches l1's gradients through it
         model.l2.requires_grad_(False)
         model.configure_optimizers = lambda: torch.optim.SGD(model.l1.parameters(), lr=0.1)  # type: ignore[method-assign]
-    monitor = HealthMonitor("skip", localize=localize, rules=(), evidence_dir=tmp_path)
+    monitor = HealthMonitor(policy, localize=localize, rules=(), evidence_dir=tmp_path)
     fit(model, [Poison(), monitor], steps=2, loader=classes())
     [event] = monitor.events
     where = (event.step, event.module, event.direction, event.path)
     assert where == (1, "l2", "parameter", "weight")
     assert event.counts == {"nan": 1, "posinf": 0, "neginf": 0} and event.producer is None
     assert event.message.startswith("The parameter `l2.weight` was already non-finite")
+    hint = NEXT_STEPS["parameter"]
+    if policy == "skip":  # skipping leaves the weight as it is
+        hint = hint.replace("made it: lower", "made it: " + RESTORE + " lower")
+    assert hint in event.message
     tensors = load_file(Path(event.evidence) / "tensors.safetensors")
     assert tensors["l2.weight"].isnan().sum() == 1
+
+
+def test_a_check_read_after_the_update_tells_weights_as_the_step_found_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU the "warn" check of localize="always" is read after the optimizer step, which
+    made the weights under a NaN gradient NaN: the verdict goes by the weights as each module's
+    call found them, not as they are when the check is read."""
+    monkeypatch.setattr(Reading, "ready", lambda self: False)  # read at the end of training
+    monitor = HealthMonitor("warn", localize="always", rules=(), evidence_max_bytes=0)
+    fit(Net("mlp"), [Injector({1: Fault("body.2", "forward", "nan", 1)}), monitor], steps=3)
+    found = [(e.step, e.module, e.direction, e.path, e.producer) for e in monitor.events]
+    assert found == [
+        (1, "body.2", "forward", "output", True),  # its weights were finite then
+        (2, "body.0", "parameter", "weight", None),  # step 1's update made them NaN
+    ]
 
 
 class TwoOptimizers(pl.LightningModule):

@@ -222,9 +222,24 @@ def test_resnet_block_with_in_place_relu() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(4, 4), Block(4, 8, 2))
     x = torch.randn(2, 3, 8, 8)
     assert not run(model, x).reproduced  # a clean model: nothing found
-    model[2].bn1.weight.data[0] = math.inf  # bn1 turns finite into inf
+    big = torch.finfo(torch.float32).max  # finite weights whose output overflows
+    model[2].bn1.weight.data[0] = model[2].bn1.bias.data[0] = big  # bn1 turns finite into inf
     found = run(model, x)
     assert (found.module, found.direction, found.producer) == ("2.bn1", "forward", True)
+    model[2].bn1.weight.data[0] = math.inf  # a weight non-finite already: bn1 only passed it on
+    found = run(model, x)
+    assert (found.module, found.direction, found.path) == ("2.bn1", "parameter", "weight")
+    assert found.producer is None and found.counts == {"nan": 0, "posinf": 1, "neginf": 0}
+
+
+def test_a_lazy_module_is_traced_from_its_first_call() -> None:
+    # its parameters are made by its first call: not counted then (nothing to count yet)
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    assert not run(model, torch.randn(3, 5)).reproduced
+    with torch.no_grad():
+        model[0].weight[0, 0] = math.nan
+    found = run(model, torch.randn(3, 5))
+    assert (found.module, found.direction, found.path) == ("0", "parameter", "weight")
 
 
 def test_excluded_masks_are_not_alarms_and_stay_excluded_downstream() -> None:
@@ -315,6 +330,30 @@ def test_device_flags_become_lower_bounds_or_exact_counts() -> None:
     assert flags is not None and flags.shape == (3,)  # the loss, an int already, is not packed
     packed.unpack(flags.tolist())
     assert [e.counts for e in packed.entries] == [(1, 0, 0), (0, 0, 1), (0, 0, 0)]
+
+
+def test_a_module_s_own_weights_are_told_as_its_call_found_them() -> None:
+    """On a GPU a module's own weights are flags read with the rest, after the optimizer step:
+    the verdict goes by the flag, and the weight changed since is no evidence."""
+    import weakref
+
+    from lightning_recorder._core.structures import snapshot
+    from lightning_recorder.callbacks._health_verdict import Call, Entry, Timeline
+
+    weight = torch.tensor([math.nan, 1.0])
+    timeline = Timeline(calls=[Call(0, "lin", "Linear", -1, 0)])
+    flag = torch.tensor([math.nan])
+    timeline.entries = [Entry("output", 0, "output", torch.float32, (3,), flag)]
+    timeline.weights = [("lin", "weight", weight.dtype, (2,), weight.sum().reshape(1))]
+    timeline.held = [(weakref.ref(weight), snapshot(weight))]
+    flags = timeline.pack()
+    assert flags is not None and flags.shape == (2,)  # the output's and the weight's
+    weight.add_(1.0)  # the optimizer step, before the copy was read
+    timeline.unpack(flags.tolist())
+    found = timeline.verdict()
+    where = (found.module, found.direction, found.path, found.producer)
+    assert where == ("lin", "parameter", "weight", None)
+    assert found.counts == {"nan": 1, "posinf": 0, "neginf": 0} and found.tensors == []
 
 
 class _ToNested(nn.Module):
