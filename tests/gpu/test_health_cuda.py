@@ -193,3 +193,38 @@ def test_steps_the_grad_scaler_skips_are_not_alarms_on_cuda() -> None:
         **GPU,
     ).fit(Net("mlp"), data("mlp", 12))
     assert monitor.events and all(e.kind == "amp_skipped" for e in monitor.events)
+
+
+class _StopAfter(pl.Callback):
+    """Raise at the end of batch ``batch``: after the monitor copied its check, before the
+    batch start that would have read it."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step > self.batch:
+            raise RuntimeError("stopped after the bad step")
+
+
+def test_a_check_not_read_when_the_fit_raises_is_reported_on_cuda() -> None:
+    monitor = HealthMonitor(localize=False, evidence_max_bytes=0)
+    injector = Injector({2: Fault("body.4", "backward", "nan", 2)})
+    with pytest.raises(RuntimeError, match="stopped after the bad step"):
+        pl.Trainer(max_steps=5, callbacks=[injector, monitor, _StopAfter(2)], **GPU).fit(
+            Net("mlp"), data("mlp", 20)
+        )
+    assert [(e.step, e.action) for e in monitor.events] == [(2, "warned")]
+
+
+def test_a_weight_non_finite_before_the_step_is_named_on_cuda() -> None:
+    class Poison(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+            if trainer.global_step == 2:
+                with torch.no_grad():
+                    pl_module.body[0].weight[0, 0] = float("nan")
+
+    monitor = HealthMonitor(localize="always", evidence_max_bytes=0)
+    pl.Trainer(max_steps=4, callbacks=[Poison(), monitor], **GPU).fit(Net("mlp"), data("mlp", 16))
+    first = monitor.events[0]
+    assert (first.step, first.module, first.direction) == (2, "body.0", "parameter")
