@@ -160,6 +160,8 @@ def _tensor(event: HealthEvent) -> str:
     if event.dtype is not None:
         shape = list(event.shape) if event.shape is not None else "?"
         parts.append(f"in a {event.dtype.removeprefix('torch.')} tensor of shape {shape}")
+    if event.details.get("shard"):  # tensor parallelism: counted on the event's rank alone
+        parts.append(f"(counted in this rank's shard, of shape {list(event.details['shard'])})")
     return " ".join(parts)
 
 

@@ -39,7 +39,7 @@ import torch
 from .._core.compat import foreach_norm
 from .._core.structures import Versions, modified, snapshot
 from ._health_event import COUNT_KEYS
-from ._health_verdict import exact_counts
+from ._health_verdict import exact_counts, local_part
 
 __all__ = ["Reading", "Sentinel", "nonfinite_parameters", "step_counts", "to_host_later"]
 
@@ -50,14 +50,15 @@ def grouped_norms(
     tensors: Sequence[torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, list[int]]:
     """The L2 norm of every tensor as one float32 vector on ``device``, and the order: entry
-    ``j`` is the norm of ``tensors[order[j]]`` (grouped by device and dtype)."""
+    ``j`` is the norm of ``tensors[order[j]]`` (grouped by device and dtype; of a ``DTensor``,
+    this rank's shard's, without a collective)."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for k, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(k)
     parts: list[torch.Tensor] = []
     order: list[int] = []
     for (_, dtype), indices in groups.items():
-        dense = [tensors[k] for k in indices]
+        dense = [local_part(tensors[k]) for k in indices]  # a DTensor: this rank's shard
         if any(t.is_sparse for t in dense):
             dense = [t.coalesce().values() if t.is_sparse else t for t in dense]
         norms = foreach_norm(dense, torch.float32 if dtype in _HALF else None)

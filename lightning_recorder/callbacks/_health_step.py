@@ -7,7 +7,8 @@ evidence.
 * :func:`choose` — under DDP every rank replays its own batch; the event is about the rank
   whose finding says most (a module or a bad batch, then any finding of its own, then one read
   from the parameters' gradients, which DDP's all-reduce makes alike on every rank, then none;
-  among equals one whose own loss was non-finite), the lowest such rank; :func:`seen_on` names
+  among equals one whose own loss was non-finite; under tensor parallelism, the one found
+  earliest in the step), the lowest such rank; :func:`seen_on` names
   the ranks whose own batch showed the values.
 * :func:`make_event` — a :class:`HealthEvent` from a finding (or from the check alone).
 * :func:`write_evidence` — the bundle of this rank (see :mod:`._health_evidence`).
@@ -72,9 +73,18 @@ def _own(found: dict[str, Any]) -> bool:
 
 def choose(findings: Sequence[dict[str, Any]]) -> int:
     """The rank whose finding the event is about (among equals, one whose own loss was
-    non-finite)."""
+    non-finite). Under tensor parallelism (a finding about a ``DTensor`` shard), where the ranks
+    run one forward and a collective passes one rank's values on to the others, among equals
+    the one found earliest in the step: the rank whose shard held them first."""
+    sharded = any(found.get("shard") for found in findings)
+
+    def order(found: dict[str, Any]) -> int:
+        at = found.get("order")
+        return 0 if not sharded else at if at is not None else 1 << 62
+
     return min(
-        range(len(findings)), key=lambda r: (_priority(findings[r]), not _own(findings[r]), r)
+        range(len(findings)),
+        key=lambda r: (_priority(findings[r]), not _own(findings[r]), order(findings[r]), r),
     )
 
 
@@ -131,6 +141,8 @@ def make_event(
         event.batch_idx = found.get("batch_idx", event.batch_idx)
         if found.get("submodule"):
             event.details["submodule"] = found["submodule"]
+        if found.get("shard"):  # a DTensor's counts: the event's rank's part of it
+            event.details["shard"] = list(found["shard"])
     if replayed:
         event.reproduced = bool(found and found.get("reproduced"))
     if found is not None and found.get("error"):

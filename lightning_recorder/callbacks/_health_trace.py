@@ -22,6 +22,9 @@ held weakly unless ``keep`` (the replay keeps them for the evidence). Names for 
 ``"batch[.<path>]"``; an excluded output stays excluded where it is passed on (an attention mask
 holding ``-inf`` on purpose).
 
+A ``DTensor`` (tensor parallelism) is counted by this rank's part of it, without a collective;
+an entry of a sharded one keeps that part's shape (``Entry.shard``), which the event reports.
+
 Counting costs a few passes over each tensor. On the CPU a clean tensor is settled by one
 ``isfinite(...).all()``; on a GPU the counts stay on the device (no synchronisation) until the
 timeline is resolved, all at once.
@@ -44,7 +47,7 @@ from .._core.compat import current_autograd_node, dtensor_type, in_functorch
 from .._core.hooks import HookSet
 from .._core.names import canonical_name, named_modules
 from .._core.structures import modified, shape_of, snapshot
-from ._health_verdict import ZERO, Call, Entry, Timeline, Value, quick_counts
+from ._health_verdict import ZERO, Call, Entry, Timeline, Value, quick_counts, shard_shape
 
 __all__ = ["Trace", "tensor_paths"]
 
@@ -245,6 +248,7 @@ class Trace:
             )
             counts = ZERO if excluded else quick_counts(t)
             entry = Entry("input", call.index, full, t.dtype, shape_of(t), counts, excluded)
+            entry.shard = shard_shape(t)
             line.entries.append(entry)
             if value is not None:
                 value.consumers.append((call.index, full))
@@ -281,6 +285,7 @@ class Trace:
             )
             counts = ZERO if excluded else quick_counts(t)
             entry = Entry("output", call.index, full, t.dtype, shape_of(t), counts, excluded)
+            entry.shard = shard_shape(t)
             line.entries.append(entry)
             if self.keep:
                 entry.tensor, entry.version = t, snapshot(t)
@@ -299,7 +304,7 @@ class Trace:
         if value.producers:
             counts = ZERO if value.excluded else quick_counts(grad)
             entry = Entry("grad_output", value.producers[-1], path, grad.dtype, grad.shape, counts)
-            entry.excluded, entry.value = value.excluded, value
+            entry.excluded, entry.value, entry.shard = value.excluded, value, shard_shape(grad)
             if self.keep:  # the evidence holds a non-finite one (Timeline.resolve)
                 entry.tensor, entry.version = grad, snapshot(grad)
             line.entries.append(entry)
@@ -317,6 +322,7 @@ class Trace:
             value.shares_seen.add(call)
         counts = ZERO if excluded else quick_counts(grad)
         entry = Entry("grad_input", call, path, grad.dtype, grad.shape, counts, excluded)
+        entry.shard = shard_shape(grad)
         if self.keep:
             entry.tensor, entry.version = grad, snapshot(grad)
         line.entries.append(entry)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .._core.compat import dtensor_type
 from .._core.structures import modified
 from ..stats.norms import norm_values
 from ._health_event import COUNT_KEYS
@@ -56,6 +57,27 @@ ZERO: tuple[int, int, int] = (0, 0, 0)
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (tensor parallelism), else ``t``: counted without a
+    collective, each rank its own part."""
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return t
+    local: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
+    return local
+
+
+def shard_shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape of this rank's part of a ``DTensor`` that is not replicated (sharded, or
+    partial sums), whose counts are then this part's; ``None`` for any other tensor."""
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return None
+    if all(p.is_replicate() for p in t.placements):  # type: ignore[attr-defined]
+        return None  # the local part is the whole tensor
+    return tuple(local_part(t).shape)
+
+
 def quick_counts(t: torch.Tensor) -> Counts:
     """``(nan, posinf, neginf)`` of a tensor without waiting for a device.
 
@@ -63,9 +85,10 @@ def quick_counts(t: torch.Tensor) -> Counts:
     is, unless it overflows. On the CPU a non-finite sum is followed by an exact count (so the
     answer is exact); elsewhere the sum stays on the device as a 1-element *flag*, read later by
     :func:`resolve_counts` as "at least one" NaN/+inf/-inf (a kept tensor is counted exactly by
-    :meth:`Timeline.resolve`).
+    :meth:`Timeline.resolve`). A ``DTensor`` is counted by this rank's part
+    (:func:`local_part`), without a collective.
     """
-    t = norm_values(t.detach())  # a nested or sparse tensor: the values it holds
+    t = norm_values(local_part(t.detach()))  # a nested or sparse tensor: the values it holds
     if t.is_complex():
         t = torch.view_as_real(t)
     if not t.is_floating_point() or t.numel() == 0:
@@ -80,7 +103,7 @@ def exact_counts(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
     """``(nan, posinf, neginf)`` of each tensor, element by element (one read per device)."""
     rows: list[Any] = []
     for t in tensors:
-        t = norm_values(t.detach())
+        t = norm_values(local_part(t.detach()))
         if t.is_complex():
             t = torch.view_as_real(t)
         if not t.is_floating_point() or t.numel() == 0:
@@ -147,6 +170,7 @@ class Entry:
     module: str = ""  # a parameter's module
     tensor: torch.Tensor | None = None  # kept (replay): recounted exactly if still unchanged
     version: Any = None
+    shard: tuple[int, ...] | None = None  # a DTensor's: the shape of the part counted here
 
 
 @dataclass(slots=True)
@@ -171,7 +195,10 @@ class Finding:
     submodule named ``output``), or backward whose output's gradient; ``tensors`` holds the
     blamed call's inputs and outputs when the trace kept them; ``from_parameters`` marks a
     finding read from the parameters' gradients alone (under DDP, all-reduced: alike on every
-    rank, whichever rank's batch made them).
+    rank, whichever rank's batch made them); ``shard``: the shape of this rank's part of a
+    sharded ``DTensor`` (tensor parallelism), the part ``counts`` are of; ``order``: the
+    position in the timeline of the entry found (``None`` for the loss at the end, or the
+    parameters' gradients).
     """
 
     reproduced: bool
@@ -188,6 +215,8 @@ class Finding:
     error: str | None = None
     submodule: str | None = None
     from_parameters: bool = False
+    shard: tuple[int, ...] | None = None
+    order: int | None = None
 
     def plain(self) -> dict[str, Any]:
         """The finding without tensors and summary (to send to other ranks)."""
@@ -284,15 +313,19 @@ class Timeline:
         end = self.forward_end if self.forward_end >= 0 else len(self.entries)
         for k, entry in enumerate(self.entries):
             if k == end and any(self.loss_counts):
-                return self._loss()
-            if entry.excluded or not any(entry.counts):
+                found = self._loss()
+            elif entry.excluded or not any(entry.counts):
                 continue
-            if entry.kind == "output":
-                found = self._own_weight(entry.call)
-                return found or self._finding(entry.call, "forward", entry, producer=True)
-            if entry.kind == "input":
-                return self._upstream(self.calls[entry.call], entry)
-            return self._backward(entry)
+            elif entry.kind == "output":
+                found = self._own_weight(entry.call) or self._finding(
+                    entry.call, "forward", entry, producer=True
+                )
+            elif entry.kind == "input":
+                found = self._upstream(self.calls[entry.call], entry)
+            else:
+                found = self._backward(entry)
+            found.order = k
+            return found
         if end >= len(self.entries) and any(self.loss_counts):
             return self._loss()
         return self._parameters()
@@ -357,6 +390,7 @@ class Timeline:
             tensors=[*found.tensors, *(found.grads if direction == "backward" else [])]
             if found is not None
             else [],
+            shard=entry.shard,
         )
 
     def _upstream(self, call: Call, entry: Entry) -> Finding:
@@ -381,6 +415,7 @@ class Timeline:
         if unseen:
             call, path = max(unseen, key=lambda cp: (self.calls[cp[0]].depth, cp[0]))
             share = Entry("grad_input", call, path, entry.dtype, entry.shape, entry.counts)
+            share.shard = entry.shard
             return self._finding(call, "backward", share, self._outputs_finite(call))
         outer = min(value.producers, key=lambda c: self.calls[c].depth)
         parent = self.calls[outer].parent

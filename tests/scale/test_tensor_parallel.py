@@ -48,3 +48,31 @@ def test_dtensor_outputs_are_described_as_the_full_tensor(tmp_path: Path) -> Non
         expected = model[0](x[4 * (STEPS - 1) : 4 * STEPS]).detach()
         torch.testing.assert_close(seen["full"], expected, rtol=1e-5, atol=1e-6)
         assert seen["local"].shape == (4, 8)  # the rank's half of the features
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("policy", "rank"), [("skip", 0), ("skip", 1), ("warn", 0)])
+def test_always_names_the_layer_whose_dtensor_output_is_nan(
+    tmp_path: Path, policy: str, rank: int
+) -> None:
+    # before the fix: the trace counted the DTensor output itself (its sum a collective,
+    # ``.tolist()`` refused on a DTensor) and the fit failed at the NaN step instead of naming
+    # ``net.0``; then, with the NaN in rank 1's shard, the event was rank 0's, naming ``net``
+    # (whose output net.1's all-reduce had made NaN). Counts are exact integers (no tolerance):
+    # one NaN, in the [2, 8] shard of ``rank``.
+    script = TESTS / "helpers" / "tp_health_script.py"
+    run_script(script, tmp_path, policy, str(rank), one_thread=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    events = [[e for e in r if e["kind"] == "nonfinite"] for r in ranks]
+    first = events[rank][0]
+    assert (first["step"], first["batch_idx"], first["rank"]) == (1, 1, rank)
+    assert (first["module"], first["direction"], first["producer"]) == ("net.0", "forward", True)
+    assert first["counts"] == {"nan": 1, "posinf": 0, "neginf": 0}
+    assert first["shape"] == [2, 16] and first["details"]["shard"] == [2, 8]
+    assert "(counted in this rank's shard, of shape [2, 8])" in first["message"]
+    if policy == "skip":  # decided together: both ranks report the same event
+        assert events[1] == events[0]
+        assert first["details"]["ranks"] == [0, 1]  # both losses were NaN (net.1 spread it)
+        assert first["action"] == "skipped"
+    else:  # read lazily, each rank on its own: rank 1 reports its step too, without failing
+        assert events[1][0]["step"] == 1 and events[1][0]["rank"] == 1
