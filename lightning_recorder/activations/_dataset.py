@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from .._core.checks import closest, closest_hint, suggestion
+from .._core.checks import closest_hint
 from ..errors import NoRecordError, RecorderConfigError
 from ._format import (
     INDEX_SUFFIX,
@@ -121,18 +121,14 @@ def _names_none(key: str, owner: str, wanted: set[Any], have: set[Any]) -> str:
     ``have`` of the directory's rows: the close matches of a misspelt name first (the values
     there may be many module names), then every value there."""
     pool = sorted(h for h in have if isinstance(h, str))
-    near = [
-        suggestion(w, pool, key)
-        for w in sorted(wanted, key=str)
-        if isinstance(w, str) and closest(w, pool)
-    ]
+    near = "".join(closest_hint(w, pool, key) for w in sorted(wanted, key=str))
     if not near:
         return (
             f"Expected `{key}` of {owner} to name some of {sorted(have)} but got {sorted(wanted)}."
         )
     return (
         f"Expected `{key}` of {owner} to name some of the {key} written but got "
-        f"{sorted(wanted)}. {' '.join(near)} All {key} written: {sorted(have)}."
+        f"{sorted(wanted)}.{near} All {key} written: {sorted(have)}."
     )
 
 

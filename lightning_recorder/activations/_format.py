@@ -30,7 +30,6 @@ its first dimension; row ``i`` is sample ``sample_index[i]`` and has shape ``sha
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import operator
 import os
@@ -41,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .._core.checks import installed
 from ..errors import RecorderConfigError, RecorderStateError
 
 FORMAT = "lightning_recorder.activations"
@@ -92,11 +92,7 @@ def require_safetensors(owner: str) -> None:
     """Raise unless safetensors (the format of the shards; a dependency of the package, which
     an environment may still lack) can be imported: said when the writer or dataset is made,
     not when its first shard is written or read (mid-training, in the writer's thread)."""
-    try:
-        found = importlib.util.find_spec("safetensors") is not None
-    except ValueError:  # a module without a spec in sys.modules
-        found = False
-    if not found:
+    if not installed("safetensors"):
         raise RecorderStateError(
             f"Expected the Python package `safetensors` for {owner} but it is not installed: "
             "activation shards are safetensors files. Install it: `pip install safetensors` "

@@ -124,7 +124,7 @@ def _where(source: str, module: str) -> str:
     return f"source {source!r} (module {module!r})"
 
 
-# The provenance numbers that are never negative: what each counts, and what to pass.
+# The provenance numbers, all counts from 0: what each counts, and what to pass.
 _COUNTS = {
     "global_step": "it counts the optimizer steps from 0; pass the Trainer's `global_step` "
     "(0 before the first step)",
@@ -141,16 +141,16 @@ _COUNTS = {
 def _provenance_int(name: str, value: object) -> int:
     """``value`` as an int (an int, a NumPy integer, an integer 0-d tensor), else an error: a
     float, ``None`` or a string would be truncated, or fail the readers that sort the rows; a
-    bool is no number. A number of :data:`_COUNTS` must be ``>= 0`` too."""
+    bool is no number. Each counts from 0 (:data:`_COUNTS`): it must be ``>= 0`` too."""
     found = as_index(value)
-    counts = _COUNTS.get(name)
     if found is None:
-        kind = "an int" if counts is None else "an int >= 0"
         raise RecorderConfigError(
-            f"Expected `{name}` to be {kind} but got {type(value).__name__} {value!r}."
+            f"Expected `{name}` to be an int >= 0 but got {type(value).__name__} {value!r}."
         )
-    if counts is not None and found < 0:
-        raise RecorderConfigError(f"Expected `{name}` to be an int >= 0 but got {found}: {counts}.")
+    if found < 0:
+        raise RecorderConfigError(
+            f"Expected `{name}` to be an int >= 0 but got {found}: {_COUNTS[name]}."
+        )
     return found
 
 

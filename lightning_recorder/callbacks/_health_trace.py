@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from .._core.compat import current_autograd_node, dtensor_type, in_functorch
+from .._core.compat import current_autograd_node, in_functorch
 from .._core.hooks import HookSet
 from .._core.names import canonical_name, named_modules
 from .._core.structures import modified, shape_of, snapshot
@@ -222,14 +222,10 @@ class Trace:
         """Count the module's own parameters (not its submodules') as its call finds them: a
         sharded one (``DTensor``) by this rank's shard, without a collective; a lazy module's
         before its first call made them (nothing to count yet) not at all."""
-        dtensor = dtensor_type()
         for local, param in module.named_parameters(recurse=False):
             if is_lazy(param) or not (param.is_floating_point() or param.is_complex()):
                 continue
-            mine: Any = param
-            if dtensor is not None and isinstance(param, dtensor):
-                mine = mine.to_local()
-            counts = quick_counts(mine)
+            counts = quick_counts(param)  # a DTensor: this rank's part (local_part)
             line.weights.append((name, local, param.dtype, shape_of(param), counts))
             line.held.append((weakref.ref(param), snapshot(param)))
 
