@@ -360,11 +360,15 @@ def not_called(net: nn.Module, rows: Sequence[LayerRow]) -> tuple[int, list[str]
     return sum(found.values()), list(found)
 
 
+def _first(items: Sequence[str], k: int) -> str:
+    """The first ``k`` of ``items``, then "…" if there are more."""
+    return ", ".join(items[:k]) + (", …" if len(items) > k else "")
+
+
 def _fmt_shapes(shapes: tuple[Shape, ...]) -> str:
     if not shapes:
         return "--"
-    text = ", ".join(str(list(s)) for s in shapes[:2])
-    return text + (", …" if len(shapes) > 2 else "")
+    return _first([str(list(s)) for s in shapes], 2)
 
 
 #: torchinfo's columns that this package's table shows, in its order.
@@ -489,8 +493,7 @@ def render(
         else:
             params, share = ("(recursive)" if row.call else "--"), "--"
         if row.shared:  # tied weights, counted on their owner's row
-            names = ", ".join(row.shared[:2]) + (", …" if len(row.shared) > 2 else "")
-            marker = f"(shared: {names})"
+            marker = f"(shared: {_first(row.shared, 2)})"
             params = f"{params} {marker}" if row.params else marker
         table.append(
             (
@@ -517,9 +520,8 @@ def render(
     unused, holders = not_called(net, rows)
     footer = []
     if unused:  # in no row: with them, the rows add up to the total
-        names = ", ".join(holders[:3]) + (", …" if len(holders) > 3 else "")
         share = f"{100 * unused / max(total, 1):.2f}%"
-        footer.append(f"Params of modules not called: {unused:,} ({share}): {names}")
+        footer.append(f"Params of modules not called: {unused:,} ({share}): {_first(holders, 3)}")
     return "\n".join(
         [
             title,
