@@ -1123,7 +1123,7 @@ class FeatureStatsMonitor(RecorderCallback):
                 parameters[name] = {"norm": norm}
             for name, (grad, ratio) in stepped_of.items():
                 parameters[name]["grad_norm"] = grad
-                if ratio is not None:  # None: undefined (the norm before the step was 0)
+                if ratio is not None:  # None: undefined (norm 0 before), or step skipped
                     parameters[name]["update_ratio"] = ratio
         channels: dict[str, np.ndarray] = {}
         if host.channels:
@@ -1177,7 +1177,7 @@ class FeatureStatsMonitor(RecorderCallback):
         scalars = {self._tags("train", name, _NORM)[0]: v for name, v in norm_of.items()}
         for name, pair in stepped_of.items():
             for tag, value in zip(self._tags("train", name, _STEPPED), pair, strict=True):
-                if value is not None:  # an undefined update ratio is not logged
+                if value is not None:  # no ratio (undefined, or step skipped): not logged
                     scalars[tag] = value
         return scalars
 
